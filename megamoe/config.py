@@ -1,0 +1,84 @@
+"""MoEConfig: the one place where megamoe's knobs (and its environment variables) live."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+BACKENDS = ("auto", "reference", "torch", "triton")
+COMM_DIRECTIONS = ("auto", "pull", "push")
+ENV_PREFIX = "MEGAMOE_"
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Knobs of the MoE layer. Every field is validated; defaults give the dropless, deterministic path.
+
+    backend: "auto" picks "triton" on CUDA GPUs of compute capability >= 9.0 and "torch" elsewhere;
+        "reference" runs the plain-PyTorch math (no schedule, no EP); "torch" the portable path.
+    capacity_factor: None (default) sizes every buffer for the worst case, so no token can ever be
+        dropped. A float c > 0 sizes each rank's receive rows for c times the balanced load
+        (c * T * k rows, plus per-expert padding); routing that overflows it is detected on the device
+        and raised as an error (on CPU at once; on CUDA through a device-side assert that surfaces at
+        the next host synchronisation, e.g. `loss.item()`).
+    block_m: rows per GEMM tile; every expert's rows are padded to a multiple of it. None lets the
+        backend choose (torch: 16, the alignment torch._grouped_mm wants; triton: its tile table).
+    num_comm_sms / minibatch_tokens / dispatch / combine: expert-parallel overlap knobs used by the
+        fused EP path (number of SMs given to communication, tokens per overlap step, and the direction
+        of each communication operation). They never change results, only speed.
+    """
+
+    backend: str = "auto"
+    capacity_factor: float | None = None
+    block_m: int | None = None
+    num_comm_sms: int | None = None
+    minibatch_tokens: int | None = None
+    dispatch: str = "auto"
+    combine: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"MoEConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.capacity_factor is not None:
+            if isinstance(self.capacity_factor, bool) or not isinstance(self.capacity_factor, (int, float)):
+                raise TypeError(
+                    f"MoEConfig.capacity_factor must be None or a number > 0, got {type(self.capacity_factor).__name__}"
+                )
+            if not self.capacity_factor > 0:
+                raise ValueError(f"MoEConfig.capacity_factor must be None or > 0, got {self.capacity_factor}")
+        if self.block_m is not None and (
+            isinstance(self.block_m, bool) or not isinstance(self.block_m, int) or not _is_power_of_two(self.block_m)
+            or self.block_m > 1024
+        ):
+            raise ValueError(f"MoEConfig.block_m must be None or a power of two in [1, 1024], got {self.block_m!r}")
+        for name in ("num_comm_sms", "minibatch_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"MoEConfig.{name} must be None or a positive int, got {value!r}")
+        for name in ("dispatch", "combine"):
+            value = getattr(self, name)
+            if value not in COMM_DIRECTIONS:
+                raise ValueError(f"MoEConfig.{name} must be one of {COMM_DIRECTIONS}, got {value!r}")
+
+    @classmethod
+    def from_env(cls, **overrides) -> "MoEConfig":
+        """A config whose defaults come from MEGAMOE_* environment variables (read here, and only here).
+
+        MEGAMOE_BACKEND, MEGAMOE_CAPACITY_FACTOR, MEGAMOE_BLOCK_M; keyword overrides win.
+        """
+        env: dict = {}
+        if ENV_PREFIX + "BACKEND" in os.environ:
+            env["backend"] = os.environ[ENV_PREFIX + "BACKEND"]
+        if ENV_PREFIX + "CAPACITY_FACTOR" in os.environ:
+            env["capacity_factor"] = float(os.environ[ENV_PREFIX + "CAPACITY_FACTOR"])
+        if ENV_PREFIX + "BLOCK_M" in os.environ:
+            env["block_m"] = int(os.environ[ENV_PREFIX + "BLOCK_M"])
+        env.update(overrides)
+        return cls(**env)
+
+
+DEFAULT_CONFIG = MoEConfig()

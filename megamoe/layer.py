@@ -1,0 +1,141 @@
+"""MoELayer: router (linear -> scores -> top-k -> optional renormalisation) + routed experts + shared expert."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megamoe.autograd import experts
+from megamoe.config import MoEConfig
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+
+
+def _positive_int(name: str, value, allow_zero: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if allow_zero else 1):
+        allowed = ">= 0" if allow_zero else ">= 1"
+        raise ValueError(f"{name} must be an int {allowed}, got {value!r}")
+
+
+class MoELayer(nn.Module):
+    """A Mixture-of-Experts feed-forward layer with SwiGLU experts, expert-parallel over `group`.
+
+    Args:
+        hidden_size: H. intermediate_size: I of each routed expert. num_experts: E (global).
+        top_k: k experts per token. shared_intermediate_size: I_s of an always-on shared expert (0: none).
+        score_func: "softmax" or "sigmoid" router scores. norm_topk_prob: renormalise the k weights to sum 1.
+        group: expert-parallel process group (None: all experts here); rank r holds experts
+            [r*E/W, (r+1)*E/W). The router and shared expert are replicated.
+        config: megamoe.MoEConfig (backend, capacity, ...).
+
+    Parameters: router.weight [E, H]; w_gate_up [E_local, 2I, H] (gate rows first); w_down [E_local, H, I];
+    shared_gate_up [2I_s, H] and shared_down [H, I_s] when a shared expert is present.
+
+    After each forward (no host synchronisation): `tokens_per_expert` [E] int32 — this rank's (token, slot)
+    pairs routed to each global expert; `aux_loss` — the Switch-Transformer load-balancing loss
+    E * sum_e f_e * P_e over this rank's tokens (f_e: fraction of pairs sent to e; P_e: mean router
+    probability of e), differentiable with respect to the router; add `coef * layer.aux_loss` to your loss.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        shared_intermediate_size: int = 0,
+        score_func: str = "softmax",
+        norm_topk_prob: bool = True,
+        group=None,
+        config: MoEConfig | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        _positive_int("hidden_size", hidden_size)
+        _positive_int("intermediate_size", intermediate_size)
+        _positive_int("num_experts", num_experts)
+        _positive_int("top_k", top_k)
+        _positive_int("shared_intermediate_size", shared_intermediate_size, allow_zero=True)
+        if top_k > num_experts:
+            raise ValueError(f"top_k ({top_k}) must be <= num_experts ({num_experts})")
+        if score_func not in SCORE_FUNCS:
+            raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+        if config is not None and not isinstance(config, MoEConfig):
+            raise TypeError(f"config must be a megamoe.MoEConfig or None, got {type(config).__name__}")
+        world_size = 1
+        if group is not None:
+            import torch.distributed as dist
+
+            world_size = dist.get_world_size(group)
+        if num_experts % world_size != 0:
+            raise ValueError(f"num_experts ({num_experts}) must be divisible by the group size ({world_size})")
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.num_experts, self.top_k = num_experts, top_k
+        self.num_local_experts = num_experts // world_size
+        self.score_func, self.norm_topk_prob = score_func, norm_topk_prob
+        self.group, self.config = group, config
+        factory = {"device": device, "dtype": dtype}
+        self.router = nn.Linear(hidden_size, num_experts, bias=False, **factory)
+        self.w_gate_up = nn.Parameter(torch.empty(self.num_local_experts, 2 * intermediate_size, hidden_size, **factory))
+        self.w_down = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, intermediate_size, **factory))
+        if shared_intermediate_size > 0:
+            self.shared_gate_up = nn.Parameter(torch.empty(2 * shared_intermediate_size, hidden_size, **factory))
+            self.shared_down = nn.Parameter(torch.empty(hidden_size, shared_intermediate_size, **factory))
+        else:
+            self.register_parameter("shared_gate_up", None)
+            self.register_parameter("shared_down", None)
+        self.register_buffer(
+            "tokens_per_expert", torch.zeros(num_experts, dtype=torch.int32, device=device), persistent=False
+        )
+        self.aux_loss: torch.Tensor | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Uniform init with bound 1/sqrt(fan_in) for every projection (nn.Linear's scale)."""
+        self.router.reset_parameters()
+        for w, fan_in in ((self.w_gate_up, self.hidden_size), (self.w_down, self.intermediate_size)):
+            nn.init.uniform_(w, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+        if self.shared_gate_up is not None:
+            nn.init.uniform_(self.shared_gate_up, -1 / math.sqrt(self.hidden_size), 1 / math.sqrt(self.hidden_size))
+            bound = 1 / math.sqrt(self.shared_down.shape[1])
+            nn.init.uniform_(self.shared_down, -bound, bound)
+
+    def route(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Router: returns (topk_ids [T, k] int64, topk_weights [T, k] fp32, probs [T, E] fp32)."""
+        logits = self.router(x_TH).float()
+        scores = torch.softmax(logits, dim=-1) if self.score_func == "softmax" else torch.sigmoid(logits)
+        topk_weights, topk_ids = torch.topk(scores, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+        probs = scores if self.score_func == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
+        return topk_ids, topk_weights, probs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x must be [..., H={self.hidden_size}], got shape {tuple(x.shape)}")
+        x_TH = x.reshape(-1, self.hidden_size)
+        topk_ids, topk_weights, probs = self.route(x_TH)
+        # Integer scatter-add: exact and order-independent, no host sync.
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, topk_ids.reshape(-1), torch.ones_like(topk_ids.reshape(-1), dtype=torch.int32))
+        self.tokens_per_expert = counts
+        fraction = counts.float() / max(topk_ids.numel(), 1)
+        self.aux_loss = self.num_experts * (fraction * probs.mean(dim=0)).sum()
+        out = experts(
+            x_TH, topk_ids, topk_weights, self.w_gate_up, self.w_down,
+            shared_gate_up=self.shared_gate_up, shared_down=self.shared_down,
+            group=self.group, config=self.config,
+        )
+        return out.view_as(x)
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+            f"num_experts={self.num_experts}, top_k={self.top_k}, score_func={self.score_func!r}, "
+            f"num_local_experts={self.num_local_experts}"
+        )

@@ -1,0 +1,53 @@
+"""The math of one MoE layer in plain PyTorch (DESIGN.md), readable and importable without Triton or a GPU.
+
+No schedule and no expert-parallel tricks: a loop over experts. Matmuls run in the inputs' dtype (so the
+reference in bf16 is "PyTorch's own bf16 error" for error budgets, and in fp64 the ground truth); the sum
+over slots and the shared expert are accumulated in fp32 (fp64 for fp64 inputs), slot by slot in order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) @ w_down.T for x [N, H], w_gate_up [2I, H] (gate rows first), w_down [H, I]."""
+    gate, up = (x @ w_gate_up.t()).chunk(2, dim=-1)
+    return (F.silu(gate) * up) @ w_down.t()
+
+
+def experts(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    shared_gate_up: torch.Tensor | None = None,
+    shared_down: torch.Tensor | None = None,
+    config=None,
+) -> torch.Tensor:
+    """out[t] = sum_j topk_weights[t,j] * expert_{topk_ids[t,j]}(x[t]) (+ shared_expert(x[t]), added last).
+
+    x [T, H]; topk_ids [T, k] expert ids in [0, E); topk_weights [T, k]; w_gate_up [E, 2I, H];
+    w_down [E, H, I]; shared_gate_up [2I_s, H]; shared_down [H, I_s]. Returns [T, H] in x's dtype.
+    Differentiable (autograd) with respect to every floating-point input. `config` is accepted for
+    signature parity with megamoe.experts and ignored.
+    """
+    del config
+    num_tokens, top_k = topk_ids.shape
+    acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    # y[t, j]: each slot's expert output. Gathering the routed tokens synchronises the host (nonzero);
+    # the reference is the readable math, not a sync-free path.
+    y = x.new_zeros(num_tokens, top_k, x.shape[1])
+    for e in range(w_gate_up.shape[0]):
+        token, slot = (topk_ids == e).nonzero(as_tuple=True)
+        if token.numel() > 0:
+            y = y.index_put((token, slot), swiglu_mlp(x[token], w_gate_up[e], w_down[e]))
+    out = torch.zeros(num_tokens, x.shape[1], dtype=acc_dtype, device=x.device)
+    for j in range(top_k):
+        out = out + topk_weights[:, j : j + 1].to(acc_dtype) * y[:, j].to(acc_dtype)
+    if shared_gate_up is not None:
+        out = out + swiglu_mlp(x, shared_gate_up, shared_down).to(acc_dtype)
+    return out.to(x.dtype)

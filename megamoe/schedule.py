@@ -1,0 +1,204 @@
+"""build_schedule: routing -> fixed-size device tensors, without host synchronisation.
+
+The schedule is the contract between routing and every kernel (DESIGN.md). All ranks of an
+expert-parallel group derive the same *global* placement from the all-gathered routing, so each rank
+knows both its receive rows (as expert owner) and where its own (token, slot) pairs go (as token owner).
+Every shape here is a function of (W, T, k, E, block_m, capacity) only: nothing depends on the routing
+values, so the whole computation runs on `device="meta"` and inside CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from megamoe.config import DEFAULT_CONFIG, MoEConfig
+
+DEFAULT_BLOCK_M = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Where every (token, slot) pair of the expert-parallel group goes, for one rank.
+
+    Sizes: W ranks, T tokens per rank, k slots per token, E global experts, E_l = E / W local
+    experts, B = block_m, R = num_rows (receive capacity of this rank, a multiple of B).
+    A pair's *flat source index* is src = (s * T + t) * k + j for token t, slot j of rank s.
+
+    Receive side (this rank as expert owner). Rows are expert-major; the rows of local expert e are
+    ordered by (source rank, token, slot) ascending and padded to a multiple of B:
+      expert_counts   [E]      int32  pairs routed to each *global* expert, over all ranks (dropped ones too)
+      expert_offsets  [E_l+1]  int32  first row of each local expert's segment; expert_offsets[E_l] is the
+                                      number of rows in use. Clamped to R when a capacity cuts segments.
+      row_src         [R]      int32  flat source index of each row; -1 marks padding and unused rows
+      block_expert    [R // B] int32  local expert of each block of B rows; -1 for blocks past the end
+      num_blocks      [1]      int32  number of leading blocks in use (= expert_offsets[E_l] // B)
+    Send side (this rank as token owner):
+      dest_rank       [T, k]   int32  rank owning expert topk_ids[t, j]
+      dest_row        [T, k]   int32  row of pair (t, j) in dest_rank's receive rows; -1 if it did not fit
+      overflow        []       int32  pairs of the whole group that did not fit a declared capacity (0 when
+                                      dropless); identical on every rank
+    """
+
+    num_experts: int
+    num_local_experts: int
+    world_size: int
+    rank: int
+    num_tokens: int
+    top_k: int
+    block_m: int
+    num_rows: int
+    expert_counts: torch.Tensor
+    expert_offsets: torch.Tensor
+    row_src: torch.Tensor
+    block_expert: torch.Tensor
+    num_blocks: torch.Tensor
+    dest_rank: torch.Tensor
+    dest_row: torch.Tensor
+    overflow: torch.Tensor
+
+
+def receive_rows(
+    num_tokens: int,
+    top_k: int,
+    num_local_experts: int,
+    world_size: int,
+    block_m: int,
+    capacity_factor: float | None,
+) -> int:
+    """R, the receive rows of one rank: the worst case, or the declared capacity if smaller.
+
+    Worst case: all W*T*k pairs of the group land on this rank, each non-empty expert padded to B.
+    Capacity c: c*T*k rows (c times the balanced load), plus one block of padding per local expert.
+    """
+    pairs = world_size * num_tokens * top_k
+    nonempty = min(num_local_experts, pairs)
+    worst_blocks = (pairs + nonempty * (block_m - 1)) // block_m
+    if capacity_factor is None:
+        return worst_blocks * block_m
+    capped_blocks = math.ceil(math.ceil(capacity_factor * num_tokens * top_k) / block_m) + nonempty
+    return min(worst_blocks, capped_blocks) * block_m
+
+
+def _group_info(group) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    import torch.distributed as dist
+
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def check_topk_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
+    """Validate routing. Ids are range-checked without a host sync on accelerators (device assert)."""
+    if not isinstance(topk_ids, torch.Tensor):
+        raise TypeError(f"topk_ids must be a torch.Tensor, got {type(topk_ids).__name__}")
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be [T, k], got shape {tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if topk_ids.shape[1] < 1:
+        raise ValueError(f"topk_ids must have k >= 1 columns, got shape {tuple(topk_ids.shape)}")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    if topk_ids.device.type == "meta" or topk_ids.numel() == 0:
+        return
+    in_range = ((topk_ids >= 0) & (topk_ids < num_experts)).all()
+    if topk_ids.device.type == "cpu":
+        if not bool(in_range):
+            bad = topk_ids[(topk_ids < 0) | (topk_ids >= num_experts)][0].item()
+            raise ValueError(f"topk_ids must hold expert ids in [0, {num_experts}), found {bad}")
+    else:
+        # NOTE: no host sync; a bad id fails the device assert at the caller's next synchronisation.
+        torch._assert_async(in_range, f"megamoe: topk_ids must hold expert ids in [0, {num_experts})")
+
+
+def build_schedule(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    *,
+    group=None,
+    config: MoEConfig | None = None,
+    block_m: int | None = None,
+) -> Schedule:
+    """Turn routing into a Schedule (see its docstring), with device ops only.
+
+    topk_ids: [T, k] int32/int64 global expert ids of this rank's tokens.
+    num_experts: E, the global number of experts (divisible by the group size).
+    group: expert-parallel process group (None: one process owns all experts). With a group, every
+        rank must pass the same T and k; routing is all-gathered and each rank derives the same schedule.
+    block_m: overrides config.block_m (backends pass their tile size); default 128.
+    """
+    config = DEFAULT_CONFIG if config is None else config
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a megamoe.MoEConfig or None, got {type(config).__name__}")
+    check_topk_ids(topk_ids, num_experts)
+    world_size, rank = _group_info(group)
+    if num_experts % world_size != 0:
+        raise ValueError(
+            f"num_experts ({num_experts}) must be divisible by the expert-parallel group size ({world_size})"
+        )
+    block_m = block_m or config.block_m or DEFAULT_BLOCK_M
+    num_tokens, top_k = topk_ids.shape
+    num_local = num_experts // world_size
+    device = topk_ids.device
+    rows = receive_rows(num_tokens, top_k, num_local, world_size, block_m, config.capacity_factor)
+
+    ids = topk_ids.to(torch.int32).contiguous()
+    if group is not None and world_size > 1:
+        import torch.distributed as dist
+
+        gathered = torch.empty(world_size * num_tokens, top_k, dtype=torch.int32, device=device)
+        dist.all_gather_into_tensor(gathered, ids, group=group)
+        ids = gathered
+    flat = ids.reshape(-1).to(torch.int64)  # [W*T*k], index = flat source index
+    num_pairs = flat.numel()
+
+    # Stable sort by expert keeps (source rank, token, slot) order inside each expert.
+    sorted_ids, perm = torch.sort(flat, stable=True)
+    bounds = torch.searchsorted(sorted_ids, torch.arange(num_experts + 1, device=device, dtype=torch.int64))
+    counts = bounds[1:] - bounds[:-1]  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m
+    starts = torch.zeros(world_size, num_local + 1, dtype=torch.int64, device=device)
+    starts[:, 1:] = torch.cumsum(padded.view(world_size, num_local), dim=1)  # per owner rank
+
+    position = torch.arange(num_pairs, device=device, dtype=torch.int64) - bounds[sorted_ids]
+    owner = sorted_ids // num_local
+    row_sorted = starts[owner, sorted_ids % num_local] + position
+    fits = row_sorted < rows
+    dest_row_all = torch.empty(num_pairs, dtype=torch.int64, device=device)
+    dest_row_all[perm] = torch.where(fits, row_sorted, -1)
+    overflow = (~fits).sum().to(torch.int32)
+
+    # Receive side of this rank: scatter flat source indices into their rows (unique targets; pairs
+    # owned by other ranks or cut by the capacity go to a dummy row R that is sliced off).
+    mine = fits & (owner == rank)
+    row_src = torch.full((rows + 1,), -1, dtype=torch.int64, device=device)
+    row_src[torch.where(mine, row_sorted, rows)] = torch.where(mine, perm, -1)
+    row_src = row_src[:rows]
+
+    offsets = starts[rank].clamp(max=rows)  # [E_l + 1]
+    block_starts = torch.arange(0, rows, block_m, device=device, dtype=torch.int64)
+    block_expert = torch.searchsorted(offsets[1:].contiguous(), block_starts, right=True)
+    block_expert = torch.where(block_starts < offsets[-1], block_expert, -1)
+
+    local = slice(rank * num_tokens * top_k, (rank + 1) * num_tokens * top_k)
+    return Schedule(
+        num_experts=num_experts,
+        num_local_experts=num_local,
+        world_size=world_size,
+        rank=rank,
+        num_tokens=num_tokens,
+        top_k=top_k,
+        block_m=block_m,
+        num_rows=rows,
+        expert_counts=counts.to(torch.int32),
+        expert_offsets=offsets.to(torch.int32),
+        row_src=row_src.to(torch.int32),
+        block_expert=block_expert.to(torch.int32),
+        num_blocks=(offsets[-1:] // block_m).to(torch.int32),
+        dest_rank=(flat[local] // num_local).to(torch.int32).view(num_tokens, top_k),
+        dest_row=dest_row_all[local].to(torch.int32).view(num_tokens, top_k),
+        overflow=overflow,
+    )
