@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-import importlib
-
 import torch
 
 from megamoe import reference
@@ -18,32 +15,42 @@ class CapacityOverflowError(RuntimeError):
     """Routing sent more (token, slot) pairs to a rank than MoEConfig.capacity_factor allows."""
 
 
-@functools.cache
-def _triton_available() -> bool:
+def _load_backends() -> dict:
+    """The backends importable here: torch always, triton when Triton is installed."""
+    from megamoe.backends import torch_native
+
+    backends = {"torch": torch_native}
     try:
-        importlib.import_module("megamoe.backends.triton")
+        from megamoe.backends import triton as triton_backend
     except ImportError:
-        return False
-    return True
+        return backends
+    backends["triton"] = triton_backend
+    return backends
+
+
+# Imported once, here, so that backend selection is plain dict lookups that torch.compile can trace.
+BACKENDS = _load_backends()
 
 
 def resolve_backend(config: MoEConfig, x: torch.Tensor, group) -> str:
     """The backend that runs: "auto" means triton on CUDA GPUs of compute capability >= 9.0, torch elsewhere."""
     if config.backend != "auto":
+        if config.backend not in BACKENDS and config.backend != "reference":
+            raise ValueError(f"MoEConfig.backend={config.backend!r} is not available here (needs Triton)")
         return config.backend
     if (
         x.device.type == "cuda"
         and torch.cuda.get_device_capability(x.device) >= (9, 0)
         and x.dtype in (torch.bfloat16, torch.float16)
         and group is None
-        and _triton_available()
+        and "triton" in BACKENDS
     ):
         return "triton"
     return "torch"
 
 
 def _backend_module(name: str):
-    return importlib.import_module({"torch": "megamoe.backends.torch_native", "triton": "megamoe.backends.triton"}[name])
+    return BACKENDS[name]
 
 
 def _check_tensor(name: str, value, dim: int) -> None:
@@ -99,7 +106,7 @@ def validate(x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, share
     for name, t in named:
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}; all inputs must share one device")
-    check_topk_ids(topk_ids, num_local * world_size)
+    check_topk_ids(topk_ids, num_local * world_size, check_range=False)  # the range: in build_schedule
 
 
 def _raise_on_overflow(schedule: Schedule) -> None:
@@ -115,22 +122,108 @@ def _raise_on_overflow(schedule: Schedule) -> None:
         torch._assert_async(schedule.overflow == 0, message)
 
 
-class _Experts(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, backend):
-        out, saved = backend.experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group)
-        ctx.save_for_backward(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, *saved)
-        ctx.schedule, ctx.group, ctx.backend = schedule, group, backend
-        return out
+def _group(group_name: str | None):
+    if group_name is None:
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
 
-    @staticmethod
-    def backward(ctx, d_out):
-        x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, *saved = ctx.saved_tensors
-        grads = ctx.backend.experts_bwd(
-            d_out.contiguous(), x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
-            ctx.schedule, ctx.group, tuple(saved),
-        )
-        return (*grads, None, None, None)
+    return _resolve_process_group(group_name)
+
+
+def _schedule(topk_ids, w_gate_up, block_m: int, capacity_factor: float | None, group) -> Schedule:
+    world_size = 1 if group is None else torch.distributed.get_world_size(group)
+    config = MoEConfig(capacity_factor=capacity_factor, block_m=block_m)
+    schedule = build_schedule(topk_ids, w_gate_up.shape[0] * world_size, group=group, config=config)
+    if capacity_factor is not None:
+        _raise_on_overflow(schedule)
+    return schedule
+
+
+# The layer as two custom ops (opaque to torch.compile, with fake implementations), so that
+# torch.compile(fullgraph=True) traces models that use it. The schedule is rebuilt from topk_ids in
+# the backward op (a sort of T*k ids: cheap, deterministic), so no schedule crosses the op boundary.
+@torch.library.custom_op("megamoe::experts_fwd", mutates_args=())
+def _experts_fwd(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    shared_gate_up: torch.Tensor | None,
+    shared_down: torch.Tensor | None,
+    backend: str,
+    block_m: int,
+    capacity_factor: float | None,
+    group_name: str | None,
+) -> list[torch.Tensor]:
+    """Returns [out, *saved]: the layer output and what the backend's backward needs."""
+    group = _group(group_name)
+    schedule = _schedule(topk_ids, w_gate_up, block_m, capacity_factor, group)
+    out, saved = _backend_module(backend).experts_fwd(
+        x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group
+    )
+    return [out, *saved]
+
+
+@_experts_fwd.register_fake
+def _experts_fwd_fake(x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, backend, block_m, capacity_factor, group_name):
+    schedule = _schedule(topk_ids.to("meta"), w_gate_up, block_m, capacity_factor, _group(group_name))
+    saved = _backend_module(backend).empty_saved(x, w_gate_up, w_down, schedule)
+    return [torch.empty_like(x), *saved]
+
+
+@torch.library.custom_op("megamoe::experts_bwd", mutates_args=())
+def _experts_bwd(
+    d_out: torch.Tensor,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    shared_gate_up: torch.Tensor | None,
+    shared_down: torch.Tensor | None,
+    saved: list[torch.Tensor],
+    backend: str,
+    block_m: int,
+    capacity_factor: float | None,
+    group_name: str | None,
+) -> list[torch.Tensor]:
+    """Returns [d_x, d_topk_weights, d_w_gate_up, d_w_down(, d_shared_gate_up, d_shared_down)]."""
+    group = _group(group_name)
+    schedule = _schedule(topk_ids, w_gate_up, block_m, capacity_factor, group)
+    grads = _backend_module(backend).experts_bwd(
+        d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, tuple(saved)
+    )
+    return [g for g in grads if g is not None]
+
+
+@_experts_bwd.register_fake
+def _experts_bwd_fake(d_out, x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, saved, backend, block_m, capacity_factor, group_name):
+    grads = [torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w_gate_up), torch.empty_like(w_down)]
+    if shared_gate_up is not None:
+        grads += [torch.empty_like(shared_gate_up), torch.empty_like(shared_down)]
+    return grads
+
+
+_STATIC_ARGS = ("backend", "block_m", "capacity_factor", "group_name")
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, *static = inputs
+    ctx.save_for_backward(x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, *output[1:])
+    ctx.static = static
+
+
+def _backward(ctx, grads):
+    x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, *saved = ctx.saved_tensors
+    d_inputs = _experts_bwd(
+        grads[0].contiguous(), x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, saved, *ctx.static
+    )
+    d_shared = tuple(d_inputs[4:]) if shared_gate_up is not None else (None, None)
+    return (d_inputs[0], None, *d_inputs[1:4], *d_shared) + (None,) * len(_STATIC_ARGS)
+
+
+_experts_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def experts(
@@ -163,16 +256,8 @@ def experts(
         return reference.experts(
             x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up=shared_gate_up, shared_down=shared_down
         )
-    backend = _backend_module(backend_name)
     hidden, intermediate = x.shape[1], w_down.shape[2]
-    schedule = build_schedule(
-        topk_ids,
-        w_gate_up.shape[0] * world_size,
-        group=group,
-        config=config,
-        block_m=config.block_m or backend.block_m_for(hidden, intermediate, x.dtype),
-    )
-    if config.capacity_factor is not None:
-        _raise_on_overflow(schedule)
-    contiguous = [t.contiguous() if t is not None else None for t in (x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down)]
-    return _Experts.apply(*contiguous, schedule, group, backend)
+    block_m = config.block_m or _backend_module(backend_name).block_m_for(hidden, intermediate, x.dtype)
+    contiguous = [t.contiguous() if t is not None else None for t in (x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down)]
+    group_name = None if group is None else group.group_name
+    return _experts_fwd(*contiguous, backend_name, block_m, config.capacity_factor, group_name)[0]

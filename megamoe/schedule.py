@@ -90,8 +90,9 @@ def _group_info(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def check_topk_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
-    """Validate routing. Ids are range-checked without a host sync on accelerators (device assert)."""
+def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, *, check_range: bool = True) -> None:
+    """Validate routing: type and shape, then (check_range) the ids' range — on the CPU directly, on
+    accelerators with a device assert (no host sync)."""
     if not isinstance(topk_ids, torch.Tensor):
         raise TypeError(f"topk_ids must be a torch.Tensor, got {type(topk_ids).__name__}")
     if topk_ids.dim() != 2:
@@ -102,7 +103,7 @@ def check_topk_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
         raise ValueError(f"topk_ids must have k >= 1 columns, got shape {tuple(topk_ids.shape)}")
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
-    if topk_ids.device.type == "meta" or topk_ids.numel() == 0:
+    if not check_range or topk_ids.device.type == "meta" or topk_ids.numel() == 0:
         return
     in_range = ((topk_ids >= 0) & (topk_ids < num_experts)).all()
     if topk_ids.device.type == "cpu":

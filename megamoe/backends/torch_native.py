@@ -7,6 +7,7 @@ out by hand so that every reduction has a fixed order: the slot sums run in fp32
 
 Backend interface (shared with the triton backend):
     block_m_for(hidden, intermediate, dtype) -> int      rows per expert-segment block for build_schedule
+    empty_saved(x, w_gate_up, w_down, schedule) -> tuple  tensors shaped like experts_fwd's `saved`
     experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group)
         -> (out [T, H], saved: tuple of tensors for the backward)
     experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, saved)
@@ -161,6 +162,16 @@ def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
     if shared_gate_up is not None:
         out = out + swiglu_fwd(x @ shared_gate_up.t()) @ shared_down.t()
     return out.to(x.dtype), (x_rows, gate_up, y_pairs)
+
+
+def empty_saved(x, w_gate_up, w_down, schedule: Schedule) -> tuple[torch.Tensor, ...]:
+    """Tensors shaped like experts_fwd's `saved` (for torch.compile's fake implementation)."""
+    rows, hidden = schedule.num_rows, x.shape[1]
+    return (
+        x.new_empty(rows, hidden),
+        x.new_empty(rows, w_gate_up.shape[1]),
+        x.new_empty(schedule.num_tokens, schedule.top_k, hidden),
+    )
 
 
 def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule: Schedule, group, saved):

@@ -1,0 +1,11 @@
+# Sourced by scripts/bench.sh and scripts/test.sh: a virtual environment with megamoe and its test tools.
+# Reuses a torch that is already installed (GPU machines); otherwise installs the CPU-friendly torch 2.13.0
+# (an unpinned `pip install torch` would pull a multi-GB CUDA build).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv --system-site-packages .venv
+fi
+. .venv/bin/activate
+python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
+python -m pip install -q -e ".[test]"
