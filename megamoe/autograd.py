@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 
 from megamoe import reference
@@ -130,11 +133,19 @@ def _group(group_name: str | None):
     return _resolve_process_group(group_name)
 
 
-def _schedule(topk_ids, w_gate_up, block_m: int, capacity_factor: float | None, group) -> Schedule:
+# MoEConfig crosses the custom-op boundary as its fields, in declaration order (ops take scalars).
+CONFIG_FIELDS = tuple(field.name for field in dataclasses.fields(MoEConfig))
+
+
+@functools.lru_cache(maxsize=64)
+def _config(*values) -> MoEConfig:
+    return MoEConfig(*values)
+
+
+def _schedule(topk_ids, w_gate_up, config: MoEConfig, group) -> Schedule:
     world_size = 1 if group is None else torch.distributed.get_world_size(group)
-    config = MoEConfig(capacity_factor=capacity_factor, block_m=block_m)
     schedule = build_schedule(topk_ids, w_gate_up.shape[0] * world_size, group=group, config=config)
-    if capacity_factor is not None:
+    if config.capacity_factor is not None:
         _raise_on_overflow(schedule)
     return schedule
 
@@ -142,6 +153,7 @@ def _schedule(topk_ids, w_gate_up, block_m: int, capacity_factor: float | None, 
 # The layer as two custom ops (opaque to torch.compile, with fake implementations), so that
 # torch.compile(fullgraph=True) traces models that use it. The schedule is rebuilt from topk_ids in
 # the backward op (a sort of T*k ids: cheap, deterministic), so no schedule crosses the op boundary.
+# The config crosses it field by field, with the backend and block_m resolved.
 @torch.library.custom_op("megamoe::experts_fwd", mutates_args=())
 def _experts_fwd(
     x: torch.Tensor,
@@ -152,23 +164,29 @@ def _experts_fwd(
     shared_gate_up: torch.Tensor | None,
     shared_down: torch.Tensor | None,
     backend: str,
-    block_m: int,
     capacity_factor: float | None,
+    block_m: int,
+    num_comm_sms: int | None,
+    minibatch_tokens: int | None,
+    dispatch: str,
+    combine: str,
     group_name: str | None,
 ) -> list[torch.Tensor]:
     """Returns [out, *saved]: the layer output and what the backend's backward needs."""
+    config = _config(backend, capacity_factor, block_m, num_comm_sms, minibatch_tokens, dispatch, combine)
     group = _group(group_name)
-    schedule = _schedule(topk_ids, w_gate_up, block_m, capacity_factor, group)
-    out, saved = _backend_module(backend).experts_fwd(
-        x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group
+    schedule = _schedule(topk_ids, w_gate_up, config, group)
+    out, saved = _backend_module(config.backend).experts_fwd(
+        x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config
     )
     return [out, *saved]
 
 
 @_experts_fwd.register_fake
-def _experts_fwd_fake(x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, backend, block_m, capacity_factor, group_name):
-    schedule = _schedule(topk_ids.to("meta"), w_gate_up, block_m, capacity_factor, _group(group_name))
-    saved = _backend_module(backend).empty_saved(x, w_gate_up, w_down, schedule)
+def _experts_fwd_fake(x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, *static):
+    config, group_name = _config(*static[:-1]), static[-1]
+    schedule = _schedule(topk_ids.to("meta"), w_gate_up, config, _group(group_name))
+    saved = _backend_module(config.backend).empty_saved(x, w_gate_up, w_down, schedule)
     return [torch.empty_like(x), *saved]
 
 
@@ -184,28 +202,33 @@ def _experts_bwd(
     shared_down: torch.Tensor | None,
     saved: list[torch.Tensor],
     backend: str,
-    block_m: int,
     capacity_factor: float | None,
+    block_m: int,
+    num_comm_sms: int | None,
+    minibatch_tokens: int | None,
+    dispatch: str,
+    combine: str,
     group_name: str | None,
 ) -> list[torch.Tensor]:
     """Returns [d_x, d_topk_weights, d_w_gate_up, d_w_down(, d_shared_gate_up, d_shared_down)]."""
+    config = _config(backend, capacity_factor, block_m, num_comm_sms, minibatch_tokens, dispatch, combine)
     group = _group(group_name)
-    schedule = _schedule(topk_ids, w_gate_up, block_m, capacity_factor, group)
-    grads = _backend_module(backend).experts_bwd(
-        d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, tuple(saved)
+    schedule = _schedule(topk_ids, w_gate_up, config, group)
+    grads = _backend_module(config.backend).experts_bwd(
+        d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config, tuple(saved)
     )
     return [g for g in grads if g is not None]
 
 
 @_experts_bwd.register_fake
-def _experts_bwd_fake(d_out, x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, saved, backend, block_m, capacity_factor, group_name):
+def _experts_bwd_fake(d_out, x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, saved, *static):
     grads = [torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w_gate_up), torch.empty_like(w_down)]
     if shared_gate_up is not None:
         grads += [torch.empty_like(shared_gate_up), torch.empty_like(shared_down)]
     return grads
 
 
-_STATIC_ARGS = ("backend", "block_m", "capacity_factor", "group_name")
+_STATIC_ARGS = (*CONFIG_FIELDS, "group_name")
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -259,5 +282,6 @@ def experts(
     hidden, intermediate = x.shape[1], w_down.shape[2]
     block_m = config.block_m or _backend_module(backend_name).block_m_for(hidden, intermediate, x.dtype)
     contiguous = [t.contiguous() if t is not None else None for t in (x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down)]
+    config = dataclasses.replace(config, backend=backend_name, block_m=block_m)
     group_name = None if group is None else group.group_name
-    return _experts_fwd(*contiguous, backend_name, block_m, config.capacity_factor, group_name)[0]
+    return _experts_fwd(*contiguous, *(getattr(config, name) for name in CONFIG_FIELDS), group_name)[0]

@@ -8,9 +8,9 @@ out by hand so that every reduction has a fixed order: the slot sums run in fp32
 Backend interface (shared with the triton backend):
     block_m_for(hidden, intermediate, dtype) -> int      rows per expert-segment block for build_schedule
     empty_saved(x, w_gate_up, w_down, schedule) -> tuple  tensors shaped like experts_fwd's `saved`
-    experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group)
+    experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config)
         -> (out [T, H], saved: tuple of tensors for the backward)
-    experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, saved)
+    experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config, saved)
         -> (d_x, d_topk_weights, d_w_gate_up, d_w_down, d_shared_gate_up | None, d_shared_down | None)
 """
 
@@ -39,13 +39,18 @@ def _has_grouped_mm(a: torch.Tensor) -> bool:
     return a.device.type == "cpu" and a.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _aligned_16_bytes(*tensors: torch.Tensor) -> bool:
+    """torch._grouped_mm rejects operands whose non-unit strides are not multiples of 16 bytes."""
+    return all(s == 1 or s * t.element_size() % 16 == 0 for t in tensors for s in t.stride())
+
+
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """Segmented matmul over rows: segment e = rows [ends[e-1], ends[e]).
 
     a [R, K] @ b [E, K, N] -> [R, N] (rows past ends[-1] are unspecified), or, for a 2-D b,
     a.T-style weight gradients: a [N, R] (a transposed view) @ b [R, K] -> [E, N, K].
     """
-    if _has_grouped_mm(a):
+    if _has_grouped_mm(a) and _aligned_16_bytes(a, b):
         return torch._grouped_mm(a, b, offs=ends)
     # NOTE: host sync (offsets to the host); only on devices/dtypes without torch._grouped_mm.
     bounds = [0] + ends.tolist()
@@ -109,27 +114,33 @@ def _exchange(schedule: Schedule) -> _Exchange:
     return _Exchange(send_order, recv_order[: sum(recv_splits)], send_splits, recv_splits)
 
 
-def _all_to_all(rows_NH: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+def _all_to_all(rows_N: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     import torch.distributed as dist
 
-    out = rows_NH.new_empty(sum(out_splits), rows_NH.shape[1])
-    dist.all_to_all_single(out, rows_NH.contiguous(), out_splits, in_splits, group=group)
+    out = rows_N.new_empty(sum(out_splits), *rows_N.shape[1:])
+    dist.all_to_all_single(out, rows_N.contiguous(), out_splits, in_splits, group=group)
     return out
 
 
-def pairs_to_rows(pairs_PH: torch.Tensor, schedule: Schedule, group) -> torch.Tensor:
-    """[T*k, H] per-(token, slot) rows -> [R, H] receive rows of the expert owner (padding rows zero)."""
-    rows = pairs_PH.new_zeros(schedule.num_rows, pairs_PH.shape[1])
+def to_rows(source: torch.Tensor, schedule: Schedule, group, *, per_token: bool) -> torch.Tensor:
+    """Token owner's rows -> the expert owner's receive rows [R, ...] (padding rows zero).
+
+    source: [T, ...] one row per token (per_token) or [T*k, ...] one row per (token, slot) pair.
+    """
+    k = schedule.top_k if per_token else 1
+    rows = source.new_zeros(schedule.num_rows, *source.shape[1:])
     if group is None or schedule.world_size == 1:
         src = schedule.row_src.long()
-        return torch.where((src >= 0).unsqueeze(1), pairs_PH[src.clamp(min=0)], rows)
+        valid = (src >= 0).view(-1, *([1] * (source.dim() - 1)))
+        return torch.where(valid, source[src.clamp(min=0) // k], rows)
     ex = _exchange(schedule)
-    received = _all_to_all(pairs_PH[ex.send_order[: sum(ex.send_splits)]], ex.recv_splits, ex.send_splits, group)
+    sent = source[ex.send_order[: sum(ex.send_splits)] // k]
+    received = _all_to_all(sent, ex.recv_splits, ex.send_splits, group)
     return rows.index_copy(0, ex.recv_rows, received)
 
 
-def rows_to_pairs(rows_RH: torch.Tensor, schedule: Schedule, group) -> torch.Tensor:
-    """[R, H] receive rows -> [T*k, H] rows of the token owner, one per (token, slot) (zero if dropped)."""
+def to_pairs(rows_RH: torch.Tensor, schedule: Schedule, group) -> torch.Tensor:
+    """Receive rows [R, H] -> the token owner's (token, slot) rows [T*k, H] (zero if a capacity dropped them)."""
     pairs = schedule.num_tokens * schedule.top_k
     if group is None or schedule.world_size == 1:
         dest = schedule.dest_row.reshape(-1).long()
@@ -140,8 +151,8 @@ def rows_to_pairs(rows_RH: torch.Tensor, schedule: Schedule, group) -> torch.Ten
     return out.index_copy(0, ex.send_order[: sum(ex.send_splits)], returned)
 
 
-def _slot_sum(pairs_TKH: torch.Tensor, weights_TK: torch.Tensor | None) -> torch.Tensor:
-    """sum_j w[t, j] * pairs[t, j] in fp32 (fp64 for fp64), j in order."""
+def slot_sum(pairs_TKH: torch.Tensor, weights_TK: torch.Tensor | None) -> torch.Tensor:
+    """sum_j w[t, j] * pairs[t, j] in fp32 (fp64 for fp64), j in order 0..k-1."""
     acc_dtype = torch.promote_types(pairs_TKH.dtype, torch.float32)
     acc = torch.zeros(pairs_TKH.shape[0], pairs_TKH.shape[2], dtype=acc_dtype, device=pairs_TKH.device)
     for j in range(pairs_TKH.shape[1]):
@@ -150,17 +161,45 @@ def _slot_sum(pairs_TKH: torch.Tensor, weights_TK: torch.Tensor | None) -> torch
     return acc
 
 
-def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule: Schedule, group):
-    num_tokens, top_k = schedule.num_tokens, schedule.top_k
-    ends = schedule.expert_offsets[1:]
-    x_pairs = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[1]).reshape(num_tokens * top_k, -1)
-    x_rows = pairs_to_rows(x_pairs, schedule, group)
+def rows_fwd(x_rows, w_gate_up, w_down, ends):
+    """Expert MLPs over receive rows: returns (gate_up [R, 2I] pre-activation, y_rows [R, H])."""
     gate_up = grouped_mm(x_rows, w_gate_up.transpose(1, 2), ends)
-    y_rows = grouped_mm(swiglu_fwd(gate_up), w_down.transpose(1, 2), ends)
-    y_pairs = rows_to_pairs(y_rows, schedule, group).view(num_tokens, top_k, -1)
-    out = _slot_sum(y_pairs, topk_weights)
+    return gate_up, grouped_mm(swiglu_fwd(gate_up), w_down.transpose(1, 2), ends)
+
+
+def rows_bwd(d_y_rows, x_rows, gate_up, w_gate_up, w_down, ends):
+    """Backward of rows_fwd: returns (d_x_rows [R, H], d_w_gate_up, d_w_down)."""
+    d_w_down = grouped_mm(d_y_rows.t(), swiglu_fwd(gate_up), ends)
+    d_gate_up = swiglu_bwd(gate_up, grouped_mm(d_y_rows, w_down, ends))
+    d_w_gate_up = grouped_mm(d_gate_up.t(), x_rows, ends)
+    return grouped_mm(d_gate_up, w_gate_up, ends), d_w_gate_up, d_w_down
+
+
+def shared_fwd(x, shared_gate_up, shared_down):
+    return swiglu_fwd(x @ shared_gate_up.t()) @ shared_down.t()
+
+
+def shared_bwd(d_out, x, shared_gate_up, shared_down):
+    """Returns (d_x, d_shared_gate_up, d_shared_down) of the shared expert, recomputing its activations."""
+    pre = x @ shared_gate_up.t()
+    d_shared_down = d_out.t() @ swiglu_fwd(pre)
+    d_pre = swiglu_bwd(pre, d_out @ shared_down)
+    return d_pre @ shared_gate_up, d_pre.t() @ x, d_shared_down
+
+
+def weighted_rows(d_out_rows: torch.Tensor, weight_rows: torch.Tensor) -> torch.Tensor:
+    """d_y of each receive row: its pair's router weight times d_out of its token (fp32 product, cast)."""
+    return (_acc(weight_rows).view(-1, 1) * _acc(d_out_rows)).to(d_out_rows.dtype)
+
+
+def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule: Schedule, group, config=None):
+    ends = schedule.expert_offsets[1:]
+    x_rows = to_rows(x, schedule, group, per_token=True)
+    gate_up, y_rows = rows_fwd(x_rows, w_gate_up, w_down, ends)
+    y_pairs = to_pairs(y_rows, schedule, group).view(schedule.num_tokens, schedule.top_k, -1)
+    out = slot_sum(y_pairs, topk_weights)
     if shared_gate_up is not None:
-        out = out + swiglu_fwd(x @ shared_gate_up.t()) @ shared_down.t()
+        out = out + shared_fwd(x, shared_gate_up, shared_down)
     return out.to(x.dtype), (x_rows, gate_up, y_pairs)
 
 
@@ -174,26 +213,23 @@ def empty_saved(x, w_gate_up, w_down, schedule: Schedule) -> tuple[torch.Tensor,
     )
 
 
-def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule: Schedule, group, saved):
+def pair_weight_grads(d_out: torch.Tensor, y_pairs_TKH: torch.Tensor) -> torch.Tensor:
+    """d_topk_weights[t, j] = <d_out[t], y[t, j]> in fp32 (fp64 for fp64)."""
+    acc_dtype = torch.promote_types(d_out.dtype, torch.float32)
+    return (d_out.to(acc_dtype).unsqueeze(1) * y_pairs_TKH.to(acc_dtype)).sum(-1)
+
+
+def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule: Schedule, group, config, saved):
     x_rows, gate_up, y_pairs = saved
-    num_tokens, top_k = schedule.num_tokens, schedule.top_k
     ends = schedule.expert_offsets[1:]
     d_out = d_out.to(x.dtype)
-    acc_dtype = torch.promote_types(x.dtype, torch.float32)
-    d_topk_weights = (d_out.to(acc_dtype).unsqueeze(1) * y_pairs.to(acc_dtype)).sum(-1).to(topk_weights.dtype)
-    d_y_pairs = (topk_weights.to(acc_dtype).unsqueeze(-1) * d_out.to(acc_dtype).unsqueeze(1)).to(x.dtype)
-    d_y_rows = pairs_to_rows(d_y_pairs.view(num_tokens * top_k, -1), schedule, group)
-    h = swiglu_fwd(gate_up)
-    d_w_down = grouped_mm(d_y_rows.t(), h, ends)
-    d_gate_up = swiglu_bwd(gate_up, grouped_mm(d_y_rows, w_down, ends))
-    d_w_gate_up = grouped_mm(d_gate_up.t(), x_rows, ends)
-    d_x_rows = grouped_mm(d_gate_up, w_gate_up, ends)
-    d_x = _slot_sum(rows_to_pairs(d_x_rows, schedule, group).view(num_tokens, top_k, -1), None)
+    d_topk_weights = pair_weight_grads(d_out, y_pairs).to(topk_weights.dtype)
+    weight_rows = to_rows(topk_weights.reshape(-1), schedule, group, per_token=False)
+    d_y_rows = weighted_rows(to_rows(d_out, schedule, group, per_token=True), weight_rows)
+    d_x_rows, d_w_gate_up, d_w_down = rows_bwd(d_y_rows, x_rows, gate_up, w_gate_up, w_down, ends)
+    d_x = slot_sum(to_pairs(d_x_rows, schedule, group).view(schedule.num_tokens, schedule.top_k, -1), None)
     d_shared_gate_up = d_shared_down = None
     if shared_gate_up is not None:
-        shared_pre = x @ shared_gate_up.t()
-        d_shared_down = d_out.t() @ swiglu_fwd(shared_pre)
-        d_shared_pre = swiglu_bwd(shared_pre, d_out @ shared_down)
-        d_shared_gate_up = d_shared_pre.t() @ x
-        d_x = d_x + d_shared_pre @ shared_gate_up
+        d_x_shared, d_shared_gate_up, d_shared_down = shared_bwd(d_out, x, shared_gate_up, shared_down)
+        d_x = d_x + d_x_shared
     return d_x.to(x.dtype), d_topk_weights, d_w_gate_up, d_w_down, d_shared_gate_up, d_shared_down

@@ -1,0 +1,1 @@
+"""Symmetric-memory communication for expert parallelism: the workspace and the row exchanges."""
