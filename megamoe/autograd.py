@@ -142,9 +142,15 @@ def _config(*values) -> MoEConfig:
     return MoEConfig(*values)
 
 
-def _schedule(topk_ids, w_gate_up, config: MoEConfig, group) -> Schedule:
+def _schedule(topk_ids, x, w_gate_up, config: MoEConfig, group) -> Schedule:
     world_size = 1 if group is None else torch.distributed.get_world_size(group)
-    schedule = build_schedule(topk_ids, w_gate_up.shape[0] * world_size, group=group, config=config)
+    backend = _backend_module(config.backend)
+    gather_routing = None
+    if world_size > 1 and hasattr(backend, "routing_exchange"):
+        gather_routing = backend.routing_exchange(x, w_gate_up, group, config)
+    schedule = build_schedule(
+        topk_ids, w_gate_up.shape[0] * world_size, group=group, config=config, gather_routing=gather_routing
+    )
     if config.capacity_factor is not None:
         _raise_on_overflow(schedule)
     return schedule
@@ -170,12 +176,13 @@ def _experts_fwd(
     minibatch_tokens: int | None,
     dispatch: str,
     combine: str,
+    comm_timeout_ms: int,
     group_name: str | None,
 ) -> list[torch.Tensor]:
     """Returns [out, *saved]: the layer output and what the backend's backward needs."""
-    config = _config(backend, capacity_factor, block_m, num_comm_sms, minibatch_tokens, dispatch, combine)
+    config = _config(backend, capacity_factor, block_m, num_comm_sms, minibatch_tokens, dispatch, combine, comm_timeout_ms)
     group = _group(group_name)
-    schedule = _schedule(topk_ids, w_gate_up, config, group)
+    schedule = _schedule(topk_ids, x, w_gate_up, config, group)
     out, saved = _backend_module(config.backend).experts_fwd(
         x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config
     )
@@ -185,8 +192,8 @@ def _experts_fwd(
 @_experts_fwd.register_fake
 def _experts_fwd_fake(x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, *static):
     config, group_name = _config(*static[:-1]), static[-1]
-    schedule = _schedule(topk_ids.to("meta"), w_gate_up, config, _group(group_name))
-    saved = _backend_module(config.backend).empty_saved(x, w_gate_up, w_down, schedule)
+    schedule = _schedule(topk_ids.to("meta"), x, w_gate_up, config, _group(group_name))
+    saved = _backend_module(config.backend).empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule)
     return [torch.empty_like(x), *saved]
 
 
@@ -208,12 +215,13 @@ def _experts_bwd(
     minibatch_tokens: int | None,
     dispatch: str,
     combine: str,
+    comm_timeout_ms: int,
     group_name: str | None,
 ) -> list[torch.Tensor]:
     """Returns [d_x, d_topk_weights, d_w_gate_up, d_w_down(, d_shared_gate_up, d_shared_down)]."""
-    config = _config(backend, capacity_factor, block_m, num_comm_sms, minibatch_tokens, dispatch, combine)
+    config = _config(backend, capacity_factor, block_m, num_comm_sms, minibatch_tokens, dispatch, combine, comm_timeout_ms)
     group = _group(group_name)
-    schedule = _schedule(topk_ids, w_gate_up, config, group)
+    schedule = _schedule(topk_ids, x, w_gate_up, config, group)
     grads = _backend_module(config.backend).experts_bwd(
         d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config, tuple(saved)
     )

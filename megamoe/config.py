@@ -29,7 +29,9 @@ class MoEConfig:
         backend choose (torch: 16, the alignment torch._grouped_mm wants; triton: its tile table).
     num_comm_sms / minibatch_tokens / dispatch / combine: expert-parallel overlap knobs used by the
         fused EP path (number of SMs given to communication, tokens per overlap step, and the direction
-        of each communication operation). They never change results, only speed.
+        of each communication operation: "pull", "push" or "auto"). They never change results, only speed.
+    comm_timeout_ms: how long a GPU waits for a peer of the expert-parallel group at a synchronisation
+        point before failing with an error (a peer that never arrives must not hang the job).
     """
 
     backend: str = "auto"
@@ -39,6 +41,7 @@ class MoEConfig:
     minibatch_tokens: int | None = None
     dispatch: str = "auto"
     combine: str = "auto"
+    comm_timeout_ms: int = 30_000
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -55,6 +58,8 @@ class MoEConfig:
             or self.block_m > 1024
         ):
             raise ValueError(f"MoEConfig.block_m must be None or a power of two in [1, 1024], got {self.block_m!r}")
+        if isinstance(self.comm_timeout_ms, bool) or not isinstance(self.comm_timeout_ms, int) or self.comm_timeout_ms <= 0:
+            raise ValueError(f"MoEConfig.comm_timeout_ms must be a positive int, got {self.comm_timeout_ms!r}")
         for name in ("num_comm_sms", "minibatch_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):

@@ -122,6 +122,7 @@ def build_schedule(
     group=None,
     config: MoEConfig | None = None,
     block_m: int | None = None,
+    gather_routing=None,
 ) -> Schedule:
     """Turn routing into a Schedule (see its docstring), with device ops only.
 
@@ -130,6 +131,9 @@ def build_schedule(
     group: expert-parallel process group (None: one process owns all experts). With a group, every
         rank must pass the same T and k; routing is all-gathered and each rank derives the same schedule.
     block_m: overrides config.block_m (backends pass their tile size); default 128.
+    gather_routing: with a group, how to all-gather routing: a callable taking this rank's int32
+        [T, k] ids and returning every rank's, [W*T, k] in rank order (default: the process group's
+        all_gather_into_tensor; the fused EP path passes its symmetric-memory exchange).
     """
     config = DEFAULT_CONFIG if config is None else config
     if not isinstance(config, MoEConfig):
@@ -147,7 +151,11 @@ def build_schedule(
     rows = receive_rows(num_tokens, top_k, num_local, world_size, block_m, config.capacity_factor)
 
     ids = topk_ids.to(torch.int32).contiguous()
-    if group is not None and world_size > 1:
+    if world_size > 1 and device.type == "meta":
+        ids = ids.new_empty(world_size * num_tokens, top_k)  # shapes only: nothing to exchange
+    elif world_size > 1 and gather_routing is not None:
+        ids = gather_routing(ids)
+    elif world_size > 1:
         import torch.distributed as dist
 
         gathered = torch.empty(world_size * num_tokens, top_k, dtype=torch.int32, device=device)

@@ -7,7 +7,7 @@ out by hand so that every reduction has a fixed order: the slot sums run in fp32
 
 Backend interface (shared with the triton backend):
     block_m_for(hidden, intermediate, dtype) -> int      rows per expert-segment block for build_schedule
-    empty_saved(x, w_gate_up, w_down, schedule) -> tuple  tensors shaped like experts_fwd's `saved`
+    empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule) -> tuple  tensors shaped like `saved`
     experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config)
         -> (out [T, H], saved: tuple of tensors for the backward)
     experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config, saved)
@@ -203,7 +203,7 @@ def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
     return out.to(x.dtype), (x_rows, gate_up, y_pairs)
 
 
-def empty_saved(x, w_gate_up, w_down, schedule: Schedule) -> tuple[torch.Tensor, ...]:
+def empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule: Schedule) -> tuple[torch.Tensor, ...]:
     """Tensors shaped like experts_fwd's `saved` (for torch.compile's fake implementation)."""
     rows, hidden = schedule.num_rows, x.shape[1]
     return (

@@ -90,3 +90,15 @@ def combine(ws: Workspace, rows_RH: torch.Tensor, schedule: Schedule, direction:
     copy_rows(ws.rows_out.peer_ptrs, dest_rank, dest_row, out, torch.zeros_like(dest_rank), pairs,
               src_is_table=True, dst_is_table=False, **size)
     return out
+
+
+def gather_routing(ws: Workspace, ids_TK: torch.Tensor) -> torch.Tensor:
+    """Every rank's routing, [W*T, k] int32 in rank order: publish ours, then read every rank's copy."""
+    ws.barrier()
+    ws.ids.local.copy_(ids_TK)
+    ws.barrier()
+    out = ids_TK.new_empty(ws.world_size, ids_TK.numel())
+    ranks = torch.arange(ws.world_size, device=ids_TK.device, dtype=torch.int32)
+    copy_rows(ws.ids.peer_ptrs, ranks, torch.zeros_like(ranks), out, torch.zeros_like(ranks), ranks,
+              row_elems=ids_TK.numel(), element_size=4, src_is_table=True, dst_is_table=False)
+    return out.view(-1, ids_TK.shape[1])

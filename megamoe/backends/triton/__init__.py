@@ -1,0 +1,31 @@
+"""The fused Triton backend (same interface as megamoe.backends.torch_native).
+
+One GPU (schedule.world_size == 1): experts.py, the fused grouped GEMMs that gather tokens by pointer.
+Expert parallelism: ep.py, symmetric-memory dispatch/combine around the same kernels, and the routing
+exchange that build_schedule uses (`routing_exchange`).
+"""
+
+from megamoe.backends.triton import ep, experts
+from megamoe.backends.triton.configs import block_m_for
+from megamoe.backends.triton.ep import routing_exchange
+
+
+def _path(schedule):
+    return experts if schedule.world_size == 1 else ep
+
+
+def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group=None, config=None):
+    return _path(schedule).experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config)
+
+
+def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config, saved):
+    return _path(schedule).experts_bwd(
+        d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config, saved
+    )
+
+
+def empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule):
+    return _path(schedule).empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule)
+
+
+__all__ = ["block_m_for", "empty_saved", "experts_bwd", "experts_fwd", "routing_exchange"]

@@ -1,0 +1,132 @@
+"""Fixed tile table of the Triton backend: per architecture and shape class, no runtime autotuning.
+
+Autotuning picks configs by timing, which would make results depend on the machine's mood (DESIGN.md,
+promise 1); so every kernel's tile shape comes from this table, chosen by (arch, dtype, shape class).
+Benchmarks (not tests) are where new entries are justified.
+
+Hopper (sm_90) entries are sized for wgmma: 128-row tiles over 8 warps (two warpgroups of 64 rows),
+K steps of 64 bf16 elements (128-byte rows, the widest shared-memory swizzle), and 3-4 pipeline stages
+within the 227 KB of shared memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """One kernel's launch shape. block_m: rows (or output rows of a weight-grad tile); block_n: output
+    columns; block_k: reduction step; group_m: row blocks swept together (L2 reuse of weight tiles)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+
+    def with_block_m(self, block_m: int) -> "TileConfig":
+        return dataclasses.replace(self, block_m=block_m)
+
+    def with_block_k(self, block_k: int) -> "TileConfig":
+        return dataclasses.replace(self, block_k=block_k)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfigs:
+    """The tile of every kernel of one problem (hidden H, intermediate I, dtype, device)."""
+
+    gate_up_fwd: TileConfig  # two accumulators (gate and up columns): block_n columns of each
+    down_fwd: TileConfig
+    down_dgrad: TileConfig  # output columns over I, SwiGLU backward in the epilogue
+    gate_up_dgrad: TileConfig  # output columns over H, reduction over 2I
+    dw_down: TileConfig  # tile [block_m over H, block_n over I], block_k rows per step
+    dw_gate_up: TileConfig  # tile [block_m over 2I, block_n over H], block_k rows per step
+    combine: TileConfig  # block_m tokens x block_n hidden columns
+
+
+# Hopper: the two-accumulator gate/up tile is effectively 128 x 256 (2 x 128 fp32 acc registers per
+# thread), so it runs 3 stages (3 x 48 KB of shared memory); single-accumulator tiles afford 4.
+_SM90 = KernelConfigs(
+    gate_up_fwd=TileConfig(128, 128, 64, num_warps=8, num_stages=3),
+    down_fwd=TileConfig(128, 128, 64, num_warps=8, num_stages=4),
+    down_dgrad=TileConfig(128, 128, 64, num_warps=8, num_stages=4),
+    gate_up_dgrad=TileConfig(128, 128, 64, num_warps=8, num_stages=4),
+    dw_down=TileConfig(128, 128, 64, num_warps=8, num_stages=3),
+    dw_gate_up=TileConfig(128, 128, 64, num_warps=8, num_stages=4),
+    combine=TileConfig(8, 256, 1, num_warps=4, num_stages=1),
+)
+# Wide-hidden class (H >= 4096): down/dgrad outputs span H, so a 256-column tile halves the re-reads
+# of the gathered activation rows; 128 x 256 fp32 accumulators still fit 8 warps at 3 stages.
+_SM90_WIDE = dataclasses.replace(
+    _SM90,
+    down_fwd=TileConfig(128, 256, 64, num_warps=8, num_stages=3),
+    gate_up_dgrad=TileConfig(128, 256, 64, num_warps=8, num_stages=3),
+)
+# Other GPUs (Ampere, Ada, Blackwell until measured): mma.sync-sized tiles that fit 100 KB of shared memory.
+_DEFAULT = KernelConfigs(
+    gate_up_fwd=TileConfig(128, 64, 32, num_warps=8, num_stages=3),
+    down_fwd=TileConfig(128, 128, 32, num_warps=8, num_stages=3),
+    down_dgrad=TileConfig(128, 128, 32, num_warps=8, num_stages=3),
+    gate_up_dgrad=TileConfig(128, 128, 32, num_warps=8, num_stages=3),
+    dw_down=TileConfig(128, 128, 32, num_warps=8, num_stages=3),
+    dw_gate_up=TileConfig(128, 128, 32, num_warps=8, num_stages=3),
+    combine=TileConfig(8, 256, 1, num_warps=4, num_stages=1),
+)
+# fp32 inputs (tests, interpreter): half the K step keeps the same shared-memory bytes per stage.
+_FP32_BLOCK_K = 32
+
+_BLOCK_M = 128
+
+
+def block_m_for(hidden: int, intermediate: int, dtype: torch.dtype) -> int:
+    """Rows per block the schedule must be built with (build_schedule(..., block_m=...)).
+
+    Every kernel's row tile divides it, so no tile straddles two experts. 128 on every entry of the
+    table today (one wgmma tile of two warpgroups); hidden/intermediate/dtype select future entries.
+    """
+    del hidden, intermediate, dtype
+    return _BLOCK_M
+
+
+def _arch(device: torch.device) -> tuple[int, int] | None:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def kernel_configs(hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device, block_m: int) -> KernelConfigs:
+    """The table entry for a problem, with every row tile clipped to the schedule's block_m.
+
+    block_m: the schedule's rows per block (a power of two >= 16, the smallest tl.dot tile); row tiles
+    larger than it are shrunk to it so that tiles never straddle experts.
+    """
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"the triton backend needs a schedule block_m that is a power of two >= 16, got {block_m}")
+    return _kernel_configs(hidden, intermediate, dtype, _arch(torch.device(device)), block_m)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_configs(hidden: int, intermediate: int, dtype: torch.dtype, arch, block_m: int) -> KernelConfigs:
+    if arch is not None and arch[0] == 9:
+        table = _SM90_WIDE if hidden >= 4096 else _SM90
+    else:
+        table = _DEFAULT
+    fields = {}
+    for field in dataclasses.fields(table):
+        cfg = getattr(table, field.name)
+        if field.name != "combine":
+            if dtype == torch.float32:
+                cfg = cfg.with_block_k(min(cfg.block_k, _FP32_BLOCK_K))
+            if field.name.startswith("dw_"):
+                # Weight-grad tiles step over rows: the step must divide block_m so each expert's
+                # (block_m-padded) segment is whole steps and the row loop needs no mask.
+                cfg = cfg.with_block_k(min(cfg.block_k, block_m))
+            else:
+                cfg = cfg.with_block_m(min(cfg.block_m, block_m))
+        fields[field.name] = cfg
+    return KernelConfigs(**fields)

@@ -1,0 +1,156 @@
+"""Forward/backward drivers of the single-GPU fused Triton path (no expert-parallel group).
+
+Forward:  gate_up_fwd (gather x rows, gate/up GEMM, SwiGLU epilogue) -> down_fwd (scatter each row to
+          its (token, slot) row of y_pairs) -> combine (sum_j w * y in fp32, j in order, + shared last).
+Backward: combine_bwd (d_topk_weights = <d_out, y>) -> down_dgrad (router weight and SwiGLU backward
+          fused) -> gate_up_dgrad (scatter d_x pairs) -> combine without weights (d_x = sum_j, + shared)
+          and the two weight-grad kernels (one program per output tile, looping over its expert's rows).
+The shared expert is a dense MLP and runs on cuBLAS through torch.
+
+saved = (h [R, I], gate_up [R, 2I], y_pairs [T*k, H], shared_gate_up_act [T, 2I_s]); in recompute mode
+(save_gate_up=False) h and gate_up are empty and the backward reruns gate_up_fwd; without a shared expert
+the last entry is empty. Entries are always tensors so the tuple can cross torch.library custom ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megamoe.backends.triton import kernels
+from megamoe.backends.triton.configs import KernelConfigs, kernel_configs
+from megamoe.schedule import Schedule
+
+# Save the gate/up pre-activation (2 bytes * R * 2I) in the forward rather than recompute its GEMM
+# (a third of the forward FLOPs) in the backward: memory is the cheaper resource on H100/H200.
+SAVE_GATE_UP = True
+
+
+def _configs(x: torch.Tensor, w_gate_up: torch.Tensor, schedule: Schedule) -> KernelConfigs:
+    return kernel_configs(x.shape[1], w_gate_up.shape[1] // 2, x.dtype, x.device, schedule.block_m)
+
+
+def _check_group(group, schedule: Schedule, w_gate_up: torch.Tensor) -> None:
+    if schedule.world_size != 1:
+        raise ValueError("megamoe.backends.triton.experts is the one-GPU path; expert parallelism is in ep.py")
+    if schedule.num_local_experts != w_gate_up.shape[0]:
+        raise ValueError(
+            f"schedule has {schedule.num_local_experts} local experts, w_gate_up has {w_gate_up.shape[0]}"
+        )
+
+
+def shared_fwd(x, shared_gate_up, shared_down):
+    gate_up = x @ shared_gate_up.t()
+    g, u = gate_up.float().chunk(2, dim=-1)
+    h = (torch.nn.functional.silu(g) * u).to(x.dtype)
+    return h @ shared_down.t(), gate_up
+
+
+def shared_bwd(d_out, x, shared_gate_up, shared_down, gate_up):
+    g, u = gate_up.float().chunk(2, dim=-1)
+    sig = torch.sigmoid(g)
+    silu = g * sig
+    h = (silu * u).to(x.dtype)
+    d_shared_down = d_out.t() @ h
+    d_h = (d_out @ shared_down).float()
+    d_gate_up = torch.cat([d_h * u * sig * (1.0 + g * (1.0 - sig)), d_h * silu], dim=-1).to(x.dtype)
+    return d_gate_up @ shared_gate_up, d_gate_up.t() @ x, d_shared_down
+
+
+def experts_fwd(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    shared_gate_up: torch.Tensor | None,
+    shared_down: torch.Tensor | None,
+    schedule: Schedule,
+    group=None,
+    config=None,
+    *,
+    save_gate_up: bool = SAVE_GATE_UP,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """out [T, H] (x's dtype) and the tensors the backward needs (see the module docstring).
+
+    x [T, H]; topk_weights [T, k] fp32; w_gate_up [E_l, 2I, H]; w_down [E_l, H, I]; shared_gate_up
+    [2I_s, H] and shared_down [H, I_s] or None; schedule built with block_m_for(H, I, x.dtype) (or any
+    power of two >= 16). Sync-free: every size here comes from shapes, counts are read on the device.
+    """
+    _check_group(group, schedule, w_gate_up)
+    cfg = _configs(x, w_gate_up, schedule)
+    num_tokens, top_k = topk_weights.shape
+    # NOTE: how many row blocks are in use stays on the device (schedule.num_blocks); every buffer and
+    # grid below is sized from shapes alone, so nothing here waits for the GPU.
+    h, gate_up = kernels.gate_up_fwd(
+        x, w_gate_up, schedule.row_src, schedule.block_expert, schedule.num_blocks, top_k,
+        store_gate_up=save_gate_up, config=cfg.gate_up_fwd,
+    )
+    y_pairs = kernels.down_fwd(
+        h, w_down, schedule.row_src, schedule.block_expert, schedule.num_blocks, num_tokens * top_k,
+        config=cfg.down_fwd,
+    )
+    shared_out, shared_act = None, x.new_empty(0)
+    if shared_gate_up is not None:
+        shared_out, shared_act = shared_fwd(x, shared_gate_up, shared_down)
+    out = kernels.combine(y_pairs, topk_weights, schedule.dest_row, shared_out, config=cfg.combine)
+    if not save_gate_up:
+        h, gate_up = x.new_empty(0, h.shape[1]), x.new_empty(0, 2 * h.shape[1])
+    return out, (h, gate_up, y_pairs, shared_act)
+
+
+def empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule: Schedule) -> tuple[torch.Tensor, ...]:
+    """Tensors shaped like experts_fwd's `saved` (default save mode), for torch.compile's fake impl."""
+    rows, inter = schedule.num_rows, w_down.shape[2]
+    shared = x.new_empty(x.shape[0], shared_gate_up.shape[0]) if shared_gate_up is not None else x.new_empty(0)
+    return (
+        x.new_empty(rows, inter),
+        x.new_empty(rows, 2 * inter),
+        x.new_empty(schedule.num_tokens * schedule.top_k, x.shape[1]),
+        shared,
+    )
+
+
+def experts_bwd(
+    d_out: torch.Tensor,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    shared_gate_up: torch.Tensor | None,
+    shared_down: torch.Tensor | None,
+    schedule: Schedule,
+    group,
+    config,
+    saved: tuple[torch.Tensor, ...],
+) -> tuple[torch.Tensor, ...]:
+    """(d_x, d_topk_weights [T, k] fp32, d_w_gate_up, d_w_down, d_shared_gate_up or None, d_shared_down or None)."""
+    _check_group(group, schedule, w_gate_up)
+    h, gate_up, y_pairs, shared_act = saved
+    cfg = _configs(x, w_gate_up, schedule)
+    d_out = d_out.to(x.dtype).contiguous()
+    num_tokens, top_k = topk_weights.shape
+    d_topk_weights = kernels.combine_bwd(d_out, y_pairs, schedule.dest_row, config=cfg.combine)
+    if gate_up.shape[0] == 0:  # recompute mode: rerun the forward GEMM, same kernel, same bits
+        h, gate_up = kernels.gate_up_fwd(
+            x, w_gate_up, schedule.row_src, schedule.block_expert, schedule.num_blocks, top_k,
+            store_gate_up=True, config=cfg.gate_up_fwd,
+        )
+    d_gate_up = kernels.down_dgrad(
+        d_out, topk_weights, w_down, gate_up, schedule.row_src, schedule.block_expert, schedule.num_blocks,
+        config=cfg.down_dgrad,
+    )
+    d_xpairs = kernels.gate_up_dgrad(
+        d_gate_up, w_gate_up, schedule.row_src, schedule.block_expert, schedule.num_blocks, num_tokens * top_k,
+        config=cfg.gate_up_dgrad,
+    )
+    num_experts = w_gate_up.shape[0]
+    d_w_down = kernels.dw_down(
+        d_out, topk_weights, h, schedule.row_src, schedule.expert_offsets, num_experts, config=cfg.dw_down
+    )
+    d_w_gate_up = kernels.dw_gate_up(
+        d_gate_up, x, schedule.row_src, schedule.expert_offsets, num_experts, top_k, config=cfg.dw_gate_up
+    )
+    d_x_shared = d_shared_gate_up = d_shared_down = None
+    if shared_gate_up is not None:
+        d_x_shared, d_shared_gate_up, d_shared_down = shared_bwd(d_out, x, shared_gate_up, shared_down, shared_act)
+    d_x = kernels.combine(d_xpairs, None, schedule.dest_row, d_x_shared, config=cfg.combine)
+    return d_x, d_topk_weights, d_w_gate_up, d_w_down, d_shared_gate_up, d_shared_down

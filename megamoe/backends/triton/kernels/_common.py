@@ -1,0 +1,55 @@
+"""Helpers shared by the kernel files: tile ordering (jit) and launch-time checks (host)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+# Programs of a persistent kernel when there are no SMs to count (CPU, interpreter): small, so the
+# interpreter still exercises the "one program, many tiles" loop.
+_CPU_PROGRAMS = 3
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Programs of a persistent grid: one per SM (host-side query, cached; never synchronises)."""
+    if device.type == "cuda":
+        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return _CPU_PROGRAMS
+
+
+def persistent_grid(device: torch.device, max_tiles: int) -> tuple[int]:
+    """Worst-case grid: min(SMs, tiles of the worst case); programs skip tiles past the real count."""
+    return (max(1, min(num_sms(device), max_tiles)),)
+
+
+def dtype_of(t: torch.Tensor, *allowed: torch.dtype) -> None:
+    if t.dtype not in allowed:
+        raise TypeError(f"expected dtype in {allowed}, got {t.dtype}")
+
+
+def check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@triton.jit
+def tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    """(row block, column block) of a linear tile index, GROUP_M row blocks swept together.
+
+    Inside a group, consecutive tiles walk down the row blocks for one column block, so the
+    programs running at once share that weight tile in L2 (row blocks of one expert are adjacent).
+    """
+    per_group = GROUP_M * num_n
+    group = tile // per_group
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    in_group = tile % per_group
+    return first_m + in_group % size_m, in_group // size_m

@@ -1,0 +1,35 @@
+"""Expert parallelism on several GPUs (torchrun, one process per GPU); skipped without 2 CUDA GPUs."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.multigpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+]
+
+WORKER = pathlib.Path(__file__).with_name("ep_worker.py")
+# NVLink multicast must stay off on shared machines.
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _torchrun(mode: str, timeout: int) -> subprocess.CompletedProcess:
+    nproc = min(torch.cuda.device_count(), int(os.environ.get("MEGAMOE_TEST_GPUS", torch.cuda.device_count())))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", str(WORKER), mode]
+    return subprocess.run(cmd, env={**os.environ, **SAFE_ENV}, capture_output=True, text=True, timeout=timeout)
+
+
+def test_ep_correct_deterministic_graph():
+    result = _torchrun("checks", timeout=900)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+
+
+def test_peer_that_never_arrives_is_an_error_not_a_hang():
+    result = _torchrun("timeout", timeout=120)
+    assert result.returncode != 0, "rank 0 finished although its peer never took part"
+    assert "NO ERROR" not in result.stdout, result.stdout[-2000:]
