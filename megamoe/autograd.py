@@ -9,7 +9,14 @@ import torch
 
 from megamoe import reference
 from megamoe.config import DEFAULT_CONFIG, MoEConfig
-from megamoe.schedule import Schedule, build_schedule, check_topk_ids
+from megamoe.schedule import (
+    SCHEDULE_TENSORS,
+    Schedule,
+    build_schedule,
+    check_topk_ids,
+    schedule_from_tensors,
+    schedule_tensors,
+)
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -157,9 +164,9 @@ def _schedule(topk_ids, x, w_gate_up, config: MoEConfig, group) -> Schedule:
 
 
 # The layer as two custom ops (opaque to torch.compile, with fake implementations), so that
-# torch.compile(fullgraph=True) traces models that use it. The schedule is rebuilt from topk_ids in
-# the backward op (a sort of T*k ids: cheap, deterministic), so no schedule crosses the op boundary.
-# The config crosses it field by field, with the backend and block_m resolved.
+# torch.compile(fullgraph=True) traces models that use it. The forward op returns, after the output,
+# the backend's saved tensors and then the schedule's tensors, which the backward op reuses (no
+# second routing exchange). The config crosses the boundary field by field, backend and block_m resolved.
 @torch.library.custom_op("megamoe::experts_fwd", mutates_args=())
 def _experts_fwd(
     x: torch.Tensor,
@@ -179,14 +186,14 @@ def _experts_fwd(
     comm_timeout_ms: int,
     group_name: str | None,
 ) -> list[torch.Tensor]:
-    """Returns [out, *saved]: the layer output and what the backend's backward needs."""
+    """Returns [out, *saved, *schedule tensors] (see the comment above)."""
     config = _config(backend, capacity_factor, block_m, num_comm_sms, minibatch_tokens, dispatch, combine, comm_timeout_ms)
     group = _group(group_name)
     schedule = _schedule(topk_ids, x, w_gate_up, config, group)
     out, saved = _backend_module(config.backend).experts_fwd(
         x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config
     )
-    return [out, *saved]
+    return [out, *saved, *schedule_tensors(schedule)]
 
 
 @_experts_fwd.register_fake
@@ -194,7 +201,7 @@ def _experts_fwd_fake(x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_
     config, group_name = _config(*static[:-1]), static[-1]
     schedule = _schedule(topk_ids.to("meta"), x, w_gate_up, config, _group(group_name))
     saved = _backend_module(config.backend).empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule)
-    return [torch.empty_like(x), *saved]
+    return [torch.empty_like(x), *saved, *(torch.empty_like(t, device=x.device) for t in schedule_tensors(schedule))]
 
 
 @torch.library.custom_op("megamoe::experts_bwd", mutates_args=())
@@ -208,6 +215,7 @@ def _experts_bwd(
     shared_gate_up: torch.Tensor | None,
     shared_down: torch.Tensor | None,
     saved: list[torch.Tensor],
+    schedule_parts: list[torch.Tensor],
     backend: str,
     capacity_factor: float | None,
     block_m: int,
@@ -221,7 +229,10 @@ def _experts_bwd(
     """Returns [d_x, d_topk_weights, d_w_gate_up, d_w_down(, d_shared_gate_up, d_shared_down)]."""
     config = _config(backend, capacity_factor, block_m, num_comm_sms, minibatch_tokens, dispatch, combine, comm_timeout_ms)
     group = _group(group_name)
-    schedule = _schedule(topk_ids, x, w_gate_up, config, group)
+    world_size, rank = (1, 0) if group is None else (torch.distributed.get_world_size(group), torch.distributed.get_rank(group))
+    schedule = schedule_from_tensors(
+        schedule_parts, num_experts=w_gate_up.shape[0] * world_size, world_size=world_size, rank=rank, block_m=block_m
+    )
     grads = _backend_module(config.backend).experts_bwd(
         d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config, tuple(saved)
     )
@@ -229,7 +240,7 @@ def _experts_bwd(
 
 
 @_experts_bwd.register_fake
-def _experts_bwd_fake(d_out, x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, saved, *static):
+def _experts_bwd_fake(d_out, x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, saved, schedule_parts, *static):
     grads = [torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w_gate_up), torch.empty_like(w_down)]
     if shared_gate_up is not None:
         grads += [torch.empty_like(shared_gate_up), torch.empty_like(shared_down)]
@@ -246,9 +257,11 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, grads):
-    x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, *saved = ctx.saved_tensors
+    x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, *rest = ctx.saved_tensors
+    split = len(rest) - len(SCHEDULE_TENSORS)
     d_inputs = _experts_bwd(
-        grads[0].contiguous(), x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, saved, *ctx.static
+        grads[0].contiguous(), x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
+        rest[:split], rest[split:], *ctx.static,
     )
     d_shared = tuple(d_inputs[4:]) if shared_gate_up is not None else (None, None)
     return (d_inputs[0], None, *d_inputs[1:4], *d_shared) + (None,) * len(_STATIC_ARGS)
@@ -269,7 +282,29 @@ def experts(
     group=None,
     config: MoEConfig | None = None,
 ) -> torch.Tensor:
-    """The routed experts (+ optional shared expert) of one MoE layer; see megamoe.experts."""
+    """The routed experts (+ optional shared expert) of one MoE layer, differentiable.
+
+    out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) + shared_expert(x[t]), where
+    expert_e(v) = (silu(v @ gate_e.T) * (v @ up_e.T)) @ w_down[e].T and the sum over j runs in fp32 in order.
+
+    x: [T, H] float16/bfloat16/float32/float64. topk_ids: [T, k] int32/int64 *global* expert ids.
+    topk_weights: [T, k] float32 (or x's dtype). w_gate_up: [E_local, 2I, H], gate rows first.
+    w_down: [E_local, H, I]. shared_gate_up: [2I_s, H], shared_down: [H, I_s] (both or neither).
+    group: expert-parallel process group; rank r owns global experts [r*E_local, (r+1)*E_local) and every
+        rank passes the same T and k. None: this process owns all experts.
+    config: MoEConfig (backend, capacity, ...). Under torch.autocast the floating inputs (but
+        topk_weights) are cast to the autocast dtype, as a matmul would be.
+    Returns out [T, H] in x's dtype (the autocast dtype under autocast).
+    """
+    if torch.is_autocast_enabled(x.device.type) if isinstance(x, torch.Tensor) else False:
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, w_gate_up, w_down, shared_gate_up, shared_down = (
+            t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+            for t in (x, w_gate_up, w_down, shared_gate_up, shared_down)
+        )
+        with torch.autocast(x.device.type, enabled=False):
+            return experts(x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up=shared_gate_up,
+                           shared_down=shared_down, group=group, config=config)
     config = DEFAULT_CONFIG if config is None else config
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a megamoe.MoEConfig or None, got {type(config).__name__}")
@@ -284,6 +319,7 @@ def experts(
     if backend_name == "reference":
         if world_size > 1:
             raise ValueError("MoEConfig.backend='reference' computes all experts in one process; it takes no group")
+        check_topk_ids(topk_ids, w_gate_up.shape[0])
         return reference.experts(
             x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up=shared_gate_up, shared_down=shared_down
         )

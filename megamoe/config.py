@@ -76,12 +76,15 @@ class MoEConfig:
         MEGAMOE_BACKEND, MEGAMOE_CAPACITY_FACTOR, MEGAMOE_BLOCK_M; keyword overrides win.
         """
         env: dict = {}
-        if ENV_PREFIX + "BACKEND" in os.environ:
-            env["backend"] = os.environ[ENV_PREFIX + "BACKEND"]
-        if ENV_PREFIX + "CAPACITY_FACTOR" in os.environ:
-            env["capacity_factor"] = float(os.environ[ENV_PREFIX + "CAPACITY_FACTOR"])
-        if ENV_PREFIX + "BLOCK_M" in os.environ:
-            env["block_m"] = int(os.environ[ENV_PREFIX + "BLOCK_M"])
+        for field, parse in (("backend", str), ("capacity_factor", float), ("block_m", int)):
+            name = ENV_PREFIX + field.upper()
+            if name in os.environ:
+                try:
+                    env[field] = parse(os.environ[name])
+                except ValueError:
+                    raise ValueError(
+                        f"{name} (MoEConfig.{field}) must be {parse.__name__}-valued, got {os.environ[name]!r}"
+                    ) from None
         env.update(overrides)
         return cls(**env)
 

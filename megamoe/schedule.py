@@ -60,6 +60,26 @@ class Schedule:
     overflow: torch.Tensor
 
 
+# The Schedule's tensor fields, in declaration order (what crosses torch.library op boundaries).
+SCHEDULE_TENSORS = (
+    "expert_counts", "expert_offsets", "row_src", "block_expert", "num_blocks", "dest_rank", "dest_row", "overflow",
+)
+
+
+def schedule_tensors(schedule: Schedule) -> list[torch.Tensor]:
+    return [getattr(schedule, name) for name in SCHEDULE_TENSORS]
+
+
+def schedule_from_tensors(tensors, *, num_experts: int, world_size: int, rank: int, block_m: int) -> Schedule:
+    """Rebuild a Schedule from schedule_tensors() (the integer fields follow from the shapes)."""
+    fields = dict(zip(SCHEDULE_TENSORS, tensors))
+    num_tokens, top_k = fields["dest_row"].shape
+    return Schedule(
+        num_experts=num_experts, num_local_experts=num_experts // world_size, world_size=world_size, rank=rank,
+        num_tokens=num_tokens, top_k=top_k, block_m=block_m, num_rows=fields["row_src"].numel(), **fields,
+    )
+
+
 def receive_rows(
     num_tokens: int,
     top_k: int,
@@ -159,7 +179,8 @@ def build_schedule(
         import torch.distributed as dist
 
         gathered = torch.empty(world_size * num_tokens, top_k, dtype=torch.int32, device=device)
-        dist.all_gather_into_tensor(gathered, ids, group=group)
+        # all_gather_single is the newer name (torch >= 2.13) of all_gather_into_tensor.
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, ids, group=group)
         ids = gathered
     flat = ids.reshape(-1).to(torch.int64)  # [W*T*k], index = flat source index
     num_pairs = flat.numel()

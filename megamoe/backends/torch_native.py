@@ -196,7 +196,7 @@ def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
     ends = schedule.expert_offsets[1:]
     x_rows = to_rows(x, schedule, group, per_token=True)
     gate_up, y_rows = rows_fwd(x_rows, w_gate_up, w_down, ends)
-    y_pairs = to_pairs(y_rows, schedule, group).view(schedule.num_tokens, schedule.top_k, -1)
+    y_pairs = to_pairs(y_rows, schedule, group).view(schedule.num_tokens, schedule.top_k, x.shape[1])
     out = slot_sum(y_pairs, topk_weights)
     if shared_gate_up is not None:
         out = out + shared_fwd(x, shared_gate_up, shared_down)
@@ -227,7 +227,7 @@ def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, share
     weight_rows = to_rows(topk_weights.reshape(-1), schedule, group, per_token=False)
     d_y_rows = weighted_rows(to_rows(d_out, schedule, group, per_token=True), weight_rows)
     d_x_rows, d_w_gate_up, d_w_down = rows_bwd(d_y_rows, x_rows, gate_up, w_gate_up, w_down, ends)
-    d_x = slot_sum(to_pairs(d_x_rows, schedule, group).view(schedule.num_tokens, schedule.top_k, -1), None)
+    d_x = slot_sum(to_pairs(d_x_rows, schedule, group).view(schedule.num_tokens, schedule.top_k, x.shape[1]), None)
     d_shared_gate_up = d_shared_down = None
     if shared_gate_up is not None:
         d_x_shared, d_shared_gate_up, d_shared_down = shared_bwd(d_out, x, shared_gate_up, shared_down)

@@ -72,12 +72,18 @@ def run_ep(ids, p, d_out, rank, world, tokens, experts, config, dtype=torch.bflo
 
 
 def check_budget(tag, ours, ref64, ref_low):
+    """Relative error <= 2x (the bf16 reference's + one bf16 ulp / sqrt(n)) + 1e-5 (see test_triton_gpu.py).
+    Shared-expert weights see every rank's tokens in the reference: their per-rank grads are summed first."""
     for name in ref64:
+        got = ours[name].double()
+        if name.startswith("d_shared"):
+            dist.all_reduce(got)
         r = ref64[name].double()
-        err = ((ours[name].double() - r).norm() / r.norm().clamp_min(1e-30)).item()
+        err = ((got - r).norm() / r.norm().clamp_min(1e-30)).item()
         base = ((ref_low[name].double() - r).norm() / r.norm().clamp_min(1e-30)).item()
-        if not torch.isfinite(ours[name]).all() or err > 2 * base + 1e-5:
-            raise AssertionError(f"{tag}: {name} rel err {err:.3e} > budget 2*{base:.3e}+1e-5")
+        budget = 2 * (base + 2.0**-8 / r.numel() ** 0.5) + 1e-5
+        if not torch.isfinite(got).all() or err > budget:
+            raise AssertionError(f"{tag}: {name} rel err {err:.3e} > budget {budget:.3e} (bf16 reference {base:.3e})")
 
 
 def check_bitwise(tag, a, b):

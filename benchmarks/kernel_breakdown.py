@@ -1,0 +1,89 @@
+"""Per-kernel times of the fused one-GPU path (CUDA events via triton.testing.do_bench, median).
+
+Usage: python benchmarks/kernel_breakdown.py [--workload NAME ...] [--json PATH]
+Prints, per kernel, ms and TFLOP/s (GEMMs) or GB/s (memory-bound kernels), and the fwd/bwd sums, so
+docs/perf-notes.md can say where the time goes. Balanced routing, bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+
+from megamoe.backends.triton import kernels
+from megamoe.backends.triton.configs import block_m_for, kernel_configs
+from megamoe.bench.workloads import WORKLOADS
+from megamoe.schedule import build_schedule
+
+
+def breakdown(name: str, tokens: int | None, experts_cap: int | None) -> list[dict]:
+    w = WORKLOADS[name]
+    T = tokens or w.tokens_per_gpu
+    H, I, k = w.hidden, w.intermediate, w.top_k
+    E = min(w.num_experts, experts_cap or w.one_gpu_experts or w.num_experts)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(T, H, device=dev, generator=g).to(dt)
+    ids = torch.rand(T, E, device=dev, generator=g).topk(k, dim=-1).indices
+    tw = torch.rand(T, k, device=dev, generator=g).softmax(-1)
+    wgu = (torch.randn(E, 2 * I, H, device=dev, generator=g) * H**-0.5).to(dt)
+    wd = (torch.randn(E, H, I, device=dev, generator=g) * I**-0.5).to(dt)
+    d_out = torch.randn(T, H, device=dev, generator=g).to(dt)
+    bm = block_m_for(H, I, dt)
+    s = build_schedule(ids, E, block_m=bm)
+    cfg = kernel_configs(H, I, dt, dev, bm)
+    h, gate_up = kernels.gate_up_fwd(x, wgu, s.row_src, s.block_expert, s.num_blocks, k, store_gate_up=True, config=cfg.gate_up_fwd)
+    y = kernels.down_fwd(h, wd, s.row_src, s.block_expert, s.num_blocks, T * k, config=cfg.down_fwd)
+    d_gu = kernels.down_dgrad(d_out, tw, wd, gate_up, s.row_src, s.block_expert, s.num_blocks, config=cfg.down_dgrad)
+    d_xp = kernels.gate_up_dgrad(d_gu, wgu, s.row_src, s.block_expert, s.num_blocks, T * k, config=cfg.gate_up_dgrad)
+    pairs = T * k
+    gemm = 2 * pairs * H * I  # one GEMM of the three (gate and up count as two)
+    steps = {
+        "schedule": (lambda: build_schedule(ids, E, block_m=bm), 0, 0, "fwd"),
+        "gate_up_fwd": (lambda: kernels.gate_up_fwd(x, wgu, s.row_src, s.block_expert, s.num_blocks, k, store_gate_up=True, config=cfg.gate_up_fwd), 2 * gemm, 0, "fwd"),
+        "down_fwd": (lambda: kernels.down_fwd(h, wd, s.row_src, s.block_expert, s.num_blocks, pairs, config=cfg.down_fwd), gemm, 0, "fwd"),
+        "combine": (lambda: kernels.combine(y, tw, s.dest_row, None, config=cfg.combine), 0, 2 * pairs * H + 2 * T * H, "fwd"),
+        "combine_bwd": (lambda: kernels.combine_bwd(d_out, y, s.dest_row, config=cfg.combine), 0, 2 * pairs * H + 2 * T * H, "bwd"),
+        "down_dgrad": (lambda: kernels.down_dgrad(d_out, tw, wd, gate_up, s.row_src, s.block_expert, s.num_blocks, config=cfg.down_dgrad), gemm, 0, "bwd"),
+        "gate_up_dgrad": (lambda: kernels.gate_up_dgrad(d_gu, wgu, s.row_src, s.block_expert, s.num_blocks, pairs, config=cfg.gate_up_dgrad), 2 * gemm, 0, "bwd"),
+        "dw_down": (lambda: kernels.dw_down(d_out, tw, h, s.row_src, s.expert_offsets, E, config=cfg.dw_down), gemm, 0, "bwd"),
+        "dw_gate_up": (lambda: kernels.dw_gate_up(d_gu, x, s.row_src, s.expert_offsets, E, k, config=cfg.dw_gate_up), 2 * gemm, 0, "bwd"),
+        "combine_dx": (lambda: kernels.combine(d_xp, None, s.dest_row, None, config=cfg.combine), 0, 2 * pairs * H + 2 * T * H, "bwd"),
+    }
+    records = []
+    for kernel, (fn, flops, nbytes, phase) in steps.items():
+        ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        records.append({"workload": name, "tokens": T, "experts": E, "kernel": kernel, "phase": phase, "ms": ms,
+                        "tflops": flops / ms / 1e9 if flops else None, "gbps": nbytes / ms / 1e6 if nbytes else None})
+    return records
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", action="append", default=None)
+    parser.add_argument("--tokens", type=int, default=None)
+    parser.add_argument("--experts-per-gpu", type=int, default=None)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    records = []
+    for name in args.workload or ["qwen3-30b-a3b", "qwen3-235b-a22b"]:
+        records += breakdown(name, args.tokens, args.experts_per_gpu)
+    print(f"{'workload':16} {'kernel':14} {'ms':>8} {'TFLOP/s':>8} {'GB/s':>8}")
+    for r in records:
+        tf = f"{r['tflops']:.0f}" if r["tflops"] else ""
+        gb = f"{r['gbps']:.0f}" if r["gbps"] else ""
+        print(f"{r['workload']:16} {r['kernel']:14} {r['ms']:8.3f} {tf:>8} {gb:>8}")
+    for name in dict.fromkeys(r["workload"] for r in records):
+        for phase in ("fwd", "bwd"):
+            total = sum(r["ms"] for r in records if r["workload"] == name and r["phase"] == phase)
+            print(f"{name:16} {phase + ' total':14} {total:8.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""`python -m megamoe COMMAND`: command-line tools (bench: BENCHMARKS.md). Run under torchrun for expert parallelism."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megamoe.bench.run import DTYPES, run_bench
+from megamoe.bench.workloads import WORKLOADS
+from megamoe.config import BACKENDS
+
+TIMED_BACKENDS = tuple(b for b in BACKENDS if b != "auto")
+
+
+def _names(values: list[str] | None, allowed, option: str, parser: argparse.ArgumentParser) -> list[str] | None:
+    """Flatten repeated and comma-separated values, checking each against allowed."""
+    if values is None:
+        return None
+    names = [name for value in values for name in value.split(",") if name]
+    for name in names:
+        if name not in allowed:
+            parser.error(f"{option}: unknown {name!r}; choose from {', '.join(allowed)}")
+    return names
+
+
+def _add_bench(commands) -> argparse.ArgumentParser:
+    bench = commands.add_parser(
+        "bench",
+        help="time megamoe's backends against the torch-native baseline",
+        description="Gate each backend against megamoe.reference, then time fwd and fwd+bwd (BENCHMARKS.md). "
+        "Under `torchrun --nproc-per-node=N` the N ranks form one expert-parallel group.",
+    )
+    bench.add_argument(
+        "--workload", action="append", metavar="NAME",
+        help=f"repeatable or comma list of {', '.join(WORKLOADS)} (default: the six models on a GPU, cpu-small on CPU)",
+    )
+    bench.add_argument(
+        "--backend", action="append", metavar="NAME",
+        help=f"repeatable or comma list of {', '.join(TIMED_BACKENDS)} "
+        "(default: all that run here; torch always runs, as the baseline)",
+    )
+    bench.add_argument("--tokens", type=int, metavar="N", help="tokens per GPU (default: the workload's)")
+    bench.add_argument("--routing", choices=("balanced", "skewed", "both"), default="both")
+    bench.add_argument("--iters", type=int, help="timed iterations (default: 20 on a GPU, 5 on CPU)")
+    bench.add_argument("--warmup", type=int, help="untimed iterations first (default: 5 on a GPU, 2 on CPU)")
+    bench.add_argument("--dtype", choices=tuple(DTYPES), help="default: bf16 on a GPU, fp32 on CPU")
+    bench.add_argument(
+        "--experts-per-gpu", type=int, metavar="N",
+        help="cap on experts per GPU (default: deepseek-v3 and kimi-k2 keep 32 on one GPU); "
+        "a workload is also halved until it fits the free GPU memory",
+    )
+    bench.add_argument("--json", metavar="PATH", help="write the results as a JSON list of records")
+    return bench
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megamoe", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    bench = _add_bench(commands)
+    args = parser.parse_args(argv)
+
+    if args.command == "bench":
+        for option in ("tokens", "iters", "experts_per_gpu"):
+            value = getattr(args, option)
+            if value is not None and value < 1:
+                bench.error(f"--{option.replace('_', '-')} must be >= 1, got {value}")
+        if args.warmup is not None and args.warmup < 0:
+            bench.error(f"--warmup must be >= 0, got {args.warmup}")
+        return run_bench(
+            workloads=_names(args.workload, WORKLOADS, "--workload", bench),
+            backends=_names(args.backend, TIMED_BACKENDS, "--backend", bench),
+            routing=args.routing,
+            tokens=args.tokens,
+            iters=args.iters,
+            warmup=args.warmup,
+            dtype=args.dtype,
+            experts_per_gpu=args.experts_per_gpu,
+            json_path=args.json,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Timing (median over iterations of the max over ranks), the bf16 matmul ceiling, and git/version facts."""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+CEILING_SIZE = 8192
+
+
+def reduce_over_ranks(values: list[float], op, device: torch.device, group) -> list[float]:
+    """Element-wise op (dist.ReduceOp.MAX, MIN, SUM) of values over the ranks of group (values without a group)."""
+    if group is None:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op, group=group)
+    return t.tolist()
+
+
+def median_ms(step, *, iters: int, warmup: int, device: torch.device, group=None) -> float:
+    """Median over iters timed calls step(i) (after warmup untimed ones) of each call's time in ms, each
+    the max over the ranks of group. CUDA events on GPUs, time.perf_counter on CPU."""
+    for i in range(warmup):
+        step(i)
+    on_gpu = device.type == "cuda"
+    times_ms = []
+    if on_gpu:
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for i in range(iters):
+        if group is not None:
+            # Start every rank's iteration together, so the max over ranks is the iteration's time.
+            dist.all_reduce(torch.zeros(1, device=device), group=group)
+        if on_gpu:
+            events[i][0].record()
+            step(warmup + i)
+            events[i][1].record()
+        else:
+            start = time.perf_counter()
+            step(warmup + i)
+            times_ms.append((time.perf_counter() - start) * 1e3)
+    if on_gpu:
+        torch.cuda.synchronize(device)
+        times_ms = [start.elapsed_time(end) for start, end in events]
+    return statistics.median(reduce_over_ranks(times_ms, dist.ReduceOp.MAX, device, group))
+
+
+def matmul_ceiling_tflops(device: torch.device) -> float:
+    """TFLOP/s of an 8192^3 bf16 matmul on this GPU: the denominator of MFU."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    a, b = (
+        torch.randn(CEILING_SIZE, CEILING_SIZE, generator=generator, device=device, dtype=torch.bfloat16)
+        for _ in range(2)
+    )
+    ms = median_ms(lambda i: a @ b, iters=20, warmup=5, device=device)
+    return 2 * CEILING_SIZE**3 / ms / 1e9
+
+
+def git_commit() -> str:
+    """HEAD of the checkout megamoe runs from, or "unknown"."""
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return done.stdout.strip() if done.returncode == 0 else "unknown"

@@ -1,0 +1,212 @@
+"""`python -m megamoe bench`: every (workload, routing, backend, pass) gated, timed, printed and written as JSON.
+
+Passes: "fwd" is the forward of a training step (x, topk_weights and the weights require grad, so autograd
+keeps what the backward needs); "fwd+bwd" adds autograd.grad of sum(out * d_out) for all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import megamoe
+from megamoe.bench.gate import gate_backends, unavailable_reason
+from megamoe.bench.measure import git_commit, matmul_ceiling_tflops, median_ms, reduce_over_ranks
+from megamoe.bench.problem import forward_backward, forward_TH, make_tokens, make_weights
+from megamoe.bench.routing import ROUTINGS, expert_load_E
+from megamoe.bench.workloads import (
+    CPU_WORKLOADS, GPU_WORKLOADS, NUM_INPUT_SETS, PASSES, WORKLOADS, choose_experts_per_gpu, layer_flops,
+)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+BASELINE = "torch"
+TOKEN_SEED = 10_000  # + rank: every rank routes its own tokens
+RECORD_FIELDS = (
+    "workload", "backend", "pass", "routing", "ep", "tokens", "experts_per_gpu", "ms", "tflops", "mfu",
+    "ceiling_tflops", "peak_mem_bytes", "gpu", "torch", "triton", "commit",
+)  # BENCHMARKS.md
+
+
+def init_distributed() -> tuple[object, torch.device]:
+    """(EP group or None, this rank's device). Under torchrun the group is the whole world: nccl with one
+    GPU per local rank, or gloo on CPU."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return None, device
+    if device.type == "cuda":
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    return dist.group.WORLD, device
+
+
+def default_backends(device: torch.device, group) -> list[str]:
+    return [b for b in ("torch", "triton") if not unavailable_reason(b, device, group)]
+
+
+def triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+def time_pass(w, backend, pass_name, weights, token_sets, *, iters, warmup, ceiling, device, group) -> dict:
+    """ms, tflops, mfu and peak_mem_bytes of one backend and pass, rotating through token_sets."""
+    config = megamoe.MoEConfig(backend=backend)
+    run = forward_TH if pass_name == "fwd" else forward_backward
+
+    def step(i):
+        run(megamoe.experts, weights, token_sets[i % len(token_sets)], group=group, config=config)
+
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    ms = median_ms(step, iters=iters, warmup=warmup, device=device, group=group)
+    tflops = layer_flops(w, token_sets[0].x_TH.shape[0], pass_name) / ms / 1e9
+    peak = None
+    if on_gpu:
+        peak = int(reduce_over_ranks([torch.cuda.max_memory_allocated(device)], dist.ReduceOp.MAX, device, group)[0])
+    return {"ms": ms, "tflops": tflops, "mfu": tflops / ceiling if ceiling else None, "peak_mem_bytes": peak}
+
+
+def run_bench(
+    *,
+    workloads: list[str] | None,
+    backends: list[str] | None,
+    routing: str,
+    tokens: int | None,
+    iters: int | None,
+    warmup: int | None,
+    dtype: str | None,
+    experts_per_gpu: int | None,
+    json_path: str | None,
+) -> int:
+    """Run the benchmark; rank 0 prints the table and writes JSON. Returns 1 if a backend failed its gate."""
+    group, device = init_distributed()
+    world_size, rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+    on_gpu = device.type == "cuda"
+    workloads = workloads or list(GPU_WORKLOADS if on_gpu else CPU_WORKLOADS)
+    backends = [BASELINE] + [b for b in (backends or default_backends(device, group)) if b != BASELINE]
+    routings = ROUTINGS if routing == "both" else (routing,)
+    dtype_name = dtype or ("bf16" if on_gpu else "fp32")
+    dtype = DTYPES[dtype_name]
+    iters = iters or (20 if on_gpu else 5)
+    warmup = warmup if warmup is not None else (5 if on_gpu else 2)
+
+    facts = {
+        "gpu": torch.cuda.get_device_name(device) if on_gpu else "cpu",
+        "torch": torch.__version__,
+        "triton": triton_version(),
+        "commit": git_commit(),
+    }
+    ceiling = matmul_ceiling_tflops(device) if on_gpu else None
+    rows, notes = [], []
+    progress = tqdm(
+        total=len(workloads) * len(routings) * len(backends) * len(PASSES), file=sys.stderr, disable=rank != 0
+    )
+    for name in workloads:
+        w = WORKLOADS[name]
+        num_tokens = tokens or w.tokens_per_gpu
+        free = None
+        if on_gpu:
+            free = int(reduce_over_ranks([torch.cuda.mem_get_info(device)[0]], dist.ReduceOp.MIN, device, group)[0])
+        n_local, why = choose_experts_per_gpu(w, num_tokens, world_size, dtype.itemsize, experts_per_gpu, free)
+        num_experts = n_local * world_size
+        if why:
+            notes.append(f"{name}: {n_local} of {w.num_experts // world_size} experts per GPU ({why})")
+        weights = make_weights(w, range(rank * n_local, (rank + 1) * n_local), dtype, device)
+        for routing_name in routings:
+            # The same seed for both routings: the same x, and the same scores before the skew.
+            generator = torch.Generator(device=device).manual_seed(TOKEN_SEED + rank)
+            token_sets = [
+                make_tokens(w, num_tokens, num_experts, routing_name, dtype, generator) for _ in range(NUM_INPUT_SETS)
+            ]
+            load_E = expert_load_E(token_sets[0].topk_ids_TK, num_experts).tolist()
+            load_E = reduce_over_ranks(load_E, dist.ReduceOp.SUM, device, group)
+            load = max(load_E) / (sum(load_E) / num_experts)
+            # Gate every backend before timing any, so the gate's tensors are gone from the peak memory.
+            gates = gate_backends(w, backends, routing_name, n_local, num_tokens, dtype, device, group)
+            for backend in backends:
+                status, detail = gates[backend]
+                for pass_name in PASSES:
+                    progress.set_description(f"{name} {routing_name} {backend} {pass_name}")
+                    row = {
+                        "workload": name, "backend": backend, "pass": pass_name, "routing": routing_name,
+                        "ep": world_size, "tokens": num_tokens, "experts_per_gpu": n_local, "ms": None,
+                        "tflops": None, "mfu": None, "ceiling_tflops": ceiling, "peak_mem_bytes": None,
+                        **facts, "status": status, "detail": detail, "load": load,
+                    }
+                    if status == "ok":
+                        row.update(time_pass(
+                            w, backend, pass_name, weights, token_sets,
+                            iters=iters, warmup=warmup, ceiling=ceiling, device=device, group=group,
+                        ))
+                    rows.append(row)
+                    progress.update()
+            del token_sets
+        del weights
+        if on_gpu:
+            torch.cuda.empty_cache()
+    progress.close()
+
+    if rank == 0:
+        title = (
+            f"megamoe bench: {facts['gpu']}, ep={world_size}, {dtype_name}, median of {iters} iterations after "
+            f"{warmup} warm-up, torch {facts['torch']}, triton {facts['triton']}, commit {facts['commit'][:12]}"
+        )
+        if ceiling:
+            notes.insert(0, f"bf16 matmul ceiling (8192^3): {ceiling:.0f} TFLOP/s")
+        report(title, notes, rows, on_gpu, json_path)
+    if group is not None:
+        dist.destroy_process_group()
+    return int(any(row["status"] == "FAILED" for row in rows))
+
+
+def report(title: str, notes: list[str], rows: list[dict], on_gpu: bool, json_path: str | None) -> None:
+    """Print the table (and why a backend did not run); write the measured rows as JSON records."""
+    print(title)
+    for note in notes:
+        print(f"note: {note}")
+    print(format_table(rows, on_gpu))
+    for row in rows:
+        if row["status"] != "ok" and row["pass"] == PASSES[0]:
+            print(f"{row['status']}: {row['workload']} {row['routing']} {row['backend']}: {row['detail']}")
+    if json_path:
+        records = [{k: row[k] for k in RECORD_FIELDS} for row in rows if row["status"] == "ok"]
+        with open(json_path, "w") as f:
+            json.dump(records, f, indent=1)
+        print(f"wrote {len(records)} records to {json_path}")
+
+
+def format_table(rows: list[dict], on_gpu: bool) -> str:
+    """One line per row: times, rates and the speed-up over the torch-native baseline on the same inputs."""
+    baseline_ms = {
+        (r["workload"], r["routing"], r["pass"]): r["ms"] for r in rows if r["backend"] == BASELINE and r["ms"]
+    }
+    header = ["workload", "E/GPU", "routing", "max/mean load", "backend", "pass", "ms", "TFLOP/s"]
+    header += ["MFU", "peak mem"] if on_gpu else []
+    header += [f"vs {BASELINE}"]
+    lines = [header]
+    for r in rows:
+        line = [r["workload"], str(r["experts_per_gpu"]), r["routing"], f"{r['load']:.2f}", r["backend"], r["pass"]]
+        if r["ms"] is None:
+            lines.append(line + [r["status"]] + ["-"] * (len(header) - len(line) - 1))
+            continue
+        line += [f"{r['ms']:.3f}", f"{r['tflops']:.2f}"]
+        line += [f"{r['mfu']:.1%}", f"{r['peak_mem_bytes'] / 2**30:.2f} GiB"] if on_gpu else []
+        base = baseline_ms.get((r["workload"], r["routing"], r["pass"]))
+        line += [f"{base / r['ms']:.2f}x" if base else "-"]
+        lines.append(line)
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines)

@@ -1,0 +1,134 @@
+"""The benchmark harness (megamoe.bench, `python -m megamoe bench`): FLOPs, routing, gate, JSON records, EP runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import megamoe
+from megamoe.__main__ import main
+from megamoe.bench.gate import gate_backends
+from megamoe.bench.routing import expert_load_E, route
+from megamoe.bench.run import RECORD_FIELDS
+from megamoe.bench.workloads import WORKLOADS, choose_experts_per_gpu, footprint_bytes, layer_flops
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_RUN = ["bench", "--workload", "cpu-small", "--tokens", "64", "--iters", "2", "--warmup", "1"]
+
+
+def test_layer_flops_counts_as_benchmarks_md():
+    w = WORKLOADS["deepseek-v3"]  # H 7168, I 2048, k 8, shared I 2048
+    fwd = 6 * 8192 * 8 * 7168 * 2048 + 6 * 8192 * 7168 * 2048
+    assert layer_flops(w, 8192, "fwd") == fwd
+    assert layer_flops(w, 8192, "fwd+bwd") == 3 * fwd
+    assert layer_flops(WORKLOADS["mixtral-8x7b"], 10, "fwd") == 6 * 10 * 2 * 4096 * 14336
+    with pytest.raises(ValueError, match="pass_name"):
+        layer_flops(w, 1, "bwd")
+
+
+def test_workload_table_matches_benchmarks_md():
+    rows = {name: (w.hidden, w.intermediate, w.num_experts, w.top_k, w.shared_intermediate, w.tokens_per_gpu)
+            for name, w in WORKLOADS.items()}  # fmt: skip
+    assert rows == {
+        "qwen3-30b-a3b": (2048, 768, 128, 8, 0, 16384),
+        "qwen3-235b-a22b": (4096, 1536, 128, 8, 0, 16384),
+        "deepseek-v3": (7168, 2048, 256, 8, 2048, 8192),
+        "gpt-oss-120b": (2880, 2880, 128, 4, 0, 16384),
+        "mixtral-8x7b": (4096, 14336, 8, 2, 0, 8192),
+        "kimi-k2": (7168, 2048, 384, 8, 2048, 4096),
+        "cpu-small": (256, 128, 8, 2, 128, 512),
+    }
+
+
+def test_experts_per_gpu_cuts():
+    deepseek, qwen = WORKLOADS["deepseek-v3"], WORKLOADS["qwen3-30b-a3b"]
+    assert choose_experts_per_gpu(deepseek, 8192, 1, 2, None, None) == (32, "default cut on one GPU")
+    assert choose_experts_per_gpu(deepseek, 8192, 2, 2, None, None) == (128, "")
+    assert choose_experts_per_gpu(qwen, 16384, 1, 2, 16, None) == (16, "--experts-per-gpu 16")
+    free = int(footprint_bytes(qwen, 16384, 32, 1, 2) / 0.9) + 1  # fits 32 experts, not 64
+    n, why = choose_experts_per_gpu(qwen, 16384, 1, 2, None, free_bytes=free)
+    assert n == 32 and "GiB free" in why
+    with pytest.raises(ValueError, match="split evenly"):
+        choose_experts_per_gpu(WORKLOADS["cpu-small"], 64, 3, 4, None, None)
+
+
+def _check_distinct_per_token(topk_ids_TK: torch.Tensor) -> None:
+    sorted_ids, _ = topk_ids_TK.sort(dim=1)
+    assert (sorted_ids[:, 1:] != sorted_ids[:, :-1]).all(), "topk_ids: an expert repeats within a token"
+
+
+@pytest.mark.parametrize("routing", ["balanced", "skewed"])
+def test_routing_ids_and_weights(routing):
+    topk_ids_TK, topk_weights_TK = route(routing, 1024, 64, 8, torch.Generator().manual_seed(0))
+    assert topk_ids_TK.shape == (1024, 8) and topk_weights_TK.dtype == torch.float32
+    assert ((topk_ids_TK >= 0) & (topk_ids_TK < 64)).all(), "topk_ids: out of range"
+    _check_distinct_per_token(topk_ids_TK)
+    torch.testing.assert_close(topk_weights_TK.sum(dim=1), torch.ones(1024))
+
+
+def test_balanced_routing_loads_every_expert_near_the_mean():
+    load_E = expert_load_E(route("balanced", 4096, 64, 8, torch.Generator().manual_seed(0))[0], 64)
+    mean = 4096 * 8 / 64  # 512; binomial std ~21
+    assert load_E.min() >= 0.8 * mean and load_E.max() <= 1.2 * mean, f"load: {load_E.tolist()}"
+
+
+def test_skewed_routing_overloads_some_experts():
+    load_E = expert_load_E(route("skewed", 4096, 128, 8, torch.Generator().manual_seed(0))[0], 128).float()
+    assert load_E.max() / load_E.mean() > 8, f"load: {load_E.tolist()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gate_passes_torch_and_fails_a_wrong_backend(dtype, monkeypatch):
+    w, cpu = WORKLOADS["cpu-small"], torch.device("cpu")
+    gates = gate_backends(w, ["torch", "triton"], "skewed", 8, 64, dtype, cpu, group=None)
+    assert gates["torch"] == ("ok", "")
+    assert gates["triton"][0] == "unavailable"
+
+    experts = megamoe.experts
+    monkeypatch.setattr(megamoe, "experts", lambda *args, **kwargs: experts(*args, **kwargs) * 1.02)
+    status, detail = gate_backends(w, ["torch"], "skewed", 8, 64, dtype, cpu, group=None)["torch"]
+    assert status == "FAILED" and "out: rel err" in detail, detail
+
+
+def _bench(tmp_path: Path, launcher: list[str]) -> list[dict]:
+    path = tmp_path / "results.json"
+    done = subprocess.run(
+        [*launcher, "megamoe", *TINY_RUN, "--json", str(path)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "cpu-small" in done.stdout and "vs torch" in done.stdout, done.stdout
+    return json.loads(path.read_text())
+
+
+def _check_records(records: list[dict], ep: int) -> None:
+    assert {(r["routing"], r["pass"]) for r in records} == {
+        (routing, pass_name) for routing in ("balanced", "skewed") for pass_name in ("fwd", "fwd+bwd")
+    }
+    for r in records:
+        assert tuple(r) == RECORD_FIELDS
+        problem = (r["workload"], r["backend"], r["ep"], r["tokens"], r["experts_per_gpu"])
+        assert problem == ("cpu-small", "torch", ep, 64, 8 // ep)
+        assert r["ms"] > 0 and r["tflops"] > 0
+        assert r["gpu"] == "cpu" and r["mfu"] is None and r["peak_mem_bytes"] is None
+        assert r["torch"] == torch.__version__ and r["commit"]
+
+
+def test_cli_writes_json_records(tmp_path):
+    _check_records(_bench(tmp_path, [sys.executable, "-m"]), ep=1)
+
+
+def test_torchrun_two_ranks_gloo(tmp_path):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
+    _check_records(_bench(tmp_path, launcher), ep=2)
+
+
+@pytest.mark.parametrize("option, known", [("--workload", "cpu-small"), ("--backend", "torch")])
+def test_cli_rejects_unknown_names(option, known, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", option, f"{known},nope"])
+    assert exit_info.value.code == 2 and f"{option}: unknown 'nope'" in capsys.readouterr().err

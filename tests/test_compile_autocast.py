@@ -1,0 +1,46 @@
+"""torch.compile(fullgraph=True) over MoELayer (the custom ops and their fake impls) and torch.autocast."""
+
+import pytest
+import torch
+
+import megamoe
+
+
+def _layer(shared: int) -> megamoe.MoELayer:
+    torch.manual_seed(0)
+    return megamoe.MoELayer(32, 24, 6, 2, shared_intermediate_size=shared, config=megamoe.MoEConfig(backend="torch"))
+
+
+@pytest.mark.parametrize("shared", [0, 8], ids=["no-shared", "shared"])
+def test_compile_fullgraph_matches_eager(shared):
+    layer = _layer(shared)
+    x = torch.randn(2, 5, 32)
+    eager = layer(x)
+    eager_grads = torch.autograd.grad(eager.square().sum(), list(layer.parameters()))
+    compiled = torch.compile(layer, fullgraph=True)(x)
+    compiled_grads = torch.autograd.grad(compiled.square().sum(), list(layer.parameters()))
+    # The compiled router may fuse differently; the experts are the same ops.
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6, msg="out")
+    for (name, _), a, b in zip(layer.named_parameters(), compiled_grads, eager_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_autocast_bf16_casts_like_a_matmul():
+    layer = _layer(8)
+    x = torch.randn(7, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+    assert out.dtype == torch.bfloat16
+    out.float().square().sum().backward()
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and p.grad.dtype == torch.float32, name
+        assert p.grad.abs().sum() > 0, name
+    # Same as running the layer on bf16 copies of its weights, without autocast.
+    bf16 = _layer(8).to(torch.bfloat16)
+    bf16.router.to(torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        topk_ids, topk_weights, _ = layer.route(x)
+    want = megamoe.experts(x.bfloat16(), topk_ids, topk_weights, bf16.w_gate_up, bf16.w_down,
+                           shared_gate_up=bf16.shared_gate_up, shared_down=bf16.shared_down,
+                           config=megamoe.MoEConfig(backend="torch"))
+    assert torch.equal(out, want), "autocast output differs from explicit bf16"

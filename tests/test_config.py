@@ -1,0 +1,136 @@
+"""MoEConfig: every invalid field raises naming the field (and the value given); from_env reads MEGAMOE_*."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from megamoe import MoEConfig
+
+INVALID = [
+    ("backend", "cuda", ValueError),
+    ("backend", "Torch", ValueError),
+    ("backend", None, ValueError),
+    ("capacity_factor", 0, ValueError),
+    ("capacity_factor", -1.5, ValueError),
+    ("capacity_factor", float("nan"), ValueError),
+    ("capacity_factor", "1.0", TypeError),
+    ("capacity_factor", True, TypeError),
+    ("block_m", 0, ValueError),
+    ("block_m", 3, ValueError),
+    ("block_m", 48, ValueError),
+    ("block_m", 2048, ValueError),
+    ("block_m", -16, ValueError),
+    ("block_m", 16.0, ValueError),
+    ("block_m", True, ValueError),
+    ("num_comm_sms", 0, ValueError),
+    ("num_comm_sms", -4, ValueError),
+    ("num_comm_sms", 2.5, ValueError),
+    ("num_comm_sms", True, ValueError),
+    ("minibatch_tokens", 0, ValueError),
+    ("minibatch_tokens", "64", ValueError),
+    ("minibatch_tokens", False, ValueError),
+    ("dispatch", "pushpull", ValueError),
+    ("dispatch", None, ValueError),
+    ("combine", "PULL", ValueError),
+    ("comm_timeout_ms", 0, ValueError),
+    ("comm_timeout_ms", -1, ValueError),
+    ("comm_timeout_ms", 1.5, ValueError),
+    ("comm_timeout_ms", None, ValueError),
+]
+
+
+@pytest.mark.parametrize("field,value,exc", INVALID, ids=[f"{f}={v!r}" for f, v, _ in INVALID])
+def test_invalid_field(field, value, exc):
+    if field not in {f.name for f in dataclasses.fields(MoEConfig)}:
+        pytest.fail(f"MoEConfig has no field {field!r}")
+    with pytest.raises(exc) as info:
+        MoEConfig(**{field: value})
+    message = str(info.value)
+    assert re.search(rf"\b{field}\b", message), f"message does not name {field!r}: {message}"
+    shown = type(value).__name__ if exc is TypeError else repr(value) if isinstance(value, str) else str(value)
+    assert shown in message or repr(value) in message, f"message does not show the value {value!r}: {message}"
+
+
+VALID = [
+    ("backend", "auto"), ("backend", "reference"), ("backend", "torch"), ("backend", "triton"),
+    ("capacity_factor", None), ("capacity_factor", 1), ("capacity_factor", 0.01), ("capacity_factor", 8.0),
+    ("block_m", None), ("block_m", 1), ("block_m", 64), ("block_m", 1024),
+    ("num_comm_sms", 1), ("minibatch_tokens", 4096),
+    ("dispatch", "pull"), ("dispatch", "push"), ("combine", "push"), ("combine", "auto"),
+    ("comm_timeout_ms", 1),
+]
+
+
+@pytest.mark.parametrize("field,value", VALID, ids=[f"{f}={v!r}" for f, v in VALID])
+def test_valid_field(field, value):
+    assert getattr(MoEConfig(**{field: value}), field) == value
+
+
+def test_defaults_are_dropless_and_auto():
+    config = MoEConfig()
+    assert (config.backend, config.capacity_factor, config.block_m, config.dispatch, config.combine) == (
+        "auto", None, None, "auto", "auto"
+    )
+
+
+def test_frozen_and_hashable():
+    config = MoEConfig(block_m=16)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.block_m = 32
+    assert hash(config) == hash(MoEConfig(block_m=16)) and config == MoEConfig(block_m=16)
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("MEGAMOE_"):
+            monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def test_from_env_reads_megamoe_vars(clean_env):
+    clean_env.setenv("MEGAMOE_BACKEND", "torch")
+    clean_env.setenv("MEGAMOE_CAPACITY_FACTOR", "1.5")
+    clean_env.setenv("MEGAMOE_BLOCK_M", "32")
+    config = MoEConfig.from_env()
+    assert (config.backend, config.capacity_factor, config.block_m) == ("torch", 1.5, 32)
+    assert isinstance(config.block_m, int) and isinstance(config.capacity_factor, float)
+
+
+def test_from_env_overrides_win(clean_env):
+    clean_env.setenv("MEGAMOE_BACKEND", "torch")
+    clean_env.setenv("MEGAMOE_BLOCK_M", "32")
+    config = MoEConfig.from_env(block_m=8, dispatch="push")
+    assert (config.backend, config.block_m, config.dispatch) == ("torch", 8, "push")
+
+
+def test_from_env_without_vars_is_default(clean_env):
+    assert MoEConfig.from_env() == MoEConfig()
+
+
+def test_env_is_read_only_by_from_env(clean_env):
+    """No hidden global state: a plain MoEConfig() ignores MEGAMOE_* variables."""
+    clean_env.setenv("MEGAMOE_BACKEND", "reference")
+    clean_env.setenv("MEGAMOE_BLOCK_M", "4")
+    assert MoEConfig() == MoEConfig(backend="auto", block_m=None)
+
+
+@pytest.mark.parametrize(
+    "var,value,field",
+    [("MEGAMOE_BACKEND", "gpu", "backend"), ("MEGAMOE_BLOCK_M", "3", "block_m"),
+     ("MEGAMOE_CAPACITY_FACTOR", "-1", "capacity_factor"),
+     ("MEGAMOE_BLOCK_M", "sixteen", "block_m"), ("MEGAMOE_CAPACITY_FACTOR", "lots", "capacity_factor")],
+    ids=["backend-gpu", "block_m-3", "capacity-negative", "block_m-not-a-number", "capacity-not-a-number"],
+)
+def test_from_env_invalid_value_names_it(clean_env, var, value, field):
+    """A bad environment value raises a ValueError that names the variable or the field it feeds."""
+    clean_env.setenv(var, value)
+    with pytest.raises(ValueError) as info:
+        MoEConfig.from_env()
+    message = str(info.value)
+    assert var in message or re.search(rf"\b{field}\b", message), f"message names neither {var} nor {field}: {message}"

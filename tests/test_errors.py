@@ -1,0 +1,294 @@
+"""Bad input raises clear errors naming the argument; odd-but-valid input (strided views) is accepted and
+correct; inputs are never modified; capacity overflow raises CapacityOverflowError on CPU."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import megamoe
+from megamoe import CapacityOverflowError, MoEConfig, MoELayer, build_schedule
+from conftest import assert_close_tight, assert_equal, make_problem, run_experts
+
+T, H, I, E, K, IS = 6, 8, 4, 4, 2, 4
+BACKENDS = pytest.mark.parametrize("backend", ["torch", "reference"])
+
+
+def args(gen, dtype=torch.float32):
+    """Valid keyword arguments of megamoe.experts (with a shared expert)."""
+    p = make_problem(gen, T, H, I, E, K, shared_intermediate=IS).cast(dtype)
+    return dict(x=p.x, topk_ids=p.topk_ids, topk_weights=p.topk_weights, w_gate_up=p.w_gate_up, w_down=p.w_down,
+                shared_gate_up=p.shared_gate_up, shared_down=p.shared_down)
+
+
+def call(kw, backend="torch"):
+    kw = dict(kw)
+    return megamoe.experts(kw.pop("x"), kw.pop("topk_ids"), kw.pop("topk_weights"), kw.pop("w_gate_up"),
+                           kw.pop("w_down"), config=MoEConfig(backend=backend), **kw)
+
+
+def expect(exc, name, kw, backend="torch"):
+    with pytest.raises(exc) as info:
+        call(kw, backend)
+    assert re.search(rf"\b{name}\b", str(info.value)), f"message does not name {name!r}: {info.value}"
+
+
+BAD_SHAPES = {
+    # case: (argument, valid kwargs -> bad value); each must raise a ValueError naming the argument
+    "x-rank1": ("x", lambda a: a["x"][0]),
+    "x-rank3": ("x", lambda a: a["x"].unsqueeze(0)),
+    "topk_ids-rank1": ("topk_ids", lambda a: a["topk_ids"][:, 0]),
+    "topk_ids-rank3": ("topk_ids", lambda a: a["topk_ids"].unsqueeze(0)),
+    "topk_ids-T-mismatch": ("topk_ids", lambda a: a["topk_ids"][:-1]),
+    "topk_ids-k0": ("topk_ids", lambda a: a["topk_ids"][:, :0]),
+    "topk_weights-rank1": ("topk_weights", lambda a: a["topk_weights"][:, 0]),
+    "topk_weights-k-mismatch": ("topk_weights", lambda a: a["topk_weights"][:, :1]),
+    "w_gate_up-rank2": ("w_gate_up", lambda a: a["w_gate_up"][0]),
+    "w_gate_up-H-mismatch": ("w_gate_up", lambda a: a["w_gate_up"][:, :, :-1]),
+    "w_gate_up-odd-2I": ("w_gate_up", lambda a: a["w_gate_up"][:, :-1]),
+    "w_down-rank2": ("w_down", lambda a: a["w_down"][0]),
+    "w_down-I-mismatch": ("w_down", lambda a: a["w_down"][:, :, :-1]),
+    "w_down-H-mismatch": ("w_down", lambda a: a["w_down"][:, :-1]),
+    "w_down-E-mismatch": ("w_down", lambda a: a["w_down"][:-1]),
+    "shared_gate_up-rank3": ("shared_gate_up", lambda a: a["shared_gate_up"].unsqueeze(0)),
+    "shared_gate_up-H-mismatch": ("shared_gate_up", lambda a: a["shared_gate_up"][:, :-1]),
+    "shared_gate_up-odd": ("shared_gate_up", lambda a: a["shared_gate_up"][:-1]),
+    "shared_down-rank1": ("shared_down", lambda a: a["shared_down"][0]),
+    "shared_down-I-mismatch": ("shared_down", lambda a: a["shared_down"][:, :-1]),
+    "shared_down-H-mismatch": ("shared_down", lambda a: a["shared_down"][:-1]),
+}
+
+
+@BACKENDS
+@pytest.mark.parametrize("case", list(BAD_SHAPES), ids=list(BAD_SHAPES))
+def test_bad_shape(rng, case, backend):
+    name, bad = BAD_SHAPES[case]
+    kw = args(rng)
+    kw[name] = bad(kw)
+    expect(ValueError, name, kw, backend)
+
+
+BAD_DTYPES = {
+    "x-int": ("x", lambda a: a["x"].to(torch.int32), TypeError),
+    "x-bool": ("x", lambda a: a["x"] > 0, TypeError),
+    "w_gate_up-vs-x": ("w_gate_up", lambda a: a["w_gate_up"].double(), TypeError),
+    "w_down-vs-x": ("w_down", lambda a: a["w_down"].half(), TypeError),
+    "shared_gate_up-vs-x": ("shared_gate_up", lambda a: a["shared_gate_up"].double(), TypeError),
+    "shared_down-vs-x": ("shared_down", lambda a: a["shared_down"].bfloat16(), TypeError),
+    "topk_ids-float": ("topk_ids", lambda a: a["topk_ids"].float(), TypeError),
+    "topk_ids-int16": ("topk_ids", lambda a: a["topk_ids"].to(torch.int16), TypeError),
+    "topk_weights-fp16-vs-fp32-x": ("topk_weights", lambda a: a["topk_weights"].half(), TypeError),
+    "topk_weights-int": ("topk_weights", lambda a: a["topk_weights"].to(torch.int64), TypeError),
+    "x-list": ("x", lambda a: a["x"].tolist(), TypeError),
+    "topk_ids-list": ("topk_ids", lambda a: a["topk_ids"].tolist(), TypeError),
+    "w_down-numpy-like": ("w_down", lambda a: 1.0, TypeError),
+}
+
+
+@BACKENDS
+@pytest.mark.parametrize("case", list(BAD_DTYPES), ids=list(BAD_DTYPES))
+def test_bad_dtype_or_type(rng, case, backend):
+    name, bad, exc = BAD_DTYPES[case]
+    kw = args(rng)
+    kw[name] = bad(kw)
+    expect(exc, name, kw, backend)
+
+
+BAD_IDS = [(torch.int64, -1), (torch.int64, E), (torch.int64, E + 7), (torch.int64, -(2**40)), (torch.int32, -1),
+           (torch.int32, E), (torch.int32, 2**31 - 1)]
+
+
+@BACKENDS
+@pytest.mark.parametrize("ids_dtype,bad_id", BAD_IDS, ids=[f"{str(d)[6:]}-id{v}" for d, v in BAD_IDS])
+def test_ids_out_of_range(rng, bad_id, ids_dtype, backend):
+    kw = args(rng)
+    ids = kw["topk_ids"].clone().to(ids_dtype)
+    ids[T // 2, 1] = bad_id
+    kw["topk_ids"] = ids
+    with pytest.raises(ValueError, match=r"topk_ids") as info:
+        call(kw, backend)
+    assert str(bad_id) in str(info.value), f"message does not show the bad id {bad_id}: {info.value}"
+
+
+@pytest.mark.parametrize("name", ["topk_ids", "topk_weights", "w_gate_up", "w_down", "shared_gate_up", "shared_down"])
+def test_mismatched_devices(rng, name):
+    """One argument on `meta` and x on the CPU: a ValueError naming the argument."""
+    kw = args(rng)
+    kw[name] = kw[name].to("meta")
+    expect(ValueError, name, kw)
+
+
+def test_x_on_other_device(rng):
+    kw = args(rng)
+    kw["x"] = kw["x"].to("meta")
+    with pytest.raises(ValueError, match=r"\bx\b"):
+        call(kw)
+
+
+@BACKENDS
+@pytest.mark.parametrize("given", ["shared_gate_up", "shared_down"])
+def test_shared_weight_alone(rng, given, backend):
+    kw = args(rng)
+    kw.pop("shared_down" if given == "shared_gate_up" else "shared_gate_up")
+    with pytest.raises(ValueError) as info:
+        call(kw, backend)
+    assert "shared_gate_up" in str(info.value) and "shared_down" in str(info.value), str(info.value)
+
+
+def test_bad_config_type(rng):
+    kw = args(rng)
+    x = kw.pop("x")
+    with pytest.raises(TypeError, match=r"\bconfig\b"):
+        megamoe.experts(x, kw.pop("topk_ids"), kw.pop("topk_weights"), kw.pop("w_gate_up"), kw.pop("w_down"),
+                        config={"backend": "torch"}, **kw)
+
+
+def test_capacity_overflow_raises_on_cpu(rng):
+    kw = args(rng)
+    kw["topk_ids"] = torch.tensor([[0, 1]] * T)  # every token on experts 0 and 1
+    x = kw.pop("x")
+    with pytest.raises(CapacityOverflowError, match="capacity_factor"):
+        megamoe.experts(x, kw.pop("topk_ids"), kw.pop("topk_weights"), kw.pop("w_gate_up"), kw.pop("w_down"),
+                        config=MoEConfig(backend="torch", capacity_factor=0.25, block_m=1), **kw)
+    assert issubclass(CapacityOverflowError, RuntimeError)
+
+
+def test_capacity_overflow_raises_in_layer(rng):
+    layer = MoELayer(H, I, E, 1, config=MoEConfig(backend="torch", capacity_factor=0.1, block_m=1))
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[0] = 1.0
+    x = torch.rand(16, H, generator=rng) + 1  # every token prefers expert 0
+    with pytest.raises(CapacityOverflowError):
+        layer(x)
+
+
+# --------------------------------------------------------------------------------------------- strided input
+
+
+def strided_views(kw):
+    """Each argument as a non-contiguous view with the same values (transposes, slices of wider tensors)."""
+    out = {}
+    for name, t in kw.items():
+        if name == "topk_ids" or t.dim() == 2:
+            view = t.t().contiguous().t()  # column-major
+        else:
+            wide = torch.zeros(t.shape[0], t.shape[1], 2 * t.shape[2], dtype=t.dtype)
+            wide[..., ::2] = t
+            view = wide[..., ::2]  # every other element
+        assert not view.is_contiguous() and torch.equal(view, t)
+        out[name] = view
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@BACKENDS
+def test_non_contiguous_inputs_accepted_and_correct(rng, backend, dtype):
+    kw = args(rng, dtype)
+    d_out = torch.randn(T, H, generator=rng, dtype=dtype)
+
+    def run(inputs):
+        leaves = {n: (t.detach().requires_grad_() if t.is_floating_point() else t) for n, t in inputs.items()}
+        out = call(leaves, backend)
+        floats = [n for n, t in leaves.items() if t.is_floating_point()]
+        grads = torch.autograd.grad(out, [leaves[n] for n in floats], d_out)
+        return {"out": out, **{f"d_{n}": g for n, g in zip(floats, grads)}}
+
+    strided = strided_views(kw)
+    ours, ref = run(strided), run({n: t.contiguous() for n, t in kw.items()})
+    for name in ref:
+        if backend == "torch":  # copies to contiguous first: bitwise the same
+            assert_equal(name, ours[name], ref[name])
+        else:
+            assert_close_tight(name, ours[name], ref[name], 1e-6 if dtype == torch.float32 else 1e-13)
+
+
+# --------------------------------------------------------------------------------------------- no in-place
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@BACKENDS
+def test_inputs_not_modified(rng, backend, dtype):
+    kw = args(rng, dtype)
+    before = {n: t.clone() for n, t in kw.items()}
+    leaves = {n: (t.requires_grad_() if t.is_floating_point() else t) for n, t in kw.items()}
+    d_out = torch.randn(T, H, generator=rng).to(dtype)
+    before["d_out"] = d_out.clone()
+    out = call(leaves, backend)
+    out.backward(d_out)
+    for name, t in [*leaves.items(), ("d_out", d_out)]:
+        assert_equal(f"{name} after forward+backward", t.detach(), before[name])
+
+
+def test_layer_input_not_modified(rng):
+    layer = MoELayer(H, I, E, K, shared_intermediate_size=IS)
+    x = torch.randn(2, 3, H, generator=rng, requires_grad=True)
+    x_before = x.detach().clone()
+    params_before = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    layer(x).sum().backward()
+    assert_equal("x", x.detach(), x_before)
+    for n, p in layer.named_parameters():
+        assert_equal(n, p.detach(), params_before[n])
+
+
+# --------------------------------------------------------------------------------------------- schedule, layer
+
+
+@pytest.mark.parametrize(
+    "topk_ids,num_experts,exc,name",
+    [
+        ([[0, 1]], 4, TypeError, "topk_ids"),
+        (torch.tensor([0, 1]), 4, ValueError, "topk_ids"),
+        (torch.tensor([[0.0, 1.0]]), 4, TypeError, "topk_ids"),
+        (torch.zeros(3, 0, dtype=torch.int64), 4, ValueError, "topk_ids"),
+        (torch.tensor([[0, 4]]), 4, ValueError, "topk_ids"),
+        (torch.tensor([[-1, 0]]), 4, ValueError, "topk_ids"),
+        (torch.tensor([[0, 1]]), 0, ValueError, "num_experts"),
+        (torch.tensor([[0, 1]]), True, ValueError, "num_experts"),
+        (torch.tensor([[0, 1]]), 4.0, ValueError, "num_experts"),
+    ],
+    ids=["list", "rank1", "float", "k0", "id-too-big", "id-negative", "E0", "E-bool", "E-float"],
+)
+def test_build_schedule_bad_input(topk_ids, num_experts, exc, name):
+    with pytest.raises(exc, match=rf"\b{name}\b"):
+        build_schedule(topk_ids, num_experts)
+
+
+def test_build_schedule_bad_config():
+    with pytest.raises(TypeError, match=r"\bconfig\b"):
+        build_schedule(torch.tensor([[0, 1]]), 4, config="torch")
+
+
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        (dict(hidden_size=0), "hidden_size"),
+        (dict(hidden_size=8.0), "hidden_size"),
+        (dict(intermediate_size=-1), "intermediate_size"),
+        (dict(num_experts=0), "num_experts"),
+        (dict(top_k=0), "top_k"),
+        (dict(top_k=5), "top_k"),
+        (dict(top_k=True), "top_k"),
+        (dict(shared_intermediate_size=-2), "shared_intermediate_size"),
+        (dict(score_func="relu"), "score_func"),
+    ],
+    ids=lambda v: str(v) if isinstance(v, str) else "-".join(f"{k}={x}" for k, x in v.items()),
+)
+def test_layer_bad_arguments(kwargs, name):
+    full = dict(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K) | kwargs
+    with pytest.raises(ValueError, match=rf"\b{name}\b"):
+        MoELayer(full.pop("hidden_size"), full.pop("intermediate_size"), full.pop("num_experts"), full.pop("top_k"),
+                 **full)
+
+
+def test_layer_bad_config_type():
+    with pytest.raises(TypeError, match=r"\bconfig\b"):
+        MoELayer(H, I, E, K, config="torch")
+
+
+def test_layer_wrong_hidden_size(rng):
+    layer = MoELayer(H, I, E, K)
+    with pytest.raises(ValueError, match=r"\bx\b"):
+        layer(torch.randn(3, H + 1, generator=rng))

@@ -1,0 +1,207 @@
+"""MoELayer: routing by hand, tokens_per_expert, the Switch aux loss, and the layer against the reference
+experts on the same routing (forward and every gradient, the router's included)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import megamoe
+from megamoe import MoEConfig, MoELayer
+from conftest import assert_close_budget, assert_close_tight, assert_equal
+
+H, I, E, K = 12, 8, 6, 2
+
+
+def make_layer(gen, *, hidden=H, inter=I, num_experts=E, top_k=K, shared=0, score_func="softmax", norm=True,
+               dtype=torch.float64, config=None) -> MoELayer:
+    layer = MoELayer(hidden, inter, num_experts, top_k, shared_intermediate_size=shared, score_func=score_func,
+                     norm_topk_prob=norm, config=config, dtype=dtype)
+    with torch.no_grad():
+        for p in layer.parameters():  # from the test's generator, not the global RNG
+            p.copy_((torch.rand(p.shape, generator=gen, dtype=torch.float64) * 2 - 1) / math.sqrt(p.shape[-1]))
+    return layer
+
+
+def hand_route(layer: MoELayer, x_TH: torch.Tensor):
+    """(ids [T,k], weights [T,k], probs [T,E]) in fp64 by plain loops over tokens."""
+    logits = x_TH.double() @ layer.router.weight.double().t()
+    ids, weights, probs = [], [], []
+    for row in logits.tolist():
+        if layer.score_func == "softmax":
+            m = max(row)
+            ex = [math.exp(v - m) for v in row]
+            scores = [v / sum(ex) for v in ex]
+        else:
+            scores = [1 / (1 + math.exp(-v)) for v in row]
+        order = sorted(range(len(scores)), key=lambda e: -scores[e])[: layer.top_k]
+        w = [scores[e] for e in order]
+        if layer.norm_topk_prob:
+            w = [v / sum(w) for v in w]
+        ids.append(order)
+        weights.append(w)
+        probs.append([s / sum(scores) for s in scores])
+    return torch.tensor(ids), torch.tensor(weights, dtype=torch.float64), torch.tensor(probs, dtype=torch.float64)
+
+
+def route_math(layer: MoELayer, x_TH: torch.Tensor):
+    """The router written independently of MoELayer.route (differentiable): fp32 scores, top-k by a stable
+    descending sort, optional renormalisation of the k weights."""
+    logits = (x_TH @ layer.router.weight.t()).float()
+    scores = torch.softmax(logits, -1) if layer.score_func == "softmax" else torch.sigmoid(logits)
+    ids = torch.argsort(scores, dim=-1, descending=True, stable=True)[:, : layer.top_k]
+    weights = scores.gather(1, ids)
+    if layer.norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return ids, weights
+
+
+def reference_layer(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+    """The layer's math with megamoe.reference.experts, through an independent differentiable router."""
+    x_TH = x.reshape(-1, layer.hidden_size)
+    ids, weights = route_math(layer, x_TH)
+    out = megamoe.reference.experts(x_TH, ids, weights, layer.w_gate_up, layer.w_down,
+                                    shared_gate_up=layer.shared_gate_up, shared_down=layer.shared_down)
+    return out.view_as(x)
+
+
+def forward_backward(layer: MoELayer, x: torch.Tensor, d_out: torch.Tensor, fn=None):
+    """out and the gradients of <out, d_out> w.r.t. x and every parameter (by name)."""
+    x = x.detach().clone().requires_grad_()
+    layer.zero_grad(set_to_none=True)
+    out = (layer(x) if fn is None else fn(layer, x))
+    names = [n for n, _ in layer.named_parameters()]
+    grads = torch.autograd.grad(out, [x, *layer.parameters()], d_out, allow_unused=True)
+    return out.detach(), dict(zip(["x", *names], grads))
+
+
+CONFIGS = list(itertools.product(["softmax", "sigmoid"], [True, False], [0, 4]))
+CONFIG_IDS = [f"{s}-{'norm' if n else 'nonorm'}-shared{sh}" for s, n, sh in CONFIGS]
+SHAPES = pytest.mark.parametrize("x_shape", [(2, 5, H), (7, H)], ids=["BSH-2x5", "TH-7"])
+
+
+@SHAPES
+@pytest.mark.parametrize("score_func,norm,shared", CONFIGS, ids=CONFIG_IDS)
+def test_matches_reference_on_same_routing(rng, x_shape, score_func, norm, shared):
+    layer = make_layer(rng, shared=shared, score_func=score_func, norm=norm)
+    x = torch.randn(x_shape, generator=rng, dtype=torch.float64)
+    d_out = torch.randn(x_shape, generator=rng, dtype=torch.float64)
+    out, grads = forward_backward(layer, x, d_out)
+    ref_out, ref_grads = forward_backward(layer, x, d_out, fn=reference_layer)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert_close_tight("out", out, ref_out, 1e-12)
+    for name, ref in ref_grads.items():
+        assert grads[name] is not None, f"d_{name}: no gradient"
+        assert_close_tight(f"d_{name}", grads[name], ref, 1e-10)
+
+
+@pytest.mark.parametrize("score_func,norm,shared", CONFIGS, ids=CONFIG_IDS)
+def test_gradients_reach_every_parameter(rng, score_func, norm, shared):
+    layer = make_layer(rng, shared=shared, score_func=score_func, norm=norm)
+    x = torch.randn(9, H, generator=rng, dtype=torch.float64, requires_grad=True)
+    (layer(x) * torch.randn(9, H, generator=rng, dtype=torch.float64)).sum().backward()
+    for name, p in [("x", x), *layer.named_parameters()]:
+        assert p.grad is not None, f"d_{name}: no gradient"
+        assert torch.isfinite(p.grad).all(), f"d_{name}: non-finite gradient"
+        assert p.grad.abs().sum() > 0, f"d_{name}: all-zero gradient"
+    assert (layer.shared_gate_up is not None) == (shared > 0)
+
+
+@pytest.mark.parametrize("score_func,norm,shared", CONFIGS[:4], ids=CONFIG_IDS[:4])
+def test_routing_by_hand(rng, score_func, norm, shared):
+    layer = make_layer(rng, shared=shared, score_func=score_func, norm=norm)
+    x = torch.randn(11, H, generator=rng, dtype=torch.float64)
+    ids, weights, probs = layer.route(x)
+    hand_ids, hand_weights, hand_probs = hand_route(layer, x)
+    assert_equal("topk_ids", ids.long(), hand_ids)
+    assert weights.dtype == torch.float32 and probs.dtype == torch.float32
+    assert_close_tight("topk_weights", weights, hand_weights, 1e-6)
+    assert_close_tight("probs", probs, hand_probs, 1e-6)
+    if norm:
+        assert_close_tight("sum of topk_weights", weights.sum(-1), torch.ones(11, dtype=torch.float64), 1e-6)
+
+
+@SHAPES
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_tokens_per_expert_and_aux_loss(rng, x_shape, score_func):
+    """tokens_per_expert is the brute-force count; aux_loss = E * sum_e f_e * P_e (Switch Transformer),
+    differentiable with respect to the router weight with the hand formula's gradient."""
+    layer = make_layer(rng, score_func=score_func)
+    x = torch.randn(x_shape, generator=rng, dtype=torch.float64)
+    layer(x)
+    x_TH = x.reshape(-1, H)
+    num_tokens = x_TH.shape[0]
+    ids, _, _ = hand_route(layer, x_TH)
+    counts = [0] * E
+    for t in range(num_tokens):
+        for j in range(K):
+            counts[int(ids[t, j])] += 1
+    assert_equal("tokens_per_expert", layer.tokens_per_expert, torch.tensor(counts, dtype=torch.int32))
+    assert int(layer.tokens_per_expert.sum()) == num_tokens * K
+
+    weight = layer.router.weight.detach().clone().requires_grad_()
+    logits = x_TH @ weight.t()
+    scores = torch.softmax(logits, -1) if score_func == "softmax" else torch.sigmoid(logits)
+    probs = scores / scores.sum(-1, keepdim=True)
+    hand = sum(E * counts[e] / (num_tokens * K) * probs[:, e].mean() for e in range(E))
+    assert layer.aux_loss.dim() == 0
+    assert_close_tight("aux_loss", layer.aux_loss.detach(), hand.detach(), 1e-6)
+
+    (d_router,) = torch.autograd.grad(layer.aux_loss, layer.router.weight)
+    (hand_d_router,) = torch.autograd.grad(hand, weight)
+    assert d_router.abs().sum() > 0, "aux_loss has no gradient w.r.t. router.weight"
+    assert_close_tight("d aux_loss / d router.weight", d_router, hand_d_router, 1e-5)
+
+
+def test_batched_and_flat_inputs_agree(rng):
+    layer = make_layer(rng, shared=4)
+    x = torch.randn(3, 4, H, generator=rng, dtype=torch.float64)
+    out_bsh, out_th = layer(x), layer(x.reshape(12, H))
+    assert out_bsh.shape == (3, 4, H)
+    assert_equal("out", out_bsh.reshape(12, H), out_th)
+
+
+def test_reference_and_torch_backends_agree(rng):
+    x = torch.randn(10, H, generator=rng, dtype=torch.float64)
+    state = make_layer(rng, shared=4).state_dict()
+    outs = {}
+    for backend in ("reference", "torch"):
+        layer = make_layer(rng, shared=4, config=MoEConfig(backend=backend))
+        layer.load_state_dict(state)
+        outs[backend] = layer(x)
+    assert_close_tight("out", outs["torch"], outs["reference"], 1e-12)
+
+
+def test_parameter_shapes(rng):
+    layer = make_layer(rng, shared=5)
+    shapes = {n: tuple(p.shape) for n, p in layer.named_parameters()}
+    assert shapes == {
+        "router.weight": (E, H), "w_gate_up": (E, 2 * I, H), "w_down": (E, H, I),
+        "shared_gate_up": (10, H), "shared_down": (H, 5),
+    }
+    assert layer.num_local_experts == E
+    assert layer.tokens_per_expert.shape == (E,) and layer.tokens_per_expert.dtype == torch.int32
+    assert "tokens_per_expert" not in layer.state_dict()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_low_precision_layer(rng, dtype):
+    """A bf16/fp32 layer: output in its dtype, within the error budget of the fp64 math on the same routing."""
+    layer = make_layer(rng, hidden=32, inter=16, shared=8, dtype=dtype)
+    x = torch.randn(24, 32, generator=rng, dtype=torch.float64).to(dtype)
+    out = layer(x)
+    assert out.dtype == dtype
+    ids, weights, _ = layer.route(x)
+    args = [layer.w_gate_up, layer.w_down]
+    shared = {"shared_gate_up": layer.shared_gate_up, "shared_down": layer.shared_down}
+    with torch.no_grad():
+        ref64 = megamoe.reference.experts(x.double(), ids, weights.double(), *[a.double() for a in args],
+                                          **{k: v.double() for k, v in shared.items()})
+        ref_low = megamoe.reference.experts(x, ids, weights, *args, **shared)
+    if dtype == torch.float32:
+        assert_close_tight("out", out.detach(), ref64, 1e-5)
+    else:
+        assert_close_budget("out", out.detach(), ref64, ref_low)

@@ -1,0 +1,147 @@
+"""The torch-native backend (schedule + torch ops) against the reference: fp64/fp32 tight, bf16/fp16 within
+the error budget, forward and every gradient, bitwise reproducible."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import megamoe
+from megamoe import MoEConfig
+from conftest import (
+    assert_close_budget,
+    assert_close_tight,
+    assert_equal,
+    make_problem,
+    problem_id,
+    run_experts,
+    run_reference,
+)
+
+TORCH = MoEConfig(backend="torch")
+
+# (T, H, I, E, k), routing
+CASES = [
+    ((7, 16, 8, 4, 2), "random"),
+    ((1, 8, 4, 3, 1), "random"),  # T=1, k=1
+    ((5, 8, 4, 1, 1), "random"),  # E_l=1
+    ((33, 24, 16, 6, 3), "random"),  # T*k not a multiple of the 16-row block
+    ((20, 16, 8, 6, 2), "empty"),  # odd experts empty
+    ((17, 16, 8, 4, 2), "one"),  # expert 0 gets every token
+    ((9, 12, 6, 5, 2), "random"),  # H, I not multiples of 8 elements (16 bytes in bf16)
+    ((3, 2880, 8, 2, 2), "random"),  # odd-looking H of a real model
+]
+CASE_IDS = [f"{problem_id(s)}-{r}" for s, r in CASES]
+
+# Low precision: the 2x budget compares two rounding lotteries, which is only meaningful when every
+# tensor has enough elements to average over (at T=1, H=8 it fails for a few % of seeds with no bug:
+# measured over 60 seeds). So the same edge structures (k=1, E_l=1, empty experts, one hot expert,
+# unaligned and large H) at T >= 16; T=1 itself is covered tightly in fp32/fp64 above.
+LOWP_CASES = [
+    ((24, 16, 8, 4, 2), "random"),
+    ((32, 32, 16, 1, 1), "random"),  # E_l=1, k=1
+    ((40, 32, 16, 4, 1), "random"),  # k=1
+    ((33, 24, 16, 6, 3), "random"),  # T*k not a multiple of the block
+    ((40, 32, 16, 6, 2), "empty"),
+    ((17, 16, 8, 4, 2), "one"),
+    ((24, 12, 6, 5, 2), "random"),  # H, I not multiples of 8 elements
+    ((32, 2880, 16, 4, 2), "random"),
+]
+LOWP_IDS = [f"{problem_id(s)}-{r}" for s, r in LOWP_CASES]
+SHARED = pytest.mark.parametrize("shared", [0, 8], ids=["noshared", "shared8"])
+
+
+def outputs_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert_equal(name, a[name], b[name])
+
+
+@SHARED
+@pytest.mark.parametrize("shape,route", CASES, ids=CASE_IDS)
+def test_fp64_matches_reference(rng, shape, route, shared):
+    p = make_problem(rng, *shape, shared_intermediate=shared, route=route)
+    ours, ref = run_experts(p, config=TORCH), run_reference(p)
+    for name in ref:
+        assert ours[name].dtype == ref[name].dtype, f"{name}: dtype {ours[name].dtype} != {ref[name].dtype}"
+        assert_close_tight(name, ours[name], ref[name], 1e-12)
+
+
+@SHARED
+@pytest.mark.parametrize("shape,route", CASES, ids=CASE_IDS)
+def test_fp32_matches_reference(rng, shape, route, shared):
+    p = make_problem(rng, *shape, shared_intermediate=shared, route=route)
+    ours, ref64 = run_experts(p.cast(torch.float32), config=TORCH), run_reference(p)
+    for name in ref64:
+        assert_close_tight(name, ours[name], ref64[name], 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@SHARED
+@pytest.mark.parametrize("shape,route", LOWP_CASES, ids=LOWP_IDS)
+def test_low_precision_within_error_budget(rng, shape, route, shared, dtype):
+    p = make_problem(rng, *shape, shared_intermediate=shared, route=route)
+    low = p.cast(dtype)
+    ours, ref64, ref_low = run_experts(low, config=TORCH), run_reference(p), run_reference(low)
+    assert ours["out"].dtype == dtype
+    assert ours["d_topk_weights"].dtype == torch.float32, "d_topk_weights must keep topk_weights' dtype"
+    for name in ref64:
+        assert_close_budget(name, ours[name], ref64[name], ref_low[name])
+
+
+@pytest.mark.parametrize("shape,route", LOWP_CASES[:3], ids=LOWP_IDS[:3])
+def test_bf16_topk_weights_in_x_dtype(rng, shape, route):
+    """topk_weights may come in x's dtype; its gradient keeps that dtype."""
+    p = make_problem(rng, *shape, shared_intermediate=4, route=route)
+    low = p.cast(torch.bfloat16, weights_dtype=torch.bfloat16)
+    ours, ref64, ref_low = run_experts(low, config=TORCH), run_reference(p), run_reference(low)
+    assert ours["d_topk_weights"].dtype == torch.bfloat16
+    for name in ref64:
+        assert_close_budget(name, ours[name], ref64[name], ref_low[name])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("shape,route", [CASES[0], CASES[3], CASES[5]], ids=[CASE_IDS[0], CASE_IDS[3], CASE_IDS[5]])
+def test_bitwise_reproducible(rng, shape, route, dtype):
+    p = make_problem(rng, *shape, shared_intermediate=8, route=route).cast(dtype)
+    outputs_equal(run_experts(p, config=TORCH), run_experts(p, config=TORCH))
+
+
+def test_auto_backend_on_cpu_is_torch(rng):
+    """On CPU "auto" resolves to the torch backend: bitwise the same results."""
+    p = make_problem(rng, 7, 16, 8, 4, 2, shared_intermediate=8).cast(torch.float32)
+    outputs_equal(run_experts(p), run_experts(p, config=TORCH))
+
+
+@pytest.mark.parametrize("block_m", [1, 2, 16, 128], ids=lambda b: f"B{b}")
+def test_any_block_m(rng, block_m):
+    p = make_problem(rng, 13, 16, 8, 5, 2, shared_intermediate=4)
+    ours, ref = run_experts(p.cast(torch.float32), config=MoEConfig(backend="torch", block_m=block_m)), run_reference(p)
+    for name in ref:
+        assert_close_tight(name, ours[name], ref[name], 1e-5)
+
+
+def test_capacity_that_fits_equals_dropless(rng):
+    """A declared capacity that holds the routing changes nothing (bitwise)."""
+    p = make_problem(rng, 32, 16, 8, 4, 2, shared_intermediate=4).cast(torch.float32)
+    outputs_equal(
+        run_experts(p, config=MoEConfig(backend="torch", capacity_factor=1.0)), run_experts(p, config=TORCH)
+    )
+
+
+def test_reference_backend_is_the_reference(rng):
+    p = make_problem(rng, 6, 8, 4, 3, 2, shared_intermediate=4).cast(torch.float32)
+    outputs_equal(run_experts(p, config=MoEConfig(backend="reference")), run_reference(p))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_nan_token_does_not_leak(rng, dtype):
+    """A NaN in one token's input poisons only that token's output: no other row (nor padding) reads it."""
+    p = make_problem(rng, 12, 16, 8, 4, 2, route="one").cast(dtype)  # token 3 shares both experts with all
+    clean = megamoe.experts(p.x, p.topk_ids, p.topk_weights, p.w_gate_up, p.w_down, config=TORCH)
+    x = p.x.clone()
+    x[3, 5] = float("nan")
+    poisoned = megamoe.experts(x, p.topk_ids, p.topk_weights, p.w_gate_up, p.w_down, config=TORCH)
+    others = torch.arange(12) != 3
+    assert torch.isnan(poisoned[3]).any(), "the NaN token's output should be NaN"
+    assert_equal("out of the other tokens", poisoned[others], clean[others])
