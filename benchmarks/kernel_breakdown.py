@@ -2,7 +2,8 @@
 
 Usage: python benchmarks/kernel_breakdown.py [--workload NAME ...] [--json PATH]
 Prints, per kernel, ms and TFLOP/s (GEMMs) or GB/s (memory-bound kernels), and the fwd/bwd sums, so
-docs/perf-notes.md can say where the time goes. Balanced routing, bf16.
+docs/perf-notes.md can say where the time goes. Balanced routing, bf16. gate_up_fwd is timed both on the
+materialised x_rows (the driver's path, in the fwd total) and gathering x by pointer (phase "alt").
 """
 
 from __future__ import annotations
@@ -35,23 +36,34 @@ def breakdown(name: str, tokens: int | None, experts_cap: int | None) -> list[di
     bm = block_m_for(H, I, dt)
     s = build_schedule(ids, E, block_m=bm)
     cfg = kernel_configs(H, I, dt, dev, bm)
-    h, gate_up = kernels.gate_up_fwd(x, wgu, s.row_src, s.block_expert, s.num_blocks, k, store_gate_up=True, config=cfg.gate_up_fwd)
-    y = kernels.down_fwd(h, wd, s.row_src, s.block_expert, s.num_blocks, T * k, config=cfg.down_fwd)
-    d_gu = kernels.down_dgrad(d_out, tw, wd, gate_up, s.row_src, s.block_expert, s.num_blocks, config=cfg.down_dgrad)
-    d_xp = kernels.gate_up_dgrad(d_gu, wgu, s.row_src, s.block_expert, s.num_blocks, T * k, config=cfg.gate_up_dgrad)
+    in_use = s.expert_offsets[-1:]
+    blocks = (s.block_expert, s.num_blocks)
+    w_flat = tw.reshape(-1)
+    x_rows = kernels.gather_rows(x, s.row_src, None, in_use, div=k)
+    d_y = kernels.gather_rows(d_out, s.row_src, w_flat, in_use, div=k)
+    h, gate_up = kernels.gate_up_fwd(x_rows, wgu, *blocks, store_gate_up=True, config=cfg.gate_up_fwd)
+    y = kernels.down_fwd(h, wd, *blocks, config=cfg.down_fwd)
+    d_gu = kernels.down_dgrad(d_y, wd, gate_up, *blocks, config=cfg.down_dgrad)
+    d_x_rows = kernels.gate_up_dgrad(d_gu, wgu, *blocks, config=cfg.gate_up_dgrad)
     pairs = T * k
     gemm = 2 * pairs * H * I  # one GEMM of the three (gate and up count as two)
+    rows_bytes = 2 * 2 * pairs * H  # a gather reads and writes one [P, H] 16-bit row set (padding not counted)
+    combine_bytes = 2 * pairs * H + 2 * T * H
+    # phase "alt": the gather-by-pointer variant of gate_up_fwd, timed for comparison, not in the totals.
     steps = {
         "schedule": (lambda: build_schedule(ids, E, block_m=bm), 0, 0, "fwd"),
-        "gate_up_fwd": (lambda: kernels.gate_up_fwd(x, wgu, s.row_src, s.block_expert, s.num_blocks, k, store_gate_up=True, config=cfg.gate_up_fwd), 2 * gemm, 0, "fwd"),
-        "down_fwd": (lambda: kernels.down_fwd(h, wd, s.row_src, s.block_expert, s.num_blocks, pairs, config=cfg.down_fwd), gemm, 0, "fwd"),
-        "combine": (lambda: kernels.combine(y, tw, s.dest_row, None, config=cfg.combine), 0, 2 * pairs * H + 2 * T * H, "fwd"),
-        "combine_bwd": (lambda: kernels.combine_bwd(d_out, y, s.dest_row, config=cfg.combine), 0, 2 * pairs * H + 2 * T * H, "bwd"),
-        "down_dgrad": (lambda: kernels.down_dgrad(d_out, tw, wd, gate_up, s.row_src, s.block_expert, s.num_blocks, config=cfg.down_dgrad), gemm, 0, "bwd"),
-        "gate_up_dgrad": (lambda: kernels.gate_up_dgrad(d_gu, wgu, s.row_src, s.block_expert, s.num_blocks, pairs, config=cfg.gate_up_dgrad), 2 * gemm, 0, "bwd"),
-        "dw_down": (lambda: kernels.dw_down(d_out, tw, h, s.row_src, s.expert_offsets, E, config=cfg.dw_down), gemm, 0, "bwd"),
-        "dw_gate_up": (lambda: kernels.dw_gate_up(d_gu, x, s.row_src, s.expert_offsets, E, k, config=cfg.dw_gate_up), 2 * gemm, 0, "bwd"),
-        "combine_dx": (lambda: kernels.combine(d_xp, None, s.dest_row, None, config=cfg.combine), 0, 2 * pairs * H + 2 * T * H, "bwd"),
+        "gather_x": (lambda: kernels.gather_rows(x, s.row_src, None, in_use, div=k), 0, rows_bytes, "fwd"),
+        "gate_up_fwd": (lambda: kernels.gate_up_fwd(x_rows, wgu, *blocks, store_gate_up=True, config=cfg.gate_up_fwd), 2 * gemm, 0, "fwd"),
+        "gate_up_fwd_gather": (lambda: kernels.gate_up_fwd(x, wgu, *blocks, row_src_R=s.row_src, top_k=k, store_gate_up=True, config=cfg.gate_up_fwd), 2 * gemm, 0, "alt"),
+        "down_fwd": (lambda: kernels.down_fwd(h, wd, *blocks, config=cfg.down_fwd), gemm, 0, "fwd"),
+        "combine": (lambda: kernels.combine(y, tw, s.dest_row, None, config=cfg.combine), 0, combine_bytes, "fwd"),
+        "combine_bwd": (lambda: kernels.combine_bwd(d_out, y, s.dest_row, config=cfg.combine), 0, combine_bytes, "bwd"),
+        "gather_d_y": (lambda: kernels.gather_rows(d_out, s.row_src, w_flat, in_use, div=k), 0, rows_bytes, "bwd"),
+        "down_dgrad": (lambda: kernels.down_dgrad(d_y, wd, gate_up, *blocks, config=cfg.down_dgrad), gemm, 0, "bwd"),
+        "gate_up_dgrad": (lambda: kernels.gate_up_dgrad(d_gu, wgu, *blocks, config=cfg.gate_up_dgrad), 2 * gemm, 0, "bwd"),
+        "dw_down": (lambda: kernels.dw_down(d_y, h, s.expert_offsets, E, config=cfg.dw_down), gemm, 0, "bwd"),
+        "dw_gate_up": (lambda: kernels.dw_gate_up(d_gu, x_rows, s.expert_offsets, E, config=cfg.dw_gate_up), 2 * gemm, 0, "bwd"),
+        "combine_dx": (lambda: kernels.combine(d_x_rows, None, s.dest_row, None, config=cfg.combine), 0, combine_bytes, "bwd"),
     }
     records = []
     for kernel, (fn, flops, nbytes, phase) in steps.items():
@@ -71,15 +83,15 @@ def main() -> None:
     records = []
     for name in args.workload or ["qwen3-30b-a3b", "qwen3-235b-a22b"]:
         records += breakdown(name, args.tokens, args.experts_per_gpu)
-    print(f"{'workload':16} {'kernel':14} {'ms':>8} {'TFLOP/s':>8} {'GB/s':>8}")
+    print(f"{'workload':16} {'kernel':18} {'ms':>8} {'TFLOP/s':>8} {'GB/s':>8}")
     for r in records:
         tf = f"{r['tflops']:.0f}" if r["tflops"] else ""
         gb = f"{r['gbps']:.0f}" if r["gbps"] else ""
-        print(f"{r['workload']:16} {r['kernel']:14} {r['ms']:8.3f} {tf:>8} {gb:>8}")
+        print(f"{r['workload']:16} {r['kernel']:18} {r['ms']:8.3f} {tf:>8} {gb:>8}")
     for name in dict.fromkeys(r["workload"] for r in records):
         for phase in ("fwd", "bwd"):
             total = sum(r["ms"] for r in records if r["workload"] == name and r["phase"] == phase)
-            print(f"{name:16} {phase + ' total':14} {total:8.3f}")
+            print(f"{name:16} {phase + ' total':18} {total:8.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)

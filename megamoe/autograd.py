@@ -296,7 +296,12 @@ def experts(
         topk_weights) are cast to the autocast dtype, as a matmul would be.
     Returns out [T, H] in x's dtype (the autocast dtype under autocast).
     """
-    if torch.is_autocast_enabled(x.device.type) if isinstance(x, torch.Tensor) else False:
+    autocast = (
+        isinstance(x, torch.Tensor)
+        and torch.amp.is_autocast_available(x.device.type)
+        and torch.is_autocast_enabled(x.device.type)
+    )
+    if autocast:
         dtype = torch.get_autocast_dtype(x.device.type)
         x, w_gate_up, w_down, shared_gate_up, shared_down = (
             t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t

@@ -29,22 +29,27 @@ from megamoe.backends.triton import kernels  # noqa: E402
 from megamoe.backends.triton.configs import _SM90, _SM90_WIDE, TileConfig  # noqa: E402
 
 GEMM_KERNELS = {
-    # name: (kernel, the tile-table field it runs with)
-    "gate_up_fwd": (kernels.gate_up_fwd_kernel, "gate_up_fwd"),
-    "down_fwd": (kernels.down_fwd_kernel, "down_fwd"),
-    "down_dgrad": (kernels.down_dgrad_kernel, "down_dgrad"),
-    "gate_up_dgrad": (kernels.gate_up_dgrad_kernel, "gate_up_dgrad"),
-    "dw_down": (kernels.dw_down_kernel, "dw_down"),
-    "dw_gate_up": (kernels.dw_gate_up_kernel, "dw_gate_up"),
+    # name: (kernel, the tile-table field it runs with, extra constexprs)
+    "gate_up_fwd": (kernels.gate_up_fwd_kernel, "gate_up_fwd", {"GATHER": False}),
+    "gate_up_fwd_gather": (kernels.gate_up_fwd_kernel, "gate_up_fwd", {"GATHER": True}),
+    "down_fwd": (kernels.down_fwd_kernel, "down_fwd", {}),
+    "down_dgrad": (kernels.down_dgrad_kernel, "down_dgrad", {}),
+    "gate_up_dgrad": (kernels.gate_up_dgrad_kernel, "gate_up_dgrad", {}),
+    "dw_down": (kernels.dw_down_kernel, "dw_down", {}),
+    "dw_gate_up": (kernels.dw_gate_up_kernel, "dw_gate_up", {}),
 }
+# GEMMs whose K loop reads contiguous rows only: Triton must pipeline them (async copies, async wgmma).
+PIPELINED = {"gate_up_fwd", "down_fwd", "down_dgrad", "gate_up_dgrad", "dw_down", "dw_gate_up"}
 OTHER_KERNELS = {
     "combine": kernels.combine_kernel,
     "combine_bwd": kernels.combine_bwd_kernel,
+    "gather_rows": kernels.gather_rows_kernel,
 }
 # Pointer arguments that are not activations/weights (bf16).
 _POINTER_TYPES = {
     "row_src_ptr": "*i32", "block_expert_ptr": "*i32", "num_blocks_ptr": "*i32", "expert_offsets_ptr": "*i32",
-    "dest_row_ptr": "*i32", "topk_w_ptr": "*fp32", "w_ptr": "*bf16", "d_w_ptr": "*fp32",
+    "index_ptr": "*i32", "rows_in_use_ptr": "*i32", "scale_ptr": "*fp32",
+    "w_ptr": "*bf16", "d_w_ptr": "*fp32",
 }
 
 
@@ -62,9 +67,9 @@ def _signature(fn, constexprs: dict) -> dict:
     return sig
 
 
-def _gemm_constexprs(fn, cfg: TileConfig) -> dict:
+def _gemm_constexprs(fn, cfg: TileConfig, extra: dict) -> dict:
     names = set(fn.arg_names)
-    consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m)
+    consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, **extra)
     if "EVEN_K" in names:
         consts.update(EVEN_K=True, SPLIT=1)
     if "STORE_GATE_UP" in names:
@@ -120,25 +125,49 @@ def _ptxas_report(ptx: str, arch: int) -> dict:
 TABLES = {"sm90": _SM90, "sm90-wide": _SM90_WIDE}
 
 
+def _pipeline_report(compiled) -> dict:
+    """What the K loop became: async global->shared copies (cp.async) and async wgmma groups kept in
+    flight (a wgmma.wait_group with a non-zero count means the next MMA overlaps the previous one)."""
+    ptx = compiled.asm["ptx"]
+    waits = [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)]
+    return dict(cp_async="cp.async.cg.shared.global" in ptx or "cp.async.ca.shared.global" in ptx,
+                bulk="cp.async.bulk.tensor" in ptx, async_wgmma=any(n > 0 for n in waits))
+
+
 @pytest.mark.parametrize("table", list(TABLES), ids=list(TABLES))
 @pytest.mark.parametrize("name", list(GEMM_KERNELS), ids=list(GEMM_KERNELS))
 def test_gemm_kernel_sm90_uses_wgmma_without_spills(name, table):
-    fn, field = GEMM_KERNELS[name]
+    fn, field, extra = GEMM_KERNELS[name]
     cfg = getattr(TABLES[table], field)
-    compiled = _compile(fn, _gemm_constexprs(fn, cfg), cfg.num_warps, cfg.num_stages, 90)
+    compiled = _compile(fn, _gemm_constexprs(fn, cfg, extra), cfg.num_warps, cfg.num_stages, 90)
     ptx = compiled.asm["ptx"]
     assert "wgmma.mma_async" in ptx, f"{name}[{table}]: no wgmma in the sm_90a PTX (tl.dot fell back to mma.sync)"
     report = _ptxas_report(ptx, 90)
-    print(f"{name}[{table}] {cfg}: {report['registers']} registers, shared {compiled.metadata.shared} B")
+    pipe = _pipeline_report(compiled)
+    print(f"{name}[{table}] {cfg}: {report['registers']} registers, shared {compiled.metadata.shared} B, {pipe}")
     assert report["spill_stores"] == 0 and report["spill_loads"] == 0, f"{name}[{table}] spills:\n{report['log']}"
     assert compiled.metadata.shared <= 232448, f"{name}[{table}] needs {compiled.metadata.shared} B of shared memory"
+    if name in PIPELINED:
+        assert pipe["cp_async"] or pipe["bulk"], f"{name}[{table}]: K loop loads are not asynchronous copies"
+        assert pipe["async_wgmma"], f"{name}[{table}]: wgmma is not kept in flight across K steps"
+        # Every stage holds one A tile and the B tile(s): the shared footprint says how many stages Triton built.
+        b_tiles = 2 if fn is kernels.gate_up_fwd_kernel else 1
+        stage = 2 * cfg.block_k * (cfg.block_m + b_tiles * cfg.block_n)
+        if fn in (kernels.dw_down_kernel, kernels.dw_gate_up_kernel):  # tiles: [rows x block_m], [rows x block_n]
+            stage = 2 * cfg.block_k * (cfg.block_m + cfg.block_n)
+        assert compiled.metadata.shared >= cfg.num_stages * stage, (
+            f"{name}[{table}]: {compiled.metadata.shared} B of shared memory < {cfg.num_stages} stages x {stage} B"
+        )
 
 
 @pytest.mark.parametrize("name", list(OTHER_KERNELS), ids=list(OTHER_KERNELS))
-def test_combine_kernel_sm90_compiles_without_spills(name):
+def test_memory_kernel_sm90_compiles_without_spills(name):
     fn = OTHER_KERNELS[name]
     cfg = _SM90.combine
-    consts = dict(BLOCK_T=cfg.block_m, BLOCK_H=cfg.block_n)
+    if fn is kernels.gather_rows_kernel:
+        consts = dict(HAS_INDEX=True, HAS_SCALE=True, BLOCK_R=8, BLOCK_H=256)
+    else:
+        consts = dict(BLOCK_T=cfg.block_m, BLOCK_H=cfg.block_n)
     if "HAS_WEIGHTS" in fn.arg_names:
         consts.update(HAS_WEIGHTS=True, HAS_SHARED=True)
     compiled = _compile(fn, consts, cfg.num_warps, cfg.num_stages, 90)
@@ -148,10 +177,10 @@ def test_combine_kernel_sm90_compiles_without_spills(name):
 
 @pytest.mark.parametrize("name", list(GEMM_KERNELS), ids=list(GEMM_KERNELS))
 def test_gemm_kernel_sm100_compiles(name):
-    fn, field = GEMM_KERNELS[name]
+    fn, field, extra = GEMM_KERNELS[name]
     cfg = getattr(_SM90, field)
     try:
-        compiled = _compile(fn, _gemm_constexprs(fn, cfg), cfg.num_warps, cfg.num_stages, 100)
+        compiled = _compile(fn, _gemm_constexprs(fn, cfg, extra), cfg.num_warps, cfg.num_stages, 100)
     except Exception as exc:  # report, do not hide: sm_100 support depends on the installed Triton
         pytest.skip(f"sm_100 compile failed with this Triton: {type(exc).__name__}: {str(exc)[:200]}")
     assert "tcgen05.mma" in compiled.asm["ptx"], f"{name}: sm_100a PTX does not use tcgen05.mma"

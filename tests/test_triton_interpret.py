@@ -12,7 +12,9 @@ with its output if any interpreted test fails; the other tests are skipped there
 Shapes are tiny; dtypes fp32 and fp16 (the interpreter cannot run bf16 tl.dot). Each kernel is checked
 against an fp64 torch computation from the schedule, and the full path against megamoe.reference.experts
 in fp64 + autograd within the STYLE.md error budget. Launcher outputs are NaN-poisoned, so an element a
-kernel forgets to write fails.
+kernel forgets to write fails; rows past the rows in use are NaN-filled inputs, so a kernel that reads
+them fails. The expert-parallel driver (ep.py) runs on a one-rank group with a CPU workspace and must
+match experts.py bitwise, for every dispatch/combine direction.
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ def test_interpreter_suite():
 
 
 if INTERPRET:
-    from megamoe.backends.triton import block_m_for, kernels
-    from megamoe.backends.triton.experts import experts_bwd, experts_fwd
+    from megamoe.backends.triton import block_m_for, ep, kernels
+    from megamoe.backends.triton.comm.workspace import Workspace, _Buffer
+    from megamoe.backends.triton.experts import empty_saved, experts_bwd, experts_fwd
+    from megamoe.config import MoEConfig
     from megamoe.backends.triton.configs import TileConfig
     from megamoe.reference import experts as reference_experts
     from megamoe.schedule import build_schedule
@@ -127,20 +131,74 @@ def swiglu64(gu):
 # Kernels one by one
 
 
+def rows_of(tokens, s, k, fill_unused=float("nan")):
+    """The expert-contiguous rows [R, H] of token rows: tokens[row_src // k], zero for padding, and
+    `fill_unused` past the rows in use (kernels must not read those)."""
+    used, src, valid, token, expert = row_info(s, k)
+    out = torch.full((s.num_rows, tokens.shape[1]), fill_unused, dtype=tokens.dtype)
+    out[:used] = torch.where(valid[:, None], tokens[token], torch.zeros((), dtype=tokens.dtype))
+    return out
+
+
+def random_rows(s, k, cols, dtype, seed=1):
+    """Random [R, cols] rows, zero on padding rows and NaN past the rows in use."""
+    used, src, valid, token, expert = row_info(s, k)
+    out = torch.randn(s.num_rows, cols, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    out[:used][~valid] = 0.0
+    out[used:] = float("nan")
+    return out
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+@pytest.mark.parametrize("mode", ["index", "index-scale", "scale-only"])
+def test_gather_rows(dtype, mode):
+    T, H, E, k = 23, 300, 4, 3  # H > BLOCK_H and not a multiple of it
+    x, ids, weights, _, _, _, _ = make_problem(T, H, 8, E, k, dtype)
+    s = build_schedule(ids, E, block_m=16)
+    used, src, valid, token, expert = row_info(s, k)
+    in_use = s.expert_offsets[-1:]
+    with poisoned_empty():
+        if mode == "index":
+            got = kernels.gather_rows(x, s.row_src, None, in_use, div=k)
+            want = rows_of(x, s, k)[:used]
+        elif mode == "index-scale":
+            got = kernels.gather_rows(x, s.row_src, weights.view(-1), in_use, div=k)
+            scale = torch.where(valid, weights.view(-1)[src.clamp(min=0)], 0.0)
+            want = (x.float()[token] * scale[:, None]).to(dtype)
+        else:
+            placed = rows_of(x, s, k)
+            scale = torch.rand(s.num_rows)
+            got = kernels.gather_rows(placed, None, scale, in_use)
+            want = (placed[:used].float() * scale[:used, None]).to(dtype)
+    assert got.shape == (s.num_rows, H) and got.dtype == dtype
+    # One fp32 product rounded once: bitwise what torch computes; padding rows exact zeros.
+    assert torch.equal(got[:used], want), f"gather_rows[{mode}]: differs from torch"
+    assert (got[:used][~valid] == 0).all(), f"gather_rows[{mode}]: padding rows must be zero"
+    assert torch.isnan(got[used:]).all(), f"gather_rows[{mode}]: wrote rows past the rows in use"
+
+
 @interpreted
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
 @pytest.mark.parametrize("H", [48, 40], ids=["H48-evenK", "H40-oddK"])
 @pytest.mark.parametrize("store", [True, False], ids=["save", "nosave"])
-def test_gate_up_fwd(dtype, H, store):
+@pytest.mark.parametrize("gather", [False, True], ids=["rows", "gather"])
+def test_gate_up_fwd(dtype, H, store, gather):
     T, I, E, k = 23, 40, 4, 2
     x, ids, _, wgu, _, _, _ = make_problem(T, H, I, E, k, dtype)
     s = build_schedule(ids, E, block_m=32)  # kernel BM=16: two kernel row blocks per schedule block
     with poisoned_empty():
-        h, gate_up = kernels.gate_up_fwd(x, wgu, s.row_src, s.block_expert, s.num_blocks, k, store_gate_up=store, config=SMALL)
+        if gather:
+            h, gate_up = kernels.gate_up_fwd(x, wgu, s.block_expert, s.num_blocks, row_src_R=s.row_src, top_k=k,
+                                             store_gate_up=store, config=SMALL)
+        else:
+            h, gate_up = kernels.gate_up_fwd(rows_of(x, s, k), wgu, s.block_expert, s.num_blocks,
+                                             store_gate_up=store, config=SMALL)
     used, src, valid, token, expert = row_info(s, k)
     want_gu = torch.einsum("rh,rnh->rn", x.double()[token], wgu.double()[expert]) * valid[:, None]
     atol, rtol = tol_for(dtype)
     assert_close("h", h[:used], swiglu64(want_gu), atol, rtol)
+    assert (h[:used][~valid] == 0).all(), "h: padding rows must be exactly zero"
     if store:
         assert_close("gate_up", gate_up[:used], want_gu, atol, rtol)
     else:
@@ -154,14 +212,13 @@ def test_down_fwd(dtype, I):
     T, H, E, k = 21, 40, 5, 3
     _, ids, _, _, wd, _, _ = make_problem(T, H, I, E, k, dtype)
     s = build_schedule(ids, E, block_m=16)
-    h = torch.randn(s.num_rows, I).to(dtype)
     used, src, valid, token, expert = row_info(s, k)
-    h[used:] = float("nan")  # rows past the used blocks are never read
+    h = random_rows(s, k, I, dtype)
     with poisoned_empty():
-        y = kernels.down_fwd(h, wd, s.row_src, s.block_expert, s.num_blocks, T * k, config=SMALL)
-    want = torch.zeros(T * k, H, dtype=torch.float64)
-    want[src[valid]] = torch.einsum("ri,rhi->rh", h[:used].double(), wd.double()[expert])[valid]
-    assert_close("y_pairs", y, want, *tol_for(dtype))
+        y = kernels.down_fwd(h, wd, s.block_expert, s.num_blocks, config=SMALL)
+    want = torch.einsum("ri,rhi->rh", h[:used].double(), wd.double()[expert])
+    assert y.shape == (s.num_rows, H)
+    assert_close("y_rows", y[:used], want, *tol_for(dtype))
 
 
 @interpreted
@@ -169,20 +226,18 @@ def test_down_fwd(dtype, I):
 @pytest.mark.parametrize("H", [48, 40], ids=["H48-evenK", "H40-oddK"])
 def test_down_dgrad(dtype, H):
     T, I, E, k = 19, 24, 4, 2
-    _, ids, weights, _, wd, _, _ = make_problem(T, H, I, E, k, dtype)
+    _, ids, _, _, wd, _, _ = make_problem(T, H, I, E, k, dtype)
     s = build_schedule(ids, E, block_m=16)
     used, src, valid, token, expert = row_info(s, k)
-    d_out = torch.randn(T, H).to(dtype)
-    gate_up = torch.randn(s.num_rows, 2 * I).to(dtype)
-    gate_up[:used][~valid] = float("nan")  # padding rows must come out zero whatever they hold
+    d_y = random_rows(s, k, H, dtype, seed=2)
+    gate_up = random_rows(s, k, 2 * I, dtype, seed=3)
     with poisoned_empty():
-        d_gu = kernels.down_dgrad(d_out, weights, wd, gate_up, s.row_src, s.block_expert, s.num_blocks, config=SMALL)
-    w_row = torch.where(valid, weights.reshape(-1).double()[src.clamp(min=0)], 0.0)
-    d_h = torch.einsum("rh,rhi->ri", d_out.double()[token], wd.double()[expert]) * w_row[:, None]
+        d_gu = kernels.down_dgrad(d_y, wd, gate_up, s.block_expert, s.num_blocks, config=SMALL)
+    d_h = torch.einsum("rh,rhi->ri", d_y[:used].double(), wd.double()[expert])
     gu = gate_up[:used].double().clone().requires_grad_()
     (d_want,) = torch.autograd.grad(swiglu64(gu), gu, d_h)
-    d_want[~valid] = 0.0
     assert_close("d_gate_up", d_gu[:used], d_want, *tol_for(dtype))
+    assert (d_gu[:used][~valid] == 0).all(), "d_gate_up: padding rows must be exactly zero"
 
 
 @interpreted
@@ -193,12 +248,12 @@ def test_gate_up_dgrad(dtype, I):
     _, ids, _, wgu, _, _, _ = make_problem(T, H, I, E, k, dtype)
     s = build_schedule(ids, E, block_m=16)
     used, src, valid, token, expert = row_info(s, k)
-    d_gu = torch.randn(s.num_rows, 2 * I).to(dtype)
+    d_gu = random_rows(s, k, 2 * I, dtype)
     with poisoned_empty():
-        d_xp = kernels.gate_up_dgrad(d_gu, wgu, s.row_src, s.block_expert, s.num_blocks, T * k, config=SMALL)
-    want = torch.zeros(T * k, H, dtype=torch.float64)
-    want[src[valid]] = torch.einsum("rn,rnh->rh", d_gu[:used].double(), wgu.double()[expert])[valid]
-    assert_close("d_xpairs", d_xp, want, *tol_for(dtype))
+        d_x = kernels.gate_up_dgrad(d_gu, wgu, s.block_expert, s.num_blocks, config=SMALL)
+    want = torch.einsum("rn,rnh->rh", d_gu[:used].double(), wgu.double()[expert])
+    assert d_x.shape == (s.num_rows, H)
+    assert_close("d_x_rows", d_x[:used], want, *tol_for(dtype))
 
 
 @interpreted
@@ -206,25 +261,20 @@ def test_gate_up_dgrad(dtype, I):
 @pytest.mark.parametrize("routing", ["random", "sparse"], ids=["random", "empty-experts"])
 def test_weight_grads(dtype, routing):
     T, H, I, E, k = 29, 40, 24, 5, 2
-    x, ids, weights, _, _, _, _ = make_problem(T, H, I, E, k, dtype, routing=routing)
+    x, ids, _, _, _, _, _ = make_problem(T, H, I, E, k, dtype, routing=routing)
     s = build_schedule(ids, E, block_m=32)
     used, src, valid, token, expert = row_info(s, k)
-    d_out = torch.randn(T, H).to(dtype)
-    h = torch.randn(s.num_rows, I).to(dtype)
-    d_gu = torch.randn(s.num_rows, 2 * I).to(dtype)
-    h[:used][~valid] = float("nan")  # padding contents never matter
-    d_gu[:used][~valid] = float("nan")
+    d_y, h, d_gu = (random_rows(s, k, n, dtype, seed=i) for i, n in enumerate((H, I, 2 * I)))
+    x_rows = rows_of(x, s, k)
     with poisoned_empty():
-        dw_d = kernels.dw_down(d_out, weights, h, s.row_src, s.expert_offsets, E, config=SMALL)
-        dw_gu = kernels.dw_gate_up(d_gu, x, s.row_src, s.expert_offsets, E, k, config=SMALL)
-    w_row = torch.where(valid, weights.reshape(-1).double()[src.clamp(min=0)], 0.0)
-    a = (d_out.double()[token] * w_row[:, None]).to(dtype).double()  # weighted d_out, rounded as autograd does
+        dw_d = kernels.dw_down(d_y, h, s.expert_offsets, E, config=SMALL)
+        dw_gu = kernels.dw_gate_up(d_gu, x_rows, s.expert_offsets, E, config=SMALL)
     want_d = torch.zeros(E, H, I, dtype=torch.float64)
     want_gu = torch.zeros(E, 2 * I, H, dtype=torch.float64)
     for e in range(E):
-        rows = (expert == e) & valid
-        want_d[e] = a[rows].t() @ h[:used][rows].double()
-        want_gu[e] = d_gu[:used][rows].double().t() @ x.double()[token[rows]]
+        rows = expert == e
+        want_d[e] = d_y[:used][rows].double().t() @ h[:used][rows].double()
+        want_gu[e] = d_gu[:used][rows].double().t() @ x_rows[:used][rows].double()
     atol, rtol = tol_for(dtype)
     assert_close("d_w_down", dw_d, want_d, atol * 10, rtol)
     assert_close("d_w_gate_up", dw_gu, want_gu, atol * 10, rtol)
@@ -236,20 +286,18 @@ def test_weight_grads(dtype, routing):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
 @pytest.mark.parametrize("shared", [True, False], ids=["shared", "noshared"])
 def test_combine_and_bwd(dtype, shared):
-    T, H, k = 11, 40, 3
-    y = torch.randn(T * k, H).to(dtype)
+    T, H, k, N = 11, 40, 3, 50
+    rows = torch.randn(N, H).to(dtype)
     weights = torch.rand(T, k)
-    dest_row = torch.arange(T * k, dtype=torch.int32).view(T, k).contiguous()
-    dest_row[2, 1] = -1  # a pair cut by a capacity: no row, counts as zero
-    y[2 * k + 1] = float("nan")
+    index = torch.randperm(N, generator=torch.Generator().manual_seed(3))[: T * k].to(torch.int32).view(T, k).contiguous()
+    index[2, 1] = -1  # a pair cut by a capacity: no row, counts as zero
     sh = torch.randn(T, H).to(dtype) if shared else None
     d_out = torch.randn(T, H).to(dtype)
     with poisoned_empty():
-        out = kernels.combine(y, weights, dest_row, sh, config=COMBINE)
-        summed = kernels.combine(y, None, dest_row, None, config=COMBINE)
-        d_w = kernels.combine_bwd(d_out, y, dest_row, config=COMBINE)
-    keep = (dest_row >= 0).reshape(-1)
-    y64 = torch.where(keep[:, None], y.double(), 0.0).view(T, k, H)
+        out = kernels.combine(rows, weights, index, sh, config=COMBINE)
+        summed = kernels.combine(rows, None, index, None, config=COMBINE)
+        d_w = kernels.combine_bwd(d_out, rows, index, config=COMBINE)
+    y64 = torch.where((index >= 0)[..., None], rows.double()[index.long().clamp(min=0)], 0.0)  # [T, k, H]
     want = torch.zeros(T, H, dtype=torch.float64)
     for j in range(k):
         want = want + weights[:, j : j + 1].double() * y64[:, j]
@@ -257,7 +305,7 @@ def test_combine_and_bwd(dtype, shared):
         want = want + sh.double()
     atol, rtol = tol_for(dtype)
     assert_close("out", out, want, atol, rtol)
-    assert_close("sum_pairs", summed, y64.sum(1), atol, rtol)
+    assert_close("sum_rows", summed, y64.sum(1), atol, rtol)
     assert_close("d_topk_weights", d_w, torch.einsum("th,tjh->tj", d_out.double(), y64), atol * 10, rtol)
     assert d_w[2, 1] == 0, "a pair without a row must get a zero router-weight gradient"
 
@@ -330,7 +378,7 @@ def test_recompute_matches_save_bitwise():
     for save in (True, False):
         out, saved = experts_fwd(x, weights, wgu, wd, sgu, sd, s, None, save_gate_up=save)
         if not save:
-            assert saved[0].numel() == 0 and saved[1].numel() == 0, "recompute mode must not keep h / gate_up"
+            assert saved[1].numel() == 0 and saved[2].numel() == 0, "recompute mode must not keep h / gate_up"
         results.append((out, *experts_bwd(d_out, x, weights, wgu, wd, sgu, sd, s, None, None, saved)))
     for name, a, b in zip(["out", "d_x", "d_topk_weights", "d_w_gate_up", "d_w_down", "d_sgu", "d_sd"], *results):
         assert torch.equal(a, b), f"{name}: recompute differs from save"
@@ -339,8 +387,6 @@ def test_recompute_matches_save_bitwise():
 @interpreted
 def test_capacity_cut_pairs_count_as_zero():
     """Pairs a declared capacity cut (dest_row -1) contribute nothing and get zero router grads, never NaN."""
-    from megamoe.config import MoEConfig
-
     T, H, I, E, k = 48, 32, 16, 3, 2
     x, ids, weights, wgu, wd, _, _ = make_problem(T, H, I, E, k, torch.float32)
     s = build_schedule(ids, E, block_m=16, config=MoEConfig(capacity_factor=0.1))  # 64 rows for 96 pairs
@@ -366,3 +412,65 @@ def test_block_m_check_and_table():
         experts_fwd(x, weights, wgu, wd, None, None, bad, None)
     for H, I in [(2048, 768), (4096, 1536), (7168, 2048), (2880, 2880), (4096, 14336)]:
         assert block_m_for(H, I, torch.bfloat16) == 128
+
+
+# ----------------------------------------------------------------------------------------------------
+# The expert-parallel driver (ep.py) on one rank, with a CPU workspace
+
+
+class _NoBarrier:
+    def barrier(self, channel=0, timeout_ms=None):
+        del channel, timeout_ms
+
+
+def fake_workspace(group, *, device, num_tokens, hidden_size, topk, num_rows, dtype, timeout_ms):
+    """comm/workspace.py's Workspace for a group of one, on plain CPU tensors: each buffer's peer table
+    holds its own address (the interpreter dereferences it as host memory), barriers do nothing."""
+    del group, device
+
+    def buf(shape, dt):
+        local = torch.full(shape, float("nan") if dt.is_floating_point else -7, dtype=dt)
+        return _Buffer(local, _NoBarrier(), torch.tensor([local.data_ptr()], dtype=torch.int64))
+
+    return Workspace(
+        group_name="fake", rank=0, world_size=1, timeout_ms=timeout_ms,
+        tokens=buf((num_tokens, hidden_size), dtype), weights=buf((num_tokens, topk), torch.float32),
+        ids=buf((num_tokens, topk), torch.int32), pairs=buf((num_tokens * topk, hidden_size), dtype),
+        rows_in=buf((num_rows, hidden_size), dtype), rows_out=buf((num_rows, hidden_size), dtype),
+    )
+
+
+EP_CASES = ["T37-H48-I40-E5-k3-shared", "T40-H32-I32-E8-k2-empty-experts", "T1-H32-I16-E1-k1-El1"]
+DIRECTIONS = {"pull-push": ("pull", "push"), "push-pull": ("push", "pull")}
+
+
+@interpreted
+@pytest.mark.parametrize("directions", list(DIRECTIONS), ids=list(DIRECTIONS))
+@pytest.mark.parametrize("capacity", [None, 0.3], ids=["dropless", "capacity"])
+@pytest.mark.parametrize("case", EP_CASES, ids=EP_CASES)
+def test_ep_matches_one_gpu_bitwise(case, capacity, directions, monkeypatch):
+    """ep.py on a one-rank group runs the same rows compute as experts.py: every output bitwise equal
+    (so ep.py inherits experts.py's accuracy checks), for both directions of dispatch and combine."""
+    T, H, I, E, k, routing, shared, block_m = CASES[case]
+    x, ids, weights, wgu, wd, sgu, sd = make_problem(T, H, I, E, k, torch.float16, routing=routing, shared=shared)
+    d_out = torch.randn(T, H, generator=torch.Generator().manual_seed(7)).half()
+    dispatch, combine = DIRECTIONS[directions]
+    config = MoEConfig(dispatch=dispatch, combine=combine, capacity_factor=capacity)
+    s = build_schedule(ids, E, block_m=block_m, config=config)
+    monkeypatch.setattr(ep, "get_workspace", fake_workspace)
+    with poisoned_empty():
+        out, saved = ep.experts_fwd(x, weights, wgu, wd, sgu, sd, s, None, config)
+        grads = ep.experts_bwd(d_out, x, weights, wgu, wd, sgu, sd, s, None, config, saved)
+        out1, saved1 = experts_fwd(x, weights, wgu, wd, sgu, sd, s, None)
+        grads1 = experts_bwd(d_out, x, weights, wgu, wd, sgu, sd, s, None, None, saved1)
+    for name, a, b in zip(["out", "d_x", "d_topk_weights", "d_w_gate_up", "d_w_down", "d_sgu", "d_sd"], (out, *grads), (out1, *grads1)):
+        if b is None:
+            assert a is None, f"{name}: expected None"
+            continue
+        assert not torch.isnan(a).any(), f"{name}: NaN"
+        assert torch.equal(a, b), f"{name}: ep.py differs from experts.py (max diff {(a.double() - b.double()).abs().max():.3e})"
+    for name, module, got in [("experts.py", None, saved1), ("ep.py", ep, saved)]:
+        want = (module.empty_saved if module else empty_saved)(x, wgu, wd, sgu, s)
+        shapes = [tuple(t.shape) for t in got], [tuple(t.shape) for t in want]
+        assert shapes[0] == shapes[1], f"{name}: empty_saved shapes {shapes[1]} != saved {shapes[0]}"
+        assert [t.dtype for t in got] == [t.dtype for t in want], f"{name}: empty_saved dtypes differ from saved"

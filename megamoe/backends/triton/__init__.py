@@ -1,8 +1,9 @@
 """The fused Triton backend (same interface as megamoe.backends.torch_native).
 
-One GPU (schedule.world_size == 1): experts.py, the fused grouped GEMMs that gather tokens by pointer.
-Expert parallelism: ep.py, symmetric-memory dispatch/combine around the same kernels, and the routing
-exchange that build_schedule uses (`routing_exchange`).
+One GPU (schedule.world_size == 1): experts.py gathers token rows expert-contiguous once and runs the
+fused grouped GEMMs on contiguous rows (`rows_fwd` / `rows_bwd`). Expert parallelism: ep.py,
+symmetric-memory dispatch/combine around the same rows compute, and the routing exchange that
+build_schedule uses (`routing_exchange`).
 """
 
 from megamoe.backends.triton import ep, experts

@@ -8,8 +8,11 @@ No host synchronisation: routing is exchanged through symmetric memory and the s
 device; every buffer has its worst-case (or declared-capacity) size. Both directions of each exchange
 move the same bits, so results do not depend on MoEConfig.dispatch/combine.
 
-The kernels are the one-GPU ones: they read A rows at `row_map[r] // top_k`; here the rows are already
-expert-contiguous, so row_map is the identity (row r reads row r, -1 for padding) with top_k 1.
+The rows compute is the one-GPU path's (experts.rows_fwd / rows_bwd): the dispatch already lands rows
+expert-contiguous with zero padding rows, which is exactly what those kernels read. The backward scales
+the dispatched d_out rows by their pair's router weight once (gather_rows, scale only) to get d_y_rows.
+The slot sums read the exchanged pairs buffer [T*k, H] through index[t, j] = t*k + j (-1 where a
+capacity dropped the pair).
 """
 
 from __future__ import annotations
@@ -19,8 +22,7 @@ import torch
 from megamoe.backends.triton import kernels
 from megamoe.backends.triton.comm.exchange import combine, dispatch, dispatch_pair_weights, gather_routing
 from megamoe.backends.triton.comm.workspace import get_workspace
-from megamoe.backends.triton.configs import kernel_configs
-from megamoe.backends.triton.experts import shared_bwd, shared_fwd
+from megamoe.backends.triton.experts import configs_for, rows_bwd, rows_fwd, rows_in_use, shared_bwd, shared_fwd
 from megamoe.schedule import Schedule, receive_rows
 
 # The direction "auto" resolves to, per operation (docs/perf-notes.md has the measurements).
@@ -52,27 +54,23 @@ def routing_exchange(x, w_gate_up, group, config):
     return gather
 
 
-def _row_map(schedule: Schedule) -> torch.Tensor:
-    rows = torch.arange(schedule.num_rows, device=schedule.row_src.device, dtype=torch.int32)
-    return torch.where(schedule.row_src >= 0, rows, -1).to(torch.int32)
+def _pair_index(schedule: Schedule) -> torch.Tensor:
+    """int32 [T, k]: row t*k + j of the pairs buffer holds pair (t, j); -1 where a capacity dropped it."""
+    pairs = torch.arange(schedule.num_tokens * schedule.top_k, device=schedule.dest_row.device, dtype=torch.int32)
+    return torch.where(schedule.dest_row >= 0, pairs.view_as(schedule.dest_row), -1).to(torch.int32)
 
 
 def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule: Schedule, group, config):
     ws = _workspace(x, schedule.num_tokens, schedule.top_k, schedule.num_rows, group, config)
-    cfg = kernel_configs(x.shape[1], w_down.shape[2], x.dtype, x.device, schedule.block_m)
-    row_map = _row_map(schedule)
+    cfg = configs_for(x, w_gate_up, schedule)
+    x = x.contiguous()
     x_rows = dispatch(ws, x, schedule, _direction(config, "dispatch"))
-    h, gate_up = kernels.gate_up_fwd(
-        x_rows, w_gate_up, row_map, schedule.block_expert, schedule.num_blocks, 1, store_gate_up=True,
-        config=cfg.gate_up_fwd,
-    )
-    y_rows = kernels.down_fwd(h, w_down, row_map, schedule.block_expert, schedule.num_blocks, schedule.num_rows,
-                              config=cfg.down_fwd)
+    h, gate_up, y_rows = rows_fwd(x_rows, w_gate_up, w_down, schedule, cfg)
     y_pairs = combine(ws, y_rows, schedule, _direction(config, "combine"))
     shared_out, shared_act = None, x.new_empty(0)
     if shared_gate_up is not None:
         shared_out, shared_act = shared_fwd(x, shared_gate_up, shared_down)
-    out = kernels.combine(y_pairs, topk_weights, schedule.dest_row, shared_out, config=cfg.combine)
+    out = kernels.combine(y_pairs, topk_weights, _pair_index(schedule), shared_out, config=cfg.combine)
     return out, (x_rows, h, gate_up, y_pairs, shared_act)
 
 
@@ -91,27 +89,18 @@ def empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule: Schedule):
 def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule: Schedule, group, config, saved):
     x_rows, h, gate_up, y_pairs, shared_act = saved
     ws = _workspace(x, schedule.num_tokens, schedule.top_k, schedule.num_rows, group, config)
-    cfg = kernel_configs(x.shape[1], w_down.shape[2], x.dtype, x.device, schedule.block_m)
-    row_map = _row_map(schedule)
+    cfg = configs_for(x, w_gate_up, schedule)
+    pair_index = _pair_index(schedule)
     d_out = d_out.to(x.dtype).contiguous()
-    d_topk_weights = kernels.combine_bwd(d_out, y_pairs, schedule.dest_row, config=cfg.combine)
-    weight_rows = dispatch_pair_weights(ws, topk_weights.float().contiguous(), schedule).view(-1, 1)
+    d_topk_weights = kernels.combine_bwd(d_out, y_pairs, pair_index, config=cfg.combine)
+    weight_rows = dispatch_pair_weights(ws, topk_weights.float().contiguous(), schedule)
     d_out_rows = dispatch(ws, d_out, schedule, _direction(config, "dispatch"))
-    d_gate_up = kernels.down_dgrad(
-        d_out_rows, weight_rows, w_down, gate_up, row_map, schedule.block_expert, schedule.num_blocks,
-        config=cfg.down_dgrad,
-    )
-    d_x_rows = kernels.gate_up_dgrad(
-        d_gate_up, w_gate_up, row_map, schedule.block_expert, schedule.num_blocks, schedule.num_rows,
-        config=cfg.gate_up_dgrad,
-    )
-    num_local = w_gate_up.shape[0]
-    d_w_down = kernels.dw_down(d_out_rows, weight_rows, h, row_map, schedule.expert_offsets, num_local, config=cfg.dw_down)
-    d_w_gate_up = kernels.dw_gate_up(d_gate_up, x_rows, row_map, schedule.expert_offsets, num_local, 1,
-                                     config=cfg.dw_gate_up)
+    d_y_rows = kernels.gather_rows(d_out_rows, None, weight_rows, rows_in_use(schedule))
+    del d_out_rows
+    d_x_rows, d_w_gate_up, d_w_down = rows_bwd(d_y_rows, x_rows, h, gate_up, w_gate_up, w_down, schedule, cfg)
     d_x_pairs = combine(ws, d_x_rows, schedule, _direction(config, "combine"))
     d_x_shared = d_shared_gate_up = d_shared_down = None
     if shared_gate_up is not None:
         d_x_shared, d_shared_gate_up, d_shared_down = shared_bwd(d_out, x, shared_gate_up, shared_down, shared_act)
-    d_x = kernels.combine(d_x_pairs, None, schedule.dest_row, d_x_shared, config=cfg.combine)
+    d_x = kernels.combine(d_x_pairs, None, pair_index, d_x_shared, config=cfg.combine)
     return d_x, d_topk_weights, d_w_gate_up, d_w_down, d_shared_gate_up, d_shared_down

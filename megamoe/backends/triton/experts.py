@@ -1,15 +1,21 @@
-"""Forward/backward drivers of the single-GPU fused Triton path (no expert-parallel group).
+"""Forward/backward drivers of the single-GPU fused Triton path (no expert-parallel group), and the
+"rows" compute that the expert-parallel path (ep.py) shares.
 
-Forward:  gate_up_fwd (gather x rows, gate/up GEMM, SwiGLU epilogue) -> down_fwd (scatter each row to
-          its (token, slot) row of y_pairs) -> combine (sum_j w * y in fp32, j in order, + shared last).
-Backward: combine_bwd (d_topk_weights = <d_out, y>) -> down_dgrad (router weight and SwiGLU backward
-          fused) -> gate_up_dgrad (scatter d_x pairs) -> combine without weights (d_x = sum_j, + shared)
-          and the two weight-grad kernels (one program per output tile, looping over its expert's rows).
+Every GEMM reads and writes contiguous receive rows [R, *] (expert-major, padded per expert to the
+schedule's block_m, padding rows zero); the token-sourced operands are materialised once by a gather:
+Forward:  gather x_rows = x[row_src // k] -> rows_fwd: gate_up_fwd (gate/up GEMM, SwiGLU epilogue) ->
+          down_fwd (y_rows) -> combine (out[t] = sum_j w * y_rows[dest_row[t, j]] in fp32, j in order,
+          + shared last).
+Backward: combine_bwd (d_topk_weights = <d_out, y_rows[dest_row]>) -> gather d_y_rows = w * d_out[tok]
+          -> rows_bwd: down_dgrad (SwiGLU backward fused) -> gate_up_dgrad (d_x_rows) and the two
+          weight-grad kernels (one program per output tile, looping over its expert's rows) ->
+          combine without weights (d_x = sum_j d_x_rows[dest_row[t, j]], + shared).
 The shared expert is a dense MLP and runs on cuBLAS through torch.
 
-saved = (h [R, I], gate_up [R, 2I], y_pairs [T*k, H], shared_gate_up_act [T, 2I_s]); in recompute mode
-(save_gate_up=False) h and gate_up are empty and the backward reruns gate_up_fwd; without a shared expert
-the last entry is empty. Entries are always tensors so the tuple can cross torch.library custom ops.
+saved = (x_rows [R, H], h [R, I], gate_up [R, 2I], y_rows [R, H], shared_gate_up_act [T, 2I_s]); in
+recompute mode (save_gate_up=False) h and gate_up are empty and the backward reruns gate_up_fwd on
+x_rows; without a shared expert the last entry is empty. Entries are always tensors so the tuple can
+cross torch.library custom ops.
 """
 
 from __future__ import annotations
@@ -25,8 +31,14 @@ from megamoe.schedule import Schedule
 SAVE_GATE_UP = True
 
 
-def _configs(x: torch.Tensor, w_gate_up: torch.Tensor, schedule: Schedule) -> KernelConfigs:
+def configs_for(x: torch.Tensor, w_gate_up: torch.Tensor, schedule: Schedule) -> KernelConfigs:
+    """The tile table entry of this problem (H, I, dtype, device, the schedule's block_m)."""
     return kernel_configs(x.shape[1], w_gate_up.shape[1] // 2, x.dtype, x.device, schedule.block_m)
+
+
+def rows_in_use(schedule: Schedule) -> torch.Tensor:
+    """int32 [1] on the device: the receive rows in use (expert_offsets[E_l]); a view, no host sync."""
+    return schedule.expert_offsets[-1:]
 
 
 def _check_group(group, schedule: Schedule, w_gate_up: torch.Tensor) -> None:
@@ -56,6 +68,66 @@ def shared_bwd(d_out, x, shared_gate_up, shared_down, gate_up):
     return d_gate_up @ shared_gate_up, d_gate_up.t() @ x, d_shared_down
 
 
+# ----------------------------------------------------------------------------------------------------
+# The rows compute, shared with ep.py: everything indexed by receive row r, expert e = the row's block.
+
+
+def rows_fwd(
+    x_rows: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    schedule: Schedule,
+    cfg: KernelConfigs,
+    *,
+    save_gate_up: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h [R, I], gate_up [R, 2I], y_rows [R, H]) from x_rows [R, H] (padding rows zero; rows past
+    expert_offsets[E_l] are neither read nor written). Without save_gate_up, gate_up is [0, 2I]."""
+    # NOTE: how many row blocks are in use stays on the device (schedule.num_blocks); every buffer and
+    # grid is sized from shapes alone, so nothing here waits for the GPU.
+    h, gate_up = kernels.gate_up_fwd(
+        x_rows, w_gate_up, schedule.block_expert, schedule.num_blocks,
+        store_gate_up=save_gate_up, config=cfg.gate_up_fwd,
+    )
+    y_rows = kernels.down_fwd(h, w_down, schedule.block_expert, schedule.num_blocks, config=cfg.down_fwd)
+    if gate_up is None:
+        gate_up = x_rows.new_empty(0, 2 * h.shape[1])
+    return h, gate_up, y_rows
+
+
+def rows_bwd(
+    d_y_rows: torch.Tensor,
+    x_rows: torch.Tensor,
+    h: torch.Tensor,
+    gate_up: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    schedule: Schedule,
+    cfg: KernelConfigs,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d_x_rows [R, H], d_w_gate_up [E_l, 2I, H], d_w_down [E_l, H, I]).
+
+    d_y_rows [R, H]: the router-weighted upstream gradient of each row (zero for padding); x_rows, h,
+    gate_up as rows_fwd returned them (h and gate_up empty: recomputed here, same kernel, same bits).
+    """
+    if gate_up.shape[0] == 0:
+        h, gate_up = kernels.gate_up_fwd(
+            x_rows, w_gate_up, schedule.block_expert, schedule.num_blocks, store_gate_up=True, config=cfg.gate_up_fwd,
+        )
+    d_gate_up = kernels.down_dgrad(d_y_rows, w_down, gate_up, schedule.block_expert, schedule.num_blocks,
+                                   config=cfg.down_dgrad)
+    d_x_rows = kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, schedule.num_blocks,
+                                     config=cfg.gate_up_dgrad)
+    num_experts = w_gate_up.shape[0]
+    d_w_down = kernels.dw_down(d_y_rows, h, schedule.expert_offsets, num_experts, config=cfg.dw_down)
+    d_w_gate_up = kernels.dw_gate_up(d_gate_up, x_rows, schedule.expert_offsets, num_experts, config=cfg.dw_gate_up)
+    return d_x_rows, d_w_gate_up, d_w_down
+
+
+# ----------------------------------------------------------------------------------------------------
+# The one-GPU backend interface.
+
+
 def experts_fwd(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -76,35 +148,28 @@ def experts_fwd(
     power of two >= 16). Sync-free: every size here comes from shapes, counts are read on the device.
     """
     _check_group(group, schedule, w_gate_up)
-    cfg = _configs(x, w_gate_up, schedule)
-    num_tokens, top_k = topk_weights.shape
-    # NOTE: how many row blocks are in use stays on the device (schedule.num_blocks); every buffer and
-    # grid below is sized from shapes alone, so nothing here waits for the GPU.
-    h, gate_up = kernels.gate_up_fwd(
-        x, w_gate_up, schedule.row_src, schedule.block_expert, schedule.num_blocks, top_k,
-        store_gate_up=save_gate_up, config=cfg.gate_up_fwd,
-    )
-    y_pairs = kernels.down_fwd(
-        h, w_down, schedule.row_src, schedule.block_expert, schedule.num_blocks, num_tokens * top_k,
-        config=cfg.down_fwd,
-    )
+    cfg = configs_for(x, w_gate_up, schedule)
+    x = x.contiguous()
+    x_rows = kernels.gather_rows(x, schedule.row_src, None, rows_in_use(schedule), div=schedule.top_k)
+    h, gate_up, y_rows = rows_fwd(x_rows, w_gate_up, w_down, schedule, cfg, save_gate_up=save_gate_up)
     shared_out, shared_act = None, x.new_empty(0)
     if shared_gate_up is not None:
         shared_out, shared_act = shared_fwd(x, shared_gate_up, shared_down)
-    out = kernels.combine(y_pairs, topk_weights, schedule.dest_row, shared_out, config=cfg.combine)
+    out = kernels.combine(y_rows, topk_weights, schedule.dest_row, shared_out, config=cfg.combine)
     if not save_gate_up:
-        h, gate_up = x.new_empty(0, h.shape[1]), x.new_empty(0, 2 * h.shape[1])
-    return out, (h, gate_up, y_pairs, shared_act)
+        h = x.new_empty(0, h.shape[1])
+    return out, (x_rows, h, gate_up, y_rows, shared_act)
 
 
 def empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule: Schedule) -> tuple[torch.Tensor, ...]:
     """Tensors shaped like experts_fwd's `saved` (default save mode), for torch.compile's fake impl."""
-    rows, inter = schedule.num_rows, w_down.shape[2]
+    rows, inter, hidden = schedule.num_rows, w_down.shape[2], x.shape[1]
     shared = x.new_empty(x.shape[0], shared_gate_up.shape[0]) if shared_gate_up is not None else x.new_empty(0)
     return (
+        x.new_empty(rows, hidden),
         x.new_empty(rows, inter),
         x.new_empty(rows, 2 * inter),
-        x.new_empty(schedule.num_tokens * schedule.top_k, x.shape[1]),
+        x.new_empty(rows, hidden),
         shared,
     )
 
@@ -124,33 +189,18 @@ def experts_bwd(
 ) -> tuple[torch.Tensor, ...]:
     """(d_x, d_topk_weights [T, k] fp32, d_w_gate_up, d_w_down, d_shared_gate_up or None, d_shared_down or None)."""
     _check_group(group, schedule, w_gate_up)
-    h, gate_up, y_pairs, shared_act = saved
-    cfg = _configs(x, w_gate_up, schedule)
+    x_rows, h, gate_up, y_rows, shared_act = saved
+    cfg = configs_for(x, w_gate_up, schedule)
     d_out = d_out.to(x.dtype).contiguous()
-    num_tokens, top_k = topk_weights.shape
-    d_topk_weights = kernels.combine_bwd(d_out, y_pairs, schedule.dest_row, config=cfg.combine)
-    if gate_up.shape[0] == 0:  # recompute mode: rerun the forward GEMM, same kernel, same bits
-        h, gate_up = kernels.gate_up_fwd(
-            x, w_gate_up, schedule.row_src, schedule.block_expert, schedule.num_blocks, top_k,
-            store_gate_up=True, config=cfg.gate_up_fwd,
-        )
-    d_gate_up = kernels.down_dgrad(
-        d_out, topk_weights, w_down, gate_up, schedule.row_src, schedule.block_expert, schedule.num_blocks,
-        config=cfg.down_dgrad,
+    d_topk_weights = kernels.combine_bwd(d_out, y_rows, schedule.dest_row, config=cfg.combine)
+    # The router weight of each row's pair, applied once here (fp32 product rounded to the dtype, as
+    # autograd of the reference rounds w * d_out), so no GEMM scales its operand in registers.
+    d_y_rows = kernels.gather_rows(
+        d_out, schedule.row_src, topk_weights.contiguous().view(-1), rows_in_use(schedule), div=schedule.top_k
     )
-    d_xpairs = kernels.gate_up_dgrad(
-        d_gate_up, w_gate_up, schedule.row_src, schedule.block_expert, schedule.num_blocks, num_tokens * top_k,
-        config=cfg.gate_up_dgrad,
-    )
-    num_experts = w_gate_up.shape[0]
-    d_w_down = kernels.dw_down(
-        d_out, topk_weights, h, schedule.row_src, schedule.expert_offsets, num_experts, config=cfg.dw_down
-    )
-    d_w_gate_up = kernels.dw_gate_up(
-        d_gate_up, x, schedule.row_src, schedule.expert_offsets, num_experts, top_k, config=cfg.dw_gate_up
-    )
+    d_x_rows, d_w_gate_up, d_w_down = rows_bwd(d_y_rows, x_rows, h, gate_up, w_gate_up, w_down, schedule, cfg)
     d_x_shared = d_shared_gate_up = d_shared_down = None
     if shared_gate_up is not None:
         d_x_shared, d_shared_gate_up, d_shared_down = shared_bwd(d_out, x, shared_gate_up, shared_down, shared_act)
-    d_x = kernels.combine(d_xpairs, None, schedule.dest_row, d_x_shared, config=cfg.combine)
+    d_x = kernels.combine(d_x_rows, None, schedule.dest_row, d_x_shared, config=cfg.combine)
     return d_x, d_topk_weights, d_w_gate_up, d_w_down, d_shared_gate_up, d_shared_down

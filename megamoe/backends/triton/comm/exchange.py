@@ -51,8 +51,10 @@ def dispatch(ws: Workspace, tokens_TH: torch.Tensor, schedule: Schedule, directi
                   src_is_table=True, dst_is_table=False, **size)
         return out
     dest_rank, dest_row, pairs = _send_maps(schedule)
-    padding = torch.where((in_use == 0) & (src_rank < 0), 0, -1).to(torch.int32)  # zeroed by their owner
-    copy_rows(tokens_TH, padding, rows, ws.rows_in.local, padding, rows, src_is_table=False, dst_is_table=False, **size)
+    # Padding rows are zeroed by their owner: written (destination peer 0) from no source (peer -1).
+    padding = torch.where((in_use == 0) & (src_rank < 0), 0, -1).to(torch.int32)
+    copy_rows(tokens_TH, torch.full_like(padding, -1), rows, ws.rows_in.local, padding, rows,
+              src_is_table=False, dst_is_table=False, **size)
     copy_rows(tokens_TH, torch.zeros_like(dest_rank), pairs // schedule.top_k, ws.rows_in.peer_ptrs, dest_rank, dest_row,
               src_is_table=False, dst_is_table=True, **size)
     ws.barrier()

@@ -6,12 +6,15 @@ each program reads the real number of row blocks from device memory (`num_blocks
 the tiles that exist, so no host ever learns the routing. Each output element is written by exactly
 one tile with a fixed K order: results are bitwise reproducible.
 
-Row sources: row r holds pair src = row_src[r] = t * k + j (token t, slot j), -1 for padding. Rows
-that start from tokens (x, d_out) are gathered by pointer (Hopper has no TMA row-gather); padding rows
-load zeros. Rows that end at pairs (y, d_x) are scattered to their own row of a [T * k, H] buffer,
-conflict-free; padding rows are not written.
+Rows are contiguous on both sides: every operand and result is an [R, *] tensor indexed by the receive
+row r (x_rows, h, gate_up, y_rows, d_y_rows, d_gate_up, d_x_rows), materialised expert-contiguous by
+kernels/gather.py or by the expert-parallel dispatch. No kernel loads a row index, so the K loops are
+plain strided loads that Triton software-pipelines. Padding rows hold zeros in x_rows and d_y_rows, so
+every result is zero there too without a mask; rows past num_blocks * block_m are never touched.
+The one exception is gate_up_fwd with GATHER (kept to measure against): it reads x[row_src[r] // k]
+by pointer, as the first version of this backend did.
 
-Shapes: x [T, H], w_gate_up [E_l, 2I, H] (gate rows first), w_down [E_l, H, I], R receive rows.
+Shapes: w_gate_up [E_l, 2I, H] (gate rows first), w_down [E_l, H, I], R receive rows.
 """
 
 from __future__ import annotations
@@ -26,13 +29,14 @@ from megamoe.backends.triton.kernels._common import check, persistent_grid, tile
 
 @triton.jit
 def gate_up_fwd_kernel(
-    x_ptr, w_ptr, row_src_ptr, block_expert_ptr, num_blocks_ptr, h_ptr, gate_up_ptr,
+    a_ptr, w_ptr, row_src_ptr, block_expert_ptr, num_blocks_ptr, h_ptr, gate_up_ptr,
     H, I, top_k,
-    STORE_GATE_UP: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
+    GATHER: tl.constexpr, STORE_GATE_UP: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """h[r, n] = silu(g) * u with g = x[tok(r)] . w_gate_up[e, n], u = x[tok(r)] . w_gate_up[e, I + n].
+    """h[r, n] = silu(g) * u with g = a[r] . w_gate_up[e, n], u = a[r] . w_gate_up[e, I + n].
 
+    a[r] = x_rows[r]; with GATHER, a[r] = x[row_src[r] // top_k] (zero for padding), loaded by pointer.
     Two accumulators (gate columns and the matching up columns) so the SwiGLU is the epilogue and the
     pre-activation never round-trips memory unless STORE_GATE_UP keeps it for the backward.
     SPLIT = schedule block_m // BLOCK_M (kernel row blocks per schedule block).
@@ -46,27 +50,36 @@ def gate_up_fwd_kernel(
         pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
         expert = tl.load(block_expert_ptr + pid_m // SPLIT).to(tl.int64)
         rows = pid_m.to(tl.int64) * BLOCK_M + offs_m
-        src = tl.load(row_src_ptr + rows)
-        valid = src >= 0
-        token = tl.where(valid, src // top_k, 0).to(tl.int64)
+        if GATHER:
+            src = tl.load(row_src_ptr + rows)
+            valid = src >= 0
+            a_rows = tl.where(valid, src // top_k, 0).to(tl.int64)
+        else:
+            a_rows = rows
         cols = pid_n * BLOCK_N + offs_n
         # Columns past I read a clamped (in-bounds) weight row, dropped at the store: clamping the
         # strided dimension keeps the loads unmasked (masks go on contiguous dimensions only, where
         # they keep 16-byte vector copies; a clamp there would break the contiguity analysis).
         w_cols = tl.minimum(cols, I - 1)
-        a_ptrs = x_ptr + token[:, None] * H + offs_k[None, :]
+        a_ptrs = a_ptr + a_rows[:, None] * H + offs_k[None, :]
         wg_ptrs = w_ptr + expert * (2 * I) * H + w_cols[None, :] * H + offs_k[:, None]
         wu_ptrs = wg_ptrs + I * H
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
             if EVEN_K:
-                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+                if GATHER:
+                    a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+                else:
+                    a = tl.load(a_ptrs)
                 bg = tl.load(wg_ptrs)
                 bu = tl.load(wu_ptrs)
             else:
                 k_ok = offs_k + k0 < H
-                a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+                if GATHER:
+                    a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+                else:
+                    a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
                 bg = tl.load(wg_ptrs, mask=k_ok[:, None], other=0.0)
                 bu = tl.load(wu_ptrs, mask=k_ok[:, None], other=0.0)
             acc_g = tl.dot(a, bg, acc_g)
@@ -85,12 +98,12 @@ def gate_up_fwd_kernel(
 
 @triton.jit
 def down_fwd_kernel(
-    h_ptr, w_ptr, row_src_ptr, block_expert_ptr, num_blocks_ptr, y_ptr,
+    h_ptr, w_ptr, block_expert_ptr, num_blocks_ptr, y_ptr,
     H, I,
     EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """y_pairs[row_src[r], n] = h[r] . w_down[e, n]; each row lands in its own (token, slot) row."""
+    """y_rows[r, n] = h[r] . w_down[e, n]."""
     num_m = tl.load(num_blocks_ptr) * SPLIT
     num_n = tl.cdiv(H, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -100,8 +113,6 @@ def down_fwd_kernel(
         pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
         expert = tl.load(block_expert_ptr + pid_m // SPLIT).to(tl.int64)
         rows = pid_m.to(tl.int64) * BLOCK_M + offs_m
-        src = tl.load(row_src_ptr + rows)
-        valid = src >= 0
         cols = pid_n * BLOCK_N + offs_n
         w_cols = tl.minimum(cols, H - 1)
         a_ptrs = h_ptr + rows[:, None] * I + offs_k[None, :]
@@ -118,26 +129,18 @@ def down_fwd_kernel(
             acc = tl.dot(a, b, acc)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
-        dst = tl.where(valid, src, 0).to(tl.int64)
-        tl.store(
-            y_ptr + dst[:, None] * H + cols[None, :],
-            acc.to(y_ptr.dtype.element_ty),
-            mask=valid[:, None] & (cols < H)[None, :],
-        )
+        tl.store(y_ptr + rows[:, None] * H + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=(cols < H)[None, :])
 
 
 @triton.jit
 def down_dgrad_kernel(
-    d_out_ptr, topk_w_ptr, w_ptr, gate_up_ptr, row_src_ptr, block_expert_ptr, num_blocks_ptr, d_gate_up_ptr,
-    H, I, top_k,
+    d_y_ptr, w_ptr, gate_up_ptr, block_expert_ptr, num_blocks_ptr, d_gate_up_ptr,
+    H, I,
     EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """d_h[r] = w[src] * (d_out[tok] @ w_down[e]), then the SwiGLU backward into d_gate_up [R, 2I].
-
-    The router weight scales the fp32 accumulator (a per-row scalar commutes with the GEMM), so it costs
-    nothing and d_h is never rounded before the SwiGLU backward. Padding rows get zeros.
-    """
+    """d_h[r] = d_y_rows[r] @ w_down[e] (the router weight is already in d_y_rows), then the SwiGLU
+    backward in the epilogue from the saved g, u: d_gate_up[r] = [d_h * u * silu'(g), d_h * silu(g)]."""
     num_m = tl.load(num_blocks_ptr) * SPLIT
     num_n = tl.cdiv(I, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -147,48 +150,41 @@ def down_dgrad_kernel(
         pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
         expert = tl.load(block_expert_ptr + pid_m // SPLIT).to(tl.int64)
         rows = pid_m.to(tl.int64) * BLOCK_M + offs_m
-        src = tl.load(row_src_ptr + rows)
-        valid = src >= 0
-        safe_src = tl.where(valid, src, 0)
-        token = (safe_src // top_k).to(tl.int64)
         cols = pid_n * BLOCK_N + offs_n
         col_ok = (cols < I)[None, :]
-        a_ptrs = d_out_ptr + token[:, None] * H + offs_k[None, :]
+        a_ptrs = d_y_ptr + rows[:, None] * H + offs_k[None, :]
         b_ptrs = w_ptr + expert * H * I + offs_k[:, None] * I + cols[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
             if EVEN_K:
-                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+                a = tl.load(a_ptrs)
                 b = tl.load(b_ptrs, mask=col_ok, other=0.0)
             else:
                 k_ok = offs_k + k0 < H
-                a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
                 b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok, other=0.0)
             acc = tl.dot(a, b, acc)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K * I
-        weight = tl.load(topk_w_ptr + safe_src, mask=valid, other=0.0)
-        d_h = acc * weight[:, None]
-        out_mask = (cols < I)[None, :]
         gu_ptrs = gate_up_ptr + rows[:, None] * (2 * I) + cols[None, :]
-        g = tl.load(gu_ptrs, mask=out_mask, other=0.0).to(tl.float32)
-        u = tl.load(gu_ptrs + I, mask=out_mask, other=0.0).to(tl.float32)
+        g = tl.load(gu_ptrs, mask=col_ok, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptrs + I, mask=col_ok, other=0.0).to(tl.float32)
         sig = tl.sigmoid(g)
-        d_u = tl.where(valid[:, None], d_h * g * sig, 0.0)
-        d_g = tl.where(valid[:, None], d_h * u * sig * (1.0 + g * (1.0 - sig)), 0.0)
+        d_u = acc * g * sig
+        d_g = acc * u * sig * (1.0 + g * (1.0 - sig))
         dgu_ptrs = d_gate_up_ptr + rows[:, None] * (2 * I) + cols[None, :]
-        tl.store(dgu_ptrs, d_g.to(d_gate_up_ptr.dtype.element_ty), mask=out_mask)
-        tl.store(dgu_ptrs + I, d_u.to(d_gate_up_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(dgu_ptrs, d_g.to(d_gate_up_ptr.dtype.element_ty), mask=col_ok)
+        tl.store(dgu_ptrs + I, d_u.to(d_gate_up_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
 def gate_up_dgrad_kernel(
-    d_gate_up_ptr, w_ptr, row_src_ptr, block_expert_ptr, num_blocks_ptr, d_xpairs_ptr,
+    d_gate_up_ptr, w_ptr, block_expert_ptr, num_blocks_ptr, d_x_ptr,
     H, I,
     EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """d_xpairs[row_src[r], n] = d_gate_up[r] . w_gate_up[e, :, n] (reduction over 2I)."""
+    """d_x_rows[r, n] = d_gate_up[r] . w_gate_up[e, :, n] (reduction over 2I)."""
     num_m = tl.load(num_blocks_ptr) * SPLIT
     num_n = tl.cdiv(H, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -198,8 +194,6 @@ def gate_up_dgrad_kernel(
         pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
         expert = tl.load(block_expert_ptr + pid_m // SPLIT).to(tl.int64)
         rows = pid_m.to(tl.int64) * BLOCK_M + offs_m
-        src = tl.load(row_src_ptr + rows)
-        valid = src >= 0
         cols = pid_n * BLOCK_N + offs_n
         col_ok = (cols < H)[None, :]
         a_ptrs = d_gate_up_ptr + rows[:, None] * (2 * I) + offs_k[None, :]
@@ -216,24 +210,17 @@ def gate_up_dgrad_kernel(
             acc = tl.dot(a, b, acc)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K * H
-        dst = tl.where(valid, src, 0).to(tl.int64)
-        tl.store(
-            d_xpairs_ptr + dst[:, None] * H + cols[None, :],
-            acc.to(d_xpairs_ptr.dtype.element_ty),
-            mask=valid[:, None] & (cols < H)[None, :],
-        )
+        tl.store(d_x_ptr + rows[:, None] * H + cols[None, :], acc.to(d_x_ptr.dtype.element_ty), mask=col_ok)
 
 
 # ----------------------------------------------------------------------------------------------------
 # Launchers: validate, allocate, build the grid.
 
 
-def _check_rows(row_src: torch.Tensor, block_expert: torch.Tensor, num_blocks: torch.Tensor, block_m: int) -> int:
+def _check_rows(rows: int, block_expert: torch.Tensor, num_blocks: torch.Tensor, block_m: int) -> int:
     """SPLIT, the kernel row blocks per schedule block (the schedule's block_m is R // len(block_expert))."""
-    check(row_src.dtype == torch.int32 and row_src.dim() == 1, f"row_src must be int32 [R], got {row_src.dtype} {tuple(row_src.shape)}")
     check(block_expert.dtype == torch.int32 and block_expert.dim() == 1, "block_expert must be int32 [R // block_m]")
     check(num_blocks.dtype == torch.int32 and num_blocks.numel() == 1, "num_blocks must be int32 [1]")
-    rows = row_src.numel()
     check(block_expert.numel() > 0 and rows % block_expert.numel() == 0, f"R={rows} is not a multiple of len(block_expert)={block_expert.numel()}")
     sched_block = rows // block_expert.numel()
     check(sched_block % block_m == 0, f"kernel row tile {block_m} must divide the schedule's block_m {sched_block}")
@@ -244,6 +231,13 @@ def _check_weight(w: torch.Tensor, x: torch.Tensor, shape: tuple, name: str) -> 
     check(w.is_contiguous(), f"{name} must be contiguous")
     check(tuple(w.shape) == shape, f"{name} must have shape {shape}, got {tuple(w.shape)}")
     check(w.dtype == x.dtype, f"{name} dtype {w.dtype} must match the activations' {x.dtype}")
+
+
+def _check_matrix(t: torch.Tensor, rows: int | None, cols: int | None, name: str) -> None:
+    want = f"[{'R' if rows is None else rows}, {'*' if cols is None else cols}]"
+    check(t.dim() == 2 and t.is_contiguous(), f"{name} must be a contiguous {want} tensor, got {tuple(t.shape)}")
+    check(rows is None or t.shape[0] == rows, f"{name} must be a contiguous {want} tensor, got {tuple(t.shape)}")
+    check(cols is None or t.shape[1] == cols, f"{name} must be a contiguous {want} tensor, got {tuple(t.shape)}")
 
 
 def _meta(config: TileConfig, k_dim: int, split: int) -> dict:
@@ -260,34 +254,40 @@ def _meta(config: TileConfig, k_dim: int, split: int) -> dict:
 
 
 def gate_up_fwd(
-    x_TH: torch.Tensor,
+    a: torch.Tensor,
     w_gate_up_E2IH: torch.Tensor,
-    row_src_R: torch.Tensor,
     block_expert: torch.Tensor,
     num_blocks: torch.Tensor,
-    top_k: int,
     *,
     store_gate_up: bool,
     config: TileConfig,
+    row_src_R: torch.Tensor | None = None,
+    top_k: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """h [R, I] = SwiGLU of the gathered rows' gate/up projections; gate_up [R, 2I] too if store_gate_up.
+    """h [R, I] = SwiGLU of the rows' gate/up projections; gate_up [R, 2I] too if store_gate_up.
 
-    Rows past num_blocks * block_m are left unwritten (never read downstream); padding rows are zero.
+    a: x_rows [R, H] (padding rows zero), or with row_src (int32 [R], -1 padding) the token rows x
+    [T, H], gathered by pointer at row_src[r] // top_k (the measured alternative; padding reads zero).
+    Rows past num_blocks * block_m are left unwritten (never read downstream).
     """
-    check(x_TH.dim() == 2 and x_TH.is_contiguous(), "x must be a contiguous [T, H] tensor")
-    num_tokens, hidden = x_TH.shape
+    _check_matrix(a, None, None, "x_rows" if row_src_R is None else "x")
+    hidden = a.shape[1]
     check(w_gate_up_E2IH.dim() == 3 and w_gate_up_E2IH.shape[1] % 2 == 0, "w_gate_up must be [E_l, 2I, H]")
     inter = w_gate_up_E2IH.shape[1] // 2
-    _check_weight(w_gate_up_E2IH, x_TH, (w_gate_up_E2IH.shape[0], 2 * inter, hidden), "w_gate_up")
-    split = _check_rows(row_src_R, block_expert, num_blocks, config.block_m)
-    rows = row_src_R.numel()
-    h = torch.empty(rows, inter, dtype=x_TH.dtype, device=x_TH.device)
-    gate_up = torch.empty(rows if store_gate_up else 0, 2 * inter, dtype=x_TH.dtype, device=x_TH.device)
+    _check_weight(w_gate_up_E2IH, a, (w_gate_up_E2IH.shape[0], 2 * inter, hidden), "w_gate_up")
+    if row_src_R is not None:
+        check(row_src_R.dtype == torch.int32 and row_src_R.dim() == 1 and row_src_R.is_contiguous(),
+              f"row_src must be a contiguous int32 [R] tensor, got {row_src_R.dtype} {tuple(row_src_R.shape)}")
+        check(top_k >= 1, f"top_k must be >= 1, got {top_k}")
+    rows = a.shape[0] if row_src_R is None else row_src_R.numel()
+    split = _check_rows(rows, block_expert, num_blocks, config.block_m)
+    h = torch.empty(rows, inter, dtype=a.dtype, device=a.device)
+    gate_up = torch.empty(rows if store_gate_up else 0, 2 * inter, dtype=a.dtype, device=a.device)
     max_tiles = rows // config.block_m * triton.cdiv(inter, config.block_n)
-    gate_up_fwd_kernel[persistent_grid(x_TH.device, max_tiles)](
-        x_TH, w_gate_up_E2IH, row_src_R, block_expert, num_blocks, h, gate_up,
+    gate_up_fwd_kernel[persistent_grid(a.device, max_tiles)](
+        a, w_gate_up_E2IH, row_src_R if row_src_R is not None else block_expert, block_expert, num_blocks, h, gate_up,
         hidden, inter, top_k,
-        STORE_GATE_UP=store_gate_up,
+        GATHER=row_src_R is not None, STORE_GATE_UP=store_gate_up,
         **_meta(config, hidden, split),
     )
     return h, (gate_up if store_gate_up else None)
@@ -296,61 +296,54 @@ def gate_up_fwd(
 def down_fwd(
     h_RI: torch.Tensor,
     w_down_EHI: torch.Tensor,
-    row_src_R: torch.Tensor,
     block_expert: torch.Tensor,
     num_blocks: torch.Tensor,
-    num_pairs: int,
     *,
     config: TileConfig,
 ) -> torch.Tensor:
-    """y_pairs [T * k, H]: row t * k + j = expert output of pair (t, j). Pairs without a row stay unwritten."""
-    check(h_RI.dim() == 2 and h_RI.is_contiguous(), "h must be a contiguous [R, I] tensor")
+    """y_rows [R, H] = h[r] @ w_down[e]^T (rows past num_blocks * block_m unwritten)."""
+    _check_matrix(h_RI, None, None, "h")
     rows, inter = h_RI.shape
     check(w_down_EHI.dim() == 3, "w_down must be [E_l, H, I]")
     hidden = w_down_EHI.shape[1]
     _check_weight(w_down_EHI, h_RI, (w_down_EHI.shape[0], hidden, inter), "w_down")
-    check(row_src_R.numel() == rows, f"row_src has {row_src_R.numel()} rows, h has {rows}")
-    split = _check_rows(row_src_R, block_expert, num_blocks, config.block_m)
-    y_pairs = torch.empty(num_pairs, hidden, dtype=h_RI.dtype, device=h_RI.device)
+    split = _check_rows(rows, block_expert, num_blocks, config.block_m)
+    y_rows = torch.empty(rows, hidden, dtype=h_RI.dtype, device=h_RI.device)
     max_tiles = rows // config.block_m * triton.cdiv(hidden, config.block_n)
     down_fwd_kernel[persistent_grid(h_RI.device, max_tiles)](
-        h_RI, w_down_EHI, row_src_R, block_expert, num_blocks, y_pairs,
+        h_RI, w_down_EHI, block_expert, num_blocks, y_rows,
         hidden, inter,
         **_meta(config, inter, split),
     )
-    return y_pairs
+    return y_rows
 
 
 def down_dgrad(
-    d_out_TH: torch.Tensor,
-    topk_weights_TK: torch.Tensor,
+    d_y_rows_RH: torch.Tensor,
     w_down_EHI: torch.Tensor,
     gate_up_R2I: torch.Tensor,
-    row_src_R: torch.Tensor,
     block_expert: torch.Tensor,
     num_blocks: torch.Tensor,
     *,
     config: TileConfig,
 ) -> torch.Tensor:
-    """d_gate_up [R, 2I] (d_out's dtype): SwiGLU backward of d_h = w * d_out[tok] @ w_down[e]."""
-    check(d_out_TH.dim() == 2 and d_out_TH.is_contiguous(), "d_out must be a contiguous [T, H] tensor")
-    num_tokens, hidden = d_out_TH.shape
-    check(topk_weights_TK.dim() == 2 and topk_weights_TK.shape[0] == num_tokens and topk_weights_TK.is_contiguous(),
-          "topk_weights must be a contiguous [T, k] tensor")
-    check(topk_weights_TK.dtype == torch.float32, f"topk_weights must be float32, got {topk_weights_TK.dtype}")
-    top_k = topk_weights_TK.shape[1]
+    """d_gate_up [R, 2I] (d_y_rows' dtype): SwiGLU backward of d_h = d_y_rows[r] @ w_down[e].
+
+    d_y_rows [R, H]: the weighted upstream gradient of each row (zero for padding); gate_up [R, 2I]
+    the saved pre-activation (zero for padding, as gate_up_fwd writes it).
+    """
+    _check_matrix(d_y_rows_RH, None, None, "d_y_rows")
+    rows, hidden = d_y_rows_RH.shape
     check(w_down_EHI.dim() == 3 and w_down_EHI.shape[1] == hidden, "w_down must be [E_l, H, I]")
     inter = w_down_EHI.shape[2]
-    _check_weight(w_down_EHI, d_out_TH, (w_down_EHI.shape[0], hidden, inter), "w_down")
-    rows = row_src_R.numel()
-    check(tuple(gate_up_R2I.shape) == (rows, 2 * inter) and gate_up_R2I.is_contiguous(),
-          f"gate_up must be a contiguous [{rows}, {2 * inter}] tensor, got {tuple(gate_up_R2I.shape)}")
-    split = _check_rows(row_src_R, block_expert, num_blocks, config.block_m)
-    d_gate_up = torch.empty(rows, 2 * inter, dtype=d_out_TH.dtype, device=d_out_TH.device)
+    _check_weight(w_down_EHI, d_y_rows_RH, (w_down_EHI.shape[0], hidden, inter), "w_down")
+    _check_matrix(gate_up_R2I, rows, 2 * inter, "gate_up")
+    split = _check_rows(rows, block_expert, num_blocks, config.block_m)
+    d_gate_up = torch.empty(rows, 2 * inter, dtype=d_y_rows_RH.dtype, device=d_y_rows_RH.device)
     max_tiles = rows // config.block_m * triton.cdiv(inter, config.block_n)
-    down_dgrad_kernel[persistent_grid(d_out_TH.device, max_tiles)](
-        d_out_TH, topk_weights_TK, w_down_EHI, gate_up_R2I, row_src_R, block_expert, num_blocks, d_gate_up,
-        hidden, inter, top_k,
+    down_dgrad_kernel[persistent_grid(d_y_rows_RH.device, max_tiles)](
+        d_y_rows_RH, w_down_EHI, gate_up_R2I, block_expert, num_blocks, d_gate_up,
+        hidden, inter,
         **_meta(config, hidden, split),
     )
     return d_gate_up
@@ -359,26 +352,23 @@ def down_dgrad(
 def gate_up_dgrad(
     d_gate_up_R2I: torch.Tensor,
     w_gate_up_E2IH: torch.Tensor,
-    row_src_R: torch.Tensor,
     block_expert: torch.Tensor,
     num_blocks: torch.Tensor,
-    num_pairs: int,
     *,
     config: TileConfig,
 ) -> torch.Tensor:
-    """d_xpairs [T * k, H]: row t * k + j = d_gate_up of pair (t, j) @ w_gate_up[e]. Unrouted pairs unwritten."""
-    check(d_gate_up_R2I.dim() == 2 and d_gate_up_R2I.is_contiguous(), "d_gate_up must be a contiguous [R, 2I] tensor")
+    """d_x_rows [R, H] = d_gate_up[r] @ w_gate_up[e] (rows past num_blocks * block_m unwritten)."""
+    _check_matrix(d_gate_up_R2I, None, None, "d_gate_up")
     rows, inter2 = d_gate_up_R2I.shape
     check(w_gate_up_E2IH.dim() == 3 and w_gate_up_E2IH.shape[1] == inter2, "w_gate_up must be [E_l, 2I, H]")
     hidden = w_gate_up_E2IH.shape[2]
     _check_weight(w_gate_up_E2IH, d_gate_up_R2I, (w_gate_up_E2IH.shape[0], inter2, hidden), "w_gate_up")
-    check(row_src_R.numel() == rows, f"row_src has {row_src_R.numel()} rows, d_gate_up has {rows}")
-    split = _check_rows(row_src_R, block_expert, num_blocks, config.block_m)
-    d_xpairs = torch.empty(num_pairs, hidden, dtype=d_gate_up_R2I.dtype, device=d_gate_up_R2I.device)
+    split = _check_rows(rows, block_expert, num_blocks, config.block_m)
+    d_x_rows = torch.empty(rows, hidden, dtype=d_gate_up_R2I.dtype, device=d_gate_up_R2I.device)
     max_tiles = rows // config.block_m * triton.cdiv(hidden, config.block_n)
     gate_up_dgrad_kernel[persistent_grid(d_gate_up_R2I.device, max_tiles)](
-        d_gate_up_R2I, w_gate_up_E2IH, row_src_R, block_expert, num_blocks, d_xpairs,
+        d_gate_up_R2I, w_gate_up_E2IH, block_expert, num_blocks, d_x_rows,
         hidden, inter2 // 2,
         **_meta(config, inter2, split),
     )
-    return d_xpairs
+    return d_x_rows

@@ -1,10 +1,14 @@
 """Expert weight gradients without split-K: each output tile is owned by one program that loops over
 all rows of its expert (expert_offsets[e] .. expert_offsets[e+1]) in row order, so the reduction
 order is fixed and no atomics are needed. An empty expert's loop runs zero times: its tiles are
-written as zeros. Rows that start from tokens (d_out, x) are gathered by pointer; padding rows are
-masked to zero on both operands, so padding contents never matter (not even NaN). Each expert's
-segment is a multiple of the schedule's block_m and the row step BLOCK_K divides it, so the row loop
-needs no bounds mask.
+written as zeros.
+
+Both operands are contiguous [R, *] row tensors (d_y_rows and h; d_gate_up and x_rows): the row loop
+is two strided loads and a dot, with no index load and no arithmetic on the operands, so Triton
+software-pipelines it. Padding rows are zero in d_y_rows, h, d_gate_up and x_rows (gather.py and
+the dispatch write them so, and the GEMMs keep them so), hence they add nothing and need no mask.
+Each expert's segment is a multiple of the schedule's block_m and the row step BLOCK_K divides it, so
+the row loop needs no bounds mask either; masks remain on the contiguous (column) dimension only.
 
 Tiles are expert-major (all tiles of one expert are consecutive), so the programs running at once
 stream the same rows of activations through L2.
@@ -21,142 +25,120 @@ from megamoe.backends.triton.kernels._common import check, persistent_grid, tile
 
 
 @triton.jit
-def dw_down_kernel(
-    d_out_ptr, topk_w_ptr, h_ptr, row_src_ptr, expert_offsets_ptr, dw_ptr,
-    H, I, top_k, num_experts,
+def _rows_t_dot_rows(
+    a_ptr, b_ptr, M, N, expert_offsets_ptr, dw_ptr, num_experts,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """d_w_down[e, m, n] = sum over rows r of e of (w[src] * d_out[tok, m]) * h[r, n]; m over H, n over I."""
-    num_m = tl.cdiv(H, BLOCK_M)
-    num_n = tl.cdiv(I, BLOCK_N)
+    """dw[e, m, n] = sum over rows r of expert e of a[r, m] * b[r, n]; a [R, M], b [R, N], dw [E, M, N]."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
     per_expert = num_m * num_n
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)  # row indices: int64 pointer math
+    offs_k = tl.arange(0, BLOCK_K)
     for tile in range(tl.program_id(0), num_experts * per_expert, tl.num_programs(0)):
         expert = tile // per_expert
         pid_m, pid_n = tile_coords(tile % per_expert, num_m, num_n, GROUP_M)
-        start = tl.load(expert_offsets_ptr + expert)
-        end = tl.load(expert_offsets_ptr + expert + 1)
+        start = tl.load(expert_offsets_ptr + expert).to(tl.int64)  # row indices: int64 pointer math
+        end = tl.load(expert_offsets_ptr + expert + 1).to(tl.int64)
         cols_m = pid_m * BLOCK_M + offs_m
         cols_n = pid_n * BLOCK_N + offs_n
-        m_ok = (cols_m < H)[None, :]
-        n_ok = (cols_n < I)[None, :]
+        m_ok = (cols_m < M)[None, :]
+        n_ok = (cols_n < N)[None, :]
+        a_ptrs = a_ptr + (start + offs_k)[:, None] * M + cols_m[None, :]
+        b_ptrs = b_ptr + (start + offs_k)[:, None] * N + cols_n[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for r0 in range(start, end, BLOCK_K):
-            rows = r0 + offs_k
-            src = tl.load(row_src_ptr + rows)
-            valid = src >= 0
-            safe_src = tl.where(valid, src, 0)
-            token = (safe_src // top_k).to(tl.int64)
-            weight = tl.load(topk_w_ptr + safe_src, mask=valid, other=0.0)
-            a = tl.load(d_out_ptr + token[:, None] * H + cols_m[None, :], mask=valid[:, None] & m_ok, other=0.0)
-            # The router weight scales d_out rows (rounded to the input dtype, as autograd of the
-            # reference does) because a per-row scale does not commute out of this reduction over rows.
-            a = (a.to(tl.float32) * weight[:, None]).to(d_out_ptr.dtype.element_ty)
-            b = tl.load(h_ptr + rows[:, None] * I + cols_n[None, :], mask=valid[:, None] & n_ok, other=0.0)
+        for _ in range(start, end, BLOCK_K):
+            a = tl.load(a_ptrs, mask=m_ok, other=0.0)
+            b = tl.load(b_ptrs, mask=n_ok, other=0.0)
             acc = tl.dot(tl.trans(a), b, acc)
-        mask = (cols_m < H)[:, None] & (cols_n < I)[None, :]
-        dst = dw_ptr + expert.to(tl.int64) * H * I + cols_m[:, None] * I + cols_n[None, :]
+            a_ptrs += BLOCK_K * M
+            b_ptrs += BLOCK_K * N
+        mask = (cols_m < M)[:, None] & (cols_n < N)[None, :]
+        dst = dw_ptr + expert.to(tl.int64) * M * N + cols_m[:, None] * N + cols_n[None, :]
         tl.store(dst, acc.to(dw_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def dw_gate_up_kernel(
-    d_gate_up_ptr, x_ptr, row_src_ptr, expert_offsets_ptr, dw_ptr,
-    H, I, top_k, num_experts,
+def dw_down_kernel(
+    d_y_ptr, h_ptr, expert_offsets_ptr, dw_ptr,
+    H, I, num_experts,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """d_w_gate_up[e, m, n] = sum over rows r of e of d_gate_up[r, m] * x[tok, n]; m over 2I, n over H."""
-    num_m = tl.cdiv(2 * I, BLOCK_M)
-    num_n = tl.cdiv(H, BLOCK_N)
-    per_expert = num_m * num_n
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)  # row indices: int64 pointer math
-    for tile in range(tl.program_id(0), num_experts * per_expert, tl.num_programs(0)):
-        expert = tile // per_expert
-        pid_m, pid_n = tile_coords(tile % per_expert, num_m, num_n, GROUP_M)
-        start = tl.load(expert_offsets_ptr + expert)
-        end = tl.load(expert_offsets_ptr + expert + 1)
-        cols_m = pid_m * BLOCK_M + offs_m
-        cols_n = pid_n * BLOCK_N + offs_n
-        m_ok = (cols_m < 2 * I)[None, :]
-        n_ok = (cols_n < H)[None, :]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for r0 in range(start, end, BLOCK_K):
-            rows = r0 + offs_k
-            src = tl.load(row_src_ptr + rows)
-            valid = src >= 0
-            token = (tl.where(valid, src, 0) // top_k).to(tl.int64)
-            a = tl.load(d_gate_up_ptr + rows[:, None] * (2 * I) + cols_m[None, :], mask=valid[:, None] & m_ok, other=0.0)
-            b = tl.load(x_ptr + token[:, None] * H + cols_n[None, :], mask=valid[:, None] & n_ok, other=0.0)
-            acc = tl.dot(tl.trans(a), b, acc)
-        mask = (cols_m < 2 * I)[:, None] & (cols_n < H)[None, :]
-        dst = dw_ptr + expert.to(tl.int64) * (2 * I) * H + cols_m[:, None] * H + cols_n[None, :]
-        tl.store(dst, acc.to(dw_ptr.dtype.element_ty), mask=mask)
+    """d_w_down[e, m, n] = sum over rows r of e of d_y_rows[r, m] * h[r, n]; m over H, n over I."""
+    _rows_t_dot_rows(d_y_ptr, h_ptr, H, I, expert_offsets_ptr, dw_ptr, num_experts,
+                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
 
 
-def _check_offsets(expert_offsets: torch.Tensor, row_src: torch.Tensor, num_experts: int, block_k: int) -> None:
+@triton.jit
+def dw_gate_up_kernel(
+    d_gate_up_ptr, x_ptr, expert_offsets_ptr, dw_ptr,
+    H, I, num_experts,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """d_w_gate_up[e, m, n] = sum over rows r of e of d_gate_up[r, m] * x_rows[r, n]; m over 2I, n over H."""
+    _rows_t_dot_rows(d_gate_up_ptr, x_ptr, 2 * I, H, expert_offsets_ptr, dw_ptr, num_experts,
+                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+
+
+def _check_operands(a: torch.Tensor, b: torch.Tensor, names: tuple[str, str]) -> None:
+    for t, name in zip((a, b), names):
+        check(t.dim() == 2 and t.is_contiguous(), f"{name} must be a contiguous [R, *] tensor, got {tuple(t.shape)}")
+    check(a.shape[0] == b.shape[0], f"{names[0]} has {a.shape[0]} rows, {names[1]} has {b.shape[0]}")
+    check(a.dtype == b.dtype, f"{names[0]} ({a.dtype}) and {names[1]} ({b.dtype}) must have one dtype")
+
+
+def _check_offsets(expert_offsets: torch.Tensor, rows: int, num_experts: int, block_k: int) -> None:
     check(expert_offsets.dtype == torch.int32 and tuple(expert_offsets.shape) == (num_experts + 1,),
           f"expert_offsets must be int32 [{num_experts + 1}], got {expert_offsets.dtype} {tuple(expert_offsets.shape)}")
-    check(row_src.dtype == torch.int32 and row_src.dim() == 1, "row_src must be int32 [R]")
-    check(row_src.numel() % block_k == 0, f"the row step {block_k} must divide R={row_src.numel()} (and block_m)")
+    check(rows % block_k == 0, f"the row step {block_k} must divide R={rows} (and block_m)")
+
+
+def _launch(kernel, a, b, m_dim, n_dim, kernel_dims, expert_offsets, num_experts, config):
+    _check_offsets(expert_offsets, a.shape[0], num_experts, config.block_k)
+    dw = torch.empty(num_experts, m_dim, n_dim, dtype=a.dtype, device=a.device)
+    max_tiles = num_experts * triton.cdiv(m_dim, config.block_m) * triton.cdiv(n_dim, config.block_n)
+    kernel[persistent_grid(a.device, max_tiles)](
+        a, b, expert_offsets, dw,
+        *kernel_dims, num_experts,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return dw
 
 
 def dw_down(
-    d_out_TH: torch.Tensor,
-    topk_weights_TK: torch.Tensor,
+    d_y_rows_RH: torch.Tensor,
     h_RI: torch.Tensor,
-    row_src_R: torch.Tensor,
     expert_offsets: torch.Tensor,
     num_experts: int,
     *,
     config: TileConfig,
 ) -> torch.Tensor:
-    """d_w_down [E_l, H, I] in d_out's dtype. config.block_k is the row step and must divide block_m."""
-    check(d_out_TH.dim() == 2 and d_out_TH.is_contiguous(), "d_out must be a contiguous [T, H] tensor")
-    hidden = d_out_TH.shape[1]
-    check(h_RI.dim() == 2 and h_RI.is_contiguous() and h_RI.dtype == d_out_TH.dtype, "h must be a contiguous [R, I] tensor of d_out's dtype")
-    rows, inter = h_RI.shape
-    check(row_src_R.numel() == rows, f"row_src has {row_src_R.numel()} rows, h has {rows}")
-    check(topk_weights_TK.dtype == torch.float32 and topk_weights_TK.is_contiguous(), "topk_weights must be contiguous float32 [T, k]")
-    _check_offsets(expert_offsets, row_src_R, num_experts, config.block_k)
-    dw = torch.empty(num_experts, hidden, inter, dtype=d_out_TH.dtype, device=d_out_TH.device)
-    max_tiles = num_experts * triton.cdiv(hidden, config.block_m) * triton.cdiv(inter, config.block_n)
-    dw_down_kernel[persistent_grid(d_out_TH.device, max_tiles)](
-        d_out_TH, topk_weights_TK, h_RI, row_src_R, expert_offsets, dw,
-        hidden, inter, topk_weights_TK.shape[1], num_experts,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
-    return dw
+    """d_w_down [E_l, H, I] = d_y_rows^T h per expert, in the rows' dtype.
+
+    d_y_rows [R, H] (weighted upstream gradient, zero for padding), h [R, I] (zero for padding);
+    expert_offsets int32 [E_l + 1]. config.block_k is the row step and must divide block_m.
+    """
+    _check_operands(d_y_rows_RH, h_RI, ("d_y_rows", "h"))
+    hidden, inter = d_y_rows_RH.shape[1], h_RI.shape[1]
+    return _launch(dw_down_kernel, d_y_rows_RH, h_RI, hidden, inter, (hidden, inter), expert_offsets, num_experts, config)
 
 
 def dw_gate_up(
     d_gate_up_R2I: torch.Tensor,
-    x_TH: torch.Tensor,
-    row_src_R: torch.Tensor,
+    x_rows_RH: torch.Tensor,
     expert_offsets: torch.Tensor,
     num_experts: int,
-    top_k: int,
     *,
     config: TileConfig,
 ) -> torch.Tensor:
-    """d_w_gate_up [E_l, 2I, H] in x's dtype. config.block_k is the row step and must divide block_m."""
-    check(x_TH.dim() == 2 and x_TH.is_contiguous(), "x must be a contiguous [T, H] tensor")
-    hidden = x_TH.shape[1]
-    check(d_gate_up_R2I.dim() == 2 and d_gate_up_R2I.is_contiguous() and d_gate_up_R2I.dtype == x_TH.dtype,
-          "d_gate_up must be a contiguous [R, 2I] tensor of x's dtype")
-    rows, inter2 = d_gate_up_R2I.shape
-    check(row_src_R.numel() == rows, f"row_src has {row_src_R.numel()} rows, d_gate_up has {rows}")
-    _check_offsets(expert_offsets, row_src_R, num_experts, config.block_k)
-    dw = torch.empty(num_experts, inter2, hidden, dtype=x_TH.dtype, device=x_TH.device)
-    max_tiles = num_experts * triton.cdiv(inter2, config.block_m) * triton.cdiv(hidden, config.block_n)
-    dw_gate_up_kernel[persistent_grid(x_TH.device, max_tiles)](
-        d_gate_up_R2I, x_TH, row_src_R, expert_offsets, dw,
-        hidden, inter2 // 2, top_k, num_experts,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
-    return dw
+    """d_w_gate_up [E_l, 2I, H] = d_gate_up^T x_rows per expert, in the rows' dtype.
+
+    d_gate_up [R, 2I], x_rows [R, H], both zero for padding; expert_offsets int32 [E_l + 1].
+    """
+    _check_operands(d_gate_up_R2I, x_rows_RH, ("d_gate_up", "x_rows"))
+    inter2, hidden = d_gate_up_R2I.shape[1], x_rows_RH.shape[1]
+    check(inter2 % 2 == 0, f"d_gate_up must have 2I columns, got {inter2}")
+    return _launch(dw_gate_up_kernel, d_gate_up_R2I, x_rows_RH, inter2, hidden, (hidden, inter2 // 2),
+                   expert_offsets, num_experts, config)

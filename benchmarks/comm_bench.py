@@ -1,0 +1,89 @@
+"""Dispatch and combine alone over symmetric memory: GB/s of cross-GPU payload per direction.
+
+Usage: torchrun --nproc-per-node=N benchmarks/comm_bench.py [--workload NAME] [--tokens T] [--json PATH]
+Balanced routing. Each exchange is timed as the library runs it (its barriers included), with CUDA
+events around it, median over iterations of the max over ranks. Payload = rows that cross GPUs
+(source rank != destination rank) x H x 2 bytes, per rank; the copy-engine-free ceiling on NV18 is
+~367 GB/s one way by SM pull (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from megamoe.backends.triton.comm.exchange import combine, dispatch
+from megamoe.backends.triton.comm.workspace import get_workspace
+from megamoe.bench.workloads import WORKLOADS
+from megamoe.schedule import build_schedule
+
+
+def timed(fn, iters: int) -> float:
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        t = torch.tensor([start.elapsed_time(end)], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(t.item())
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="qwen3-30b-a3b")
+    parser.add_argument("--tokens", type=int, default=None)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    world, group = dist.get_world_size(), dist.group.WORLD
+    w = WORKLOADS[args.workload]
+    T, H, k, E = args.tokens or w.tokens_per_gpu, w.hidden, w.top_k, w.num_experts
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    ids = torch.rand(T, E, device="cuda", generator=g).topk(k, dim=-1).indices
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    s = build_schedule(ids, E, group=group, block_m=128)
+    ws = get_workspace(group, device="cuda", num_tokens=T, hidden_size=H, topk=k, num_rows=s.num_rows, dtype=torch.bfloat16)
+    rows = dispatch(ws, x, s, "pull")
+    pairs_per_rank = T * k
+    src_rank = torch.where(s.row_src >= 0, s.row_src // pairs_per_rank, rank)
+    incoming = int((src_rank != rank).sum())  # rows this rank receives from peers (dispatch)
+    outgoing = int(((s.dest_rank != rank) & (s.dest_row >= 0)).sum())  # rows it sends (dispatch)
+    records = []
+    for op, direction, fn, payload_rows in (
+        ("dispatch", "pull", lambda: dispatch(ws, x, s, "pull"), incoming),
+        ("dispatch", "push", lambda: dispatch(ws, x, s, "push"), outgoing),
+        ("combine", "push", lambda: combine(ws, rows, s, "push"), incoming),
+        ("combine", "pull", lambda: combine(ws, rows, s, "pull"), outgoing),
+    ):
+        fn()
+        ms = timed(fn, args.iters)
+        moved = torch.tensor([payload_rows * H * 2], device="cuda", dtype=torch.float64)
+        dist.all_reduce(moved, op=dist.ReduceOp.MIN)
+        records.append({"workload": args.workload, "ep": world, "tokens": T, "op": op, "direction": direction,
+                        "ms": ms, "payload_bytes_per_rank": int(moved.item()), "gbps": moved.item() / ms / 1e6})
+    if rank == 0:
+        print(f"{'op':9} {'direction':9} {'ms':>7} {'MB/rank':>8} {'GB/s':>7}")
+        for r in records:
+            print(f"{r['op']:9} {r['direction']:9} {r['ms']:7.3f} {r['payload_bytes_per_rank'] / 1e6:8.1f} {r['gbps']:7.1f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(records, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Regenerate README.md's performance table from the committed JSON results (never typed by hand).
+
+Usage: python benchmarks/readme_table.py [RESULTS_DIR] [README]
+Rewrites the block between `<!-- perf-table:start -->` and `<!-- perf-table:end -->`: one row per
+(gpu, ep, workload, routing, pass) with every backend's ms and TFLOP/s, MFU of the fastest, peak memory
+and the speed-up over the torch-native path measured in the same run.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import pathlib
+import sys
+
+START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
+
+
+def load(results_dir: pathlib.Path) -> list[dict]:
+    records = []
+    for path in sorted(results_dir.glob("*.json")):
+        data = json.loads(path.read_text())
+        if isinstance(data, list) and data and "workload" in data[0] and "backend" in data[0]:
+            records += [dict(r, source=path.name) for r in data]
+    return records
+
+
+def table(records: list[dict]) -> str:
+    rows = collections.defaultdict(dict)
+    for r in records:
+        key = (r["gpu"], r["ep"], r["workload"], r["experts_per_gpu"], r["tokens"], r["routing"], r["pass"], r["source"])
+        rows[key][r["backend"]] = r
+    lines = [
+        "| GPU | EP | workload | experts/GPU | tokens/GPU | routing | pass | torch ms (TFLOP/s) | triton ms (TFLOP/s) | triton MFU | peak mem torch / triton (GiB) | speed-up | source |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key in sorted(rows, key=lambda k: (k[0], k[1], k[7], k[2], k[5] != "balanced", k[6])):
+        gpu, ep, workload, experts, tokens, routing, pass_name, source = key
+        by = rows[key]
+        torch_r, triton_r = by.get("torch"), by.get("triton")
+
+        def cell(r):
+            return f"{r['ms']:.2f} ({r['tflops']:.0f})" if r else "–"
+
+        def mem(r):
+            return f"{r['peak_mem_bytes'] / 2**30:.1f}" if r and r.get("peak_mem_bytes") else "–"
+
+        mfu = f"{100 * triton_r['mfu']:.0f}%" if triton_r and triton_r.get("mfu") else "–"
+        speedup = f"{torch_r['ms'] / triton_r['ms']:.2f}x" if torch_r and triton_r else "–"
+        lines.append(
+            f"| {gpu} | {ep} | {workload} | {experts} | {tokens} | {routing} | {pass_name} | {cell(torch_r)} | "
+            f"{cell(triton_r)} | {mfu} | {mem(torch_r)} / {mem(triton_r)} | {speedup} | {source} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    results_dir = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results")
+    readme = pathlib.Path(sys.argv[2] if len(sys.argv) > 2 else "README.md")
+    text = readme.read_text()
+    if START not in text or END not in text:
+        raise SystemExit(f"{readme} has no {START} ... {END} block")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(f"{head}{START}\n{table(load(results_dir))}\n{END}{tail}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Row gather with an optional fp32 row scale: materialises the GEMMs' token-sourced operands once,
+expert-contiguous, so that every GEMM reads its rows contiguously (cp.async/TMA-friendly, software
+pipelined) instead of gathering them by pointer inside its K loop.
+
+For receive row r < rows_in_use, with p = index[r] (p = r when there is no index):
+    out[r] = scale[p] * src[p // div]        (fp32 product, rounded to src's dtype)
+    out[r] = 0                               where p < 0 (padding)
+Rows r >= rows_in_use (read from device memory, no host sync) are left unwritten.
+
+Uses: x_rows = x[row_src // k] (one GPU, forward); d_y_rows = topk_weights.flat[row_src] *
+d_out[row_src // k] (one GPU, backward: the router weight of the pair, rounded to the dtype as autograd
+of the reference rounds it); d_y_rows = weight_rows[r] * d_out_rows[r] (expert parallel: rows already
+dispatched, scale only).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megamoe.backends.triton.kernels._common import check, num_sms
+
+
+@triton.jit
+def gather_rows_kernel(
+    src_ptr, index_ptr, scale_ptr, rows_in_use_ptr, out_ptr,
+    H, div,
+    HAS_INDEX: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    rows_in_use = tl.load(rows_in_use_ptr)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_h = tl.arange(0, BLOCK_H)
+    for r0 in range(tl.program_id(0) * BLOCK_R, rows_in_use, tl.num_programs(0) * BLOCK_R):
+        rows = r0 + offs_r
+        row_ok = rows < rows_in_use
+        if HAS_INDEX:
+            p = tl.load(index_ptr + rows, mask=row_ok, other=-1)
+        else:
+            p = rows
+        valid = row_ok & (p >= 0)
+        safe_p = tl.where(valid, p, 0)
+        src_row = (safe_p // div).to(tl.int64)
+        if HAS_SCALE:
+            scale = tl.load(scale_ptr + safe_p, mask=valid, other=0.0)
+        rows64 = rows.to(tl.int64)
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + offs_h
+            col_ok = (cols < H)[None, :]
+            v = tl.load(src_ptr + src_row[:, None] * H + cols[None, :], mask=valid[:, None] & col_ok, other=0.0)
+            if HAS_SCALE:
+                v = (v.to(tl.float32) * scale[:, None]).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + rows64[:, None] * H + cols[None, :], v, mask=row_ok[:, None] & col_ok)
+
+
+# Rows per program step and columns per inner step (8 x 256 16-bit values: 32 bytes per thread of 4
+# warps), and programs per SM: a copy needs several CTAs per SM in flight to reach HBM bandwidth.
+_BLOCK_R = 8
+_BLOCK_H = 256
+_PROGRAMS_PER_SM = 8
+
+
+def gather_rows(
+    src_NH: torch.Tensor,
+    index_R: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    rows_in_use: torch.Tensor,
+    *,
+    num_rows: int | None = None,
+    div: int = 1,
+) -> torch.Tensor:
+    """out [R, H] in src's dtype (see the module docstring for the formula).
+
+    src [N, H]: token rows (x or d_out, N = T) or already-placed rows (N = R). index [R] int32, -1 for
+    padding, or None (identity: row r reads src row r, then R = N). scale fp32, indexed by p (the
+    pair index when index is row_src: topk_weights flattened [T*k]; the row when index is None: [R]),
+    or None. rows_in_use: int32 [1] on the device (schedule.expert_offsets[-1:]). div: source row =
+    p // div (top_k when index holds pair indices). num_rows: R when index is None and R != N.
+    """
+    check(src_NH.dim() == 2 and src_NH.is_contiguous(), "src must be a contiguous [N, H] tensor")
+    hidden = src_NH.shape[1]
+    if index_R is not None:
+        check(index_R.dtype == torch.int32 and index_R.dim() == 1 and index_R.is_contiguous(),
+              f"index must be a contiguous int32 [R] tensor, got {index_R.dtype} {tuple(index_R.shape)}")
+        rows = index_R.numel()
+    else:
+        rows = src_NH.shape[0] if num_rows is None else num_rows
+        check(rows <= src_NH.shape[0], f"identity gather of {rows} rows from {src_NH.shape[0]}")
+    check(div >= 1, f"div must be >= 1, got {div}")
+    if scale is not None:
+        check(scale.dtype == torch.float32 and scale.dim() == 1 and scale.is_contiguous(),
+              f"scale must be a contiguous float32 1-d tensor, got {scale.dtype} {tuple(scale.shape)}")
+    check(rows_in_use.dtype == torch.int32 and rows_in_use.numel() == 1, "rows_in_use must be int32 [1]")
+    out = torch.empty(rows, hidden, dtype=src_NH.dtype, device=src_NH.device)
+    # NOTE: the rows in use stay on the device; the grid is the worst case.
+    grid = (max(1, min(_PROGRAMS_PER_SM * num_sms(src_NH.device), triton.cdiv(rows, _BLOCK_R))),)
+    gather_rows_kernel[grid](
+        src_NH, index_R if index_R is not None else rows_in_use, scale if scale is not None else src_NH,
+        rows_in_use, out,
+        hidden, div,
+        HAS_INDEX=index_R is not None, HAS_SCALE=scale is not None, BLOCK_R=_BLOCK_R, BLOCK_H=_BLOCK_H,
+        num_warps=4,
+    )
+    return out
