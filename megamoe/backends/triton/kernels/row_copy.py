@@ -18,10 +18,11 @@ _RAW_TYPES = {2: tl.int16, 4: tl.int32, 8: tl.int64}
 
 
 @triton.jit
-def _base(ptr, peer, IS_TABLE: tl.constexpr, RAW: tl.constexpr):
+def _row_bases(ptr, peer, IS_TABLE: tl.constexpr, RAW: tl.constexpr):
+    """Per-row base pointers [ROWS]: the peer's buffer from the table, or the local tensor."""
     if IS_TABLE:
         return tl.load(ptr + tl.maximum(peer, 0)).to(tl.pointer_type(RAW))
-    return ptr.to(tl.pointer_type(RAW), bitcast=True)
+    return ptr.to(tl.pointer_type(RAW), bitcast=True) + tl.zeros_like(peer).to(tl.int64)
 
 
 @triton.jit
@@ -29,19 +30,23 @@ def _copy_rows_kernel(
     src_ptr, src_peer_ptr, src_row_ptr,
     dst_ptr, dst_peer_ptr, dst_row_ptr,
     num_rows, row_elems,
-    SRC_TABLE: tl.constexpr, DST_TABLE: tl.constexpr, RAW: tl.constexpr, BLOCK: tl.constexpr,
+    SRC_TABLE: tl.constexpr, DST_TABLE: tl.constexpr, RAW: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    # ROWS rows per step keep several independent NVLink transactions in flight per program.
     offs = tl.arange(0, BLOCK)
-    for i in range(tl.program_id(0), num_rows, tl.num_programs(0)):
-        dst_peer = tl.load(dst_peer_ptr + i)
-        if dst_peer >= 0:
-            dst = _base(dst_ptr, dst_peer, DST_TABLE, RAW) + tl.load(dst_row_ptr + i).to(tl.int64) * row_elems
-            src_peer = tl.load(src_peer_ptr + i)
-            src = _base(src_ptr, src_peer, SRC_TABLE, RAW) + tl.load(src_row_ptr + i).to(tl.int64) * row_elems
-            for start in range(0, row_elems, BLOCK):
-                mask = start + offs < row_elems
-                value = tl.load(src + start + offs, mask=mask & (src_peer >= 0), other=0)
-                tl.store(dst + start + offs, value, mask=mask)
+    for first in range(tl.program_id(0) * ROWS, num_rows, tl.num_programs(0) * ROWS):
+        i = first + tl.arange(0, ROWS)
+        in_range = i < num_rows
+        dst_peer = tl.load(dst_peer_ptr + i, mask=in_range, other=-1)
+        live = dst_peer >= 0
+        src_peer = tl.load(src_peer_ptr + i, mask=live, other=-1)
+        dst = _row_bases(dst_ptr, dst_peer, DST_TABLE, RAW) + tl.load(dst_row_ptr + i, mask=live, other=0).to(tl.int64) * row_elems
+        src = _row_bases(src_ptr, src_peer, SRC_TABLE, RAW) + tl.load(src_row_ptr + i, mask=live, other=0).to(tl.int64) * row_elems
+        for start in range(0, row_elems, BLOCK):
+            cols = start + offs
+            mask = live[:, None] & (cols < row_elems)[None, :]
+            value = tl.load(src[:, None] + cols[None, :], mask=mask & (src_peer >= 0)[:, None], other=0)
+            tl.store(dst[:, None] + cols[None, :], value, mask=mask)
 
 
 def copy_rows(
@@ -67,11 +72,13 @@ def copy_rows(
         raise ValueError(f"copy_rows: element_size must be one of {sorted(_RAW_TYPES)}, got {element_size}")
     if num_rows == 0:
         return
-    block = min(triton.next_power_of_2(row_elems), 8192 // element_size)
+    block = min(triton.next_power_of_2(row_elems), 4096 // element_size)
+    rows_per_step = max(1, min(8, 16384 // (block * element_size)))
     if num_programs is None:
         sms = torch.cuda.get_device_properties(src_peer.device).multi_processor_count if src_peer.is_cuda else 4
-        num_programs = min(num_rows, 4 * sms)
+        num_programs = max(1, min(triton.cdiv(num_rows, rows_per_step), 4 * sms))
     _copy_rows_kernel[(num_programs,)](
         src, src_peer, src_row, dst, dst_peer, dst_row, num_rows, row_elems,
-        SRC_TABLE=src_is_table, DST_TABLE=dst_is_table, RAW=_RAW_TYPES[element_size], BLOCK=block, num_warps=4,
+        SRC_TABLE=src_is_table, DST_TABLE=dst_is_table, RAW=_RAW_TYPES[element_size], ROWS=rows_per_step,
+        BLOCK=block, num_warps=4,
     )
