@@ -9,18 +9,30 @@ materialised x_rows (the driver's path, in the fwd total) and gathering x by poi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
 import triton
 
 from megamoe.backends.triton import kernels
-from megamoe.backends.triton.configs import block_m_for, kernel_configs
+from megamoe.backends.triton.configs import TileConfig, block_m_for, kernel_configs
 from megamoe.bench.workloads import WORKLOADS
 from megamoe.schedule import build_schedule
 
 
-def breakdown(name: str, tokens: int | None, experts_cap: int | None) -> list[dict]:
+# Tile candidates per GEMM kernel for --sweep (TileConfig fields: block_m, block_n, block_k, warps, stages).
+SWEEP = {
+    "gate_up_fwd": [(128, 128, 64, 8, 3), (128, 64, 64, 8, 4), (64, 128, 64, 4, 3), (128, 128, 64, 8, 4)],
+    "down_fwd": [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (64, 256, 64, 4, 3)],
+    "down_dgrad": [(128, 128, 64, 8, 3), (128, 64, 64, 8, 4), (128, 64, 64, 8, 3), (64, 128, 64, 4, 3)],
+    "gate_up_dgrad": [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 8, 3)],
+    "dw_down": [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3)],
+    "dw_gate_up": [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3)],
+}
+
+
+def breakdown(name: str, tokens: int | None, experts_cap: int | None, sweep: bool = False) -> list[dict]:
     w = WORKLOADS[name]
     T = tokens or w.tokens_per_gpu
     H, I, k = w.hidden, w.intermediate, w.top_k
@@ -70,6 +82,21 @@ def breakdown(name: str, tokens: int | None, experts_cap: int | None) -> list[di
         ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
         records.append({"workload": name, "tokens": T, "experts": E, "kernel": kernel, "phase": phase, "ms": ms,
                         "tflops": flops / ms / 1e9 if flops else None, "gbps": nbytes / ms / 1e6 if nbytes else None})
+    if sweep:
+        base = cfg
+        for kernel, candidates in SWEEP.items():
+            for tile in candidates:
+                # The step lambdas above read `cfg` when called, so rebinding it swaps this kernel's tile.
+                cfg = dataclasses.replace(base, **{kernel: TileConfig(*tile[:3], num_warps=tile[3], num_stages=tile[4])})
+                fn, flops, _, _ = steps[kernel]
+                try:
+                    ms = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+                except Exception as error:  # out of shared memory / registers: report, keep sweeping
+                    print(f"sweep {name} {kernel} {tile}: {type(error).__name__}")
+                    continue
+                records.append({"workload": name, "tokens": T, "experts": E, "kernel": kernel, "phase": "sweep",
+                                "tile": tile, "ms": ms, "tflops": flops / ms / 1e9, "gbps": None})
+        cfg = base
     return records
 
 
@@ -79,12 +106,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=None)
     parser.add_argument("--experts-per-gpu", type=int, default=None)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--sweep", action="store_true", help="also time the SWEEP tile candidates of every GEMM")
     args = parser.parse_args()
     records = []
     for name in args.workload or ["qwen3-30b-a3b", "qwen3-235b-a22b"]:
-        records += breakdown(name, args.tokens, args.experts_per_gpu)
+        records += breakdown(name, args.tokens, args.experts_per_gpu, args.sweep)
     print(f"{'workload':16} {'kernel':18} {'ms':>8} {'TFLOP/s':>8} {'GB/s':>8}")
     for r in records:
+        if r["phase"] == "sweep":
+            print(f"{r['workload']:16} {r['kernel']:14} {r['ms']:8.3f} {r['tflops']:8.0f}  sweep {r['tile']}")
+            continue
         tf = f"{r['tflops']:.0f}" if r["tflops"] else ""
         gb = f"{r['gbps']:.0f}" if r["gbps"] else ""
         print(f"{r['workload']:16} {r['kernel']:18} {r['ms']:8.3f} {tf:>8} {gb:>8}")

@@ -378,7 +378,7 @@ def test_recompute_matches_save_bitwise():
     for save in (True, False):
         out, saved = experts_fwd(x, weights, wgu, wd, sgu, sd, s, None, save_gate_up=save)
         if not save:
-            assert saved[1].numel() == 0 and saved[2].numel() == 0, "recompute mode must not keep h / gate_up"
+            assert saved[0].numel() == 0 and saved[1].numel() == 0, "recompute mode must not keep h / gate_up"
         results.append((out, *experts_bwd(d_out, x, weights, wgu, wd, sgu, sd, s, None, None, saved)))
     for name, a, b in zip(["out", "d_x", "d_topk_weights", "d_w_gate_up", "d_w_down", "d_sgu", "d_sd"], *results):
         assert torch.equal(a, b), f"{name}: recompute differs from save"

@@ -95,9 +95,11 @@ def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, share
     d_topk_weights = kernels.combine_bwd(d_out, y_pairs, pair_index, config=cfg.combine)
     weight_rows = dispatch_pair_weights(ws, topk_weights.float().contiguous(), schedule)
     d_out_rows = dispatch(ws, d_out, schedule, _direction(config, "dispatch"))
-    d_y_rows = kernels.gather_rows(d_out_rows, None, weight_rows, rows_in_use(schedule))
-    del d_out_rows
-    d_x_rows, d_w_gate_up, d_w_down = rows_bwd(d_y_rows, x_rows, h, gate_up, w_gate_up, w_down, schedule, cfg)
+    # d_y rows are handed over without a local reference, so rows_bwd frees them after their last GEMM.
+    d_x_rows, d_w_gate_up, d_w_down = rows_bwd(
+        kernels.gather_rows(d_out_rows, None, weight_rows, rows_in_use(schedule)),
+        x_rows, h, gate_up, w_gate_up, w_down, schedule, cfg,
+    )
     d_x_pairs = combine(ws, d_x_rows, schedule, _direction(config, "combine"))
     d_x_shared = d_shared_gate_up = d_shared_down = None
     if shared_gate_up is not None:
