@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 
 from megamoe.backends.triton import kernels  # noqa: E402
-from megamoe.backends.triton.configs import _SM90, _SM90_WIDE, TileConfig  # noqa: E402
+from megamoe.backends.triton.configs import _SM90, TileConfig  # noqa: E402
 
 GEMM_KERNELS = {
     # name: (kernel, the tile-table field it runs with, extra constexprs)
@@ -122,7 +122,7 @@ def _ptxas_report(ptx: str, arch: int) -> dict:
     )
 
 
-TABLES = {"sm90": _SM90, "sm90-wide": _SM90_WIDE}
+TABLES = {"sm90": _SM90}
 
 
 def _pipeline_report(compiled) -> dict:

@@ -49,28 +49,24 @@ class KernelConfigs:
     combine: TileConfig  # block_m tokens x block_n hidden columns
 
 
-# Hopper: the two-accumulator gate/up tile is effectively 128 x 256 (2 x 128 fp32 acc registers per
-# thread), so it runs 3 stages (3 x 48 KB of shared memory); single-accumulator tiles afford 4.
+# Hopper (sm_90), every shape class measured so far (qwen3-30b-a3b and mixtral-8x7b sweeps in
+# benchmarks/results/, docs/perf-notes.md v3/v4). The two-accumulator gate/up tile is effectively
+# 128 x 256 (2 x 128 fp32 accumulator registers per thread), so it runs 3 stages (3 x 48 KB of shared
+# memory). down_fwd: a 256-column tile halves the re-reads of the h rows (qwen3-30b-a3b 0.85 ms vs 1.04
+# at 128 x 128 x 4). gate_up_dgrad: 128 x 128 x 4 stages (mixtral 5.85 ms vs 7.30 at 128 x 256 x 3).
+# Weight-grad tiles loop over only one expert's rows (~1-2k), so a 128 x 256 tile does twice the work per
+# prologue/epilogue (mixtral dw_down 4.26 -> 2.90 ms, dw_gate_up 7.89 -> 6.49 against 128 x 128) and a
+# 4th stage helps again (qwen3-30b-a3b dw_gate_up 1.55 -> 1.39 ms).
 _SM90 = KernelConfigs(
     gate_up_fwd=TileConfig(128, 128, 64, num_warps=8, num_stages=3),
-    down_fwd=TileConfig(128, 128, 64, num_warps=8, num_stages=4),
+    down_fwd=TileConfig(128, 256, 64, num_warps=8, num_stages=3),
     # 3 stages: with contiguous d_y rows the loop pipelines fully, and a 4th stage plus the SwiGLU-backward
     # epilogue (g, u and the accumulator live together) spills at the 255-register limit.
     down_dgrad=TileConfig(128, 128, 64, num_warps=8, num_stages=3),
     gate_up_dgrad=TileConfig(128, 128, 64, num_warps=8, num_stages=4),
-    # Weight-grad tiles loop over only one expert's rows (~1-2k): a 128 x 256 tile does twice the work
-    # per prologue/epilogue. Measured on mixtral-8x7b (docs/perf-notes.md, v3): dw_down 4.26 -> 2.90 ms,
-    # dw_gate_up 7.89 -> 6.49 ms against 128 x 128.
-    dw_down=TileConfig(128, 256, 64, num_warps=8, num_stages=3),
-    dw_gate_up=TileConfig(128, 256, 64, num_warps=8, num_stages=3),
+    dw_down=TileConfig(128, 256, 64, num_warps=8, num_stages=4),
+    dw_gate_up=TileConfig(128, 256, 64, num_warps=8, num_stages=4),
     combine=TileConfig(8, 256, 1, num_warps=4, num_stages=1),
-)
-# Wide-hidden class (H >= 4096): down_fwd's output spans H, and a 256-column tile halves the re-reads
-# of the activation rows (mixtral-8x7b: 3.41 ms vs 3.65 at 128 x 128). gate_up_dgrad stays at
-# 128 x 128 x 4 stages there too (5.85 ms vs 7.30 at 128 x 256 x 3).
-_SM90_WIDE = dataclasses.replace(
-    _SM90,
-    down_fwd=TileConfig(128, 256, 64, num_warps=8, num_stages=3),
 )
 # Other GPUs (Ampere, Ada, Blackwell until measured): mma.sync-sized tiles that fit 100 KB of shared memory.
 _DEFAULT = KernelConfigs(
@@ -118,7 +114,7 @@ def kernel_configs(hidden: int, intermediate: int, dtype: torch.dtype, device: t
 @functools.lru_cache(maxsize=None)
 def _kernel_configs(hidden: int, intermediate: int, dtype: torch.dtype, arch, block_m: int) -> KernelConfigs:
     if arch is not None and arch[0] == 9:
-        table = _SM90_WIDE if hidden >= 4096 else _SM90
+        table = _SM90
     else:
         table = _DEFAULT
     fields = {}
