@@ -1,6 +1,6 @@
 """megamoe: a whole MoE layer (dispatch, expert MLPs, combine; forward and backward) as fused kernels."""
 
-from megamoe import reference
+from megamoe import parallel, reference
 from megamoe.autograd import CapacityOverflowError, experts
 from megamoe.config import MoEConfig
 from megamoe.layer import MoELayer
@@ -13,6 +13,7 @@ __all__ = [
     "Schedule",
     "build_schedule",
     "experts",
+    "parallel",
     "reference",
 ]
 __version__ = "0.1.0"

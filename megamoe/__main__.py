@@ -50,7 +50,39 @@ def _add_bench(commands) -> argparse.ArgumentParser:
         "a workload is also halved until it fits the free GPU memory",
     )
     bench.add_argument("--json", metavar="PATH", help="write the results as a JSON list of records")
+    bench.add_argument(
+        "--plot", metavar="PATH",
+        help="draw TFLOP/s per workload and backend (one panel per pass and routing, the bf16 matmul ceiling as a "
+        "line) to PATH (.png, .svg, .pdf); needs matplotlib",
+    )
+    bench.add_argument(
+        "--from-json", nargs="+", metavar="FILE",
+        help="with --plot: draw the records of earlier --json runs instead of timing anything",
+    )
     return bench
+
+
+# Options that only shape a timed run; with --from-json nothing is timed, so they would be silently ignored.
+TIMING_OPTIONS = ("workload", "backend", "tokens", "iters", "warmup", "dtype", "experts_per_gpu", "json")
+
+
+def _plot_from_json(args, bench: argparse.ArgumentParser) -> int:
+    from megamoe.bench.plot import load_records, plot_records
+
+    if not args.plot:
+        bench.error("--from-json draws saved records: give --plot PATH")
+    given = [f"--{name.replace('_', '-')}" for name in TIMING_OPTIONS if getattr(args, name) is not None]
+    if given:
+        bench.error(f"{', '.join(given)}: not used with --from-json, which draws saved records without timing")
+    try:
+        records = load_records(args.from_json)
+        if args.routing != "both":
+            records = [r for r in records if r["routing"] == args.routing]
+        path = plot_records(records, args.plot)
+    except (ValueError, ImportError) as e:
+        bench.error(str(e))
+    print(f"wrote the plot of {len(records)} records from {len(args.from_json)} file(s) to {path}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "bench":
+        if args.from_json:
+            return _plot_from_json(args, bench)
+        if args.plot:
+            from megamoe.bench.plot import require_matplotlib
+
+            try:
+                require_matplotlib()  # before timing: fail in a second, not after an hour of benchmarks
+            except ImportError as e:
+                bench.error(str(e))
         for option in ("tokens", "iters", "experts_per_gpu"):
             value = getattr(args, option)
             if value is not None and value < 1:
@@ -76,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype,
             experts_per_gpu=args.experts_per_gpu,
             json_path=args.json,
+            plot_path=args.plot,
         )
     return 0
 

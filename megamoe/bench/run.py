@@ -91,8 +91,10 @@ def run_bench(
     dtype: str | None,
     experts_per_gpu: int | None,
     json_path: str | None,
+    plot_path: str | None = None,
 ) -> int:
-    """Run the benchmark; rank 0 prints the table and writes JSON. Returns 1 if a backend failed its gate."""
+    """Run the benchmark; rank 0 prints the table, writes JSON and draws the plot (megamoe.bench.plot).
+    Returns 1 if a backend failed its gate."""
     group, device = init_distributed()
     world_size, rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
     on_gpu = device.type == "cuda"
@@ -168,6 +170,11 @@ def run_bench(
         if ceiling:
             notes.insert(0, f"bf16 matmul ceiling (8192^3): {ceiling:.0f} TFLOP/s")
         report(title, notes, rows, on_gpu, json_path)
+        if plot_path:
+            from megamoe.bench.plot import plot_records
+
+            records = [{k: row[k] for k in RECORD_FIELDS} for row in rows if row["status"] == "ok"]
+            print(f"wrote the plot to {plot_records(records, plot_path, title=title)}")
     if group is not None:
         dist.destroy_process_group()
     return int(any(row["status"] == "FAILED" for row in rows))

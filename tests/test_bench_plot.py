@@ -1,0 +1,143 @@
+"""`python -m megamoe bench --plot`: the drawing (megamoe.bench.plot) on synthetic records, and the CLI around it."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from megamoe.__main__ import main
+from megamoe.bench.plot import load_records, plot_records, require_matplotlib, series_label
+from megamoe.bench.run import RECORD_FIELDS
+
+matplotlib = pytest.importorskip("matplotlib")
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+CEILING = 784.0
+
+
+def make_records(ep: int, backends=("torch", "triton"), workloads=("qwen3-30b-a3b", "mixtral-8x7b")) -> list[dict]:
+    """Bench records (every field of BENCHMARKS.md) with made-up, distinct TFLOP/s."""
+    records = []
+    for w, workload in enumerate(workloads):
+        for routing in ("balanced", "skewed"):
+            for b, backend in enumerate(backends):
+                for pass_name in ("fwd", "fwd+bwd"):
+                    tflops = 100.0 + 50 * w + 20 * b + (5 if pass_name == "fwd+bwd" else 0) + 10 * ep
+                    records.append({
+                        "workload": workload, "backend": backend, "pass": pass_name, "routing": routing, "ep": ep,
+                        "tokens": 16384, "experts_per_gpu": 128 // ep, "ms": 1.0, "tflops": tflops,
+                        "mfu": tflops / CEILING, "ceiling_tflops": CEILING, "peak_mem_bytes": 2**30,
+                        "gpu": "NVIDIA H200", "torch": "2.13.0", "triton": "3.6.0", "commit": "0123456789abcdef",
+                    })
+    assert all(set(r) == set(RECORD_FIELDS) for r in records), "synthetic records must carry exactly RECORD_FIELDS"
+    return records
+
+
+def write_json(path, records) -> str:
+    path.write_text(json.dumps(records))
+    return str(path)
+
+
+def test_series_label_names_ep_above_one():
+    assert series_label({"backend": "triton", "ep": 1, "gpu": "H200"}, with_gpu=False) == "triton"
+    assert series_label({"backend": "torch", "ep": 2, "gpu": "H200"}, with_gpu=False) == "torch (EP=2)"
+    assert series_label({"backend": "torch", "ep": 4, "gpu": "H200"}, with_gpu=True) == "H200: torch (EP=4)"
+
+
+def test_plot_from_json_files_writes_a_png(tmp_path, capsys):
+    one_gpu = write_json(tmp_path / "h200x1.json", make_records(ep=1))
+    two_gpus = write_json(tmp_path / "h200x2.json", make_records(ep=2, backends=("torch",)))
+    png = tmp_path / "bench.png"
+    assert main(["bench", "--from-json", one_gpu, two_gpus, "--plot", str(png)]) == 0
+    data = png.read_bytes()
+    assert data.startswith(PNG_MAGIC), f"{png}: not a PNG (starts {data[:8]!r})"
+    assert len(data) > 10_000, f"{png}: only {len(data)} bytes"
+    assert "wrote the plot of 24 records from 2 file(s)" in capsys.readouterr().out
+
+
+def test_plot_draws_series_ceiling_and_panels(tmp_path):
+    """The SVG's text (kept as text, not paths) names every series, the ceiling line and every panel."""
+    records = make_records(ep=1) + make_records(ep=2, backends=("torch",))
+    svg = tmp_path / "bench.svg"
+    with matplotlib.rc_context({"svg.fonttype": "none"}):
+        plot_records(records, svg, title="synthetic")
+    text = svg.read_text()
+    for expected in ("torch", "triton", "torch (EP=2)", f"bf16 matmul ceiling: {CEILING:.0f} TFLOP/s", "synthetic",
+                     "fwd, balanced routing", "fwd+bwd, balanced routing", "fwd, skewed routing",
+                     "fwd+bwd, skewed routing", "qwen3-30b-a3b", "mixtral-8x7b", "TFLOP/s per GPU"):
+        assert f">{expected}<" in text, f"plot: no text {expected!r}"
+    # Every bar is labelled with its value: 2 workloads x 2 routings x 2 passes x (2 + 1) series.
+    assert text.count(">125<") == 2, "bar label of qwen3-30b-a3b / torch (EP=2) / fwd+bwd: one per routing"
+
+
+def test_plot_without_ceiling_or_skewed_routing(tmp_path):
+    """CPU runs measure no ceiling; a balanced-only run gives one row of panels."""
+    records = [dict(r, ceiling_tflops=None, mfu=None, gpu="cpu") for r in make_records(ep=1)
+               if r["routing"] == "balanced"]
+    svg = tmp_path / "cpu.svg"
+    with matplotlib.rc_context({"svg.fonttype": "none"}):
+        plot_records(records, svg)
+    text = svg.read_text()
+    assert "ceiling" not in text and "skewed" not in text
+    assert ">fwd, balanced routing<" in text and ">megamoe bench: cpu; torch 2.13.0; commit 0123456789ab<" in text
+
+
+def test_routing_option_filters_saved_records(tmp_path):
+    path = write_json(tmp_path / "run.json", make_records(ep=1))
+    svg = tmp_path / "skewed.svg"
+    with matplotlib.rc_context({"svg.fonttype": "none"}):
+        assert main(["bench", "--from-json", path, "--routing", "skewed", "--plot", str(svg)]) == 0
+    text = svg.read_text()
+    assert ">fwd, skewed routing<" in text and "balanced" not in text
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ([], "give --plot PATH"),
+        (["--plot", "x.png", "--iters", "3"], "--iters: not used with --from-json"),
+        (["--plot", "x.png", "--json", "y.json"], "--json: not used with --from-json"),
+    ],
+    ids=["no-plot", "timing-option", "json-option"],
+)
+def test_from_json_option_errors(tmp_path, capsys, extra, message):
+    path = write_json(tmp_path / "run.json", make_records(ep=1))
+    with pytest.raises(SystemExit):
+        main(["bench", "--from-json", path, *extra])
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [("{}", "expected a JSON list"), ('[{"workload": "x"}]', "record 0 lacks backend"), ("[1", "cannot read")],
+    ids=["not-a-list", "missing-fields", "bad-json"],
+)
+def test_bad_json_files_are_named(tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message) as info:
+        load_records([path])
+    assert str(path) in str(info.value)
+
+
+def test_nothing_measured_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="no measured records"):
+        plot_records([dict(r, tflops=None) for r in make_records(ep=1)], tmp_path / "x.png")
+
+
+def test_missing_matplotlib_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    with pytest.raises(ImportError, match="pip install matplotlib"):
+        require_matplotlib()
+
+
+def test_bench_run_draws_its_own_records(tmp_path):
+    """The hook in run_bench: a tiny timed CPU run writes both the JSON and the plot of the same records."""
+    png, records_path = tmp_path / "run.png", tmp_path / "run.json"
+    code = main(["bench", "--workload", "cpu-small", "--tokens", "16", "--iters", "1", "--warmup", "0",
+                 "--routing", "balanced", "--json", str(records_path), "--plot", str(png)])
+    assert code == 0
+    assert png.read_bytes().startswith(PNG_MAGIC)
+    assert len(load_records([records_path])) == 2  # torch x (fwd, fwd+bwd)

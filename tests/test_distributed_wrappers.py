@@ -1,0 +1,252 @@
+"""MoELayer under DDP and FSDP2 (fully_shard) with expert parallelism, on CPU with gloo.
+
+One spawn per layout (a module-scoped fixture): 2 processes for the 1-D layout (DP group == EP group), 4 for
+the 2-D DeviceMesh ("dp", "ep") = 2 x 2. Each worker runs every wrapper recipe for one training step
+(forward + backward + reduce_expert_grads + SGD) on its share of one global batch and saves its parameters;
+the parent checks them against a single process that trains one full MoELayer on the whole batch.
+
+Convention (megamoe.parallel): every parameter gets the gradient of L = (1/N) sum_r L_r, the mean over the
+N ranks of each rank's loss; L_r = sum(out_r * d_out_r) + AUX * aux_loss_r over rank r's tokens x_r. This
+is DDP's averaging for the router and shared expert; for an expert it is (1/N) x the gradient of all
+tokens routed to it, from every rank. The single process computes exactly that: one layer holding all E
+experts, run once per rank's tokens (aux_loss is per rank), the N losses averaged, one backward, one step.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+import traceback
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megamoe import MoELayer
+from megamoe.parallel import ddp_ignore_experts, expert_parameters, non_expert_parameters, reduce_expert_grads
+from conftest import assert_close_tight, rel_err
+
+T, H, I, I_SHARED, K = 6, 8, 4, 4, 2  # tokens per rank, hidden, expert and shared intermediate, top-k
+EXPERTS_PER_RANK = 2  # of the EP group
+AUX, LR = 0.1, 0.5
+TOL = 1e-12  # fp64: only the order of the sums differs from the single process
+SPAWN_TIMEOUT_S = 120
+LAYOUTS = {"1d-W2": dict(world=2, dp=1), "2d-dp2xep2": dict(world=4, dp=2)}
+RECIPES = ("ddp", "fsdp2", "ddp-naive", "ddp-no-reduce")  # the last two: mistakes the checks must catch
+
+
+def _ep_size(layout: dict) -> int:
+    return layout["world"] // layout["dp"]
+
+
+def make_problem(layout: dict) -> dict:
+    """Initial full-layer state (all E experts) and the global batch, rank r's tokens at [r*T, (r+1)*T)."""
+    gen = torch.Generator().manual_seed(7 + layout["world"])
+    num_experts = EXPERTS_PER_RANK * _ep_size(layout)
+    layer = MoELayer(H, I, num_experts, K, shared_intermediate_size=I_SHARED, dtype=torch.float64)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) / p.shape[-1] ** 0.5)
+    n = layout["world"] * T
+    return dict(state=layer.state_dict(), num_experts=num_experts,
+                x=torch.randn(n, H, generator=gen, dtype=torch.float64),
+                d_out=torch.randn(n, H, generator=gen, dtype=torch.float64))
+
+
+def _layer(problem: dict, group=None, expert_slice=slice(None)) -> MoELayer:
+    layer = MoELayer(H, I, problem["num_experts"], K, shared_intermediate_size=I_SHARED, group=group,
+                     dtype=torch.float64)
+    state = dict(problem["state"])
+    state["w_gate_up"], state["w_down"] = state["w_gate_up"][expert_slice], state["w_down"][expert_slice]
+    layer.load_state_dict(state)
+    return layer
+
+
+def _loss(out: torch.Tensor, layer: MoELayer, d_out: torch.Tensor) -> torch.Tensor:
+    return (out * d_out).sum() + AUX * layer.aux_loss
+
+
+def single_process_step(problem: dict, world: int) -> dict[str, torch.Tensor]:
+    """Parameters after one SGD step on the gradient of (1/N) sum_r L_r, all experts in one layer."""
+    layer = _layer(problem)
+    losses = []
+    for r in range(world):
+        tok = slice(r * T, (r + 1) * T)
+        losses.append(_loss(layer(problem["x"][tok]), layer, problem["d_out"][tok]))
+    (sum(losses) / world).backward()
+    torch.optim.SGD(layer.parameters(), lr=LR).step()
+    return {n: p.detach() for n, p in layer.named_parameters()}
+
+
+# --------------------------------------------------------------------------------------------- workers
+
+
+def _step(recipe: str, problem: dict, rank: int, world: int, mesh) -> dict[str, torch.Tensor]:
+    """One training step of this rank under `recipe`; returns its full (unsharded) parameters."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
+
+    ep_group = mesh["ep"].get_group()
+    dp_group = mesh["dp"].get_group() if "dp" in mesh.mesh_dim_names else None
+    ep_rank = dist.get_rank(ep_group)
+    layer = _layer(problem, ep_group, slice(ep_rank * EXPERTS_PER_RANK, (ep_rank + 1) * EXPERTS_PER_RANK))
+    experts = expert_parameters(layer)
+    if recipe in ("ddp", "ddp-no-reduce"):
+        # The layer is the wrapped module itself in the 1-D layout (the case DDP's own ignore list gets
+        # wrong, see ddp_ignore_experts) and a submodule in the 2-D one.
+        root = layer if dp_group is None else torch.nn.Sequential(layer)
+        ddp_ignore_experts(root)
+        model = DistributedDataParallel(root)  # the default group: the whole world
+    elif recipe == "ddp-naive":  # the mistake the recipe avoids: DDP treats the experts as replicas
+        model = DistributedDataParallel(layer)
+    elif recipe == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world_mesh = init_device_mesh("cpu", (world,))  # non-expert parameters: sharded over every rank
+        model = fully_shard(layer, mesh=world_mesh, ignored_params=set(experts.values()))
+    else:
+        raise ValueError(recipe)
+    tok = slice(rank * T, (rank + 1) * T)
+    with warnings.catch_warnings():
+        # FSDP2 warns that MoELayer returns a view (out.view_as(x)); nothing here modifies it in place.
+        warnings.filterwarnings("ignore", message=".*returned a view tensor")
+        out = model(problem["x"][tok])
+    _loss(out, layer, problem["d_out"][tok]).backward()
+    if recipe in ("ddp", "fsdp2"):
+        reduce_expert_grads(layer, dp_group=dp_group)
+    # Two groups, foreach: under FSDP2 one group mixing DTensors and the plain expert tensors would fail.
+    groups = [{"params": list(experts.values())}, {"params": list(non_expert_parameters(layer).values())}]
+    torch.optim.SGD(groups, lr=LR, foreach=True).step()
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in layer.named_parameters()}
+
+
+def _worker(rank: int, world: int, dp: int, port: int, in_path: str, out_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    if dp == 1:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    else:
+        mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "ep"))
+    problem = torch.load(in_path, weights_only=False)
+    layer = _layer(problem, mesh["ep"].get_group(), slice(0, EXPERTS_PER_RANK))
+    results = {"expert_names": sorted(expert_parameters(layer)), "non_expert_names": sorted(non_expert_parameters(layer))}
+    for recipe in RECIPES:
+        try:
+            results[recipe] = _step(recipe, problem, rank, world, mesh)
+        except Exception as e:  # noqa: BLE001 - reported by the parent with the traceback
+            results[recipe] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            break  # a failed collective leaves the ranks out of step: later recipes would hang
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS), ids=str)
+def run(request, tmp_path_factory):
+    """(layout, problem, results[rank][recipe]) from one spawn of the layout's gloo processes."""
+    layout = LAYOUTS[request.param]
+    world = layout["world"]
+    problem = make_problem(layout)
+    tmp = tmp_path_factory.mktemp(request.param)
+    in_path = str(tmp / "problem.pt")
+    torch.save(problem, in_path)
+    ctx = mp.start_processes(_worker, args=(world, layout["dp"], _free_port(), in_path, str(tmp)), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail(f"gloo workers ({request.param}) did not finish within {SPAWN_TIMEOUT_S}s")
+    results = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return layout, problem, results
+
+
+def _params(results, rank: int, recipe: str) -> dict:
+    res = results[rank].get(recipe)
+    assert res is not None, f"rank {rank}: {recipe} did not run (an earlier recipe failed)"
+    if "error" in res:
+        pytest.fail(f"rank {rank}: {recipe} raised {res['error']}\n{res['traceback']}")
+    return res
+
+
+def _expected_on_rank(expected: dict, layout: dict, rank: int) -> dict:
+    """The single process's parameters as rank `rank` holds them: its EP slice of the experts."""
+    ep_rank = rank % _ep_size(layout)  # mesh ("dp", "ep") is row-major: consecutive ranks form an EP group
+    experts = slice(ep_rank * EXPERTS_PER_RANK, (ep_rank + 1) * EXPERTS_PER_RANK)
+    return {n: (p[experts] if n in ("w_gate_up", "w_down") else p) for n, p in expected.items()}
+
+
+@pytest.mark.parametrize("recipe", ["ddp", "fsdp2"])
+def test_one_step_matches_single_process(run, recipe):
+    layout, problem, results = run
+    expected = single_process_step(problem, layout["world"])
+    for rank in range(layout["world"]):
+        got = _params(results, rank, recipe)
+        want = _expected_on_rank(expected, layout, rank)
+        assert got.keys() == want.keys(), f"rank {rank}: parameters {sorted(got)}"
+        for name, value in want.items():
+            assert_close_tight(f"{recipe} rank {rank}: {name} after one step", got[name], value, TOL)
+
+
+@pytest.mark.parametrize("recipe", ["ddp-naive", "ddp-no-reduce"])
+def test_mistakes_do_not_match(run, recipe):
+    """Negative controls, so the comparison above can fail. ddp-naive: DDP over every parameter broadcasts
+    rank 0's experts at construction and averages different experts' gradients. ddp-no-reduce: experts
+    ignored by DDP but reduce_expert_grads not called, so their gradients are sums over the EP group's
+    tokens instead of the mean objective's (and miss the other dp replicas' tokens in the 2-D layout)."""
+    layout, problem, results = run
+    expected = single_process_step(problem, layout["world"])
+    errors = []
+    for rank in range(layout["world"]):
+        got, want = _params(results, rank, recipe), _expected_on_rank(expected, layout, rank)
+        errors.append(max(rel_err(got[n], want[n]) for n in ("w_gate_up", "w_down")))
+        if recipe == "ddp-no-reduce":  # only the experts are wrong
+            for name in ("router.weight", "shared_gate_up", "shared_down"):
+                assert_close_tight(f"{recipe} rank {rank}: {name} after one step", got[name], want[name], TOL)
+    assert min(errors) > 1e-3, f"{recipe} matched the single process on some rank (rel errors per rank {errors})"
+
+
+def test_expert_parameters_of_expert_parallel_layer(run):
+    layout, _, results = run
+    for rank in range(layout["world"]):
+        assert results[rank]["expert_names"] == ["w_down", "w_gate_up"], f"rank {rank}"
+        assert results[rank]["non_expert_names"] == ["router.weight", "shared_down", "shared_gate_up"], f"rank {rank}"
+    replicated = MoELayer(H, I, 4, K, shared_intermediate_size=I_SHARED)
+    assert expert_parameters(replicated) == {}, "without a group the experts are replicas, not expert parameters"
+    assert len(non_expert_parameters(replicated)) == 5
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_expert_parameters_of_patched_hf_model(family):
+    """Patched experts modules with a group are found by name (DeepSeek-V3 also marks its block, which owns no
+    experts). The group is a stand-in: expert_parameters only reads the patch record."""
+    import dataclasses
+
+    pytest.importorskip("transformers")
+    from megamoe.integrations import hf
+    from test_hf import _model
+
+    model = hf.patch_model(_model(family))
+    assert expert_parameters(model) == {}, "patched without a group: replicas"
+    for module in model.modules():
+        patch = getattr(module, "_megamoe_patch", None)
+        if patch is not None:
+            setattr(module, "_megamoe_patch", dataclasses.replace(patch, group=object(), local_slice=(0, 1)))
+    names = [n for n, _ in model.named_parameters() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert names, "the tiny model has MoE layers"
+    assert list(expert_parameters(model)) == names
