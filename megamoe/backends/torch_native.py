@@ -128,11 +128,12 @@ def to_rows(source: torch.Tensor, schedule: Schedule, group, *, per_token: bool)
     source: [T, ...] one row per token (per_token) or [T*k, ...] one row per (token, slot) pair.
     """
     k = schedule.top_k if per_token else 1
-    rows = source.new_zeros(schedule.num_rows, *source.shape[1:])
     if group is None or schedule.world_size == 1:
+        # One gather: padding rows (-1) read an appended zero row.
         src = schedule.row_src.long()
-        valid = (src >= 0).view(-1, *([1] * (source.dim() - 1)))
-        return torch.where(valid, source[src.clamp(min=0) // k], rows)
+        padded = torch.cat([source, source.new_zeros(1, *source.shape[1:])])
+        return padded[torch.where(src >= 0, src // k, source.shape[0])]
+    rows = source.new_zeros(schedule.num_rows, *source.shape[1:])
     ex = _exchange(schedule)
     sent = source[ex.send_order[: sum(ex.send_splits)] // k]
     received = _all_to_all(sent, ex.recv_splits, ex.send_splits, group)
@@ -155,9 +156,11 @@ def slot_sum(pairs_TKH: torch.Tensor, weights_TK: torch.Tensor | None) -> torch.
     """sum_j w[t, j] * pairs[t, j] in fp32 (fp64 for fp64), j in order 0..k-1."""
     acc_dtype = torch.promote_types(pairs_TKH.dtype, torch.float32)
     acc = torch.zeros(pairs_TKH.shape[0], pairs_TKH.shape[2], dtype=acc_dtype, device=pairs_TKH.device)
-    for j in range(pairs_TKH.shape[1]):
-        term = pairs_TKH[:, j].to(acc_dtype)
-        acc = acc + (term if weights_TK is None else weights_TK[:, j : j + 1].to(acc_dtype) * term)
+    for j in range(pairs_TKH.shape[1]):  # in place, one pass over acc per slot
+        if weights_TK is None:
+            acc.add_(pairs_TKH[:, j])
+        else:
+            acc.addcmul_(weights_TK[:, j : j + 1].to(acc_dtype), pairs_TKH[:, j])
     return acc
 
 
