@@ -13,8 +13,9 @@ Writes <out-dir>/loss.csv (step, loss averaged over ranks, tokens/s) and <out-di
 
 With --expert-parallel every rank is both a data-parallel replica and an expert owner: rank r keeps experts
 [r*E_l, (r+1)*E_l) of every layer, and megamoe exchanges tokens between ranks. Expert weights are then not
-replicas, so DDP must not average their gradients; megamoe's backward already sums each expert's gradient
-over every rank's tokens, which is W times the data-parallel average, so those gradients are divided by W.
+replicas, so DDP must not average their gradients (megamoe.parallel.ddp_ignore_experts); megamoe's backward
+already sums each expert's gradient over every rank's tokens, which is W times the data-parallel average,
+so megamoe.parallel.reduce_expert_grads divides them by W.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_CORPUS = pathlib.Path(__file__).with_name("data") / "tiny_corpus.txt"
-EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -106,20 +106,18 @@ def lr_at(step: int, args) -> float:
 def train(args, rank: int, world: int, device, data: torch.Tensor):
     """One training run from scratch; returns (losses per step, tokens/s per step, the unwrapped model)."""
     import megamoe
+    from megamoe import parallel
     from megamoe.integrations import hf
     from tqdm import tqdm
 
     model = build_model(args, device)
     ep_group = dist.new_group(list(range(world))) if args.expert_parallel and world > 1 else None
     hf.patch_model(model, group=ep_group, config=megamoe.MoEConfig(backend=args.backend))
-    expert_names = [name for name, _ in model.named_parameters() if name.endswith(EXPERT_PARAMS)]
-    expert_params = [p for name, p in model.named_parameters() if name in expert_names]
     trained = model
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
 
-        if ep_group is not None:
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_names)
+        parallel.ddp_ignore_experts(model)  # expert shards are not replicas: DDP leaves them alone
         trained = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     # Built after patching: with expert parallelism, patching replaced the expert parameters by local slices.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
@@ -137,9 +135,7 @@ def train(args, rank: int, world: int, device, data: torch.Tensor):
             loss = trained(input_ids=ids, labels=ids).loss  # next-byte cross entropy + router aux loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if ep_group is not None:
-            for p in expert_params:
-                p.grad.div_(world)
+        parallel.reduce_expert_grads(model)  # the experts' gradients, on DDP's convention (a no-op without EP)
         optimizer.step()
         logged = loss.detach().float()
         if world > 1:

@@ -152,22 +152,14 @@ def _routed_experts(experts: nn.Module, x_TH, topk_ids_TK, topk_weights_TK, shar
             "shared_gate_up": torch.cat([shared.gate_proj.weight, shared.up_proj.weight], dim=0),
             "shared_down": shared.down_proj.weight,
         }
-    w_gate_up, w_down = experts.gate_up_proj, experts.down_proj
-    device_type, out_dtype = x_TH.device.type, x_TH.dtype
-    if torch.is_autocast_enabled(device_type):
-        # megamoe.experts wants x and all weights in one dtype; under autocast the model's F.linear would
-        # have run in the autocast dtype, so cast (differentiably) to it and run megamoe outside autocast.
-        # The result goes back to the residual stream's dtype, as the model's own experts return it.
-        dtype = torch.get_autocast_dtype(device_type)
-        x_TH, w_gate_up, w_down = x_TH.to(dtype), w_gate_up.to(dtype), w_down.to(dtype)
-        shared_kwargs = {name: w.to(dtype) for name, w in shared_kwargs.items()}
-    with torch.autocast(device_type, enabled=False):
-        # Routers return weights in the model dtype (Qwen, OLMoE) or fp32 (Mixtral, DeepSeek-V3); megamoe
-        # combines in fp32 either way.
-        return megamoe.experts(
-            x_TH, topk_ids_TK, topk_weights_TK.float(), w_gate_up, w_down,
-            group=patch.group, config=patch.config, **shared_kwargs,
-        ).to(out_dtype)
+    # Under autocast megamoe.experts casts x and the weights to the autocast dtype, as the model's own
+    # F.linear would; the result goes back to the residual stream's dtype, as the model's experts return it.
+    # Routers return weights in the model dtype (Qwen, OLMoE) or fp32 (Mixtral, DeepSeek-V3); megamoe
+    # combines in fp32 either way.
+    return megamoe.experts(
+        x_TH, topk_ids_TK, topk_weights_TK.float(), experts.gate_up_proj, experts.down_proj,
+        group=patch.group, config=patch.config, **shared_kwargs,
+    ).to(x_TH.dtype)
 
 
 def _experts_forward(experts: nn.Module, hidden_states, top_k_index, top_k_weights):
