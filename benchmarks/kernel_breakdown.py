@@ -17,6 +17,7 @@ import triton
 
 from megamoe.backends.triton import kernels
 from megamoe.backends.triton.configs import TileConfig, block_m_for, kernel_configs
+from megamoe.backends.triton.kernels.schedule import place_routing
 from megamoe.bench.workloads import WORKLOADS
 from megamoe.schedule import build_schedule
 
@@ -63,7 +64,8 @@ def breakdown(name: str, tokens: int | None, experts_cap: int | None, sweep: boo
     combine_bytes = 2 * pairs * H + 2 * T * H
     # phase "alt": the gather-by-pointer variant of gate_up_fwd, timed for comparison, not in the totals.
     steps = {
-        "schedule": (lambda: build_schedule(ids, E, block_m=bm), 0, 0, "fwd"),
+        "schedule": (lambda: build_schedule(ids, E, block_m=bm, place_routing=place_routing), 0, 0, "fwd"),
+        "schedule_torch": (lambda: build_schedule(ids, E, block_m=bm), 0, 0, "alt"),
         "gather_x": (lambda: kernels.gather_rows(x, s.row_src, None, in_use, div=k), 0, rows_bytes, "fwd"),
         "gate_up_fwd": (lambda: kernels.gate_up_fwd(x_rows, wgu, *blocks, store_gate_up=True, config=cfg.gate_up_fwd), 2 * gemm, 0, "fwd"),
         "gate_up_fwd_gather": (lambda: kernels.gate_up_fwd(x, wgu, *blocks, row_src_R=s.row_src, top_k=k, store_gate_up=True, config=cfg.gate_up_fwd), 2 * gemm, 0, "alt"),

@@ -155,8 +155,10 @@ def _schedule(topk_ids, x, w_gate_up, config: MoEConfig, group) -> Schedule:
     gather_routing = None
     if world_size > 1 and hasattr(backend, "routing_exchange"):
         gather_routing = backend.routing_exchange(x, w_gate_up, group, config)
+    place_routing = getattr(backend, "place_routing", None) if topk_ids.is_cuda else None
     schedule = build_schedule(
-        topk_ids, w_gate_up.shape[0] * world_size, group=group, config=config, gather_routing=gather_routing
+        topk_ids, w_gate_up.shape[0] * world_size, group=group, config=config,
+        gather_routing=gather_routing, place_routing=place_routing,
     )
     if config.capacity_factor is not None:
         _raise_on_overflow(schedule)

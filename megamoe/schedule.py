@@ -143,6 +143,7 @@ def build_schedule(
     config: MoEConfig | None = None,
     block_m: int | None = None,
     gather_routing=None,
+    place_routing=None,
 ) -> Schedule:
     """Turn routing into a Schedule (see its docstring), with device ops only.
 
@@ -154,6 +155,8 @@ def build_schedule(
     gather_routing: with a group, how to all-gather routing: a callable taking this rank's int32
         [T, k] ids and returning every rank's, [W*T, k] in rank order (default: the process group's
         all_gather_into_tensor; the fused EP path passes its symmetric-memory exchange).
+    place_routing: how to place the pairs (default place_routing_torch; the triton backend passes its
+        fused kernels, which give identical tensors in a handful of launches).
     """
     config = DEFAULT_CONFIG if config is None else config
     if not isinstance(config, MoEConfig):
@@ -183,10 +186,57 @@ def build_schedule(
         (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, ids, group=group)
         ids = gathered
     flat = ids.reshape(-1).to(torch.int64)  # [W*T*k], index = flat source index
-    num_pairs = flat.numel()
+    placed = (place_routing or place_routing_torch)(
+        flat, num_experts=num_experts, world_size=world_size, rank=rank, block_m=block_m, num_rows=rows
+    )
 
+    local = slice(rank * num_tokens * top_k, (rank + 1) * num_tokens * top_k)
+    return Schedule(
+        num_experts=num_experts,
+        num_local_experts=num_local,
+        world_size=world_size,
+        rank=rank,
+        num_tokens=num_tokens,
+        top_k=top_k,
+        block_m=block_m,
+        num_rows=rows,
+        expert_counts=placed.expert_counts,
+        expert_offsets=placed.expert_offsets,
+        row_src=placed.row_src,
+        block_expert=placed.block_expert,
+        num_blocks=placed.num_blocks,
+        dest_rank=(ids.view(-1)[local] // num_local).view(num_tokens, top_k),
+        dest_row=placed.dest_row[local].view(num_tokens, top_k),
+        overflow=placed.overflow,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where every pair of the group goes (all int32): the Schedule's fields, with dest_row for all W*T*k
+    pairs ([N], flat source order) rather than this rank's [T, k]."""
+
+    expert_counts: torch.Tensor
+    expert_offsets: torch.Tensor
+    row_src: torch.Tensor
+    block_expert: torch.Tensor
+    num_blocks: torch.Tensor
+    dest_row: torch.Tensor
+    overflow: torch.Tensor
+
+
+def place_routing_torch(
+    flat_ids: torch.Tensor, *, num_experts: int, world_size: int, rank: int, block_m: int, num_rows: int
+) -> Placement:
+    """The placement of every pair, with torch ops (any device, meta included).
+
+    flat_ids: [N = W*T*k] int64 global expert ids in flat source order. Backends may supply a faster
+    placement with this signature (build_schedule's place_routing); it must give identical tensors.
+    """
+    device, num_pairs, rows = flat_ids.device, flat_ids.numel(), num_rows
+    num_local = num_experts // world_size
     # Stable sort by expert keeps (source rank, token, slot) order inside each expert.
-    sorted_ids, perm = torch.sort(flat, stable=True)
+    sorted_ids, perm = torch.sort(flat_ids, stable=True)
     bounds = torch.searchsorted(sorted_ids, torch.arange(num_experts + 1, device=device, dtype=torch.int64))
     counts = bounds[1:] - bounds[:-1]  # [E]
     padded = (counts + block_m - 1) // block_m * block_m
@@ -199,36 +249,23 @@ def build_schedule(
     fits = row_sorted < rows
     dest_row_all = torch.empty(num_pairs, dtype=torch.int64, device=device)
     dest_row_all[perm] = torch.where(fits, row_sorted, -1)
-    overflow = (~fits).sum().to(torch.int32)
 
     # Receive side of this rank: scatter flat source indices into their rows (unique targets; pairs
     # owned by other ranks or cut by the capacity go to a dummy row R that is sliced off).
     mine = fits & (owner == rank)
     row_src = torch.full((rows + 1,), -1, dtype=torch.int64, device=device)
     row_src[torch.where(mine, row_sorted, rows)] = torch.where(mine, perm, -1)
-    row_src = row_src[:rows]
 
     offsets = starts[rank].clamp(max=rows)  # [E_l + 1]
     block_starts = torch.arange(0, rows, block_m, device=device, dtype=torch.int64)
     block_expert = torch.searchsorted(offsets[1:].contiguous(), block_starts, right=True)
     block_expert = torch.where(block_starts < offsets[-1], block_expert, -1)
-
-    local = slice(rank * num_tokens * top_k, (rank + 1) * num_tokens * top_k)
-    return Schedule(
-        num_experts=num_experts,
-        num_local_experts=num_local,
-        world_size=world_size,
-        rank=rank,
-        num_tokens=num_tokens,
-        top_k=top_k,
-        block_m=block_m,
-        num_rows=rows,
+    return Placement(
         expert_counts=counts.to(torch.int32),
         expert_offsets=offsets.to(torch.int32),
-        row_src=row_src.to(torch.int32),
+        row_src=row_src[:rows].to(torch.int32),
         block_expert=block_expert.to(torch.int32),
         num_blocks=(offsets[-1:] // block_m).to(torch.int32),
-        dest_rank=(flat[local] // num_local).to(torch.int32).view(num_tokens, top_k),
-        dest_row=dest_row_all[local].to(torch.int32).view(num_tokens, top_k),
-        overflow=overflow,
+        dest_row=dest_row_all.to(torch.int32),
+        overflow=(~fits).sum().to(torch.int32),
     )

@@ -9,6 +9,7 @@ build_schedule uses (`routing_exchange`).
 from megamoe.backends.triton import ep, experts
 from megamoe.backends.triton.configs import block_m_for
 from megamoe.backends.triton.ep import routing_exchange
+from megamoe.backends.triton.kernels.schedule import place_routing
 
 
 def _path(schedule):
@@ -29,4 +30,4 @@ def empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule):
     return _path(schedule).empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule)
 
 
-__all__ = ["block_m_for", "empty_saved", "experts_bwd", "experts_fwd", "routing_exchange"]
+__all__ = ["block_m_for", "empty_saved", "experts_bwd", "experts_fwd", "place_routing", "routing_exchange"]
