@@ -28,8 +28,18 @@ class MoEConfig:
     block_m: rows per GEMM tile; every expert's rows are padded to a multiple of it. None lets the
         backend choose (torch: 16, the alignment torch._grouped_mm wants; triton: its tile table).
     num_comm_sms / minibatch_tokens / dispatch / combine: expert-parallel overlap knobs used by the
-        fused EP path (number of SMs given to communication, tokens per overlap step, and the direction
-        of each communication operation: "pull", "push" or "auto"). They never change results, only speed.
+        fused EP path (triton backend). They never change results (bitwise), only speed.
+        num_comm_sms: SMs given to communication while it overlaps the expert GEMMs: each chunked
+            dispatch/combine kernel runs this many programs, and the persistent GEMMs beside it take
+            the other SMs. None: 16. Must be smaller than the GPU's SM count.
+        minibatch_tokens: tokens per overlap step. The local experts are cut into chunks of
+            ceil(E_l * minibatch_tokens / T) consecutive experts (T tokens per rank), so that under
+            balanced routing a chunk holds the rows of about minibatch_tokens tokens per rank
+            (minibatch_tokens * k rows) and there are about T / minibatch_tokens chunks; each
+            chunk's GEMMs start when its rows have landed and its results leave when its GEMMs are
+            done. None: 4 chunks.
+        dispatch / combine: the direction of each communication operation, "pull", "push" or
+            "auto" (pull dispatch, push combine: the directions that overlap chunk by chunk).
     comm_timeout_ms: how long a GPU waits for a peer of the expert-parallel group at a synchronisation
         point before failing with an error (a peer that never arrives must not hang the job).
     """

@@ -47,7 +47,8 @@ OTHER_KERNELS = {
 }
 # Pointer arguments that are not activations/weights (bf16).
 _POINTER_TYPES = {
-    "row_src_ptr": "*i32", "block_expert_ptr": "*i32", "num_blocks_ptr": "*i32", "expert_offsets_ptr": "*i32",
+    "row_src_ptr": "*i32", "block_expert_ptr": "*i32", "num_blocks_ptr": "*i32", "block_range_ptr": "*i32",
+    "expert_offsets_ptr": "*i32",
     "index_ptr": "*i32", "rows_in_use_ptr": "*i32", "scale_ptr": "*fp32",
     "w_ptr": "*bf16", "d_w_ptr": "*fp32",
 }

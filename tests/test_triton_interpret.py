@@ -14,7 +14,8 @@ against an fp64 torch computation from the schedule, and the full path against m
 in fp64 + autograd within the STYLE.md error budget. Launcher outputs are NaN-poisoned, so an element a
 kernel forgets to write fails; rows past the rows in use are NaN-filled inputs, so a kernel that reads
 them fails. The expert-parallel driver (ep.py) runs on a one-rank group with a CPU workspace and must
-match experts.py bitwise, for every dispatch/combine direction.
+match experts.py bitwise, for every dispatch/combine direction and every overlap plan (chunks of
+experts, communication programs; run inline on CPU), and match its own unchunked run.
 """
 
 from __future__ import annotations
@@ -442,35 +443,118 @@ def fake_workspace(group, *, device, num_tokens, hidden_size, topk, num_rows, dt
 
 EP_CASES = ["T37-H48-I40-E5-k3-shared", "T40-H32-I32-E8-k2-empty-experts", "T1-H32-I16-E1-k1-El1"]
 DIRECTIONS = {"pull-push": ("pull", "push"), "push-pull": ("push", "pull")}
+# (num_comm_sms, minibatch_tokens): the default plan (4 chunks, 1 compute program as CPU "SMs" are 3),
+# one expert per chunk with two compute programs, and chunks of ~16 tokens' rows. The "serial" probe
+# (one chunk, 3 programs) is the unchunked reference. All must give the same bits.
+OVERLAPS = {"default": (None, None), "comm1-mb1": (1, 1), "comm2-mb16": (2, 16)}
+
+
+def run_ep(x, weights, wgu, wd, sgu, sd, s, d_out, config, probe="full"):
+    out, saved = ep.experts_fwd(x, weights, wgu, wd, sgu, sd, s, None, config, probe=probe)
+    grads = ep.experts_bwd(d_out, x, weights, wgu, wd, sgu, sd, s, None, config, saved, probe=probe)
+    return (out, *grads), saved
+
+
+# Every case x direction x overlap plan dropless; with a capacity, the default plan only (interpreter time).
+EP_PARAMS = [
+    pytest.param(case, capacity, directions, overlap, id=f"{case}-{'dropless' if capacity is None else 'capacity'}-{directions}-{overlap}")
+    for case in EP_CASES
+    for capacity in (None, 0.3)
+    for directions in DIRECTIONS
+    for overlap in (OVERLAPS if capacity is None else ["default"])
+]
 
 
 @interpreted
-@pytest.mark.parametrize("directions", list(DIRECTIONS), ids=list(DIRECTIONS))
-@pytest.mark.parametrize("capacity", [None, 0.3], ids=["dropless", "capacity"])
-@pytest.mark.parametrize("case", EP_CASES, ids=EP_CASES)
-def test_ep_matches_one_gpu_bitwise(case, capacity, directions, monkeypatch):
+@pytest.mark.parametrize("case,capacity,directions,overlap", EP_PARAMS)
+def test_ep_matches_one_gpu_bitwise(case, capacity, directions, overlap, monkeypatch):
     """ep.py on a one-rank group runs the same rows compute as experts.py: every output bitwise equal
-    (so ep.py inherits experts.py's accuracy checks), for both directions of dispatch and combine."""
+    (so ep.py inherits experts.py's accuracy checks), for both directions of dispatch and combine and
+    every overlap plan (chunks of experts, communication programs), and equal to the unchunked,
+    one-stream run (probe "serial")."""
     T, H, I, E, k, routing, shared, block_m = CASES[case]
     x, ids, weights, wgu, wd, sgu, sd = make_problem(T, H, I, E, k, torch.float16, routing=routing, shared=shared)
     d_out = torch.randn(T, H, generator=torch.Generator().manual_seed(7)).half()
     dispatch, combine = DIRECTIONS[directions]
-    config = MoEConfig(dispatch=dispatch, combine=combine, capacity_factor=capacity)
+    num_comm_sms, minibatch_tokens = OVERLAPS[overlap]
+    config = MoEConfig(dispatch=dispatch, combine=combine, capacity_factor=capacity,
+                       num_comm_sms=num_comm_sms, minibatch_tokens=minibatch_tokens)
     s = build_schedule(ids, E, block_m=block_m, config=config)
     monkeypatch.setattr(ep, "get_workspace", fake_workspace)
     with poisoned_empty():
-        out, saved = ep.experts_fwd(x, weights, wgu, wd, sgu, sd, s, None, config)
-        grads = ep.experts_bwd(d_out, x, weights, wgu, wd, sgu, sd, s, None, config, saved)
+        got, saved = run_ep(x, weights, wgu, wd, sgu, sd, s, d_out, config)
+        serial, _ = run_ep(x, weights, wgu, wd, sgu, sd, s, d_out, config, probe="serial")
         out1, saved1 = experts_fwd(x, weights, wgu, wd, sgu, sd, s, None)
         grads1 = experts_bwd(d_out, x, weights, wgu, wd, sgu, sd, s, None, None, saved1)
-    for name, a, b in zip(["out", "d_x", "d_topk_weights", "d_w_gate_up", "d_w_down", "d_sgu", "d_sd"], (out, *grads), (out1, *grads1)):
+    names = ["out", "d_x", "d_topk_weights", "d_w_gate_up", "d_w_down", "d_sgu", "d_sd"]
+    for name, a, b, c in zip(names, got, (out1, *grads1), serial):
         if b is None:
-            assert a is None, f"{name}: expected None"
+            assert a is None and c is None, f"{name}: expected None"
             continue
         assert not torch.isnan(a).any(), f"{name}: NaN"
         assert torch.equal(a, b), f"{name}: ep.py differs from experts.py (max diff {(a.double() - b.double()).abs().max():.3e})"
-    for name, module, got in [("experts.py", None, saved1), ("ep.py", ep, saved)]:
+        assert torch.equal(a, c), f"{name}: overlapped ep.py differs from the serial run"
+    for name, module, saved_ in [("experts.py", None, saved1), ("ep.py", ep, saved)]:
         want = (module.empty_saved if module else empty_saved)(x, wgu, wd, sgu, s)
-        shapes = [tuple(t.shape) for t in got], [tuple(t.shape) for t in want]
+        shapes = [tuple(t.shape) for t in saved_], [tuple(t.shape) for t in want]
         assert shapes[0] == shapes[1], f"{name}: empty_saved shapes {shapes[1]} != saved {shapes[0]}"
-        assert [t.dtype for t in got] == [t.dtype for t in want], f"{name}: empty_saved dtypes differ from saved"
+        assert [t.dtype for t in saved_] == [t.dtype for t in want], f"{name}: empty_saved dtypes differ from saved"
+
+
+@interpreted
+def test_overlap_plan_chunks():
+    """minibatch_tokens -> experts per chunk = ceil(E_l * minibatch_tokens / T); chunks tile [0, E_l) and
+    their device row ranges tile the rows in use, each a whole number of blocks."""
+    T, E, k = 64, 8, 2
+    _, ids, *_ = make_problem(T, 32, 16, E, k, torch.float32, routing="sparse")
+    s = build_schedule(ids, E, block_m=16)
+    cpu = torch.device("cpu")
+    for minibatch, chunks in [(None, 4), (1, 8), (8, 8), (16, 4), (24, 3), (64, 1), (10_000, 1)]:
+        plan = ep.overlap_plan(s, MoEConfig(minibatch_tokens=minibatch), cpu)
+        assert plan.num_chunks == chunks, f"minibatch_tokens={minibatch}: {plan.num_chunks} chunks, want {chunks}"
+        spans = [plan.experts(c) for c in range(plan.num_chunks)]
+        assert spans[0][0] == 0 and spans[-1][1] == E and all(a[1] == b[0] for a, b in zip(spans, spans[1:])), spans
+        ranges = ep._ChunkRanges(s, plan)
+        want = s.expert_offsets[[a for a, _ in spans] + [E]]
+        assert torch.equal(ranges.row_bounds, want), f"row bounds {ranges.row_bounds.tolist()} != {want.tolist()}"
+        assert torch.equal(ranges.block_bounds * 16, want), "block bounds must be the row bounds in blocks"
+    serial = ep.overlap_plan(s, MoEConfig(), cpu, probe="serial")
+    assert serial.num_chunks == 1 and not serial.streams and serial.compute_sms is None
+    with pytest.raises(ValueError, match="probe"):
+        ep.experts_fwd(None, None, None, None, None, None, s, None, MoEConfig(), probe="fast")
+
+
+@interpreted
+def test_chunked_kernels_write_only_their_range():
+    """Block/row/expert ranges: each launch writes exactly its rows (or experts), the rest stays
+    poisoned, and the chunks together equal one whole launch bitwise."""
+    T, H, I, E, k = 40, 32, 16, 4, 2
+    x, ids, weights, wgu, wd, _, _ = make_problem(T, H, I, E, k, torch.float16)
+    s = build_schedule(ids, E, block_m=16)
+    x_rows = rows_of(x, s, k)
+    offsets = s.expert_offsets.tolist()
+    whole_h, _ = kernels.gate_up_fwd(x_rows, wgu, s.block_expert, s.num_blocks, store_gate_up=False, config=SMALL)
+    h = torch.full_like(whole_h, float("nan"))
+    for first, end in [(1, 3), (0, 1), (3, 4)]:
+        blocks = torch.tensor([offsets[first] // 16, offsets[end] // 16], dtype=torch.int32)
+        kernels.gate_up_fwd(x_rows, wgu, s.block_expert, blocks, store_gate_up=False, config=SMALL, out=(h, None), sms=2)
+        if (first, end) == (1, 3):
+            assert torch.isnan(h[: offsets[1]]).all() and torch.isnan(h[offsets[3]:]).all(), "gate_up_fwd wrote outside its blocks"
+    assert torch.equal(h[: offsets[-1]], whole_h[: offsets[-1]]), "chunked gate_up_fwd differs from one launch"
+    d_y = random_rows(s, k, H, torch.float16)
+    whole = kernels.dw_down(d_y, whole_h, s.expert_offsets, E, config=SMALL)
+    dw = torch.full_like(whole, float("nan"))
+    kernels.dw_down(d_y, whole_h, s.expert_offsets, E, config=SMALL, experts=(1, 3), out=dw, sms=1)
+    assert torch.isnan(dw[0]).all() and torch.isnan(dw[3]).all(), "dw_down wrote outside its experts"
+    kernels.dw_down(d_y, whole_h, s.expert_offsets, E, config=SMALL, experts=(0, 1), out=dw)
+    kernels.dw_down(d_y, whole_h, s.expert_offsets, E, config=SMALL, experts=(3, 4), out=dw)
+    assert torch.equal(dw, whole), "chunked dw_down differs from one launch"
+    with pytest.raises(ValueError, match="experts"):
+        kernels.dw_down(d_y, whole_h, s.expert_offsets, E, config=SMALL, experts=(2, 2))
+    scale = torch.rand(s.num_rows)
+    gathered = torch.full_like(x_rows, float("nan"))
+    span = torch.tensor([offsets[1], offsets[2]], dtype=torch.int32)
+    kernels.gather_rows(x_rows, None, scale, span, out=gathered, sms=1)
+    want = kernels.gather_rows(x_rows, None, scale, s.expert_offsets[-1:])
+    assert torch.equal(gathered[offsets[1]:offsets[2]], want[offsets[1]:offsets[2]]), "ranged gather_rows differs"
+    assert torch.isnan(gathered[: offsets[1]]).all() and torch.isnan(gathered[offsets[2]:]).all(), "gather_rows wrote outside its range"

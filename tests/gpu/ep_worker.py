@@ -2,8 +2,8 @@
 
 Every rank builds the same global problem (same seed), runs its shard through megamoe.experts with a
 group, and compares its outputs and gradients with the fp64 reference of the global problem (error
-budget as STYLE.md) — for every backend and direction, bitwise across runs and directions, under a
-CUDA graph, with skewed routing and an empty rank. Exits non-zero on the first failure.
+budget as STYLE.md) — for every backend and direction, bitwise across runs, directions and EP overlap
+plans (num_comm_sms, minibatch_tokens), under a CUDA graph, with skewed routing and an empty rank. Exits non-zero on the first failure.
 Usage: torchrun --nproc-per-node=N tests/gpu/ep_worker.py [checks|timeout]
 """
 
@@ -92,6 +92,11 @@ def check_bitwise(tag, a, b):
             raise AssertionError(f"{tag}: {name} differs bitwise")
 
 
+# (num_comm_sms, minibatch_tokens) of the EP overlap: the default plan (16 programs, 4 chunks of experts),
+# the two asked for, and one expert per chunk with few communication programs. Bitwise identical.
+OVERLAPS = [(None, None), (8, 1024), (32, 4096), (4, 1)]
+
+
 def checks(rank, world):
     torch.manual_seed(0)
     cases = [  # (tokens per rank, H, I, E, k, routing, shared)
@@ -108,24 +113,30 @@ def checks(rank, world):
         ref16 = shard(run_reference(ids, p, d_out, torch.bfloat16), rank, world, tokens, experts)
         for backend in backends:
             directions = [("pull", "push"), ("push", "pull"), ("pull", "pull"), ("push", "push")] if backend == "triton" else [("auto", "auto")]
+            overlaps = OVERLAPS if backend == "triton" else OVERLAPS[:1]
             first = None
             for dispatch, combine in directions:
-                config = megamoe.MoEConfig(backend=backend, dispatch=dispatch, combine=combine)
-                result = run_ep(ids, p, d_out, rank, world, tokens, experts, config)
-                check_budget(f"{tag} {backend} {dispatch}/{combine}", result, ref64, ref16)
-                again = run_ep(ids, p, d_out, rank, world, tokens, experts, config)
-                check_bitwise(f"{tag} {backend} {dispatch}/{combine} rerun", result, again)
-                if first is not None:
-                    check_bitwise(f"{tag} {backend} {dispatch}/{combine} vs first direction", result, first)
-                first = result
+                for num_comm_sms, minibatch_tokens in overlaps:
+                    config = megamoe.MoEConfig(backend=backend, dispatch=dispatch, combine=combine,
+                                               num_comm_sms=num_comm_sms, minibatch_tokens=minibatch_tokens)
+                    what = f"{tag} {backend} {dispatch}/{combine} comm_sms={num_comm_sms} minibatch={minibatch_tokens}"
+                    result = run_ep(ids, p, d_out, rank, world, tokens, experts, config)
+                    if first is None:
+                        check_budget(what, result, ref64, ref16)
+                        again = run_ep(ids, p, d_out, rank, world, tokens, experts, config)
+                        check_bitwise(f"{what} rerun", result, again)
+                        first = result
+                    else:
+                        check_bitwise(f"{what} vs {directions[0]} {overlaps[0]}", result, first)
             print(f"rank {rank} {tag} {backend}: ok", flush=True)
-    graph_check(rank, world)
+    for num_comm_sms, minibatch_tokens in ((None, None), (4, 1)):
+        graph_check(rank, world, megamoe.MoEConfig(backend="triton", num_comm_sms=num_comm_sms, minibatch_tokens=minibatch_tokens))
 
 
-def graph_check(rank, world):
-    """Capture forward+backward with EP in a CUDA graph; replay with new x and routing == eager, bitwise."""
+def graph_check(rank, world, config):
+    """Capture forward+backward with EP in a CUDA graph (the overlap's second stream and events included);
+    replay with new x and routing == eager, bitwise."""
     tokens, hidden, inter, experts, topk = 512, 256, 128, 4 * world, 2
-    config = megamoe.MoEConfig(backend="triton")
     e_l = experts // world
     g = torch.Generator(device="cuda").manual_seed(7 + rank)
     w_gate_up = (torch.randn(e_l, 2 * inter, hidden, generator=g, device="cuda") / 16).bfloat16().requires_grad_()
@@ -157,7 +168,7 @@ def graph_check(rank, world):
         for name, a, b in zip(["out", "d_x", "d_w", "d_wgu", "d_wd"], static, eager):
             if not torch.equal(a, b):
                 raise AssertionError(f"cuda graph replay {trial}: {name} differs from eager")
-    print(f"rank {rank} cuda graph: ok", flush=True)
+    print(f"rank {rank} cuda graph (comm_sms={config.num_comm_sms}, minibatch={config.minibatch_tokens}): ok", flush=True)
 
 
 def timeout(rank, world):

@@ -27,6 +27,7 @@ import torch
 
 from megamoe.backends.triton import kernels
 from megamoe.backends.triton.configs import KernelConfigs, kernel_configs
+from megamoe.backends.triton.kernels._common import range_of
 from megamoe.schedule import Schedule
 
 # Save the gate/up pre-activation (2 bytes * R * 2I) in the forward rather than recompute its GEMM
@@ -40,8 +41,13 @@ def configs_for(x: torch.Tensor, w_gate_up: torch.Tensor, schedule: Schedule) ->
 
 
 def rows_in_use(schedule: Schedule) -> torch.Tensor:
-    """int32 [1] on the device: the receive rows in use (expert_offsets[E_l]); a view, no host sync."""
-    return schedule.expert_offsets[-1:]
+    """int32 [2] on the device: the receive rows in use, (0, expert_offsets[E_l]); no host sync."""
+    return range_of(schedule.expert_offsets[-1:], "rows_in_use")
+
+
+def all_blocks(schedule: Schedule) -> torch.Tensor:
+    """int32 [2] on the device: the schedule blocks (0, num_blocks), the GEMMs' range over every row in use."""
+    return range_of(schedule.num_blocks, "num_blocks")
 
 
 def _check_group(group, schedule: Schedule, w_gate_up: torch.Tensor) -> None:
@@ -83,16 +89,26 @@ def rows_fwd(
     cfg: KernelConfigs,
     *,
     save_gate_up: bool = True,
+    blocks: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    sms: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h [R, I], gate_up [R, 2I], y_rows [R, H]) from x_rows [R, H] (padding rows zero; rows past
-    expert_offsets[E_l] are neither read nor written). Without save_gate_up, gate_up is [0, 2I]."""
-    # NOTE: how many row blocks are in use stays on the device (schedule.num_blocks); every buffer and
-    # grid is sized from shapes alone, so nothing here waits for the GPU.
+    expert_offsets[E_l] are neither read nor written). Without save_gate_up, gate_up is [0, 2I].
+
+    blocks: int32 [2] on the device, the schedule blocks to compute (None: all in use); out: (h,
+    gate_up, y_rows) to fill (None: allocated); sms: SMs of the persistent grids (None: all). The
+    expert-parallel overlap calls this once per chunk of experts, into one set of buffers.
+    """
+    # NOTE: the block range stays on the device; every buffer and grid is sized from shapes alone,
+    # so nothing here waits for the GPU.
+    blocks = all_blocks(schedule) if blocks is None else blocks
+    h_out, gate_up_out, y_out = out if out is not None else (None, None, None)
     h, gate_up = kernels.gate_up_fwd(
-        x_rows, w_gate_up, schedule.block_expert, schedule.num_blocks,
-        store_gate_up=save_gate_up, config=cfg.gate_up_fwd,
+        x_rows, w_gate_up, schedule.block_expert, blocks,
+        store_gate_up=save_gate_up, config=cfg.gate_up_fwd, out=(h_out, gate_up_out), sms=sms,
     )
-    y_rows = kernels.down_fwd(h, w_down, schedule.block_expert, schedule.num_blocks, config=cfg.down_fwd)
+    y_rows = kernels.down_fwd(h, w_down, schedule.block_expert, blocks, config=cfg.down_fwd, out=y_out, sms=sms)
     if gate_up is None:
         gate_up = x_rows.new_empty(0, 2 * h.shape[1])
     return h, gate_up, y_rows
@@ -116,19 +132,61 @@ def rows_bwd(
     as rows_fwd returned them (both empty: recomputed here, same kernel, same bits).
     """
     rows = x_rows if callable(x_rows) else (lambda: x_rows)
+    blocks = all_blocks(schedule)
     if gate_up.shape[0] == 0:
         h, gate_up = kernels.gate_up_fwd(
-            rows(), w_gate_up, schedule.block_expert, schedule.num_blocks, store_gate_up=True, config=cfg.gate_up_fwd,
+            rows(), w_gate_up, schedule.block_expert, blocks, store_gate_up=True, config=cfg.gate_up_fwd,
         )
     num_experts = w_gate_up.shape[0]
-    d_gate_up = kernels.down_dgrad(d_y_rows, w_down, gate_up, schedule.block_expert, schedule.num_blocks,
-                                   config=cfg.down_dgrad)
+    d_gate_up = kernels.down_dgrad(d_y_rows, w_down, gate_up, schedule.block_expert, blocks, config=cfg.down_dgrad)
     d_w_down = kernels.dw_down(d_y_rows, h, schedule.expert_offsets, num_experts, config=cfg.dw_down)
     del d_y_rows  # lowers the backward's peak memory (the caller holds no reference)
-    d_x_rows = kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, schedule.num_blocks,
-                                     config=cfg.gate_up_dgrad)
+    d_x_rows = kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad)
     d_w_gate_up = kernels.dw_gate_up(d_gate_up, rows(), schedule.expert_offsets, num_experts, config=cfg.dw_gate_up)
     return d_x_rows, d_w_gate_up, d_w_down
+
+
+def rows_dgrad(
+    d_y_rows: torch.Tensor,
+    gate_up: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    schedule: Schedule,
+    cfg: KernelConfigs,
+    *,
+    blocks: torch.Tensor,
+    d_gate_up: torch.Tensor,
+    d_x_rows: torch.Tensor,
+    sms: int | None = None,
+) -> None:
+    """The data grads of the schedule blocks in `blocks` (int32 [2], device), written into d_gate_up
+    [R, 2I] and d_x_rows [R, H]: rows_bwd's down_dgrad and gate_up_dgrad, one overlap chunk at a time."""
+    kernels.down_dgrad(d_y_rows, w_down, gate_up, schedule.block_expert, blocks, config=cfg.down_dgrad,
+                       out=d_gate_up, sms=sms)
+    kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad,
+                          out=d_x_rows, sms=sms)
+
+
+def rows_wgrad(
+    d_y_rows: torch.Tensor,
+    d_gate_up: torch.Tensor,
+    x_rows: torch.Tensor,
+    h: torch.Tensor,
+    schedule: Schedule,
+    cfg: KernelConfigs,
+    *,
+    experts: tuple[int, int],
+    d_w_gate_up: torch.Tensor,
+    d_w_down: torch.Tensor,
+    sms: int | None = None,
+) -> None:
+    """The weight grads of local experts [first, end) (static), written into those slices of
+    d_w_gate_up [E_l, 2I, H] and d_w_down [E_l, H, I]: rows_bwd's dw_down and dw_gate_up by chunk."""
+    num_experts = d_w_down.shape[0]
+    kernels.dw_down(d_y_rows, h, schedule.expert_offsets, num_experts, config=cfg.dw_down,
+                    experts=experts, out=d_w_down, sms=sms)
+    kernels.dw_gate_up(d_gate_up, x_rows, schedule.expert_offsets, num_experts, config=cfg.dw_gate_up,
+                       experts=experts, out=d_w_gate_up, sms=sms)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -6,26 +6,47 @@ Row maps come from the Schedule (every rank holds the same global placement):
 Each exchange starts with a barrier (peers are done with the buffer it overwrites) and, where peers
 wrote into this rank, ends with one (everything has landed), so consecutive exchanges and layers can
 reuse one workspace. Returned tensors are local (never the reused symmetric buffers).
+
+The whole exchanges (dispatch, combine, ...) are built from three steps that the expert-parallel
+overlap (ep.py) also calls one chunk of receive rows at a time: `publish` (barrier, copy into this
+rank's buffers, barrier), `pull_rows` (expert owner reads the published rows of a row range) and
+`push_rows` (expert owner writes a row range of results into the token owners' pairs buffers),
+finished by `collect_pushed` (barrier, then a local copy of this rank's pairs buffer). The row steps
+never synchronise with peers: every barrier is in publish / collect_pushed (and the unchunked
+exchanges), which ep.py runs only while its communication stream is joined.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from megamoe.backends.triton.comm.workspace import Workspace
+from megamoe.backends.triton.comm.workspace import Workspace, _Buffer
 from megamoe.backends.triton.kernels.row_copy import copy_rows
 from megamoe.schedule import Schedule
 
 
-def _receive_maps(schedule: Schedule):
-    """Per receive row r: (source rank, -1 for padding; source pair p; 0 if r is in use else -1; r)."""
+class ReceiveMaps(NamedTuple):
+    """Per receive row r (int32 [R] each): source rank (-1 for padding), source pair p, source token
+    p // k, 0 if r is in use else -1, r itself, and zeros (a local tensor's "peer" column)."""
+
+    src_rank: torch.Tensor
+    src_pair: torch.Tensor
+    src_token: torch.Tensor
+    in_use: torch.Tensor
+    rows: torch.Tensor
+    zeros: torch.Tensor
+
+
+def receive_maps(schedule: Schedule) -> ReceiveMaps:
     pairs = schedule.num_tokens * schedule.top_k
     src = schedule.row_src
     rows = torch.arange(schedule.num_rows, device=src.device, dtype=torch.int32)
     in_use = torch.where(rows < schedule.expert_offsets[-1], 0, -1).to(torch.int32)
     src_rank = torch.where(src >= 0, src // pairs, -1).to(torch.int32)
     src_pair = torch.where(src >= 0, src % pairs, 0).to(torch.int32)
-    return src_rank, src_pair, in_use, rows
+    return ReceiveMaps(src_rank, src_pair, src_pair // schedule.top_k, in_use, rows, torch.zeros_like(rows))
 
 
 def _send_maps(schedule: Schedule):
@@ -36,24 +57,60 @@ def _send_maps(schedule: Schedule):
     return dest_rank, dest_row.clamp(min=0).to(torch.int32), pairs
 
 
+def _size(t: torch.Tensor) -> dict:
+    return dict(row_elems=t.shape[1] if t.dim() == 2 else 1, element_size=t.element_size())
+
+
+def publish(ws: Workspace, items: list[tuple[_Buffer, torch.Tensor]]) -> None:
+    """Barrier (peers are done reading these buffers), copy each tensor into this rank's copy of its
+    buffer, barrier (every rank's copies are in place): peers may pull from them until the next publish."""
+    ws.barrier()
+    for buffer, tensor in items:
+        buffer.local.copy_(tensor)
+    ws.barrier()
+
+
+def pull_rows(buffer: _Buffer, maps: ReceiveMaps, out: torch.Tensor, *, by_token: bool,
+              row_range: torch.Tensor | None = None, num_programs: int | None = None) -> None:
+    """out[r] = the source rank's published row (its token row if by_token, else its pair row), zero for
+    padding, for receive rows r in row_range (device int32 [2]; None: every row in use)."""
+    copy_rows(buffer.peer_ptrs, maps.src_rank, maps.src_token if by_token else maps.src_pair, out, maps.in_use,
+              maps.rows, src_is_table=True, dst_is_table=False, num_programs=num_programs, row_range=row_range,
+              **_size(out))
+
+
+def push_rows(ws: Workspace, rows_RH: torch.Tensor, maps: ReceiveMaps, *,
+              row_range: torch.Tensor | None = None, num_programs: int | None = None) -> None:
+    """Write receive rows r in row_range (None: all) into row p of their source rank's pairs buffer.
+    The caller has passed a barrier after every peer's last read of its pairs buffer (collect_pushed
+    of the previous exchange is followed, on every rank, by at least one barrier before this)."""
+    copy_rows(rows_RH, maps.zeros, maps.rows, ws.pairs.peer_ptrs, maps.src_rank, maps.src_pair,
+              src_is_table=False, dst_is_table=True, num_programs=num_programs, row_range=row_range,
+              **_size(rows_RH))
+
+
+def collect_pushed(ws: Workspace) -> torch.Tensor:
+    """Barrier (every peer's pushes into this rank have landed), then this rank's pairs rows [T*k, H]."""
+    ws.barrier()
+    return ws.pairs.local.clone()
+
+
 def dispatch(ws: Workspace, tokens_TH: torch.Tensor, schedule: Schedule, direction: str) -> torch.Tensor:
     """Token rows [T, H] -> this rank's receive rows [R, H] (padding rows zero; rows past the last
     segment unspecified). "pull": expert owners read from the token owners' published rows;
     "push": token owners write every (token, slot) row into its expert owner's receive rows."""
-    src_rank, src_pair, in_use, rows = _receive_maps(schedule)
-    size = dict(row_elems=tokens_TH.shape[1], element_size=tokens_TH.element_size())
-    ws.barrier()
+    maps = receive_maps(schedule)
     if direction == "pull":
-        ws.tokens.local.copy_(tokens_TH)
-        ws.barrier()
+        publish(ws, [(ws.tokens, tokens_TH)])
         out = tokens_TH.new_empty(schedule.num_rows, tokens_TH.shape[1])
-        copy_rows(ws.tokens.peer_ptrs, src_rank, src_pair // schedule.top_k, out, in_use, rows,
-                  src_is_table=True, dst_is_table=False, **size)
+        pull_rows(ws.tokens, maps, out, by_token=True)
         return out
+    size = _size(tokens_TH)
+    ws.barrier()
     dest_rank, dest_row, pairs = _send_maps(schedule)
     # Padding rows are zeroed by their owner: written (destination peer 0) from no source (peer -1).
-    padding = torch.where((in_use == 0) & (src_rank < 0), 0, -1).to(torch.int32)
-    copy_rows(tokens_TH, torch.full_like(padding, -1), rows, ws.rows_in.local, padding, rows,
+    padding = torch.where((maps.in_use == 0) & (maps.src_rank < 0), 0, -1).to(torch.int32)
+    copy_rows(tokens_TH, torch.full_like(padding, -1), maps.rows, ws.rows_in.local, padding, maps.rows,
               src_is_table=False, dst_is_table=False, **size)
     copy_rows(tokens_TH, torch.zeros_like(dest_rank), pairs // schedule.top_k, ws.rows_in.peer_ptrs, dest_rank, dest_row,
               src_is_table=False, dst_is_table=True, **size)
@@ -63,13 +120,10 @@ def dispatch(ws: Workspace, tokens_TH: torch.Tensor, schedule: Schedule, directi
 
 def dispatch_pair_weights(ws: Workspace, weights_TK: torch.Tensor, schedule: Schedule) -> torch.Tensor:
     """topk_weights [T, k] fp32 of the token owners -> the weight of each receive row [R] (0 for padding)."""
-    src_rank, src_pair, in_use, rows = _receive_maps(schedule)
-    ws.barrier()
-    ws.weights.local.copy_(weights_TK)
-    ws.barrier()
+    maps = receive_maps(schedule)
+    publish(ws, [(ws.weights, weights_TK)])
     out = weights_TK.new_empty(schedule.num_rows)
-    copy_rows(ws.weights.peer_ptrs, src_rank, src_pair, out, in_use, rows,
-              row_elems=1, element_size=weights_TK.element_size(), src_is_table=True, dst_is_table=False)
+    pull_rows(ws.weights, maps, out, by_token=False)
     return out
 
 
@@ -77,14 +131,11 @@ def combine(ws: Workspace, rows_RH: torch.Tensor, schedule: Schedule, direction:
     """Receive rows [R, H] -> this rank's (token, slot) rows [T*k, H]. "push": expert owners write each
     row into its pair's row on the token owner; "pull": token owners read each pair's row from its
     expert owner (a pair a capacity dropped reads as zeros under "pull" and is unspecified under "push")."""
-    size = dict(row_elems=rows_RH.shape[1], element_size=rows_RH.element_size())
+    size = _size(rows_RH)
     ws.barrier()
     if direction == "push":
-        src_rank, src_pair, _, rows = _receive_maps(schedule)
-        copy_rows(rows_RH, torch.zeros_like(src_rank), rows, ws.pairs.peer_ptrs, src_rank, src_pair,
-                  src_is_table=False, dst_is_table=True, **size)
-        ws.barrier()
-        return ws.pairs.local.clone()
+        push_rows(ws, rows_RH, receive_maps(schedule))
+        return collect_pushed(ws)
     dest_rank, dest_row, pairs = _send_maps(schedule)
     ws.rows_out.local.copy_(rows_RH)
     ws.barrier()
@@ -96,9 +147,7 @@ def combine(ws: Workspace, rows_RH: torch.Tensor, schedule: Schedule, direction:
 
 def gather_routing(ws: Workspace, ids_TK: torch.Tensor) -> torch.Tensor:
     """Every rank's routing, [W*T, k] int32 in rank order: publish ours, then read every rank's copy."""
-    ws.barrier()
-    ws.ids.local.copy_(ids_TK)
-    ws.barrier()
+    publish(ws, [(ws.ids, ids_TK)])
     out = ids_TK.new_empty(ws.world_size, ids_TK.numel())
     ranks = torch.arange(ws.world_size, device=ids_TK.device, dtype=torch.int32)
     copy_rows(ws.ids.peer_ptrs, ranks, torch.zeros_like(ranks), out, torch.zeros_like(ranks), ranks,

@@ -25,9 +25,34 @@ def num_sms(device: torch.device) -> int:
     return _CPU_PROGRAMS
 
 
-def persistent_grid(device: torch.device, max_tiles: int) -> tuple[int]:
-    """Worst-case grid: min(SMs, tiles of the worst case); programs skip tiles past the real count."""
-    return (max(1, min(num_sms(device), max_tiles)),)
+def persistent_grid(device: torch.device, max_tiles: int, sms: int | None = None) -> tuple[int]:
+    """Worst-case grid: min(SMs, tiles of the worst case); programs skip tiles past the real count.
+
+    sms: how many SMs the grid may take (default all). The expert-parallel overlap passes
+    SMs - num_comm_sms, so a persistent GEMM never waits for SMs held by a communication kernel
+    running beside it (a persistent grid with programs that cannot start runs their tiles late).
+    """
+    check(sms is None or sms >= 1, f"sms must be None or >= 1, got {sms}")
+    return (max(1, min(num_sms(device) if sms is None else sms, max_tiles)),)
+
+
+def range_of(bounds: torch.Tensor, name: str) -> torch.Tensor:
+    """A device range as int32 [2] (first, end): bounds itself, or [0, bounds[0]] for an int32 [1]
+    count (the one-GPU callers' num_blocks / rows in use). Device ops only: no host sync."""
+    check(bounds.dtype == torch.int32 and bounds.dim() == 1 and bounds.numel() in (1, 2) and bounds.is_contiguous(),
+          f"{name} must be a contiguous int32 [2] (first, end) or [1] (end) tensor, got {bounds.dtype} {tuple(bounds.shape)}")
+    if bounds.numel() == 2:
+        return bounds
+    return torch.cat([bounds.new_zeros(1), bounds])
+
+
+@triton.jit
+def load_range(range_ptr, SCALE: tl.constexpr):
+    """(first, end) of a device range [2], each times SCALE. The .to is a no-op on the int32 ranges the
+    launchers pass (range_of); it keeps the kernels compilable for any integer pointer type."""
+    first = tl.load(range_ptr).to(tl.int32) * SCALE
+    end = tl.load(range_ptr + 1).to(tl.int32) * SCALE
+    return first, end
 
 
 def dtype_of(t: torch.Tensor, *allowed: torch.dtype) -> None:

@@ -2,10 +2,12 @@
 expert-contiguous, so that every GEMM reads its rows contiguously (cp.async/TMA-friendly, software
 pipelined) instead of gathering them by pointer inside its K loop.
 
-For receive row r < rows_in_use, with p = index[r] (p = r when there is no index):
+For receive row r in [first, end) (a device range, no host sync), with p = index[r] (p = r when there
+is no index):
     out[r] = scale[p] * src[p // div]        (fp32 product, rounded to src's dtype)
     out[r] = 0                               where p < 0 (padding)
-Rows r >= rows_in_use (read from device memory, no host sync) are left unwritten.
+Rows outside the range are left unwritten. The range is [0, rows in use] on one GPU and one overlap
+chunk's rows in the expert-parallel backward.
 
 Uses: x_rows = x[row_src // k] (one GPU, forward); d_y_rows = topk_weights.flat[row_src] *
 d_out[row_src // k] (one GPU, backward: the router weight of the pair, rounded to the dtype as autograd
@@ -19,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megamoe.backends.triton.kernels._common import check, num_sms
+from megamoe.backends.triton.kernels._common import check, load_range, num_sms, range_of
 
 
 @triton.jit
@@ -28,12 +30,12 @@ def gather_rows_kernel(
     H, div,
     HAS_INDEX: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    rows_in_use = tl.load(rows_in_use_ptr)
+    first, end = load_range(rows_in_use_ptr, 1)  # rows_in_use_ptr: int32 [2], the rows [first, end)
     offs_r = tl.arange(0, BLOCK_R)
     offs_h = tl.arange(0, BLOCK_H)
-    for r0 in range(tl.program_id(0) * BLOCK_R, rows_in_use, tl.num_programs(0) * BLOCK_R):
+    for r0 in range(first + tl.program_id(0) * BLOCK_R, end, tl.num_programs(0) * BLOCK_R):
         rows = r0 + offs_r
-        row_ok = rows < rows_in_use
+        row_ok = rows < end
         if HAS_INDEX:
             p = tl.load(index_ptr + rows, mask=row_ok, other=-1)
         else:
@@ -68,14 +70,18 @@ def gather_rows(
     *,
     num_rows: int | None = None,
     div: int = 1,
+    out: torch.Tensor | None = None,
+    sms: int | None = None,
 ) -> torch.Tensor:
     """out [R, H] in src's dtype (see the module docstring for the formula).
 
     src [N, H]: token rows (x or d_out, N = T) or already-placed rows (N = R). index [R] int32, -1 for
     padding, or None (identity: row r reads src row r, then R = N). scale fp32, indexed by p (the
     pair index when index is row_src: topk_weights flattened [T*k]; the row when index is None: [R]),
-    or None. rows_in_use: int32 [1] on the device (schedule.expert_offsets[-1:]). div: source row =
-    p // div (top_k when index holds pair indices). num_rows: R when index is None and R != N.
+    or None. rows_in_use: on the device, int32 [2] (first, end) or int32 [1] (end, first = 0;
+    schedule.expert_offsets[-1:]). div: source row = p // div (top_k when index holds pair indices).
+    num_rows: R when index is None and R != N. out: the [R, H] buffer to write (None: allocated), so
+    chunks fill one buffer. sms: SMs the grid is sized for (None: all); results do not depend on it.
     """
     check(src_NH.dim() == 2 and src_NH.is_contiguous(), "src must be a contiguous [N, H] tensor")
     hidden = src_NH.shape[1]
@@ -90,13 +96,18 @@ def gather_rows(
     if scale is not None:
         check(scale.dtype == torch.float32 and scale.dim() == 1 and scale.is_contiguous(),
               f"scale must be a contiguous float32 1-d tensor, got {scale.dtype} {tuple(scale.shape)}")
-    check(rows_in_use.dtype == torch.int32 and rows_in_use.numel() == 1, "rows_in_use must be int32 [1]")
-    out = torch.empty(rows, hidden, dtype=src_NH.dtype, device=src_NH.device)
-    # NOTE: the rows in use stay on the device; the grid is the worst case.
-    grid = (max(1, min(_PROGRAMS_PER_SM * num_sms(src_NH.device), triton.cdiv(rows, _BLOCK_R))),)
+    row_range = range_of(rows_in_use, "rows_in_use")
+    if out is None:
+        out = torch.empty(rows, hidden, dtype=src_NH.dtype, device=src_NH.device)
+    check(out.dtype == src_NH.dtype and tuple(out.shape) == (rows, hidden) and out.is_contiguous(),
+          f"out must be a contiguous {src_NH.dtype} [{rows}, {hidden}] tensor, got {out.dtype} {tuple(out.shape)}")
+    check(sms is None or sms >= 1, f"sms must be None or >= 1, got {sms}")
+    # NOTE: the row range stays on the device; the grid is the worst case.
+    programs = _PROGRAMS_PER_SM * (num_sms(src_NH.device) if sms is None else sms)
+    grid = (max(1, min(programs, triton.cdiv(rows, _BLOCK_R))),)
     gather_rows_kernel[grid](
-        src_NH, index_R if index_R is not None else rows_in_use, scale if scale is not None else src_NH,
-        rows_in_use, out,
+        src_NH, index_R if index_R is not None else row_range, scale if scale is not None else src_NH,
+        row_range, out,
         hidden, div,
         HAS_INDEX=index_R is not None, HAS_SCALE=scale is not None, BLOCK_R=_BLOCK_R, BLOCK_H=_BLOCK_H,
         num_warps=4,

@@ -2,15 +2,17 @@
 
 Every kernel here walks the same tile space: row block m (BLOCK_M schedule rows, all of one expert, so
 one weight matrix per tile) x column block n. The grid is persistent and sized for the worst case;
-each program reads the real number of row blocks from device memory (`num_blocks`) and strides over
-the tiles that exist, so no host ever learns the routing. Each output element is written by exactly
-one tile with a fixed K order: results are bitwise reproducible.
+each program reads the range of schedule blocks [first, end) to cover from device memory (`blocks`:
+[0, num_blocks] for the whole schedule, or one overlap chunk's blocks in the expert-parallel path) and
+strides over the tiles that exist, so no host ever learns the routing. Each output element is written
+by exactly one tile with a fixed K order, whatever the grid size or the chunking: results are bitwise
+reproducible.
 
 Rows are contiguous on both sides: every operand and result is an [R, *] tensor indexed by the receive
 row r (x_rows, h, gate_up, y_rows, d_y_rows, d_gate_up, d_x_rows), materialised expert-contiguous by
 kernels/gather.py or by the expert-parallel dispatch. No kernel loads a row index, so the K loops are
 plain strided loads that Triton software-pipelines. Padding rows hold zeros in x_rows and d_y_rows, so
-every result is zero there too without a mask; rows past num_blocks * block_m are never touched.
+every result is zero there too without a mask; rows outside the block range are never touched.
 The one exception is gate_up_fwd with GATHER (kept to measure against): it reads x[row_src[r] // k]
 by pointer, as the first version of this backend did.
 
@@ -24,12 +26,12 @@ import triton
 import triton.language as tl
 
 from megamoe.backends.triton.configs import TileConfig
-from megamoe.backends.triton.kernels._common import check, persistent_grid, tile_coords
+from megamoe.backends.triton.kernels._common import check, load_range, persistent_grid, range_of, tile_coords
 
 
 @triton.jit
 def gate_up_fwd_kernel(
-    a_ptr, w_ptr, row_src_ptr, block_expert_ptr, num_blocks_ptr, h_ptr, gate_up_ptr,
+    a_ptr, w_ptr, row_src_ptr, block_expert_ptr, block_range_ptr, h_ptr, gate_up_ptr,
     H, I, top_k,
     GATHER: tl.constexpr, STORE_GATE_UP: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -41,13 +43,15 @@ def gate_up_fwd_kernel(
     pre-activation never round-trips memory unless STORE_GATE_UP keeps it for the backward.
     SPLIT = schedule block_m // BLOCK_M (kernel row blocks per schedule block).
     """
-    num_m = tl.load(num_blocks_ptr) * SPLIT
+    first_m, end_m = load_range(block_range_ptr, SPLIT)
+    num_m = end_m - first_m
     num_n = tl.cdiv(I, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
         pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+        pid_m += first_m
         expert = tl.load(block_expert_ptr + pid_m // SPLIT).to(tl.int64)
         rows = pid_m.to(tl.int64) * BLOCK_M + offs_m
         if GATHER:
@@ -98,19 +102,21 @@ def gate_up_fwd_kernel(
 
 @triton.jit
 def down_fwd_kernel(
-    h_ptr, w_ptr, block_expert_ptr, num_blocks_ptr, y_ptr,
+    h_ptr, w_ptr, block_expert_ptr, block_range_ptr, y_ptr,
     H, I,
     EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """y_rows[r, n] = h[r] . w_down[e, n]."""
-    num_m = tl.load(num_blocks_ptr) * SPLIT
+    first_m, end_m = load_range(block_range_ptr, SPLIT)
+    num_m = end_m - first_m
     num_n = tl.cdiv(H, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
         pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+        pid_m += first_m
         expert = tl.load(block_expert_ptr + pid_m // SPLIT).to(tl.int64)
         rows = pid_m.to(tl.int64) * BLOCK_M + offs_m
         cols = pid_n * BLOCK_N + offs_n
@@ -134,20 +140,22 @@ def down_fwd_kernel(
 
 @triton.jit
 def down_dgrad_kernel(
-    d_y_ptr, w_ptr, gate_up_ptr, block_expert_ptr, num_blocks_ptr, d_gate_up_ptr,
+    d_y_ptr, w_ptr, gate_up_ptr, block_expert_ptr, block_range_ptr, d_gate_up_ptr,
     H, I,
     EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """d_h[r] = d_y_rows[r] @ w_down[e] (the router weight is already in d_y_rows), then the SwiGLU
     backward in the epilogue from the saved g, u: d_gate_up[r] = [d_h * u * silu'(g), d_h * silu(g)]."""
-    num_m = tl.load(num_blocks_ptr) * SPLIT
+    first_m, end_m = load_range(block_range_ptr, SPLIT)
+    num_m = end_m - first_m
     num_n = tl.cdiv(I, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
         pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+        pid_m += first_m
         expert = tl.load(block_expert_ptr + pid_m // SPLIT).to(tl.int64)
         rows = pid_m.to(tl.int64) * BLOCK_M + offs_m
         cols = pid_n * BLOCK_N + offs_n
@@ -179,19 +187,21 @@ def down_dgrad_kernel(
 
 @triton.jit
 def gate_up_dgrad_kernel(
-    d_gate_up_ptr, w_ptr, block_expert_ptr, num_blocks_ptr, d_x_ptr,
+    d_gate_up_ptr, w_ptr, block_expert_ptr, block_range_ptr, d_x_ptr,
     H, I,
     EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """d_x_rows[r, n] = d_gate_up[r] . w_gate_up[e, :, n] (reduction over 2I)."""
-    num_m = tl.load(num_blocks_ptr) * SPLIT
+    first_m, end_m = load_range(block_range_ptr, SPLIT)
+    num_m = end_m - first_m
     num_n = tl.cdiv(H, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
         pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+        pid_m += first_m
         expert = tl.load(block_expert_ptr + pid_m // SPLIT).to(tl.int64)
         rows = pid_m.to(tl.int64) * BLOCK_M + offs_m
         cols = pid_n * BLOCK_N + offs_n
@@ -217,14 +227,14 @@ def gate_up_dgrad_kernel(
 # Launchers: validate, allocate, build the grid.
 
 
-def _check_rows(rows: int, block_expert: torch.Tensor, num_blocks: torch.Tensor, block_m: int) -> int:
-    """SPLIT, the kernel row blocks per schedule block (the schedule's block_m is R // len(block_expert))."""
+def _check_rows(rows: int, block_expert: torch.Tensor, blocks: torch.Tensor, block_m: int) -> tuple[int, torch.Tensor]:
+    """(SPLIT, the block range as int32 [2]). SPLIT: kernel row blocks per schedule block (the schedule's
+    block_m is R // len(block_expert))."""
     check(block_expert.dtype == torch.int32 and block_expert.dim() == 1, "block_expert must be int32 [R // block_m]")
-    check(num_blocks.dtype == torch.int32 and num_blocks.numel() == 1, "num_blocks must be int32 [1]")
     check(block_expert.numel() > 0 and rows % block_expert.numel() == 0, f"R={rows} is not a multiple of len(block_expert)={block_expert.numel()}")
     sched_block = rows // block_expert.numel()
     check(sched_block % block_m == 0, f"kernel row tile {block_m} must divide the schedule's block_m {sched_block}")
-    return sched_block // block_m
+    return sched_block // block_m, range_of(blocks, "blocks")
 
 
 def _check_weight(w: torch.Tensor, x: torch.Tensor, shape: tuple, name: str) -> None:
@@ -240,6 +250,16 @@ def _check_matrix(t: torch.Tensor, rows: int | None, cols: int | None, name: str
     check(cols is None or t.shape[1] == cols, f"{name} must be a contiguous {want} tensor, got {tuple(t.shape)}")
 
 
+def _output(out: torch.Tensor | None, rows: int, cols: int, like: torch.Tensor, name: str) -> torch.Tensor:
+    """The caller's output buffer (checked), or a new one. Chunked callers pass one buffer to every
+    chunk's launch; each launch writes only its block range."""
+    if out is None:
+        return torch.empty(rows, cols, dtype=like.dtype, device=like.device)
+    _check_matrix(out, rows, cols, name)
+    check(out.dtype == like.dtype and out.device == like.device, f"{name} must be {like.dtype} on {like.device}")
+    return out
+
+
 def _meta(config: TileConfig, k_dim: int, split: int) -> dict:
     return dict(
         EVEN_K=k_dim % config.block_k == 0,
@@ -253,22 +273,31 @@ def _meta(config: TileConfig, k_dim: int, split: int) -> dict:
     )
 
 
+# Shared by every launcher below:
+#   blocks: int32 [2] on the device, the schedule blocks (first, end) to compute (or int32 [1]: the
+#       count, first = 0; schedule.num_blocks covers every row in use). Rows outside are left unwritten.
+#   out: the output buffer(s) to write (None: allocated here), so chunks can fill one buffer.
+#   sms: SMs the persistent grid may use (None: all); results do not depend on it.
+
+
 def gate_up_fwd(
     a: torch.Tensor,
     w_gate_up_E2IH: torch.Tensor,
     block_expert: torch.Tensor,
-    num_blocks: torch.Tensor,
+    blocks: torch.Tensor,
     *,
     store_gate_up: bool,
     config: TileConfig,
     row_src_R: torch.Tensor | None = None,
     top_k: int = 1,
+    out: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    sms: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """h [R, I] = SwiGLU of the rows' gate/up projections; gate_up [R, 2I] too if store_gate_up.
 
     a: x_rows [R, H] (padding rows zero), or with row_src (int32 [R], -1 padding) the token rows x
     [T, H], gathered by pointer at row_src[r] // top_k (the measured alternative; padding reads zero).
-    Rows past num_blocks * block_m are left unwritten (never read downstream).
+    out: (h, gate_up or None).
     """
     _check_matrix(a, None, None, "x_rows" if row_src_R is None else "x")
     hidden = a.shape[1]
@@ -280,12 +309,13 @@ def gate_up_fwd(
               f"row_src must be a contiguous int32 [R] tensor, got {row_src_R.dtype} {tuple(row_src_R.shape)}")
         check(top_k >= 1, f"top_k must be >= 1, got {top_k}")
     rows = a.shape[0] if row_src_R is None else row_src_R.numel()
-    split = _check_rows(rows, block_expert, num_blocks, config.block_m)
-    h = torch.empty(rows, inter, dtype=a.dtype, device=a.device)
-    gate_up = torch.empty(rows if store_gate_up else 0, 2 * inter, dtype=a.dtype, device=a.device)
+    split, blocks = _check_rows(rows, block_expert, blocks, config.block_m)
+    h_out, gu_out = out if out is not None else (None, None)
+    h = _output(h_out, rows, inter, a, "h")
+    gate_up = _output(gu_out, rows, 2 * inter, a, "gate_up") if store_gate_up else a.new_empty(0, 2 * inter)
     max_tiles = rows // config.block_m * triton.cdiv(inter, config.block_n)
-    gate_up_fwd_kernel[persistent_grid(a.device, max_tiles)](
-        a, w_gate_up_E2IH, row_src_R if row_src_R is not None else block_expert, block_expert, num_blocks, h, gate_up,
+    gate_up_fwd_kernel[persistent_grid(a.device, max_tiles, sms)](
+        a, w_gate_up_E2IH, row_src_R if row_src_R is not None else block_expert, block_expert, blocks, h, gate_up,
         hidden, inter, top_k,
         GATHER=row_src_R is not None, STORE_GATE_UP=store_gate_up,
         **_meta(config, hidden, split),
@@ -297,21 +327,23 @@ def down_fwd(
     h_RI: torch.Tensor,
     w_down_EHI: torch.Tensor,
     block_expert: torch.Tensor,
-    num_blocks: torch.Tensor,
+    blocks: torch.Tensor,
     *,
     config: TileConfig,
+    out: torch.Tensor | None = None,
+    sms: int | None = None,
 ) -> torch.Tensor:
-    """y_rows [R, H] = h[r] @ w_down[e]^T (rows past num_blocks * block_m unwritten)."""
+    """y_rows [R, H] = h[r] @ w_down[e]^T."""
     _check_matrix(h_RI, None, None, "h")
     rows, inter = h_RI.shape
     check(w_down_EHI.dim() == 3, "w_down must be [E_l, H, I]")
     hidden = w_down_EHI.shape[1]
     _check_weight(w_down_EHI, h_RI, (w_down_EHI.shape[0], hidden, inter), "w_down")
-    split = _check_rows(rows, block_expert, num_blocks, config.block_m)
-    y_rows = torch.empty(rows, hidden, dtype=h_RI.dtype, device=h_RI.device)
+    split, blocks = _check_rows(rows, block_expert, blocks, config.block_m)
+    y_rows = _output(out, rows, hidden, h_RI, "y_rows")
     max_tiles = rows // config.block_m * triton.cdiv(hidden, config.block_n)
-    down_fwd_kernel[persistent_grid(h_RI.device, max_tiles)](
-        h_RI, w_down_EHI, block_expert, num_blocks, y_rows,
+    down_fwd_kernel[persistent_grid(h_RI.device, max_tiles, sms)](
+        h_RI, w_down_EHI, block_expert, blocks, y_rows,
         hidden, inter,
         **_meta(config, inter, split),
     )
@@ -323,9 +355,11 @@ def down_dgrad(
     w_down_EHI: torch.Tensor,
     gate_up_R2I: torch.Tensor,
     block_expert: torch.Tensor,
-    num_blocks: torch.Tensor,
+    blocks: torch.Tensor,
     *,
     config: TileConfig,
+    out: torch.Tensor | None = None,
+    sms: int | None = None,
 ) -> torch.Tensor:
     """d_gate_up [R, 2I] (d_y_rows' dtype): SwiGLU backward of d_h = d_y_rows[r] @ w_down[e].
 
@@ -338,11 +372,11 @@ def down_dgrad(
     inter = w_down_EHI.shape[2]
     _check_weight(w_down_EHI, d_y_rows_RH, (w_down_EHI.shape[0], hidden, inter), "w_down")
     _check_matrix(gate_up_R2I, rows, 2 * inter, "gate_up")
-    split = _check_rows(rows, block_expert, num_blocks, config.block_m)
-    d_gate_up = torch.empty(rows, 2 * inter, dtype=d_y_rows_RH.dtype, device=d_y_rows_RH.device)
+    split, blocks = _check_rows(rows, block_expert, blocks, config.block_m)
+    d_gate_up = _output(out, rows, 2 * inter, d_y_rows_RH, "d_gate_up")
     max_tiles = rows // config.block_m * triton.cdiv(inter, config.block_n)
-    down_dgrad_kernel[persistent_grid(d_y_rows_RH.device, max_tiles)](
-        d_y_rows_RH, w_down_EHI, gate_up_R2I, block_expert, num_blocks, d_gate_up,
+    down_dgrad_kernel[persistent_grid(d_y_rows_RH.device, max_tiles, sms)](
+        d_y_rows_RH, w_down_EHI, gate_up_R2I, block_expert, blocks, d_gate_up,
         hidden, inter,
         **_meta(config, hidden, split),
     )
@@ -353,21 +387,23 @@ def gate_up_dgrad(
     d_gate_up_R2I: torch.Tensor,
     w_gate_up_E2IH: torch.Tensor,
     block_expert: torch.Tensor,
-    num_blocks: torch.Tensor,
+    blocks: torch.Tensor,
     *,
     config: TileConfig,
+    out: torch.Tensor | None = None,
+    sms: int | None = None,
 ) -> torch.Tensor:
-    """d_x_rows [R, H] = d_gate_up[r] @ w_gate_up[e] (rows past num_blocks * block_m unwritten)."""
+    """d_x_rows [R, H] = d_gate_up[r] @ w_gate_up[e]."""
     _check_matrix(d_gate_up_R2I, None, None, "d_gate_up")
     rows, inter2 = d_gate_up_R2I.shape
     check(w_gate_up_E2IH.dim() == 3 and w_gate_up_E2IH.shape[1] == inter2, "w_gate_up must be [E_l, 2I, H]")
     hidden = w_gate_up_E2IH.shape[2]
     _check_weight(w_gate_up_E2IH, d_gate_up_R2I, (w_gate_up_E2IH.shape[0], inter2, hidden), "w_gate_up")
-    split = _check_rows(rows, block_expert, num_blocks, config.block_m)
-    d_x_rows = torch.empty(rows, hidden, dtype=d_gate_up_R2I.dtype, device=d_gate_up_R2I.device)
+    split, blocks = _check_rows(rows, block_expert, blocks, config.block_m)
+    d_x_rows = _output(out, rows, hidden, d_gate_up_R2I, "d_x_rows")
     max_tiles = rows // config.block_m * triton.cdiv(hidden, config.block_n)
-    gate_up_dgrad_kernel[persistent_grid(d_gate_up_R2I.device, max_tiles)](
-        d_gate_up_R2I, w_gate_up_E2IH, block_expert, num_blocks, d_x_rows,
+    gate_up_dgrad_kernel[persistent_grid(d_gate_up_R2I.device, max_tiles, sms)](
+        d_gate_up_R2I, w_gate_up_E2IH, block_expert, blocks, d_x_rows,
         hidden, inter2 // 2,
         **_meta(config, inter2, split),
     )

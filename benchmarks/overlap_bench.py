@@ -1,0 +1,136 @@
+"""How much of the expert-parallel communication the overlap hides: fused vs (communication + compute).
+
+Usage: torchrun --nproc-per-node=N benchmarks/overlap_bench.py [--workloads A,B] [--tokens T]
+           [--num-comm-sms S] [--minibatch-tokens M] [--routing balanced|skewed] [--json PATH]
+
+Per workload (default qwen3-30b-a3b and qwen3-235b-a22b at their 16384 tokens per GPU, E/N experts per
+GPU, bf16, no shared expert), each pass ("fwd", "fwd+bwd") of the EP layer (ep.experts_fwd/_bwd; the
+schedule is built once, outside the timing) is timed four ways, median over iterations of the max over
+ranks (megamoe.bench.measure):
+  fused    the layer as it runs: chunked dispatch/combine on a second stream beside the GEMMs
+  compute  the same kernels, chunks, grids and streams with every copy and barrier skipped (wrong
+           results, timing only): the compute alone, on SMs - num_comm_sms
+  comm     the exchanges alone (barriers, publishes, chunked pulls/pushes, the final copies), no compute
+  serial   no overlap: one chunk, one stream, every SM for each kernel (the layer before the overlap)
+hidden = compute + comm - fused (the communication time that ran under compute), reported as a
+fraction of comm; exposed = fused - compute. Gate before timing: fused and serial give bitwise equal
+outputs and gradients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from megamoe.backends.triton import ep
+from megamoe.backends.triton.configs import block_m_for
+from megamoe.bench.measure import median_ms
+from megamoe.bench.routing import ROUTINGS, route
+from megamoe.bench.workloads import WORKLOADS
+from megamoe.config import MoEConfig
+from megamoe.schedule import build_schedule
+
+PROBES = ("fused", "compute", "comm", "serial")
+_PROBE = {"fused": "full", "compute": "compute", "comm": "comm", "serial": "serial"}
+
+
+def _problem(name: str, tokens: int, routing: str, group, config: MoEConfig, rank: int):
+    w = WORKLOADS[name]
+    world = dist.get_world_size(group)
+    if w.num_experts % world:
+        raise ValueError(f"{name}: {w.num_experts} experts do not split over {world} ranks")
+    local = w.num_experts // world
+    g = torch.Generator(device="cuda").manual_seed(1000 + rank)
+    ids, weights = route(routing, tokens, w.num_experts, w.top_k, g)
+    dtype = torch.bfloat16
+    p = dict(
+        x=torch.randn(tokens, w.hidden, generator=g, device="cuda").to(dtype),
+        topk_weights=weights.float().contiguous(),
+        w_gate_up=(torch.randn(local, 2 * w.intermediate, w.hidden, generator=g, device="cuda") / w.hidden**0.5).to(dtype),
+        w_down=(torch.randn(local, w.hidden, w.intermediate, generator=g, device="cuda") / w.intermediate**0.5).to(dtype),
+        d_out=torch.randn(tokens, w.hidden, generator=g, device="cuda").to(dtype),
+    )
+    schedule = build_schedule(
+        ids, w.num_experts, group=group, config=config, block_m=block_m_for(w.hidden, w.intermediate, dtype),
+        gather_routing=ep.routing_exchange(p["x"], p["w_gate_up"], group, config),
+    )
+    return p, schedule
+
+
+def _run(p, schedule, group, config, probe: str, backward: bool):
+    out, saved = ep.experts_fwd(p["x"], p["topk_weights"], p["w_gate_up"], p["w_down"], None, None, schedule, group,
+                                config, probe=probe)
+    if not backward:
+        return [out]
+    grads = ep.experts_bwd(p["d_out"], p["x"], p["topk_weights"], p["w_gate_up"], p["w_down"], None, None, schedule,
+                           group, config, saved, probe=probe)
+    return [out, *(g for g in grads if g is not None)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="qwen3-30b-a3b,qwen3-235b-a22b")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens per GPU (default: the workload's)")
+    parser.add_argument("--num-comm-sms", type=int, default=None)
+    parser.add_argument("--minibatch-tokens", type=int, default=None)
+    parser.add_argument("--routing", default="balanced", choices=ROUTINGS)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", device_id=device)
+    group, world = dist.group.WORLD, dist.get_world_size()
+    config = MoEConfig(backend="triton", num_comm_sms=args.num_comm_sms, minibatch_tokens=args.minibatch_tokens)
+    records = []
+    for name in args.workloads.split(","):
+        tokens = args.tokens or WORKLOADS[name].tokens_per_gpu
+        p, schedule = _problem(name, tokens, args.routing, group, config, rank)
+        plan = ep.overlap_plan(schedule, config, device)
+        # Correctness gate: the overlapped layer and the serial one agree bitwise (outputs and grads).
+        fused, serial = (_run(p, schedule, group, config, probe, True) for probe in ("full", "serial"))
+        same = torch.tensor([all(torch.equal(a, b) for a, b in zip(fused, serial))], device=device, dtype=torch.int32)
+        dist.all_reduce(same, op=dist.ReduceOp.MIN)
+        if not same.item():
+            raise SystemExit(f"{name}: the overlapped EP layer differs bitwise from the serial one; not timing")
+        del fused, serial
+        for pass_name in ("fwd", "fwd+bwd"):
+            ms = {}
+            for what in PROBES:
+                ms[what] = median_ms(
+                    lambda i, what=what, p=p, s=schedule: _run(p, s, group, config, _PROBE[what], pass_name == "fwd+bwd"),
+                    iters=args.iters, warmup=args.warmup, device=device, group=group,
+                )
+            hidden = ms["compute"] + ms["comm"] - ms["fused"]
+            records.append({
+                "workload": name, "ep": world, "tokens": tokens, "routing": args.routing, "pass": pass_name,
+                "num_comm_sms": plan.comm_programs, "chunks": plan.num_chunks, "experts_per_chunk": plan.experts_per_chunk,
+                **{f"{k}_ms": v for k, v in ms.items()},
+                "hidden_ms": hidden, "hidden_frac": hidden / ms["comm"] if ms["comm"] > 0 else 0.0,
+                "exposed_ms": ms["fused"] - ms["compute"], "speedup_vs_serial": ms["serial"] / ms["fused"],
+            })
+        del p, schedule
+        torch.cuda.empty_cache()
+    if rank == 0:
+        print(f"EP={world}, num_comm_sms={config.num_comm_sms}, minibatch_tokens={config.minibatch_tokens}")
+        print(f"{'workload':17} {'pass':8} {'chunks':>6} {'fused':>7} {'compute':>7} {'comm':>7} {'c+c':>7} "
+              f"{'serial':>7} {'hidden':>7} {'hid%':>5} {'exposed':>7}")
+        for r in records:
+            print(f"{r['workload']:17} {r['pass']:8} {r['chunks']:6d} {r['fused_ms']:7.3f} {r['compute_ms']:7.3f} "
+                  f"{r['comm_ms']:7.3f} {r['compute_ms'] + r['comm_ms']:7.3f} {r['serial_ms']:7.3f} "
+                  f"{r['hidden_ms']:7.3f} {100 * r['hidden_frac']:5.1f} {r['exposed_ms']:7.3f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(records, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
