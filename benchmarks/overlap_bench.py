@@ -55,7 +55,7 @@ def _problem(name: str, tokens: int, routing: str, group, config: MoEConfig, ran
         d_out=torch.randn(tokens, w.hidden, generator=g, device="cuda").to(dtype),
     )
     schedule = build_schedule(
-        ids, w.num_experts, group=group, config=config, block_m=block_m_for(w.hidden, w.intermediate, dtype),
+        ids, w.num_experts, group=group, config=config,
         gather_routing=ep.routing_exchange(p["x"], p["w_gate_up"], group, config),
     )
     return p, schedule
@@ -87,10 +87,13 @@ def main() -> None:
     device = torch.device("cuda", rank)
     dist.init_process_group("nccl", device_id=device)
     group, world = dist.group.WORLD, dist.get_world_size()
-    config = MoEConfig(backend="triton", num_comm_sms=args.num_comm_sms, minibatch_tokens=args.minibatch_tokens)
     records = []
     for name in args.workloads.split(","):
-        tokens = args.tokens or WORKLOADS[name].tokens_per_gpu
+        w = WORKLOADS[name]
+        # block_m resolved as megamoe.experts resolves it (the routing exchange sizes its workspace with it).
+        config = MoEConfig(backend="triton", num_comm_sms=args.num_comm_sms, minibatch_tokens=args.minibatch_tokens,
+                           block_m=block_m_for(w.hidden, w.intermediate, torch.bfloat16))
+        tokens = args.tokens or w.tokens_per_gpu
         p, schedule = _problem(name, tokens, args.routing, group, config, rank)
         plan = ep.overlap_plan(schedule, config, device)
         # Correctness gate: the overlapped layer and the serial one agree bitwise (outputs and grads).

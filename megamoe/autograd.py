@@ -19,6 +19,7 @@ from megamoe.schedule import (
 )
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "hpu", "mps")
 
 
 class CapacityOverflowError(RuntimeError):
@@ -298,9 +299,11 @@ def experts(
         topk_weights) are cast to the autocast dtype, as a matmul would be.
     Returns out [T, H] in x's dtype (the autocast dtype under autocast).
     """
+    # A literal set of device types rather than torch.amp.is_autocast_available, which torch.compile
+    # (torch 2.11) cannot trace.
     autocast = (
         isinstance(x, torch.Tensor)
-        and torch.amp.is_autocast_available(x.device.type)
+        and x.device.type in AUTOCAST_DEVICE_TYPES
         and torch.is_autocast_enabled(x.device.type)
     )
     if autocast:
