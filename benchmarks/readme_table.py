@@ -1,6 +1,6 @@
 """Regenerate README.md's performance table from the committed JSON results (never typed by hand).
 
-Usage: python benchmarks/readme_table.py [RESULTS_DIR] [README]
+Usage: python benchmarks/readme_table.py RESULT.json [RESULT.json ...] [--readme README.md]
 Rewrites the block between `<!-- perf-table:start -->` and `<!-- perf-table:end -->`: one row per
 (gpu, ep, workload, routing, pass) with every backend's ms and TFLOP/s, MFU of the fastest, peak memory
 and the speed-up over the torch-native path measured in the same run.
@@ -8,20 +8,23 @@ and the speed-up over the torch-native path measured in the same run.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import json
 import pathlib
-import sys
+
+from megamoe.bench.workloads import WORKLOADS
 
 START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
 
 
-def load(results_dir: pathlib.Path) -> list[dict]:
+def load(paths: list[pathlib.Path]) -> list[dict]:
     records = []
-    for path in sorted(results_dir.glob("*.json")):
+    for path in paths:
         data = json.loads(path.read_text())
-        if isinstance(data, list) and data and "workload" in data[0] and "backend" in data[0]:
-            records += [dict(r, source=path.name) for r in data]
+        if not (isinstance(data, list) and data and "workload" in data[0] and "backend" in data[0]):
+            raise SystemExit(f"{path} is not a `python -m megamoe bench --json` result")
+        records += [dict(r, source=path.name) for r in data]
     return records
 
 
@@ -34,7 +37,8 @@ def table(records: list[dict]) -> str:
         "| GPU | EP | workload | experts/GPU | tokens/GPU | routing | pass | torch ms (TFLOP/s) | triton ms (TFLOP/s) | triton MFU | peak mem torch / triton (GiB) | speed-up | source |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for key in sorted(rows, key=lambda k: (k[0], k[1], k[7], k[2], k[5] != "balanced", k[6])):
+    order = {name: i for i, name in enumerate(WORKLOADS)}
+    for key in sorted(rows, key=lambda k: (k[0], k[1], order.get(k[2], len(order)), k[5] != "balanced", k[6])):
         gpu, ep, workload, experts, tokens, routing, pass_name, source = key
         by = rows[key]
         torch_r, triton_r = by.get("torch"), by.get("triton")
@@ -55,14 +59,17 @@ def table(records: list[dict]) -> str:
 
 
 def main() -> None:
-    results_dir = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results")
-    readme = pathlib.Path(sys.argv[2] if len(sys.argv) > 2 else "README.md")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="+", type=pathlib.Path)
+    parser.add_argument("--readme", type=pathlib.Path, default=pathlib.Path("README.md"))
+    args = parser.parse_args()
+    readme = args.readme
     text = readme.read_text()
     if START not in text or END not in text:
         raise SystemExit(f"{readme} has no {START} ... {END} block")
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
-    readme.write_text(f"{head}{START}\n{table(load(results_dir))}\n{END}{tail}")
+    readme.write_text(f"{head}{START}\n{table(load(args.results))}\n{END}{tail}")
 
 
 if __name__ == "__main__":
