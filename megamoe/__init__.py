@@ -12,8 +12,22 @@ __all__ = [
     "MoELayer",
     "Schedule",
     "build_schedule",
+    "clear_workspaces",
     "experts",
+    "get_workspace",
     "parallel",
     "reference",
 ]
 __version__ = "0.1.0"
+
+# The expert-parallel symmetric-memory workspace lives in the Triton backend, which needs Triton: its two
+# entry points are imported on first use, so `import megamoe` works without Triton.
+_WORKSPACE_API = ("get_workspace", "clear_workspaces")
+
+
+def __getattr__(name: str):
+    if name in _WORKSPACE_API:
+        from megamoe.backends.triton.comm import workspace
+
+        return getattr(workspace, name)
+    raise AttributeError(f"module 'megamoe' has no attribute {name!r}")
