@@ -2,7 +2,7 @@
 
 Usage: torchrun --nproc-per-node=N benchmarks/comm_bench.py [--workload NAME] [--tokens T] [--json PATH]
 Balanced routing. Each exchange is timed as the library runs it (its barriers included), with CUDA
-events around it, median over iterations of the max over ranks. Payload = rows that cross GPUs
+events around it, median over iterations of the max over ranks (megamoe.bench.measure.median_ms). Payload = rows that cross GPUs
 (source rank != destination rank) x H x 2 bytes, per rank; the copy-engine-free ceiling on NV18 is
 ~367 GB/s one way by SM pull (DESIGN.md).
 """
@@ -18,24 +18,9 @@ import torch.distributed as dist
 
 from megamoe.backends.triton.comm.exchange import combine, dispatch
 from megamoe.backends.triton.comm.workspace import get_workspace
+from megamoe.bench.measure import median_ms
 from megamoe.bench.workloads import WORKLOADS
 from megamoe.schedule import build_schedule
-
-
-def timed(fn, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        t = torch.tensor([start.elapsed_time(end)], device="cuda")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times.append(t.item())
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -68,8 +53,7 @@ def main() -> None:
         ("combine", "push", lambda: combine(ws, rows, s, "push"), incoming),
         ("combine", "pull", lambda: combine(ws, rows, s, "pull"), outgoing),
     ):
-        fn()
-        ms = timed(fn, args.iters)
+        ms = median_ms(lambda i, fn=fn: fn(), iters=args.iters, warmup=2, device=torch.device("cuda", rank), group=group)
         moved = torch.tensor([payload_rows * H * 2], device="cuda", dtype=torch.float64)
         dist.all_reduce(moved, op=dist.ReduceOp.MIN)
         records.append({"workload": args.workload, "ep": world, "tokens": T, "op": op, "direction": direction,
