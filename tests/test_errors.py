@@ -10,7 +10,7 @@ import torch
 
 import megamoe
 from megamoe import CapacityOverflowError, MoEConfig, MoELayer, build_schedule
-from conftest import assert_close_tight, assert_equal, make_problem, run_experts
+from conftest import assert_close_tight, assert_equal, make_problem
 
 T, H, I, E, K, IS = 6, 8, 4, 4, 2, 4
 BACKENDS = pytest.mark.parametrize("backend", ["torch", "reference"])
