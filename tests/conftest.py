@@ -7,6 +7,7 @@ markers are declared in pyproject.toml.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import zlib
 
@@ -209,3 +210,21 @@ def assert_equal(name: str, ours: torch.Tensor, ref: torch.Tensor) -> None:
 def problem_id(shape: tuple) -> str:
     """Readable parametrize ids: T{}-H{}-I{}-E{}-k{}."""
     return "T{}-H{}-I{}-E{}-k{}".format(*shape)
+
+
+@contextlib.contextmanager
+def poisoned_empty():
+    """torch.empty returns NaN-filled floating tensors inside the block: unwritten outputs show as NaN."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        if out.is_floating_point():
+            out.fill_(float("nan"))
+        return out
+
+    torch.empty = empty
+    try:
+        yield
+    finally:
+        torch.empty = real_empty

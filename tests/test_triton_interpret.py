@@ -20,13 +20,13 @@ experts, communication programs; run inline on CPU), and match its own unchunked
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import poisoned_empty
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # The interpreter itself trips a NumPy deprecation on every scalar index; not ours to fix.
@@ -58,24 +58,6 @@ DTYPES = [torch.float32, torch.float16]
 # Small tiles so tiny shapes still span several row and column blocks and the grouped tile order.
 SMALL = TileConfig(16, 16, 16, num_warps=4, num_stages=2, group_m=2) if INTERPRET else None
 COMBINE = TileConfig(4, 16, 1, num_warps=4, num_stages=1) if INTERPRET else None
-
-
-@contextlib.contextmanager
-def poisoned_empty():
-    """torch.empty returns NaN-filled floating tensors inside the block: unwritten outputs show as NaN."""
-    real_empty = torch.empty
-
-    def empty(*args, **kwargs):
-        out = real_empty(*args, **kwargs)
-        if out.is_floating_point():
-            out.fill_(float("nan"))
-        return out
-
-    torch.empty = empty
-    try:
-        yield
-    finally:
-        torch.empty = real_empty
 
 
 def assert_close(name, got, want, atol, rtol=0.0):

@@ -10,10 +10,9 @@ versions (fewer tokens and experts, real H and I, so the real tile-table entries
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
+from conftest import poisoned_empty
 
 pytestmark = [
     pytest.mark.gpu,
@@ -77,24 +76,6 @@ def make_inputs(T, H, I, E, k, shared, kind, seed=0):
     sd = randn(H, shared, scale=shared**-0.5) if shared else None
     d_out = randn(T, H)
     return x, ids, weights, wgu, wd, sgu, sd, d_out
-
-
-@contextlib.contextmanager
-def poisoned_empty():
-    """torch.empty returns NaN-filled floating tensors inside the block: unwritten outputs show as NaN."""
-    real_empty = torch.empty
-
-    def empty(*args, **kwargs):
-        out = real_empty(*args, **kwargs)
-        if out.is_floating_point():
-            out.fill_(float("nan"))
-        return out
-
-    torch.empty = empty
-    try:
-        yield
-    finally:
-        torch.empty = real_empty
 
 
 def run_triton(x, ids, weights, wgu, wd, sgu, sd, d_out, num_experts):
