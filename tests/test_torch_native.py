@@ -145,3 +145,19 @@ def test_nan_token_does_not_leak(rng, dtype):
     others = torch.arange(12) != 3
     assert torch.isnan(poisoned[3]).any(), "the NaN token's output should be NaN"
     assert_equal("out of the other tokens", poisoned[others], clean[others])
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_empty_batch(backend):
+    """T = 0 (a rank with no tokens this step): an empty output and no weight gradient (exact zeros, or
+    None where autograd never reached the weight, as for the reference's unused experts)."""
+    x = torch.randn(0, 16, requires_grad=True)
+    weights = torch.rand(0, 2, requires_grad=True)
+    w_gate_up = torch.randn(4, 24, 16, requires_grad=True)
+    w_down = torch.randn(4, 16, 12, requires_grad=True)
+    out = megamoe.experts(x, torch.zeros(0, 2, dtype=torch.long), weights, w_gate_up, w_down,
+                          config=megamoe.MoEConfig(backend=backend))
+    assert out.shape == (0, 16)
+    out.sum().backward()
+    for name, w in (("d_w_gate_up", w_gate_up), ("d_w_down", w_down)):
+        assert w.grad is None or torch.equal(w.grad, torch.zeros_like(w)), name
