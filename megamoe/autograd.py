@@ -43,19 +43,18 @@ def _load_backends() -> dict:
 BACKENDS = _load_backends()
 
 
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether the fused Triton backend can run on device: Triton installed, a CUDA GPU of sm_90 or newer."""
+    return "triton" in BACKENDS and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def resolve_backend(config: MoEConfig, x: torch.Tensor, group) -> str:
     """The backend that runs: "auto" means triton on CUDA GPUs of compute capability >= 9.0, torch elsewhere."""
     if config.backend != "auto":
         if config.backend not in BACKENDS and config.backend != "reference":
             raise ValueError(f"MoEConfig.backend={config.backend!r} is not available here (needs Triton)")
         return config.backend
-    if (
-        x.device.type == "cuda"
-        and torch.cuda.get_device_capability(x.device) >= (9, 0)
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and group is None
-        and "triton" in BACKENDS
-    ):
+    if triton_runs_on(x.device) and x.dtype in (torch.bfloat16, torch.float16) and group is None:
         return "triton"
     return "torch"
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import megamoe
+from megamoe.autograd import triton_runs_on
 from megamoe.bench.problem import Tokens, Weights, cast, forward_backward, make_tokens, make_weights
 from megamoe.bench.workloads import Workload
 
@@ -27,8 +28,8 @@ STATUSES = ("ok", "unavailable", "FAILED")  # in order of precedence when ranks 
 
 def unavailable_reason(backend: str, device: torch.device, group) -> str:
     """Why backend cannot run here ("" if it can, as far as can be told without running it)."""
-    if backend == "triton" and (device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0)):
-        return "needs a CUDA GPU of compute capability >= 9.0"
+    if backend == "triton" and not triton_runs_on(device):
+        return "needs Triton and a CUDA GPU of compute capability >= 9.0"
     if backend == "reference" and group is not None:
         return "computes all experts in one process; no expert parallelism"
     return ""
