@@ -28,18 +28,29 @@ from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from megamoe.backends.triton import kernels  # noqa: E402
 from megamoe.backends.triton.configs import _SM90, TileConfig  # noqa: E402
 
+# The communication roles of the expert-parallel path (kernels/comm_tiles.py): off, or on as ep.py runs
+# them (bf16 rows of H = 2048: 8 rows x 1024 columns per copy step).
+_NO_PULL = {"PULL": False, "SCALE": False, "ALIGNED": False, "PULL_ROWS": 1, "PULL_BLOCK": 16}
+_PULL = {"PULL": True, "SCALE": False, "ALIGNED": True, "PULL_ROWS": 16, "PULL_BLOCK": 1024}
+_NO_PUSH = {"PUSH": False, "ALIGNED": False}
+_PUSH = {"PUSH": True, "ALIGNED": True}
 GEMM_KERNELS = {
     # name: (kernel, the tile-table field it runs with, extra constexprs)
-    "gate_up_fwd": (kernels.gate_up_fwd_kernel, "gate_up_fwd", {"GATHER": False}),
-    "gate_up_fwd_gather": (kernels.gate_up_fwd_kernel, "gate_up_fwd", {"GATHER": True}),
-    "down_fwd": (kernels.down_fwd_kernel, "down_fwd", {}),
-    "down_dgrad": (kernels.down_dgrad_kernel, "down_dgrad", {}),
-    "gate_up_dgrad": (kernels.gate_up_dgrad_kernel, "gate_up_dgrad", {}),
+    "gate_up_fwd": (kernels.gate_up_fwd_kernel, "gate_up_fwd", {"GATHER": False, **_NO_PULL}),
+    "gate_up_fwd_gather": (kernels.gate_up_fwd_kernel, "gate_up_fwd", {"GATHER": True, **_NO_PULL}),
+    "gate_up_fwd_pull": (kernels.gate_up_fwd_kernel, "gate_up_fwd", {"GATHER": False, **_PULL}),
+    "down_fwd": (kernels.down_fwd_kernel, "down_fwd", _NO_PUSH),
+    "down_fwd_push": (kernels.down_fwd_kernel, "down_fwd", _PUSH),
+    "down_dgrad": (kernels.down_dgrad_kernel, "down_dgrad", _NO_PULL),
+    "down_dgrad_pull": (kernels.down_dgrad_kernel, "down_dgrad", {**_PULL, "SCALE": True}),
+    "gate_up_dgrad": (kernels.gate_up_dgrad_kernel, "gate_up_dgrad", _NO_PUSH),
+    "gate_up_dgrad_push": (kernels.gate_up_dgrad_kernel, "gate_up_dgrad", _PUSH),
     "dw_down": (kernels.dw_down_kernel, "dw_down", {}),
     "dw_gate_up": (kernels.dw_gate_up_kernel, "dw_gate_up", {}),
 }
 # GEMMs whose K loop reads contiguous rows only: Triton must pipeline them (async copies, async wgmma).
-PIPELINED = {"gate_up_fwd", "down_fwd", "down_dgrad", "gate_up_dgrad", "dw_down", "dw_gate_up"}
+PIPELINED = {"gate_up_fwd", "gate_up_fwd_pull", "down_fwd", "down_fwd_push", "down_dgrad", "down_dgrad_pull",
+             "gate_up_dgrad", "gate_up_dgrad_push", "dw_down", "dw_gate_up"}
 OTHER_KERNELS = {
     "combine": kernels.combine_kernel,
     "combine_bwd": kernels.combine_bwd_kernel,
@@ -51,7 +62,11 @@ _POINTER_TYPES = {
     "expert_offsets_ptr": "*i32",
     "index_ptr": "*i32", "rows_in_use_ptr": "*i32", "scale_ptr": "*fp32",
     "w_ptr": "*bf16", "d_w_ptr": "*fp32",
+    "pull_table_ptr": "*i64", "pull_weight_table_ptr": "*i64", "push_table_ptr": "*i64",
+    "pull_rank_ptr": "*i32", "pull_token_ptr": "*i32", "pull_pair_ptr": "*i32", "ready_ptr": "*i32",
+    "push_rank_ptr": "*i32", "push_pair_ptr": "*i32",
 }
+_INT_TYPES = {"timeout_ns": "i64"}
 
 
 def _signature(fn, constexprs: dict) -> dict:
@@ -64,7 +79,7 @@ def _signature(fn, constexprs: dict) -> dict:
             if fn is kernels.combine_kernel and name == "w_ptr":
                 sig[name] = "*fp32"
         else:
-            sig[name] = "i32"
+            sig[name] = _INT_TYPES.get(name, "i32")
     return sig
 
 

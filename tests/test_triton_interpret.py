@@ -14,8 +14,8 @@ against an fp64 torch computation from the schedule, and the full path against m
 in fp64 + autograd within the STYLE.md error budget. Launcher outputs are NaN-poisoned, so an element a
 kernel forgets to write fails; rows past the rows in use are NaN-filled inputs, so a kernel that reads
 them fails. The expert-parallel driver (ep.py) runs on a one-rank group with a CPU workspace and must
-match experts.py bitwise, for every dispatch/combine direction and every overlap plan (chunks of
-experts, communication programs; run inline on CPU), and match its own unchunked run.
+match experts.py bitwise, for every dispatch/combine direction and every overlap setting (communication
+programs inside the GEMMs, rows per ready flag), and match its own unfused run.
 """
 
 from __future__ import annotations
@@ -425,9 +425,10 @@ def fake_workspace(group, *, device, num_tokens, hidden_size, topk, num_rows, dt
 
 EP_CASES = ["T37-H48-I40-E5-k3-shared", "T40-H32-I32-E8-k2-empty-experts", "T1-H32-I16-E1-k1-El1"]
 DIRECTIONS = {"pull-push": ("pull", "push"), "push-pull": ("push", "pull")}
-# (num_comm_sms, minibatch_tokens): the default plan (4 chunks, 1 compute program as CPU "SMs" are 3),
-# one expert per chunk with two compute programs, and chunks of ~16 tokens' rows. The "serial" probe
-# (one chunk, 3 programs) is the unchunked reference. All must give the same bits.
+# (num_comm_sms, minibatch_tokens): the default (16 communication programs, one GEMM program as CPU
+# "SMs" are 3; a flag per block), one communication program and two GEMM programs, and two with flags
+# over ~16 tokens' rows. The "serial" probe (whole exchanges around plain GEMMs) is the unfused
+# reference. All must give the same bits.
 OVERLAPS = {"default": (None, None), "comm1-mb1": (1, 1), "comm2-mb16": (2, 16)}
 
 
@@ -452,8 +453,8 @@ EP_PARAMS = [
 def test_ep_matches_one_gpu_bitwise(case, capacity, directions, overlap, monkeypatch):
     """ep.py on a one-rank group runs the same rows compute as experts.py: every output bitwise equal
     (so ep.py inherits experts.py's accuracy checks), for both directions of dispatch and combine and
-    every overlap plan (chunks of experts, communication programs), and equal to the unchunked,
-    one-stream run (probe "serial")."""
+    every overlap setting (communication programs, rows per ready flag), and equal to the unfused run
+    (probe "serial": whole exchanges around plain GEMMs)."""
     T, H, I, E, k, routing, shared, block_m = CASES[case]
     x, ids, weights, wgu, wd, sgu, sd = make_problem(T, H, I, E, k, torch.float16, routing=routing, shared=shared)
     d_out = torch.randn(T, H, generator=torch.Generator().manual_seed(7)).half()
@@ -475,7 +476,7 @@ def test_ep_matches_one_gpu_bitwise(case, capacity, directions, overlap, monkeyp
             continue
         assert not torch.isnan(a).any(), f"{name}: NaN"
         assert torch.equal(a, b), f"{name}: ep.py differs from experts.py (max diff {(a.double() - b.double()).abs().max():.3e})"
-        assert torch.equal(a, c), f"{name}: overlapped ep.py differs from the serial run"
+        assert torch.equal(a, c), f"{name}: fused ep.py differs from the serial run"
     for name, module, saved_ in [("experts.py", None, saved1), ("ep.py", ep, saved)]:
         want = (module.empty_saved if module else empty_saved)(x, wgu, wd, sgu, s)
         shapes = [tuple(t.shape) for t in saved_], [tuple(t.shape) for t in want]
@@ -484,24 +485,18 @@ def test_ep_matches_one_gpu_bitwise(case, capacity, directions, overlap, monkeyp
 
 
 @interpreted
-def test_overlap_plan_chunks():
-    """minibatch_tokens -> experts per chunk = ceil(E_l * minibatch_tokens / T); chunks tile [0, E_l) and
-    their device row ranges tile the rows in use, each a whole number of blocks."""
+def test_overlap_knobs():
+    """num_comm_sms -> communication programs of each pulling GEMM (default 16); minibatch_tokens ->
+    schedule blocks per ready flag = ceil(minibatch_tokens * k / block_m), at least 1 (None: 1)."""
     T, E, k = 64, 8, 2
     _, ids, *_ = make_problem(T, 32, 16, E, k, torch.float32, routing="sparse")
     s = build_schedule(ids, E, block_m=16)
     cpu = torch.device("cpu")
-    for minibatch, chunks in [(None, 4), (1, 8), (8, 8), (16, 4), (24, 3), (64, 1), (10_000, 1)]:
-        plan = ep.overlap_plan(s, MoEConfig(minibatch_tokens=minibatch), cpu)
-        assert plan.num_chunks == chunks, f"minibatch_tokens={minibatch}: {plan.num_chunks} chunks, want {chunks}"
-        spans = [plan.experts(c) for c in range(plan.num_chunks)]
-        assert spans[0][0] == 0 and spans[-1][1] == E and all(a[1] == b[0] for a, b in zip(spans, spans[1:])), spans
-        ranges = ep._ChunkRanges(s, plan)
-        want = s.expert_offsets[[a for a, _ in spans] + [E]]
-        assert torch.equal(ranges.row_bounds, want), f"row bounds {ranges.row_bounds.tolist()} != {want.tolist()}"
-        assert torch.equal(ranges.block_bounds * 16, want), "block bounds must be the row bounds in blocks"
-    serial = ep.overlap_plan(s, MoEConfig(), cpu, probe="serial")
-    assert serial.num_chunks == 1 and not serial.streams and serial.compute_sms is None
+    assert ep.comm_programs(MoEConfig(), cpu) == ep.DEFAULT_COMM_SMS
+    assert ep.comm_programs(MoEConfig(num_comm_sms=5), cpu) == 5
+    for minibatch, blocks in [(None, 1), (1, 1), (8, 1), (9, 2), (64, 8), (10_000, 1250)]:
+        got = ep.group_blocks(s, MoEConfig(minibatch_tokens=minibatch))
+        assert got == blocks, f"minibatch_tokens={minibatch}: {got} blocks per flag, want {blocks}"
     with pytest.raises(ValueError, match="probe"):
         ep.experts_fwd(None, None, None, None, None, None, s, None, MoEConfig(), probe="fast")
 

@@ -26,15 +26,60 @@ import triton
 import triton.language as tl
 
 from megamoe.backends.triton.configs import TileConfig
-from megamoe.backends.triton.kernels._common import check, load_range, persistent_grid, range_of, tile_coords
+from megamoe.backends.triton.kernels._common import check, load_range, num_sms, persistent_grid, range_of, tile_coords
+from megamoe.backends.triton.kernels.comm_tiles import (
+    RowPull, RowPush, aligned_rows, check_pull, check_push, pull_groups, pull_meta, push_pointers, ready_flags, wait_ready,
+)
+
+
+@triton.jit
+def _gemm_programs(
+    rows_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_weight_table_ptr, ready_ptr,
+    first_m, end_m, num_tiles, H, pull_programs, group_blocks,
+    PULL: tl.constexpr, SCALE: tl.constexpr, ALIGNED: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+    PULL_ROWS: tl.constexpr, PULL_BLOCK: tl.constexpr,
+):
+    """(first tile, tile stride) of this program. With PULL, programs below pull_programs first pull
+    the rows of their groups of schedule blocks (and then take no tile); the rest stride over the tiles."""
+    pid = tl.program_id(0)
+    start = pid
+    step = tl.num_programs(0)
+    if PULL:
+        step = step - pull_programs
+        if pid < pull_programs:
+            pull_groups(
+                rows_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_weight_table_ptr, ready_ptr,
+                first_m // SPLIT, end_m // SPLIT, pid, pull_programs, H, group_blocks,
+                SCALE=SCALE, ALIGNED=ALIGNED, BLOCK_ROWS=BLOCK_M * SPLIT, ROWS=PULL_ROWS, BLOCK=PULL_BLOCK,
+            )
+            start = num_tiles
+        else:
+            start = pid - pull_programs
+    return start, step
+
+
+@triton.jit
+def _store_rows(out_ptr, push_table_ptr, push_rank_ptr, push_pair_ptr, rows, cols, acc, N,
+                PUSH: tl.constexpr, ALIGNED: tl.constexpr):
+    """Store a tile's rows [BLOCK_M] x cols [BLOCK_N] of an [R, N] result: locally, or with PUSH into the
+    token owners' pairs rows (padding rows dropped)."""
+    elem = out_ptr.dtype.element_ty
+    col_ok = (cols < N)[None, :]
+    if PUSH:
+        dst, live = push_pointers(push_table_ptr, push_rank_ptr, push_pair_ptr, rows, N, elem, ALIGNED)
+        tl.store(dst[:, None] + cols[None, :], acc.to(elem), mask=live[:, None] & col_ok)
+    else:
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(elem), mask=col_ok)
 
 
 @triton.jit
 def gate_up_fwd_kernel(
     a_ptr, w_ptr, row_src_ptr, block_expert_ptr, block_range_ptr, h_ptr, gate_up_ptr,
-    H, I, top_k,
+    pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_weight_table_ptr, ready_ptr,
+    H, I, top_k, pull_programs, group_blocks, timeout_ns,
     GATHER: tl.constexpr, STORE_GATE_UP: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PULL: tl.constexpr, SCALE: tl.constexpr, ALIGNED: tl.constexpr, PULL_ROWS: tl.constexpr, PULL_BLOCK: tl.constexpr,
 ):
     """h[r, n] = silu(g) * u with g = a[r] . w_gate_up[e, n], u = a[r] . w_gate_up[e, I + n].
 
@@ -42,16 +87,24 @@ def gate_up_fwd_kernel(
     Two accumulators (gate columns and the matching up columns) so the SwiGLU is the epilogue and the
     pre-activation never round-trips memory unless STORE_GATE_UP keeps it for the backward.
     SPLIT = schedule block_m // BLOCK_M (kernel row blocks per schedule block).
+    PULL: the first pull_programs programs fill a = x_rows from the token owners (comm_tiles.py).
     """
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
     num_n = tl.cdiv(I, BLOCK_N)
+    start, step = _gemm_programs(
+        a_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_weight_table_ptr, ready_ptr,
+        first_m, end_m, num_m * num_n, H, pull_programs, group_blocks,
+        PULL, SCALE, ALIGNED, SPLIT, BLOCK_M, PULL_ROWS, PULL_BLOCK,
+    )
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
+    for tile in range(start, num_m * num_n, step):
         pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
         pid_m += first_m
+        if PULL:
+            wait_ready(ready_ptr, pid_m // SPLIT // group_blocks, timeout_ns)
         expert = tl.load(block_expert_ptr + pid_m // SPLIT).to(tl.int64)
         rows = pid_m.to(tl.int64) * BLOCK_M + offs_m
         if GATHER:
@@ -102,12 +155,14 @@ def gate_up_fwd_kernel(
 
 @triton.jit
 def down_fwd_kernel(
-    h_ptr, w_ptr, block_expert_ptr, block_range_ptr, y_ptr,
+    h_ptr, w_ptr, block_expert_ptr, block_range_ptr, y_ptr, push_table_ptr, push_rank_ptr, push_pair_ptr,
     H, I,
     EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PUSH: tl.constexpr, ALIGNED: tl.constexpr,
 ):
-    """y_rows[r, n] = h[r] . w_down[e, n]."""
+    """y_rows[r, n] = h[r] . w_down[e, n]; with PUSH, stored into row r's (token, slot) row of its
+    token owner's pairs buffer instead (comm_tiles.py; y_ptr only gives the dtype)."""
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
     num_n = tl.cdiv(H, BLOCK_N)
@@ -135,27 +190,38 @@ def down_fwd_kernel(
             acc = tl.dot(a, b, acc)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
-        tl.store(y_ptr + rows[:, None] * H + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=(cols < H)[None, :])
+        _store_rows(y_ptr, push_table_ptr, push_rank_ptr, push_pair_ptr, rows, cols, acc, H, PUSH, ALIGNED)
 
 
 @triton.jit
 def down_dgrad_kernel(
     d_y_ptr, w_ptr, gate_up_ptr, block_expert_ptr, block_range_ptr, d_gate_up_ptr,
-    H, I,
+    pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_weight_table_ptr, ready_ptr,
+    H, I, pull_programs, group_blocks, timeout_ns,
     EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PULL: tl.constexpr, SCALE: tl.constexpr, ALIGNED: tl.constexpr, PULL_ROWS: tl.constexpr, PULL_BLOCK: tl.constexpr,
 ):
     """d_h[r] = d_y_rows[r] @ w_down[e] (the router weight is already in d_y_rows), then the SwiGLU
-    backward in the epilogue from the saved g, u: d_gate_up[r] = [d_h * u * silu'(g), d_h * silu(g)]."""
+    backward in the epilogue from the saved g, u: d_gate_up[r] = [d_h * u * silu'(g), d_h * silu(g)].
+    PULL: the first pull_programs programs fill d_y_rows (d_out rows times their router weight) from
+    the token owners (comm_tiles.py)."""
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
     num_n = tl.cdiv(I, BLOCK_N)
+    start, step = _gemm_programs(
+        d_y_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_weight_table_ptr, ready_ptr,
+        first_m, end_m, num_m * num_n, H, pull_programs, group_blocks,
+        PULL, SCALE, ALIGNED, SPLIT, BLOCK_M, PULL_ROWS, PULL_BLOCK,
+    )
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
+    for tile in range(start, num_m * num_n, step):
         pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
         pid_m += first_m
+        if PULL:
+            wait_ready(ready_ptr, pid_m // SPLIT // group_blocks, timeout_ns)
         expert = tl.load(block_expert_ptr + pid_m // SPLIT).to(tl.int64)
         rows = pid_m.to(tl.int64) * BLOCK_M + offs_m
         cols = pid_n * BLOCK_N + offs_n
@@ -187,12 +253,14 @@ def down_dgrad_kernel(
 
 @triton.jit
 def gate_up_dgrad_kernel(
-    d_gate_up_ptr, w_ptr, block_expert_ptr, block_range_ptr, d_x_ptr,
+    d_gate_up_ptr, w_ptr, block_expert_ptr, block_range_ptr, d_x_ptr, push_table_ptr, push_rank_ptr, push_pair_ptr,
     H, I,
     EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PUSH: tl.constexpr, ALIGNED: tl.constexpr,
 ):
-    """d_x_rows[r, n] = d_gate_up[r] . w_gate_up[e, :, n] (reduction over 2I)."""
+    """d_x_rows[r, n] = d_gate_up[r] . w_gate_up[e, :, n] (reduction over 2I); with PUSH, stored into
+    row r's (token, slot) row of its token owner's pairs buffer instead (d_x_ptr only gives the dtype)."""
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
     num_n = tl.cdiv(H, BLOCK_N)
@@ -220,7 +288,7 @@ def gate_up_dgrad_kernel(
             acc = tl.dot(a, b, acc)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K * H
-        tl.store(d_x_ptr + rows[:, None] * H + cols[None, :], acc.to(d_x_ptr.dtype.element_ty), mask=col_ok)
+        _store_rows(d_x_ptr, push_table_ptr, push_rank_ptr, push_pair_ptr, rows, cols, acc, H, PUSH, ALIGNED)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -260,6 +328,33 @@ def _output(out: torch.Tensor | None, rows: int, cols: int, like: torch.Tensor, 
     return out
 
 
+def _pull_launch(pull: RowPull | None, rows: torch.Tensor, blocks: int, max_tiles: int, sms: int | None
+                 ) -> tuple[tuple, list, dict]:
+    """(grid, pull arguments, pull constexprs) of a GEMM that may pull its A rows (comm_tiles.py).
+
+    The grid is the persistent GEMM grid on the SMs the communication programs leave, plus those
+    programs first (one per SM: together at most one program per SM)."""
+    if pull is None:
+        grid = persistent_grid(rows.device, max_tiles, sms)
+        return grid, [rows] * 6 + [0, 1, 1], dict(pull_meta(None, rows, 1), ALIGNED=False)
+    check_pull(pull, rows)
+    available = num_sms(rows.device) if sms is None else sms
+    grid = (pull.programs + persistent_grid(rows.device, max_tiles, max(1, available - pull.programs))[0],)
+    args = [pull.table, pull.src_rank, pull.src_token, pull.src_pair,
+            pull.weight_table if pull.weight_table is not None else pull.table, ready_flags(pull, blocks, rows.device),
+            pull.programs, pull.group_blocks, pull.timeout_ns]
+    block_rows = rows.shape[0] // blocks  # the schedule's block_m
+    return grid, args, dict(pull_meta(pull, rows, block_rows), ALIGNED=aligned_rows(rows.shape[1], rows.element_size(), rows))
+
+
+def _push_launch(push: RowPush | None, like: torch.Tensor, rows: int, hidden: int) -> tuple[list, dict]:
+    """(push arguments, push constexprs) of a GEMM whose output rows may go to the token owners."""
+    if push is None:
+        return [like] * 3, dict(PUSH=False, ALIGNED=False)
+    check_push(push, rows)
+    return [push.table, push.dst_rank, push.dst_pair], dict(PUSH=True, ALIGNED=aligned_rows(hidden, like.element_size()))
+
+
 def _meta(config: TileConfig, k_dim: int, split: int) -> dict:
     return dict(
         EVEN_K=k_dim % config.block_k == 0,
@@ -292,12 +387,14 @@ def gate_up_fwd(
     top_k: int = 1,
     out: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     sms: int | None = None,
+    pull: RowPull | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """h [R, I] = SwiGLU of the rows' gate/up projections; gate_up [R, 2I] too if store_gate_up.
 
     a: x_rows [R, H] (padding rows zero), or with row_src (int32 [R], -1 padding) the token rows x
     [T, H], gathered by pointer at row_src[r] // top_k (the measured alternative; padding reads zero).
-    out: (h, gate_up or None).
+    out: (h, gate_up or None). pull: x_rows is filled by this kernel's communication programs from the
+    token owners while its GEMM programs compute (a is then the uninitialised [R, H] x_rows).
     """
     _check_matrix(a, None, None, "x_rows" if row_src_R is None else "x")
     hidden = a.shape[1]
@@ -308,17 +405,19 @@ def gate_up_fwd(
         check(row_src_R.dtype == torch.int32 and row_src_R.dim() == 1 and row_src_R.is_contiguous(),
               f"row_src must be a contiguous int32 [R] tensor, got {row_src_R.dtype} {tuple(row_src_R.shape)}")
         check(top_k >= 1, f"top_k must be >= 1, got {top_k}")
+    check(pull is None or row_src_R is None, "gate_up_fwd: pull and row_src are exclusive")
     rows = a.shape[0] if row_src_R is None else row_src_R.numel()
     split, blocks = _check_rows(rows, block_expert, blocks, config.block_m)
     h_out, gu_out = out if out is not None else (None, None)
     h = _output(h_out, rows, inter, a, "h")
     gate_up = _output(gu_out, rows, 2 * inter, a, "gate_up") if store_gate_up else a.new_empty(0, 2 * inter)
     max_tiles = rows // config.block_m * triton.cdiv(inter, config.block_n)
-    gate_up_fwd_kernel[persistent_grid(a.device, max_tiles, sms)](
+    grid, pull_args, pull_constexprs = _pull_launch(pull, a, block_expert.numel(), max_tiles, sms)
+    gate_up_fwd_kernel[grid](
         a, w_gate_up_E2IH, row_src_R if row_src_R is not None else block_expert, block_expert, blocks, h, gate_up,
-        hidden, inter, top_k,
+        *pull_args[:6], hidden, inter, top_k, *pull_args[6:],
         GATHER=row_src_R is not None, STORE_GATE_UP=store_gate_up,
-        **_meta(config, hidden, split),
+        **_meta(config, hidden, split), **pull_constexprs,
     )
     return h, (gate_up if store_gate_up else None)
 
@@ -332,22 +431,25 @@ def down_fwd(
     config: TileConfig,
     out: torch.Tensor | None = None,
     sms: int | None = None,
-) -> torch.Tensor:
-    """y_rows [R, H] = h[r] @ w_down[e]^T."""
+    push: RowPush | None = None,
+) -> torch.Tensor | None:
+    """y_rows [R, H] = h[r] @ w_down[e]^T; with push, each row goes to its (token, slot) row of its
+    token owner's pairs buffer instead and nothing is returned."""
     _check_matrix(h_RI, None, None, "h")
     rows, inter = h_RI.shape
     check(w_down_EHI.dim() == 3, "w_down must be [E_l, H, I]")
     hidden = w_down_EHI.shape[1]
     _check_weight(w_down_EHI, h_RI, (w_down_EHI.shape[0], hidden, inter), "w_down")
     split, blocks = _check_rows(rows, block_expert, blocks, config.block_m)
-    y_rows = _output(out, rows, hidden, h_RI, "y_rows")
+    y_rows = _output(out, rows, hidden, h_RI, "y_rows") if push is None else h_RI.new_empty(0, hidden)
+    push_args, push_constexprs = _push_launch(push, y_rows, rows, hidden)
     max_tiles = rows // config.block_m * triton.cdiv(hidden, config.block_n)
     down_fwd_kernel[persistent_grid(h_RI.device, max_tiles, sms)](
-        h_RI, w_down_EHI, block_expert, blocks, y_rows,
+        h_RI, w_down_EHI, block_expert, blocks, y_rows, *push_args,
         hidden, inter,
-        **_meta(config, inter, split),
+        **_meta(config, inter, split), **push_constexprs,
     )
-    return y_rows
+    return y_rows if push is None else None
 
 
 def down_dgrad(
@@ -360,11 +462,14 @@ def down_dgrad(
     config: TileConfig,
     out: torch.Tensor | None = None,
     sms: int | None = None,
+    pull: RowPull | None = None,
 ) -> torch.Tensor:
     """d_gate_up [R, 2I] (d_y_rows' dtype): SwiGLU backward of d_h = d_y_rows[r] @ w_down[e].
 
     d_y_rows [R, H]: the weighted upstream gradient of each row (zero for padding); gate_up [R, 2I]
-    the saved pre-activation (zero for padding, as gate_up_fwd writes it).
+    the saved pre-activation (zero for padding, as gate_up_fwd writes it). pull (with weight_table):
+    d_y_rows is filled by this kernel's communication programs from the token owners' d_out and
+    router weights while its GEMM programs compute.
     """
     _check_matrix(d_y_rows_RH, None, None, "d_y_rows")
     rows, hidden = d_y_rows_RH.shape
@@ -375,10 +480,11 @@ def down_dgrad(
     split, blocks = _check_rows(rows, block_expert, blocks, config.block_m)
     d_gate_up = _output(out, rows, 2 * inter, d_y_rows_RH, "d_gate_up")
     max_tiles = rows // config.block_m * triton.cdiv(inter, config.block_n)
-    down_dgrad_kernel[persistent_grid(d_y_rows_RH.device, max_tiles, sms)](
+    grid, pull_args, pull_constexprs = _pull_launch(pull, d_y_rows_RH, block_expert.numel(), max_tiles, sms)
+    down_dgrad_kernel[grid](
         d_y_rows_RH, w_down_EHI, gate_up_R2I, block_expert, blocks, d_gate_up,
-        hidden, inter,
-        **_meta(config, hidden, split),
+        *pull_args[:6], hidden, inter, *pull_args[6:],
+        **_meta(config, hidden, split), **pull_constexprs,
     )
     return d_gate_up
 
@@ -392,19 +498,22 @@ def gate_up_dgrad(
     config: TileConfig,
     out: torch.Tensor | None = None,
     sms: int | None = None,
-) -> torch.Tensor:
-    """d_x_rows [R, H] = d_gate_up[r] @ w_gate_up[e]."""
+    push: RowPush | None = None,
+) -> torch.Tensor | None:
+    """d_x_rows [R, H] = d_gate_up[r] @ w_gate_up[e]; with push, each row goes to its (token, slot)
+    row of its token owner's pairs buffer instead and nothing is returned."""
     _check_matrix(d_gate_up_R2I, None, None, "d_gate_up")
     rows, inter2 = d_gate_up_R2I.shape
     check(w_gate_up_E2IH.dim() == 3 and w_gate_up_E2IH.shape[1] == inter2, "w_gate_up must be [E_l, 2I, H]")
     hidden = w_gate_up_E2IH.shape[2]
     _check_weight(w_gate_up_E2IH, d_gate_up_R2I, (w_gate_up_E2IH.shape[0], inter2, hidden), "w_gate_up")
     split, blocks = _check_rows(rows, block_expert, blocks, config.block_m)
-    d_x_rows = _output(out, rows, hidden, d_gate_up_R2I, "d_x_rows")
+    d_x_rows = _output(out, rows, hidden, d_gate_up_R2I, "d_x_rows") if push is None else d_gate_up_R2I.new_empty(0, hidden)
+    push_args, push_constexprs = _push_launch(push, d_x_rows, rows, hidden)
     max_tiles = rows // config.block_m * triton.cdiv(hidden, config.block_n)
     gate_up_dgrad_kernel[persistent_grid(d_gate_up_R2I.device, max_tiles, sms)](
-        d_gate_up_R2I, w_gate_up_E2IH, block_expert, blocks, d_x_rows,
+        d_gate_up_R2I, w_gate_up_E2IH, block_expert, blocks, d_x_rows, *push_args,
         hidden, inter2 // 2,
-        **_meta(config, inter2, split),
+        **_meta(config, inter2, split), **push_constexprs,
     )
-    return d_x_rows
+    return d_x_rows if push is None else None

@@ -1,0 +1,195 @@
+"""Communication inside the persistent GEMMs of the expert-parallel path.
+
+Pull (dispatch): in a GEMM whose A operand is this rank's receive rows (gate_up_fwd: x rows; down_dgrad:
+d_y rows), the first `programs` programs of the grid are communication programs. They copy the rows of
+each group of schedule blocks from the token owners' published buffers (symmetric memory, read over
+NVLink through the peers' mapped addresses) into the local rows, then raise the group's ready flag
+(release, GPU scope). Every other program is a GEMM program: before a tile it acquires its row block's
+flag, so a tile starts as soon as its own rows have landed, not when the whole exchange has.
+
+Push (combine): in a GEMM whose output rows go back to the token owners (down_fwd: y; gate_up_dgrad:
+d_x), the epilogue stores each tile row straight into its (token, slot) row of the owner's pairs
+buffer, so the combine leaves as each down-projection tile finishes.
+
+Determinism: every element is still written by one program, with the values and reduction order of the
+unfused kernels (copies are bit copies; the backward's router-weight scale is the same fp32 product
+rounded to the dtype as gather_rows'), so results do not depend on the split or the granularity.
+
+No deadlock by construction: a GEMM program only ever waits for communication programs of its own
+grid, which have lower program ids (the hardware starts them first, and the interpreter runs programs
+in id order), copy only local or already-published rows and never wait for anything. The grid is at
+most one program per SM. Every wait is bounded by a timeout: past it the program prints which group
+never arrived and traps, which surfaces as a CUDA error instead of a hang.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import globaltimer
+
+from megamoe.backends.triton.kernels._common import check
+
+# Bytes each communication program moves per step (rows x columns of one load and one store per
+# thread group): 32 KB over the GEMM's 8 warps keeps 8 16-byte vectors per thread in flight.
+_PULL_STEP_BYTES = 32768
+_PULL_BLOCK_BYTES = 2048
+
+
+class RowPull(NamedTuple):
+    """Receive rows that a GEMM's communication programs pull while its GEMM programs compute.
+
+    table: int64 [W] base addresses of every rank's published token rows [T, H] (Workspace.tokens).
+    src_rank, src_token, src_pair: int32 [R] per receive row: the token owner (-1: padding, written
+        as a zero row), the token's row there, and its (token, slot) pair index.
+    weight_table: int64 [W] base addresses of every rank's published router weights [T, k] fp32, or
+        None. Given, row r is weights[src_pair[r]] * row (fp32 product rounded to the dtype): the
+        backward's d_y rows.
+    programs: communication programs (MoEConfig.num_comm_sms); the other programs of the grid compute.
+    group_blocks: schedule blocks per ready flag (the overlap granularity, MoEConfig.minibatch_tokens).
+    timeout_ns: the longest a GEMM program waits for a flag before it traps.
+    """
+
+    table: torch.Tensor
+    src_rank: torch.Tensor
+    src_token: torch.Tensor
+    src_pair: torch.Tensor
+    weight_table: torch.Tensor | None
+    programs: int
+    group_blocks: int
+    timeout_ns: int
+
+
+class RowPush(NamedTuple):
+    """Output rows a GEMM's epilogue stores into the token owners' pairs buffers.
+
+    table: int64 [W] base addresses of every rank's pairs buffer [T*k, H] (Workspace.pairs).
+    dst_rank, dst_pair: int32 [R] per receive row: the token owner (-1: padding, not stored) and the
+        (token, slot) row there.
+    """
+
+    table: torch.Tensor
+    dst_rank: torch.Tensor
+    dst_pair: torch.Tensor
+
+
+def check_pull(pull: RowPull, rows: torch.Tensor) -> None:
+    """rows: the local [R, H] buffer the pull fills (the GEMM's A operand)."""
+    num_rows = rows.shape[0]
+    for name in ("src_rank", "src_token", "src_pair"):
+        t = getattr(pull, name)
+        check(t.dtype == torch.int32 and t.shape == (num_rows,) and t.is_contiguous(),
+              f"RowPull.{name} must be a contiguous int32 [{num_rows}] tensor, got {t.dtype} {tuple(t.shape)}")
+    for name in ("table", "weight_table"):
+        t = getattr(pull, name)
+        check(t is None and name == "weight_table" or t is not None and t.dtype == torch.int64 and t.dim() == 1,
+              f"RowPull.{name} must be an int64 [W] table of base addresses")
+    check(pull.programs >= 1, f"RowPull.programs must be >= 1, got {pull.programs}")
+    check(pull.group_blocks >= 1, f"RowPull.group_blocks must be >= 1, got {pull.group_blocks}")
+    check(pull.timeout_ns >= 1, f"RowPull.timeout_ns must be >= 1, got {pull.timeout_ns}")
+
+
+def check_push(push: RowPush, num_rows: int) -> None:
+    for name in ("dst_rank", "dst_pair"):
+        t = getattr(push, name)
+        check(t.dtype == torch.int32 and t.shape == (num_rows,) and t.is_contiguous(),
+              f"RowPush.{name} must be a contiguous int32 [{num_rows}] tensor, got {t.dtype} {tuple(t.shape)}")
+    check(push.table.dtype == torch.int64 and push.table.dim() == 1, "RowPush.table must be an int64 [W] table")
+
+
+def ready_flags(pull: RowPull, num_blocks: int, device: torch.device) -> torch.Tensor:
+    """Zeroed int32 flags, one per group of schedule blocks (a memset in stream order: capturable)."""
+    return torch.zeros(max(1, triton.cdiv(num_blocks, pull.group_blocks)), dtype=torch.int32, device=device)
+
+
+def pull_meta(pull: RowPull | None, rows: torch.Tensor, block_rows: int) -> dict:
+    """Constexprs of the pull role: the rows per step (a power of two dividing the schedule's
+    block_rows) and the columns per inner step of the copy."""
+    if pull is None:
+        return dict(PULL=False, SCALE=False, PULL_ROWS=1, PULL_BLOCK=16)
+    hidden, size = rows.shape[1], rows.element_size()
+    block = min(triton.next_power_of_2(hidden), _PULL_BLOCK_BYTES // size)
+    step_rows = min(block_rows, max(1, _PULL_STEP_BYTES // (block * size)))
+    return dict(PULL=True, SCALE=pull.weight_table is not None, PULL_ROWS=step_rows, PULL_BLOCK=block)
+
+
+def aligned_rows(hidden: int, element_size: int, *local: torch.Tensor) -> bool:
+    """Every row of every buffer starts 16-byte aligned (symmetric allocations are; local tensors are
+    checked), so peer addresses loaded from a table may be hinted as such (16-byte vector copies)."""
+    return hidden * element_size % 16 == 0 and all(t.data_ptr() % 16 == 0 for t in local)
+
+
+@triton.jit
+def _row_bases(table_ptr, rank, ELEM: tl.constexpr):
+    """Per-row base pointers [ROWS] into each row's rank's buffer (rank < 0: rank 0's, masked by the caller)."""
+    return tl.load(table_ptr + tl.maximum(rank, 0)).to(tl.pointer_type(ELEM))
+
+
+@triton.jit
+def pull_groups(
+    rows_ptr, table_ptr, src_rank_ptr, src_token_ptr, src_pair_ptr, weight_table_ptr, ready_ptr,
+    first_block, end_block, program, num_programs, H, group_blocks,
+    SCALE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_ROWS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Communication program `program` of `num_programs`: for groups g = program, program + num_programs,
+    ... of schedule blocks [g * group_blocks, (g + 1) * group_blocks) within [first_block, end_block),
+    copy their rows (BLOCK_ROWS per schedule block) and raise ready[g]."""
+    elem = rows_ptr.dtype.element_ty
+    offs_r = tl.arange(0, ROWS)
+    offs_c = tl.arange(0, BLOCK)
+    first_group = first_block // group_blocks
+    for group in range(first_group + program, tl.cdiv(end_block, group_blocks), num_programs):
+        row_begin = tl.maximum(group * group_blocks, first_block) * BLOCK_ROWS
+        row_end = tl.minimum((group + 1) * group_blocks, end_block) * BLOCK_ROWS
+        for r0 in range(row_begin, row_end, ROWS):
+            rows = r0 + offs_r  # ROWS divides BLOCK_ROWS: every row is in range
+            rank = tl.load(src_rank_ptr + rows)
+            live = rank >= 0
+            token = tl.load(src_token_ptr + rows, mask=live, other=0)
+            src = _row_bases(table_ptr, rank, elem) + token.to(tl.int64) * H
+            dst = rows_ptr + rows.to(tl.int64) * H
+            if ALIGNED:
+                src = tl.multiple_of(src, 16)
+                dst = tl.multiple_of(dst, 16)
+            if SCALE:
+                pair = tl.load(src_pair_ptr + rows, mask=live, other=0)
+                weight = tl.load(_row_bases(weight_table_ptr, rank, tl.float32) + pair, mask=live, other=0.0)
+            for c0 in range(0, H, BLOCK):
+                cols = c0 + offs_c
+                col_ok = (cols < H)[None, :]
+                value = tl.load(src[:, None] + cols[None, :], mask=live[:, None] & col_ok, other=0.0)
+                if SCALE:
+                    value = (value.to(tl.float32) * weight[:, None]).to(elem)
+                tl.store(dst[:, None] + cols[None, :], value, mask=col_ok)
+        # Every thread's stores are done (CTA barrier) before one release publishes them GPU-wide.
+        tl.debug_barrier()
+        tl.atomic_xchg(ready_ptr + group, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def wait_ready(ready_ptr, group, timeout_ns):
+    """Acquire ready[group] (GPU scope); a flag still down after timeout_ns traps the kernel."""
+    ready = tl.atomic_add(ready_ptr + group, 0, sem="acquire", scope="gpu")
+    if ready == 0:
+        deadline = globaltimer() + timeout_ns
+        while ready == 0:
+            ready = tl.atomic_add(ready_ptr + group, 0, sem="acquire", scope="gpu")
+            if ready == 0:
+                if globaltimer() > deadline:
+                    tl.device_print("megamoe: receive rows never landed (MoEConfig.comm_timeout_ms), flag group", group)
+                    tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def push_pointers(table_ptr, dst_rank_ptr, dst_pair_ptr, rows, H, ELEM: tl.constexpr, ALIGNED: tl.constexpr):
+    """(row pointers [BLOCK_M] into the token owners' pairs rows, row mask): padding rows are not stored."""
+    rank = tl.load(dst_rank_ptr + rows)
+    live = rank >= 0
+    pair = tl.load(dst_pair_ptr + rows, mask=live, other=0)
+    dst = _row_bases(table_ptr, rank, ELEM) + pair.to(tl.int64) * H
+    if ALIGNED:
+        dst = tl.multiple_of(dst, 16)
+    return dst, live
