@@ -7,14 +7,15 @@ Per workload (default qwen3-30b-a3b and qwen3-235b-a22b at their 16384 tokens pe
 GPU, bf16, no shared expert), each pass ("fwd", "fwd+bwd") of the EP layer (ep.experts_fwd/_bwd; the
 schedule is built once, outside the timing) is timed four ways, median over iterations of the max over
 ranks (megamoe.bench.measure):
-  fused    the layer as it runs: chunked dispatch/combine on a second stream beside the GEMMs
-  compute  the same kernels, chunks, grids and streams with every copy and barrier skipped (wrong
-           results, timing only): the compute alone, on SMs - num_comm_sms
-  comm     the exchanges alone (barriers, publishes, chunked pulls/pushes, the final copies), no compute
-  serial   no overlap: one chunk, one stream, every SM for each kernel (the layer before the overlap)
+  fused    the layer as it runs: pulls inside the gate/up (and down-dgrad) GEMMs, pushes in the down
+           (and gate/up-dgrad) epilogues
+  compute  the same GEMMs with no communication at all, on every SM (wrong results, timing only): the
+           best the layer could do if communication were free
+  comm     the exchanges alone (barriers, publishes, whole pulls/pushes, the final copies), no compute
+  serial   no overlap: whole exchanges around plain GEMMs on every SM
 hidden = compute + comm - fused (the communication time that ran under compute), reported as a
-fraction of comm; exposed = fused - compute. Gate before timing: fused and serial give bitwise equal
-outputs and gradients.
+fraction of comm; exposed = fused - compute (it includes what the SMs given to communication cost the
+GEMMs). Gate before timing: fused and serial give bitwise equal outputs and gradients.
 """
 
 from __future__ import annotations
@@ -95,7 +96,6 @@ def main() -> None:
                            block_m=block_m_for(w.hidden, w.intermediate, torch.bfloat16))
         tokens = args.tokens or w.tokens_per_gpu
         p, schedule = _problem(name, tokens, args.routing, group, config, rank)
-        plan = ep.overlap_plan(schedule, config, device)
         # Correctness gate: the overlapped layer and the serial one agree bitwise (outputs and grads).
         fused, serial = (_run(p, schedule, group, config, probe, True) for probe in ("full", "serial"))
         same = torch.tensor([all(torch.equal(a, b) for a, b in zip(fused, serial))], device=device, dtype=torch.int32)
@@ -113,7 +113,7 @@ def main() -> None:
             hidden = ms["compute"] + ms["comm"] - ms["fused"]
             records.append({
                 "workload": name, "ep": world, "tokens": tokens, "routing": args.routing, "pass": pass_name,
-                "num_comm_sms": plan.comm_programs, "chunks": plan.num_chunks, "experts_per_chunk": plan.experts_per_chunk,
+                "num_comm_sms": ep.comm_programs(config, device), "blocks_per_flag": ep.group_blocks(schedule, config),
                 **{f"{k}_ms": v for k, v in ms.items()},
                 "hidden_ms": hidden, "hidden_frac": hidden / ms["comm"] if ms["comm"] > 0 else 0.0,
                 "exposed_ms": ms["fused"] - ms["compute"], "speedup_vs_serial": ms["serial"] / ms["fused"],
@@ -122,10 +122,10 @@ def main() -> None:
         torch.cuda.empty_cache()
     if rank == 0:
         print(f"EP={world}, num_comm_sms={config.num_comm_sms}, minibatch_tokens={config.minibatch_tokens}")
-        print(f"{'workload':17} {'pass':8} {'chunks':>6} {'fused':>7} {'compute':>7} {'comm':>7} {'c+c':>7} "
+        print(f"{'workload':17} {'pass':8} {'comm SMs':>8} {'fused':>7} {'compute':>7} {'comm':>7} {'c+c':>7} "
               f"{'serial':>7} {'hidden':>7} {'hid%':>5} {'exposed':>7}")
         for r in records:
-            print(f"{r['workload']:17} {r['pass']:8} {r['chunks']:6d} {r['fused_ms']:7.3f} {r['compute_ms']:7.3f} "
+            print(f"{r['workload']:17} {r['pass']:8} {r['num_comm_sms']:8d} {r['fused_ms']:7.3f} {r['compute_ms']:7.3f} "
                   f"{r['comm_ms']:7.3f} {r['compute_ms'] + r['comm_ms']:7.3f} {r['serial_ms']:7.3f} "
                   f"{r['hidden_ms']:7.3f} {100 * r['hidden_frac']:5.1f} {r['exposed_ms']:7.3f}")
         if args.json:

@@ -49,14 +49,24 @@ def triton_runs_on(device: torch.device) -> bool:
 
 
 def resolve_backend(config: MoEConfig, x: torch.Tensor, group) -> str:
-    """The backend that runs: "auto" means triton on CUDA GPUs of compute capability >= 9.0, torch elsewhere."""
+    """The backend that runs: "auto" means triton for bf16/fp16 on CUDA GPUs of compute capability >= 9.0
+    (with a group, one that fits on this host, whose peers symmetric memory maps over NVLink), torch elsewhere."""
     if config.backend != "auto":
         if config.backend not in BACKENDS and config.backend != "reference":
             raise ValueError(f"MoEConfig.backend={config.backend!r} is not available here (needs Triton)")
         return config.backend
-    if triton_runs_on(x.device) and x.dtype in (torch.bfloat16, torch.float16) and group is None:
+    if triton_runs_on(x.device) and x.dtype in (torch.bfloat16, torch.float16) and _on_one_host(group):
         return "triton"
     return "torch"
+
+
+@torch.compiler.assume_constant_result
+def _on_one_host(group) -> bool:
+    """No group, or a group no larger than this host's GPU count (torchrun on one node). A host-side
+    query only; a group spread over hosts needs the portable path (no NVLink between them)."""
+    if group is None:
+        return True
+    return torch.distributed.get_world_size(group) <= torch.cuda.device_count()
 
 
 def _backend_module(name: str):

@@ -18,8 +18,10 @@ def _is_power_of_two(n: int) -> bool:
 class MoEConfig:
     """Knobs of the MoE layer. Every field is validated; defaults give the dropless, deterministic path.
 
-    backend: "auto" picks "triton" on CUDA GPUs of compute capability >= 9.0 and "torch" elsewhere;
-        "reference" runs the plain-PyTorch math (no schedule, no EP); "torch" the portable path.
+    backend: "auto" picks "triton" on CUDA GPUs of compute capability >= 9.0 (in bf16/fp16; with an
+        expert-parallel group, when the group fits on this host: symmetric memory over NVLink) and
+        "torch" elsewhere; "reference" runs the plain-PyTorch math (no schedule, no EP); "torch" the
+        portable path.
     capacity_factor: None (default) sizes every buffer for the worst case, so no token can ever be
         dropped. A float c > 0 sizes each rank's receive rows for c times the balanced load
         (c * T * k rows, plus per-expert padding); routing that overflows it is detected on the device
@@ -29,17 +31,15 @@ class MoEConfig:
         backend choose (torch: 16, the alignment torch._grouped_mm wants; triton: its tile table).
     num_comm_sms / minibatch_tokens / dispatch / combine: expert-parallel overlap knobs used by the
         fused EP path (triton backend). They never change results (bitwise), only speed.
-        num_comm_sms: SMs given to communication while it overlaps the expert GEMMs: each chunked
-            dispatch/combine kernel runs this many programs, and the persistent GEMMs beside it take
-            the other SMs. None: 16. Must be smaller than the GPU's SM count.
-        minibatch_tokens: tokens per overlap step. The local experts are cut into chunks of
-            ceil(E_l * minibatch_tokens / T) consecutive experts (T tokens per rank), so that under
-            balanced routing a chunk holds the rows of about minibatch_tokens tokens per rank
-            (minibatch_tokens * k rows) and there are about T / minibatch_tokens chunks; each
-            chunk's GEMMs start when its rows have landed and its results leave when its GEMMs are
-            done. None: 4 chunks.
+        num_comm_sms: communication programs (one SM each) inside each persistent GEMM that pulls its
+            rows from the token owners (gate/up forward, down-projection data grad); its GEMM
+            programs take the other SMs. None: 16. Must be smaller than the GPU's SM count.
+        minibatch_tokens: the overlap granularity: the rows of about minibatch_tokens tokens
+            (minibatch_tokens * k rows, whole blocks of block_m) share one ready flag, raised when
+            they have all landed; a GEMM tile starts when its rows' flag is up. None: one flag per
+            block, the finest granularity.
         dispatch / combine: the direction of each communication operation, "pull", "push" or
-            "auto" (pull dispatch, push combine: the directions that overlap chunk by chunk).
+            "auto" (pull dispatch, push combine: the directions that run inside the GEMMs).
     comm_timeout_ms: how long a GPU waits for a peer of the expert-parallel group at a synchronisation
         point before failing with an error (a peer that never arrives must not hang the job).
     """

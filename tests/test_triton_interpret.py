@@ -502,36 +502,26 @@ def test_overlap_knobs():
 
 
 @interpreted
-def test_chunked_kernels_write_only_their_range():
-    """Block/row/expert ranges: each launch writes exactly its rows (or experts), the rest stays
-    poisoned, and the chunks together equal one whole launch bitwise."""
+def test_ranges_write_only_their_rows():
+    """A device range (first, end), of schedule blocks for the GEMM launchers and of rows for
+    gather_rows: the launch writes exactly those rows, bitwise as a whole launch does, and leaves the
+    rest poisoned."""
     T, H, I, E, k = 40, 32, 16, 4, 2
-    x, ids, weights, wgu, wd, _, _ = make_problem(T, H, I, E, k, torch.float16)
+    x, ids, _, wgu, _, _, _ = make_problem(T, H, I, E, k, torch.float16)
     s = build_schedule(ids, E, block_m=16)
     x_rows = rows_of(x, s, k)
     offsets = s.expert_offsets.tolist()
+    first, end = offsets[1], offsets[3]  # the rows of experts 1 and 2
+    assert 0 < first < end < offsets[-1]
     whole_h, _ = kernels.gate_up_fwd(x_rows, wgu, s.block_expert, s.num_blocks, store_gate_up=False, config=SMALL)
-    h = torch.full_like(whole_h, float("nan"))
-    for first, end in [(1, 3), (0, 1), (3, 4)]:
-        blocks = torch.tensor([offsets[first] // 16, offsets[end] // 16], dtype=torch.int32)
-        kernels.gate_up_fwd(x_rows, wgu, s.block_expert, blocks, store_gate_up=False, config=SMALL, out=(h, None), sms=2)
-        if (first, end) == (1, 3):
-            assert torch.isnan(h[: offsets[1]]).all() and torch.isnan(h[offsets[3]:]).all(), "gate_up_fwd wrote outside its blocks"
-    assert torch.equal(h[: offsets[-1]], whole_h[: offsets[-1]]), "chunked gate_up_fwd differs from one launch"
-    d_y = random_rows(s, k, H, torch.float16)
-    whole = kernels.dw_down(d_y, whole_h, s.expert_offsets, E, config=SMALL)
-    dw = torch.full_like(whole, float("nan"))
-    kernels.dw_down(d_y, whole_h, s.expert_offsets, E, config=SMALL, experts=(1, 3), out=dw, sms=1)
-    assert torch.isnan(dw[0]).all() and torch.isnan(dw[3]).all(), "dw_down wrote outside its experts"
-    kernels.dw_down(d_y, whole_h, s.expert_offsets, E, config=SMALL, experts=(0, 1), out=dw)
-    kernels.dw_down(d_y, whole_h, s.expert_offsets, E, config=SMALL, experts=(3, 4), out=dw)
-    assert torch.equal(dw, whole), "chunked dw_down differs from one launch"
-    with pytest.raises(ValueError, match="experts"):
-        kernels.dw_down(d_y, whole_h, s.expert_offsets, E, config=SMALL, experts=(2, 2))
+    blocks = torch.tensor([first // 16, end // 16], dtype=torch.int32)
+    with poisoned_empty():
+        h, _ = kernels.gate_up_fwd(x_rows, wgu, s.block_expert, blocks, store_gate_up=False, config=SMALL)
+    assert torch.equal(h[first:end], whole_h[first:end]), "gate_up_fwd over a block range differs from one launch"
+    assert torch.isnan(h[:first]).all() and torch.isnan(h[end:]).all(), "gate_up_fwd wrote outside its blocks"
     scale = torch.rand(s.num_rows)
     gathered = torch.full_like(x_rows, float("nan"))
-    span = torch.tensor([offsets[1], offsets[2]], dtype=torch.int32)
-    kernels.gather_rows(x_rows, None, scale, span, out=gathered, sms=1)
+    kernels.gather_rows(x_rows, None, scale, torch.tensor([first, end], dtype=torch.int32), out=gathered)
     want = kernels.gather_rows(x_rows, None, scale, s.expert_offsets[-1:])
-    assert torch.equal(gathered[offsets[1]:offsets[2]], want[offsets[1]:offsets[2]]), "ranged gather_rows differs"
-    assert torch.isnan(gathered[: offsets[1]]).all() and torch.isnan(gathered[offsets[2]:]).all(), "gather_rows wrote outside its range"
+    assert torch.equal(gathered[first:end], want[first:end]), "ranged gather_rows differs"
+    assert torch.isnan(gathered[:first]).all() and torch.isnan(gathered[end:]).all(), "gather_rows wrote outside its range"

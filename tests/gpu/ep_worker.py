@@ -92,13 +92,18 @@ def check_bitwise(tag, a, b):
             raise AssertionError(f"{tag}: {name} differs bitwise")
 
 
-# (num_comm_sms, minibatch_tokens) of the EP overlap: the default plan (16 programs, 4 chunks of experts),
-# the two asked for, and one expert per chunk with few communication programs. Bitwise identical.
+# (num_comm_sms, minibatch_tokens) of the EP overlap: the default (16 communication programs inside each
+# pulling GEMM, one ready flag per block), two coarser settings, and few communication programs with the
+# finest flags. Bitwise identical.
 OVERLAPS = [(None, None), (8, 1024), (32, 4096), (4, 1)]
 
 
 def checks(rank, world):
     torch.manual_seed(0)
+    x = torch.zeros(4, 8, device="cuda", dtype=torch.bfloat16)
+    chosen = megamoe.autograd.resolve_backend(megamoe.MoEConfig(), x, dist.group.WORLD)
+    if chosen != "triton":
+        raise AssertionError(f'backend "auto" with a one-host group chose {chosen!r}, expected "triton"')
     cases = [  # (tokens per rank, H, I, E, k, routing, shared)
         (1000, 256, 128, 8 * world, 4, "balanced", 0),
         (333, 2880, 256, 4 * world, 2, "balanced", 128),
@@ -134,8 +139,8 @@ def checks(rank, world):
 
 
 def graph_check(rank, world, config):
-    """Capture forward+backward with EP in a CUDA graph (the overlap's second stream and events included);
-    replay with new x and routing == eager, bitwise."""
+    """Capture forward+backward with EP in a CUDA graph (barriers, ready-flag memsets and the GEMMs'
+    communication programs included); replay with new x and routing == eager, bitwise."""
     tokens, hidden, inter, experts, topk = 512, 256, 128, 4 * world, 2
     e_l = experts // world
     g = torch.Generator(device="cuda").manual_seed(7 + rank)

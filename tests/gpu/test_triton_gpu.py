@@ -192,3 +192,40 @@ def test_gate_up_fwd_gather_variant_matches_rows_bitwise():
     used = s.expert_offsets[-1].item()
     for name, a, b in zip(["h", "gate_up"], rows, gathered):
         assert torch.equal(a[:used], b[:used]), f"{name}: gather variant differs from the rows variant"
+
+
+_NEVER_RAISED = """
+import time, torch, triton, triton.language as tl
+from megamoe.backends.triton.kernels.comm_tiles import wait_ready
+
+@triton.jit
+def waits_for_a_flag_nobody_raises(ready_ptr, out_ptr, timeout_ns):
+    wait_ready(ready_ptr, 0, timeout_ns)
+    tl.store(out_ptr, 1)
+
+ready = torch.zeros(1, dtype=torch.int32, device="cuda")
+out = torch.zeros(1, dtype=torch.int32, device="cuda")
+start = time.monotonic()
+try:
+    waits_for_a_flag_nobody_raises[(1,)](ready, out, 300_000_000)  # 300 ms
+    torch.cuda.synchronize()
+except Exception as exc:
+    print(f"raised after {time.monotonic() - start:.2f} s: {type(exc).__name__}: {exc}", flush=True)
+    raise SystemExit(7)
+print("NO ERROR", flush=True)
+"""
+
+
+def test_ready_flag_wait_is_bounded():
+    """The GEMM programs' wait for their rows' ready flag (comm_tiles.wait_ready): a flag nobody raises
+    becomes a CUDA error with a message after the timeout, not a hang (in a subprocess: the trap ends
+    the CUDA context)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _NEVER_RAISED], capture_output=True, text=True, timeout=120)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 7, f"expected a CUDA error, got rc={proc.returncode}:\n{log[-3000:]}"
+    assert "receive rows never landed" in log, log[-3000:]
+    seconds = float(log.split("raised after ")[1].split(" s")[0])
+    assert 0.25 <= seconds < 30, f"the wait ended after {seconds} s, expected about 0.3 s"

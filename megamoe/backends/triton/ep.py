@@ -229,7 +229,7 @@ def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, share
         d_w_gate_up, d_w_down = torch.empty_like(w_gate_up), torch.empty_like(w_down)
 
     if d_x_push is not None:
-        d_x_pairs = collect_pushed(ws)
+        d_x_pairs = collect_pushed(ws, keep=False)  # read once, by the slot sum below
     elif comm:
         d_x_pairs = combine(ws, d_x_rows, schedule, "push" if push else "pull")
     else:

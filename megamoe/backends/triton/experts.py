@@ -1,5 +1,5 @@
 """Forward/backward drivers of the single-GPU fused Triton path (no expert-parallel group), and the
-"rows" compute that the expert-parallel path (ep.py) shares.
+helpers the expert-parallel path (ep.py) shares (tile configs, device ranges, shared expert).
 
 Every GEMM reads and writes contiguous receive rows [R, *] (expert-major, padded per expert to the
 schedule's block_m, padding rows zero); the token-sourced operands are materialised once by a gather:
@@ -78,7 +78,7 @@ def shared_bwd(d_out, x, shared_gate_up, shared_down, gate_up):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The rows compute, shared with ep.py: everything indexed by receive row r, expert e = the row's block.
+# The rows compute: everything indexed by receive row r, expert e = the row's block.
 
 
 def rows_fwd(
@@ -89,26 +89,17 @@ def rows_fwd(
     cfg: KernelConfigs,
     *,
     save_gate_up: bool = True,
-    blocks: torch.Tensor | None = None,
-    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    sms: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h [R, I], gate_up [R, 2I], y_rows [R, H]) from x_rows [R, H] (padding rows zero; rows past
     expert_offsets[E_l] are neither read nor written). Without save_gate_up, gate_up is [0, 2I].
-
-    blocks: int32 [2] on the device, the schedule blocks to compute (None: all in use); out: (h,
-    gate_up, y_rows) to fill (None: allocated); sms: SMs of the persistent grids (None: all). The
-    expert-parallel overlap calls this once per chunk of experts, into one set of buffers.
     """
     # NOTE: the block range stays on the device; every buffer and grid is sized from shapes alone,
     # so nothing here waits for the GPU.
-    blocks = all_blocks(schedule) if blocks is None else blocks
-    h_out, gate_up_out, y_out = out if out is not None else (None, None, None)
+    blocks = all_blocks(schedule)
     h, gate_up = kernels.gate_up_fwd(
-        x_rows, w_gate_up, schedule.block_expert, blocks,
-        store_gate_up=save_gate_up, config=cfg.gate_up_fwd, out=(h_out, gate_up_out), sms=sms,
+        x_rows, w_gate_up, schedule.block_expert, blocks, store_gate_up=save_gate_up, config=cfg.gate_up_fwd,
     )
-    y_rows = kernels.down_fwd(h, w_down, schedule.block_expert, blocks, config=cfg.down_fwd, out=y_out, sms=sms)
+    y_rows = kernels.down_fwd(h, w_down, schedule.block_expert, blocks, config=cfg.down_fwd)
     if gate_up is None:
         gate_up = x_rows.new_empty(0, 2 * h.shape[1])
     return h, gate_up, y_rows
@@ -144,49 +135,6 @@ def rows_bwd(
     d_x_rows = kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad)
     d_w_gate_up = kernels.dw_gate_up(d_gate_up, rows(), schedule.expert_offsets, num_experts, config=cfg.dw_gate_up)
     return d_x_rows, d_w_gate_up, d_w_down
-
-
-def rows_dgrad(
-    d_y_rows: torch.Tensor,
-    gate_up: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    schedule: Schedule,
-    cfg: KernelConfigs,
-    *,
-    blocks: torch.Tensor,
-    d_gate_up: torch.Tensor,
-    d_x_rows: torch.Tensor,
-    sms: int | None = None,
-) -> None:
-    """The data grads of the schedule blocks in `blocks` (int32 [2], device), written into d_gate_up
-    [R, 2I] and d_x_rows [R, H]: rows_bwd's down_dgrad and gate_up_dgrad, one overlap chunk at a time."""
-    kernels.down_dgrad(d_y_rows, w_down, gate_up, schedule.block_expert, blocks, config=cfg.down_dgrad,
-                       out=d_gate_up, sms=sms)
-    kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad,
-                          out=d_x_rows, sms=sms)
-
-
-def rows_wgrad(
-    d_y_rows: torch.Tensor,
-    d_gate_up: torch.Tensor,
-    x_rows: torch.Tensor,
-    h: torch.Tensor,
-    schedule: Schedule,
-    cfg: KernelConfigs,
-    *,
-    experts: tuple[int, int],
-    d_w_gate_up: torch.Tensor,
-    d_w_down: torch.Tensor,
-    sms: int | None = None,
-) -> None:
-    """The weight grads of local experts [first, end) (static), written into those slices of
-    d_w_gate_up [E_l, 2I, H] and d_w_down [E_l, H, I]: rows_bwd's dw_down and dw_gate_up by chunk."""
-    num_experts = d_w_down.shape[0]
-    kernels.dw_down(d_y_rows, h, schedule.expert_offsets, num_experts, config=cfg.dw_down,
-                    experts=experts, out=d_w_down, sms=sms)
-    kernels.dw_gate_up(d_gate_up, x_rows, schedule.expert_offsets, num_experts, config=cfg.dw_gate_up,
-                       experts=experts, out=d_w_gate_up, sms=sms)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -7,13 +7,14 @@ Each exchange starts with a barrier (peers are done with the buffer it overwrite
 wrote into this rank, ends with one (everything has landed), so consecutive exchanges and layers can
 reuse one workspace. Returned tensors are local (never the reused symmetric buffers).
 
-The whole exchanges (dispatch, combine, ...) are built from three steps that the expert-parallel
-overlap (ep.py) also calls one chunk of receive rows at a time: `publish` (barrier, copy into this
-rank's buffers, barrier), `pull_rows` (expert owner reads the published rows of a row range) and
-`push_rows` (expert owner writes a row range of results into the token owners' pairs buffers),
-finished by `collect_pushed` (barrier, then a local copy of this rank's pairs buffer). The row steps
-never synchronise with peers: every barrier is in publish / collect_pushed (and the unchunked
-exchanges), which ep.py runs only while its communication stream is joined.
+The whole exchanges (dispatch, combine, ...) are built from a few steps: `publish` (barrier, copy into
+this rank's buffers, barrier), `pull_rows` (expert owner reads every published row it receives),
+`push_rows` (expert owner writes its result rows into the token owners' pairs buffers) and
+`collect_pushed` (barrier, then a local copy of this rank's pairs buffer). The row steps never
+synchronise with peers: every barrier is in publish / collect_pushed (and the exchanges' own).
+ep.py runs publish and collect_pushed around the GEMMs that pull and push inside their kernels
+(kernels/comm_tiles.py), calls pull_rows itself only in its unfused probes ("serial", "comm"), and
+runs the whole exchanges (push_rows inside combine) for the directions and probes the GEMMs do not fuse.
 """
 
 from __future__ import annotations
@@ -70,29 +71,28 @@ def publish(ws: Workspace, items: list[tuple[_Buffer, torch.Tensor]]) -> None:
     ws.barrier()
 
 
-def pull_rows(buffer: _Buffer, maps: ReceiveMaps, out: torch.Tensor, *, by_token: bool,
-              row_range: torch.Tensor | None = None, num_programs: int | None = None) -> None:
+def pull_rows(buffer: _Buffer, maps: ReceiveMaps, out: torch.Tensor, *, by_token: bool) -> None:
     """out[r] = the source rank's published row (its token row if by_token, else its pair row), zero for
-    padding, for receive rows r in row_range (device int32 [2]; None: every row in use)."""
+    padding, for every receive row r in use (rows past them are left unwritten)."""
     copy_rows(buffer.peer_ptrs, maps.src_rank, maps.src_token if by_token else maps.src_pair, out, maps.in_use,
-              maps.rows, src_is_table=True, dst_is_table=False, num_programs=num_programs, row_range=row_range,
-              **_size(out))
+              maps.rows, src_is_table=True, dst_is_table=False, **_size(out))
 
 
-def push_rows(ws: Workspace, rows_RH: torch.Tensor, maps: ReceiveMaps, *,
-              row_range: torch.Tensor | None = None, num_programs: int | None = None) -> None:
-    """Write receive rows r in row_range (None: all) into row p of their source rank's pairs buffer.
+def push_rows(ws: Workspace, rows_RH: torch.Tensor, maps: ReceiveMaps) -> None:
+    """Write every receive row r in use into row p of its source rank's pairs buffer (padding skipped).
     The caller has passed a barrier after every peer's last read of its pairs buffer (collect_pushed
     of the previous exchange is followed, on every rank, by at least one barrier before this)."""
     copy_rows(rows_RH, maps.zeros, maps.rows, ws.pairs.peer_ptrs, maps.src_rank, maps.src_pair,
-              src_is_table=False, dst_is_table=True, num_programs=num_programs, row_range=row_range,
-              **_size(rows_RH))
+              src_is_table=False, dst_is_table=True, **_size(rows_RH))
 
 
-def collect_pushed(ws: Workspace) -> torch.Tensor:
-    """Barrier (every peer's pushes into this rank have landed), then this rank's pairs rows [T*k, H]."""
+def collect_pushed(ws: Workspace, *, keep: bool = True) -> torch.Tensor:
+    """Barrier (every peer's pushes into this rank have landed), then this rank's pairs rows [T*k, H]:
+    a copy if keep (valid past the next exchange: the forward saves it for the backward), else the
+    symmetric buffer itself, to be read only by kernels issued before this rank's next barrier (after
+    which peers may push into it again)."""
     ws.barrier()
-    return ws.pairs.local.clone()
+    return ws.pairs.local.clone() if keep else ws.pairs.local
 
 
 def dispatch(ws: Workspace, tokens_TH: torch.Tensor, schedule: Schedule, direction: str) -> torch.Tensor:

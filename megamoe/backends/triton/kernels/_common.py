@@ -28,9 +28,10 @@ def num_sms(device: torch.device) -> int:
 def persistent_grid(device: torch.device, max_tiles: int, sms: int | None = None) -> tuple[int]:
     """Worst-case grid: min(SMs, tiles of the worst case); programs skip tiles past the real count.
 
-    sms: how many SMs the grid may take (default all). The expert-parallel overlap passes
-    SMs - num_comm_sms, so a persistent GEMM never waits for SMs held by a communication kernel
-    running beside it (a persistent grid with programs that cannot start runs their tiles late).
+    sms: how many SMs the grid may take (default all). A GEMM that pulls its rows passes the SMs its
+    communication programs leave (SMs - num_comm_sms, grouped_gemm._pull_launch), so the whole grid
+    is at most one program per SM (a persistent grid with programs that cannot start runs their
+    tiles late).
     """
     check(sms is None or sms >= 1, f"sms must be None or >= 1, got {sms}")
     return (max(1, min(num_sms(device) if sms is None else sms, max_tiles)),)

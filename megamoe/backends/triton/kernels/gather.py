@@ -6,13 +6,12 @@ For receive row r in [first, end) (a device range, no host sync), with p = index
 is no index):
     out[r] = scale[p] * src[p // div]        (fp32 product, rounded to src's dtype)
     out[r] = 0                               where p < 0 (padding)
-Rows outside the range are left unwritten. The range is [0, rows in use] on one GPU and one overlap
-chunk's rows in the expert-parallel backward.
+Rows outside the range are left unwritten. Both drivers pass [0, rows in use].
 
 Uses: x_rows = x[row_src // k] (one GPU, forward); d_y_rows = topk_weights.flat[row_src] *
 d_out[row_src // k] (one GPU, backward: the router weight of the pair, rounded to the dtype as autograd
-of the reference rounds it); d_y_rows = weight_rows[r] * d_out_rows[r] (expert parallel: rows already
-dispatched, scale only).
+of the reference rounds it); d_y_rows = weight_rows[r] * d_out_rows[r] (expert parallel, ep.py's
+unfused paths: the whole dispatched rows, scale only; its fused path scales inside down_dgrad's pull).
 """
 
 from __future__ import annotations
@@ -71,7 +70,6 @@ def gather_rows(
     num_rows: int | None = None,
     div: int = 1,
     out: torch.Tensor | None = None,
-    sms: int | None = None,
 ) -> torch.Tensor:
     """out [R, H] in src's dtype (see the module docstring for the formula).
 
@@ -80,8 +78,8 @@ def gather_rows(
     pair index when index is row_src: topk_weights flattened [T*k]; the row when index is None: [R]),
     or None. rows_in_use: on the device, int32 [2] (first, end) or int32 [1] (end, first = 0;
     schedule.expert_offsets[-1:]). div: source row = p // div (top_k when index holds pair indices).
-    num_rows: R when index is None and R != N. out: the [R, H] buffer to write (None: allocated), so
-    chunks fill one buffer. sms: SMs the grid is sized for (None: all); results do not depend on it.
+    num_rows: R when index is None and R != N. out: the [R, H] buffer to write (None: allocated; the
+    expert-parallel backward's unfused paths scale their dispatched rows into one allocated beforehand).
     """
     check(src_NH.dim() == 2 and src_NH.is_contiguous(), "src must be a contiguous [N, H] tensor")
     hidden = src_NH.shape[1]
@@ -101,9 +99,8 @@ def gather_rows(
         out = torch.empty(rows, hidden, dtype=src_NH.dtype, device=src_NH.device)
     check(out.dtype == src_NH.dtype and tuple(out.shape) == (rows, hidden) and out.is_contiguous(),
           f"out must be a contiguous {src_NH.dtype} [{rows}, {hidden}] tensor, got {out.dtype} {tuple(out.shape)}")
-    check(sms is None or sms >= 1, f"sms must be None or >= 1, got {sms}")
     # NOTE: the row range stays on the device; the grid is the worst case.
-    programs = _PROGRAMS_PER_SM * (num_sms(src_NH.device) if sms is None else sms)
+    programs = _PROGRAMS_PER_SM * num_sms(src_NH.device)
     grid = (max(1, min(programs, triton.cdiv(rows, _BLOCK_R))),)
     gather_rows_kernel[grid](
         src_NH, index_R if index_R is not None else row_range, scale if scale is not None else src_NH,

@@ -3,10 +3,9 @@
 Every kernel here walks the same tile space: row block m (BLOCK_M schedule rows, all of one expert, so
 one weight matrix per tile) x column block n. The grid is persistent and sized for the worst case;
 each program reads the range of schedule blocks [first, end) to cover from device memory (`blocks`:
-[0, num_blocks] for the whole schedule, or one overlap chunk's blocks in the expert-parallel path) and
-strides over the tiles that exist, so no host ever learns the routing. Each output element is written
-by exactly one tile with a fixed K order, whatever the grid size or the chunking: results are bitwise
-reproducible.
+[0, num_blocks] for the whole schedule, or any sub-range of it) and strides over the tiles that exist,
+so no host ever learns the routing. Each output element is written by exactly one tile with a fixed K
+order, whatever the grid size or the block range: results are bitwise reproducible.
 
 Rows are contiguous on both sides: every operand and result is an [R, *] tensor indexed by the receive
 row r (x_rows, h, gate_up, y_rows, d_y_rows, d_gate_up, d_x_rows), materialised expert-contiguous by
@@ -318,28 +317,17 @@ def _check_matrix(t: torch.Tensor, rows: int | None, cols: int | None, name: str
     check(cols is None or t.shape[1] == cols, f"{name} must be a contiguous {want} tensor, got {tuple(t.shape)}")
 
 
-def _output(out: torch.Tensor | None, rows: int, cols: int, like: torch.Tensor, name: str) -> torch.Tensor:
-    """The caller's output buffer (checked), or a new one. Chunked callers pass one buffer to every
-    chunk's launch; each launch writes only its block range."""
-    if out is None:
-        return torch.empty(rows, cols, dtype=like.dtype, device=like.device)
-    _check_matrix(out, rows, cols, name)
-    check(out.dtype == like.dtype and out.device == like.device, f"{name} must be {like.dtype} on {like.device}")
-    return out
-
-
-def _pull_launch(pull: RowPull | None, rows: torch.Tensor, blocks: int, max_tiles: int, sms: int | None
-                 ) -> tuple[tuple, list, dict]:
+def _pull_launch(pull: RowPull | None, rows: torch.Tensor, blocks: int, max_tiles: int) -> tuple[tuple, list, dict]:
     """(grid, pull arguments, pull constexprs) of a GEMM that may pull its A rows (comm_tiles.py).
 
-    The grid is the persistent GEMM grid on the SMs the communication programs leave, plus those
-    programs first (one per SM: together at most one program per SM)."""
+    Without pull, the persistent grid on every SM. With it, the persistent GEMM grid on the SMs the
+    communication programs leave, plus those programs first (one per SM: together at most one program
+    per SM)."""
     if pull is None:
-        grid = persistent_grid(rows.device, max_tiles, sms)
-        return grid, [rows] * 6 + [0, 1, 1], dict(pull_meta(None, rows, 1), ALIGNED=False)
+        return persistent_grid(rows.device, max_tiles), [rows] * 6 + [0, 1, 1], dict(pull_meta(None, rows, 1), ALIGNED=False)
     check_pull(pull, rows)
-    available = num_sms(rows.device) if sms is None else sms
-    grid = (pull.programs + persistent_grid(rows.device, max_tiles, max(1, available - pull.programs))[0],)
+    gemm_sms = max(1, num_sms(rows.device) - pull.programs)
+    grid = (pull.programs + persistent_grid(rows.device, max_tiles, gemm_sms)[0],)
     args = [pull.table, pull.src_rank, pull.src_token, pull.src_pair,
             pull.weight_table if pull.weight_table is not None else pull.table, ready_flags(pull, blocks, rows.device),
             pull.programs, pull.group_blocks, pull.timeout_ns]
@@ -371,8 +359,6 @@ def _meta(config: TileConfig, k_dim: int, split: int) -> dict:
 # Shared by every launcher below:
 #   blocks: int32 [2] on the device, the schedule blocks (first, end) to compute (or int32 [1]: the
 #       count, first = 0; schedule.num_blocks covers every row in use). Rows outside are left unwritten.
-#   out: the output buffer(s) to write (None: allocated here), so chunks can fill one buffer.
-#   sms: SMs the persistent grid may use (None: all); results do not depend on it.
 
 
 def gate_up_fwd(
@@ -385,16 +371,14 @@ def gate_up_fwd(
     config: TileConfig,
     row_src_R: torch.Tensor | None = None,
     top_k: int = 1,
-    out: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-    sms: int | None = None,
     pull: RowPull | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """h [R, I] = SwiGLU of the rows' gate/up projections; gate_up [R, 2I] too if store_gate_up.
 
     a: x_rows [R, H] (padding rows zero), or with row_src (int32 [R], -1 padding) the token rows x
     [T, H], gathered by pointer at row_src[r] // top_k (the measured alternative; padding reads zero).
-    out: (h, gate_up or None). pull: x_rows is filled by this kernel's communication programs from the
-    token owners while its GEMM programs compute (a is then the uninitialised [R, H] x_rows).
+    pull: x_rows is filled by this kernel's communication programs from the token owners while its GEMM
+    programs compute (a is then the uninitialised [R, H] x_rows).
     """
     _check_matrix(a, None, None, "x_rows" if row_src_R is None else "x")
     hidden = a.shape[1]
@@ -408,11 +392,10 @@ def gate_up_fwd(
     check(pull is None or row_src_R is None, "gate_up_fwd: pull and row_src are exclusive")
     rows = a.shape[0] if row_src_R is None else row_src_R.numel()
     split, blocks = _check_rows(rows, block_expert, blocks, config.block_m)
-    h_out, gu_out = out if out is not None else (None, None)
-    h = _output(h_out, rows, inter, a, "h")
-    gate_up = _output(gu_out, rows, 2 * inter, a, "gate_up") if store_gate_up else a.new_empty(0, 2 * inter)
+    h = torch.empty(rows, inter, dtype=a.dtype, device=a.device)
+    gate_up = torch.empty(rows, 2 * inter, dtype=a.dtype, device=a.device) if store_gate_up else a.new_empty(0, 2 * inter)
     max_tiles = rows // config.block_m * triton.cdiv(inter, config.block_n)
-    grid, pull_args, pull_constexprs = _pull_launch(pull, a, block_expert.numel(), max_tiles, sms)
+    grid, pull_args, pull_constexprs = _pull_launch(pull, a, block_expert.numel(), max_tiles)
     gate_up_fwd_kernel[grid](
         a, w_gate_up_E2IH, row_src_R if row_src_R is not None else block_expert, block_expert, blocks, h, gate_up,
         *pull_args[:6], hidden, inter, top_k, *pull_args[6:],
@@ -429,8 +412,6 @@ def down_fwd(
     blocks: torch.Tensor,
     *,
     config: TileConfig,
-    out: torch.Tensor | None = None,
-    sms: int | None = None,
     push: RowPush | None = None,
 ) -> torch.Tensor | None:
     """y_rows [R, H] = h[r] @ w_down[e]^T; with push, each row goes to its (token, slot) row of its
@@ -441,10 +422,10 @@ def down_fwd(
     hidden = w_down_EHI.shape[1]
     _check_weight(w_down_EHI, h_RI, (w_down_EHI.shape[0], hidden, inter), "w_down")
     split, blocks = _check_rows(rows, block_expert, blocks, config.block_m)
-    y_rows = _output(out, rows, hidden, h_RI, "y_rows") if push is None else h_RI.new_empty(0, hidden)
+    y_rows = torch.empty(rows, hidden, dtype=h_RI.dtype, device=h_RI.device) if push is None else h_RI.new_empty(0, hidden)
     push_args, push_constexprs = _push_launch(push, y_rows, rows, hidden)
     max_tiles = rows // config.block_m * triton.cdiv(hidden, config.block_n)
-    down_fwd_kernel[persistent_grid(h_RI.device, max_tiles, sms)](
+    down_fwd_kernel[persistent_grid(h_RI.device, max_tiles)](
         h_RI, w_down_EHI, block_expert, blocks, y_rows, *push_args,
         hidden, inter,
         **_meta(config, inter, split), **push_constexprs,
@@ -460,8 +441,6 @@ def down_dgrad(
     blocks: torch.Tensor,
     *,
     config: TileConfig,
-    out: torch.Tensor | None = None,
-    sms: int | None = None,
     pull: RowPull | None = None,
 ) -> torch.Tensor:
     """d_gate_up [R, 2I] (d_y_rows' dtype): SwiGLU backward of d_h = d_y_rows[r] @ w_down[e].
@@ -478,9 +457,9 @@ def down_dgrad(
     _check_weight(w_down_EHI, d_y_rows_RH, (w_down_EHI.shape[0], hidden, inter), "w_down")
     _check_matrix(gate_up_R2I, rows, 2 * inter, "gate_up")
     split, blocks = _check_rows(rows, block_expert, blocks, config.block_m)
-    d_gate_up = _output(out, rows, 2 * inter, d_y_rows_RH, "d_gate_up")
+    d_gate_up = torch.empty(rows, 2 * inter, dtype=d_y_rows_RH.dtype, device=d_y_rows_RH.device)
     max_tiles = rows // config.block_m * triton.cdiv(inter, config.block_n)
-    grid, pull_args, pull_constexprs = _pull_launch(pull, d_y_rows_RH, block_expert.numel(), max_tiles, sms)
+    grid, pull_args, pull_constexprs = _pull_launch(pull, d_y_rows_RH, block_expert.numel(), max_tiles)
     down_dgrad_kernel[grid](
         d_y_rows_RH, w_down_EHI, gate_up_R2I, block_expert, blocks, d_gate_up,
         *pull_args[:6], hidden, inter, *pull_args[6:],
@@ -496,8 +475,6 @@ def gate_up_dgrad(
     blocks: torch.Tensor,
     *,
     config: TileConfig,
-    out: torch.Tensor | None = None,
-    sms: int | None = None,
     push: RowPush | None = None,
 ) -> torch.Tensor | None:
     """d_x_rows [R, H] = d_gate_up[r] @ w_gate_up[e]; with push, each row goes to its (token, slot)
@@ -508,10 +485,11 @@ def gate_up_dgrad(
     hidden = w_gate_up_E2IH.shape[2]
     _check_weight(w_gate_up_E2IH, d_gate_up_R2I, (w_gate_up_E2IH.shape[0], inter2, hidden), "w_gate_up")
     split, blocks = _check_rows(rows, block_expert, blocks, config.block_m)
-    d_x_rows = _output(out, rows, hidden, d_gate_up_R2I, "d_x_rows") if push is None else d_gate_up_R2I.new_empty(0, hidden)
+    d_x_rows = (torch.empty(rows, hidden, dtype=d_gate_up_R2I.dtype, device=d_gate_up_R2I.device) if push is None
+                else d_gate_up_R2I.new_empty(0, hidden))
     push_args, push_constexprs = _push_launch(push, d_x_rows, rows, hidden)
     max_tiles = rows // config.block_m * triton.cdiv(hidden, config.block_n)
-    gate_up_dgrad_kernel[persistent_grid(d_gate_up_R2I.device, max_tiles, sms)](
+    gate_up_dgrad_kernel[persistent_grid(d_gate_up_R2I.device, max_tiles)](
         d_gate_up_R2I, w_gate_up_E2IH, block_expert, blocks, d_x_rows, *push_args,
         hidden, inter2 // 2,
         **_meta(config, inter2, split), **push_constexprs,

@@ -5,9 +5,7 @@ One kernel serves all four directions (pull/push x dispatch/combine): row i move
 where src and dst are either a local tensor (the peer index then only marks rows) or a table of the
 base addresses of every rank's copy of a symmetric buffer (int64 [W], mapped into this process).
 src_peer[i] < 0 writes a zero row (padding), dst_peer[i] < 0 skips row i. Each destination row is
-written by one program, so the result does not depend on timing. With a row range (int32 [2] on the
-device, read by the kernel: no host sync) only rows i in [first, end) move: the expert-parallel
-overlap copies one chunk of receive rows per launch.
+written by one program, so the result does not depend on timing.
 """
 
 from __future__ import annotations
@@ -15,8 +13,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from megamoe.backends.triton.kernels._common import check, load_range
 
 _RAW_TYPES = {2: tl.int16, 4: tl.int32, 8: tl.int64}
 
@@ -32,22 +28,16 @@ def _row_bases(ptr, peer, IS_TABLE: tl.constexpr, RAW: tl.constexpr):
 @triton.jit
 def _copy_rows_kernel(
     src_ptr, src_peer_ptr, src_row_ptr,
-    dst_ptr, dst_peer_ptr, dst_row_ptr, row_range_ptr,
+    dst_ptr, dst_peer_ptr, dst_row_ptr,
     num_rows, row_elems,
-    SRC_TABLE: tl.constexpr, DST_TABLE: tl.constexpr, RAW: tl.constexpr, HAS_RANGE: tl.constexpr,
+    SRC_TABLE: tl.constexpr, DST_TABLE: tl.constexpr, RAW: tl.constexpr,
     ALIGNED: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    if HAS_RANGE:
-        begin, end = load_range(row_range_ptr, 1)
-        end = tl.minimum(end, num_rows)
-    else:
-        begin = 0
-        end = num_rows
     # ROWS rows per step keep several independent NVLink transactions in flight per program.
     offs = tl.arange(0, BLOCK)
-    for first in range(begin + tl.program_id(0) * ROWS, end, tl.num_programs(0) * ROWS):
+    for first in range(tl.program_id(0) * ROWS, num_rows, tl.num_programs(0) * ROWS):
         i = first + tl.arange(0, ROWS)
-        in_range = i < end
+        in_range = i < num_rows
         dst_peer = tl.load(dst_peer_ptr + i, mask=in_range, other=-1)
         live = dst_peer >= 0
         src_peer = tl.load(src_peer_ptr + i, mask=live, other=-1)
@@ -66,13 +56,9 @@ def _copy_rows_kernel(
             tl.store(dst[:, None] + cols[None, :], value, mask=mask)
 
 
-# Bytes each program moves per step. The default grid (4 programs per SM, for an exchange that has the
-# GPU to itself) keeps 16 KB per program in flight. A grid given by the caller is the overlap's few
-# communication SMs (MoEConfig.num_comm_sms, one program each, next to the GEMMs): there each program
-# must keep more in flight to cover NVLink latency, so steps are 64 KB over 16 warps (the loop body
-# is one load and one store; Triton does not pipeline it across steps).
+# Bytes each program moves per step (at most _MAX_ROWS rows, _WARPS warps): the grid of 4 programs per
+# SM (an exchange has the GPU to itself) keeps 16 KB per program in flight.
 _STEP_BYTES, _WARPS, _MAX_ROWS = 16384, 4, 8
-_WIDE_STEP_BYTES, _WIDE_WARPS, _WIDE_MAX_ROWS = 65536, 16, 1024
 
 
 def _aligned(t: torch.Tensor, is_table: bool) -> bool:
@@ -93,36 +79,26 @@ def copy_rows(
     element_size: int,
     src_is_table: bool,
     dst_is_table: bool,
-    num_programs: int | None = None,
-    row_range: torch.Tensor | None = None,
 ) -> None:
-    """Launch the row copy. peers/rows: int32 [N]; rows of row_elems elements of element_size bytes,
-    copied as raw bits (any dtype of that size). A table is int64 [W] base addresses.
-
-    num_programs: the grid (None: 4 per SM, 16 KB steps; given: wide 64 KB steps, see above).
-    row_range: int32 [2] (first, end) on the device, the rows i to move (None: all N).
+    """Launch the row copy of all N rows. peers/rows: int32 [N]; rows of row_elems elements of
+    element_size bytes, copied as raw bits (any dtype of that size). A table is int64 [W] base
+    addresses. The grid is 4 programs per SM (16 without a GPU), fewer when the rows need fewer steps.
     """
     num_rows = src_peer.numel()
     if not (src_row.numel() == dst_peer.numel() == dst_row.numel() == num_rows):
         raise ValueError("copy_rows: src_peer, src_row, dst_peer and dst_row must have the same length")
     if element_size not in _RAW_TYPES:
         raise ValueError(f"copy_rows: element_size must be one of {sorted(_RAW_TYPES)}, got {element_size}")
-    if row_range is not None:
-        check(row_range.dtype == torch.int32 and row_range.numel() == 2 and row_range.is_contiguous(),
-              f"copy_rows: row_range must be a contiguous int32 [2] tensor, got {row_range.dtype} {tuple(row_range.shape)}")
-    check(num_programs is None or num_programs >= 1, f"copy_rows: num_programs must be None or >= 1, got {num_programs}")
     if num_rows == 0:
         return
     block = min(triton.next_power_of_2(row_elems), 4096 // element_size)
-    step, warps, max_rows = (_STEP_BYTES, _WARPS, _MAX_ROWS) if num_programs is None else (_WIDE_STEP_BYTES, _WIDE_WARPS, _WIDE_MAX_ROWS)
-    rows_per_step = max(1, min(max_rows, step // (block * element_size)))
-    if num_programs is None:
-        sms = torch.cuda.get_device_properties(src_peer.device).multi_processor_count if src_peer.is_cuda else 4
-        num_programs = max(1, min(triton.cdiv(num_rows, rows_per_step), 4 * sms))
+    rows_per_step = max(1, min(_MAX_ROWS, _STEP_BYTES // (block * element_size)))
+    sms = torch.cuda.get_device_properties(src_peer.device).multi_processor_count if src_peer.is_cuda else 4
+    num_programs = max(1, min(triton.cdiv(num_rows, rows_per_step), 4 * sms))
     _copy_rows_kernel[(num_programs,)](
-        src, src_peer, src_row, dst, dst_peer, dst_row, row_range if row_range is not None else src_peer,
+        src, src_peer, src_row, dst, dst_peer, dst_row,
         num_rows, row_elems,
-        SRC_TABLE=src_is_table, DST_TABLE=dst_is_table, RAW=_RAW_TYPES[element_size], HAS_RANGE=row_range is not None,
+        SRC_TABLE=src_is_table, DST_TABLE=dst_is_table, RAW=_RAW_TYPES[element_size],
         ALIGNED=_aligned(src, src_is_table) and _aligned(dst, dst_is_table) and row_elems * element_size % 16 == 0,
-        ROWS=rows_per_step, BLOCK=block, num_warps=warps,
+        ROWS=rows_per_step, BLOCK=block, num_warps=_WARPS,
     )

@@ -94,32 +94,19 @@ def _check_offsets(expert_offsets: torch.Tensor, rows: int, num_experts: int, bl
     check(rows % block_k == 0, f"the row step {block_k} must divide R={rows} (and block_m)")
 
 
-def _launch(kernel, a, b, m_dim, n_dim, kernel_dims, expert_offsets, num_experts, config, experts, out, sms):
+def _launch(kernel, a, b, m_dim, n_dim, kernel_dims, expert_offsets, num_experts, config):
+    """dw [E_l, m_dim, n_dim] in a's dtype: every tile of every expert, on the persistent grid."""
+    check(num_experts >= 1, f"num_experts must be >= 1, got {num_experts}")
     _check_offsets(expert_offsets, a.shape[0], num_experts, config.block_k)
-    first, end = (0, num_experts) if experts is None else experts
-    check(isinstance(first, int) and isinstance(end, int) and 0 <= first < end <= num_experts,
-          f"experts must be a static range (first, end) with 0 <= first < end <= {num_experts}, got {experts!r}")
-    if out is None:
-        out = torch.empty(num_experts, m_dim, n_dim, dtype=a.dtype, device=a.device)
-    check(tuple(out.shape) == (num_experts, m_dim, n_dim) and out.is_contiguous() and out.dtype == a.dtype,
-          f"out must be a contiguous {a.dtype} [{num_experts}, {m_dim}, {n_dim}] tensor, got {out.dtype} {tuple(out.shape)}")
-    # The sub-range is views: expert e of the launch is expert first + e of the schedule, whose rows
-    # are expert_offsets[first + e] .. expert_offsets[first + e + 1]; its tiles land in out[first + e].
-    count = end - first
-    max_tiles = count * triton.cdiv(m_dim, config.block_m) * triton.cdiv(n_dim, config.block_n)
-    kernel[persistent_grid(a.device, max_tiles, sms)](
-        a, b, expert_offsets[first:end + 1], out[first:end],
-        *kernel_dims, count,
+    out = torch.empty(num_experts, m_dim, n_dim, dtype=a.dtype, device=a.device)
+    max_tiles = num_experts * triton.cdiv(m_dim, config.block_m) * triton.cdiv(n_dim, config.block_n)
+    kernel[persistent_grid(a.device, max_tiles)](
+        a, b, expert_offsets, out,
+        *kernel_dims, num_experts,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
-
-
-# Shared by both launchers: experts, a static (first, end) sub-range of the local experts to compute
-# (None: all), written into out[first:end] of out [E_l, *, *] (None: allocated here; the other
-# experts' slices are then unspecified); sms, the SMs the persistent grid may use (None: all). An
-# expert's tiles do not depend on the range or the grid: chunked launches give the same bits.
 
 
 def dw_down(
@@ -129,9 +116,6 @@ def dw_down(
     num_experts: int,
     *,
     config: TileConfig,
-    experts: tuple[int, int] | None = None,
-    out: torch.Tensor | None = None,
-    sms: int | None = None,
 ) -> torch.Tensor:
     """d_w_down [E_l, H, I] = d_y_rows^T h per expert, in the rows' dtype.
 
@@ -140,8 +124,7 @@ def dw_down(
     """
     _check_operands(d_y_rows_RH, h_RI, ("d_y_rows", "h"))
     hidden, inter = d_y_rows_RH.shape[1], h_RI.shape[1]
-    return _launch(dw_down_kernel, d_y_rows_RH, h_RI, hidden, inter, (hidden, inter), expert_offsets, num_experts,
-                   config, experts, out, sms)
+    return _launch(dw_down_kernel, d_y_rows_RH, h_RI, hidden, inter, (hidden, inter), expert_offsets, num_experts, config)
 
 
 def dw_gate_up(
@@ -151,9 +134,6 @@ def dw_gate_up(
     num_experts: int,
     *,
     config: TileConfig,
-    experts: tuple[int, int] | None = None,
-    out: torch.Tensor | None = None,
-    sms: int | None = None,
 ) -> torch.Tensor:
     """d_w_gate_up [E_l, 2I, H] = d_gate_up^T x_rows per expert, in the rows' dtype.
 
@@ -163,4 +143,4 @@ def dw_gate_up(
     inter2, hidden = d_gate_up_R2I.shape[1], x_rows_RH.shape[1]
     check(inter2 % 2 == 0, f"d_gate_up must have 2I columns, got {inter2}")
     return _launch(dw_gate_up_kernel, d_gate_up_R2I, x_rows_RH, inter2, hidden, (hidden, inter2 // 2),
-                   expert_offsets, num_experts, config, experts, out, sms)
+                   expert_offsets, num_experts, config)
