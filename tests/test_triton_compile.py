@@ -63,7 +63,7 @@ _POINTER_TYPES = {
     "index_ptr": "*i32", "rows_in_use_ptr": "*i32", "scale_ptr": "*fp32",
     "w_ptr": "*bf16", "d_w_ptr": "*fp32",
     "pull_table_ptr": "*i64", "pull_weight_table_ptr": "*i64", "push_table_ptr": "*i64",
-    "pull_rank_ptr": "*i32", "pull_token_ptr": "*i32", "pull_pair_ptr": "*i32", "ready_ptr": "*i32",
+    "pull_rank_ptr": "*i32", "pull_token_ptr": "*i32", "pull_pair_ptr": "*i32", "work_ptr": "*i32",
     "push_rank_ptr": "*i32", "push_pair_ptr": "*i32",
 }
 _INT_TYPES = {"timeout_ns": "i64"}

@@ -216,14 +216,16 @@ print("NO ERROR", flush=True)
 """
 
 
-def test_ready_flag_wait_is_bounded():
+def test_ready_flag_wait_is_bounded(tmp_path):
     """The GEMM programs' wait for their rows' ready flag (comm_tiles.wait_ready): a flag nobody raises
     becomes a CUDA error with a message after the timeout, not a hang (in a subprocess: the trap ends
     the CUDA context)."""
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-c", _NEVER_RAISED], capture_output=True, text=True, timeout=120)
+    script = tmp_path / "never_raised.py"  # Triton reads a jit function's source from its file
+    script.write_text(_NEVER_RAISED)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 7, f"expected a CUDA error, got rc={proc.returncode}:\n{log[-3000:]}"
     assert "receive rows never landed" in log, log[-3000:]

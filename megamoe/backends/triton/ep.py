@@ -44,9 +44,10 @@ from megamoe.schedule import Schedule, receive_rows
 
 # The direction "auto" resolves to, per operation (docs/perf-notes.md has the measurements).
 AUTO_DIRECTIONS = {"dispatch": "pull", "combine": "push"}
-# MoEConfig.num_comm_sms = None: communication programs of each pulling GEMM, one SM each; its GEMM
-# programs take the other SMs (116 of an H200's 132).
-DEFAULT_COMM_SMS = 16
+# MoEConfig.num_comm_sms = None: communication programs of each pulling GEMM, one SM each; they join
+# its GEMM programs when the pulls run out. 32 measured best on qwen3-30b-a3b and qwen3-235b-a22b at
+# EP=2 (16 / 32 / 48: 10.04 / 9.41 / 9.55 ms and 32.97 / 32.90 ms fwd+bwd; docs/perf-notes.md).
+DEFAULT_COMM_SMS = 32
 # Benchmark-only probes (benchmarks/overlap_bench.py): "full" is the layer; "compute" skips every copy
 # and barrier (GEMMs on every SM; results wrong, timing only); "comm" runs only the exchanges, whole
 # (results wrong); "serial" is the layer without overlap (whole exchanges around plain GEMMs).

@@ -1,11 +1,12 @@
 """Communication inside the persistent GEMMs of the expert-parallel path.
 
 Pull (dispatch): in a GEMM whose A operand is this rank's receive rows (gate_up_fwd: x rows; down_dgrad:
-d_y rows), the first `programs` programs of the grid are communication programs. They copy the rows of
-each group of schedule blocks from the token owners' published buffers (symmetric memory, read over
-NVLink through the peers' mapped addresses) into the local rows, then raise the group's ready flag
-(release, GPU scope). Every other program is a GEMM program: before a tile it acquires its row block's
-flag, so a tile starts as soon as its own rows have landed, not when the whole exchange has.
+d_y rows), the first `programs` programs of the grid are communication programs. They claim groups of
+schedule blocks in order (a device counter), copy each group's rows from the token owners' published
+buffers (symmetric memory, read over NVLink through the peers' mapped addresses) into the local rows,
+and raise the group's ready flag (release, GPU scope); when no group is left they become GEMM programs.
+The GEMM programs claim tiles in order (another counter) and acquire the tile's row-block flag before
+its K loop, so a tile starts as soon as its own rows have landed, not when the whole exchange has.
 
 Push (combine): in a GEMM whose output rows go back to the token owners (down_fwd: y; gate_up_dgrad:
 d_x), the epilogue stores each tile row straight into its (token, slot) row of the owner's pairs
@@ -15,10 +16,11 @@ Determinism: every element is still written by one program, with the values and 
 unfused kernels (copies are bit copies; the backward's router-weight scale is the same fp32 product
 rounded to the dtype as gather_rows'), so results do not depend on the split or the granularity.
 
-No deadlock by construction: a GEMM program only ever waits for communication programs of its own
-grid, which have lower program ids (the hardware starts them first, and the interpreter runs programs
-in id order), copy only local or already-published rows and never wait for anything. The grid is at
-most one program per SM. Every wait is bounded by a timeout: past it the program prints which group
+No deadlock by construction: a GEMM program only ever waits for a group that a communication program
+of its own grid has claimed or will claim; those have the lowest program ids (the hardware starts them
+first; the interpreter runs programs in id order, so there program 0 pulls every group before any
+tile), copy only local or already-published rows and wait for nothing before the pulls run out. The
+grid is at most one program per SM. Every wait is bounded by a timeout: past it the program prints which group
 never arrived and traps, which surfaces as a CUDA error instead of a hang.
 """
 
@@ -100,9 +102,14 @@ def check_push(push: RowPush, num_rows: int) -> None:
     check(push.table.dtype == torch.int64 and push.table.dim() == 1, "RowPush.table must be an int64 [W] table")
 
 
-def ready_flags(pull: RowPull, num_blocks: int, device: torch.device) -> torch.Tensor:
-    """Zeroed int32 flags, one per group of schedule blocks (a memset in stream order: capturable)."""
-    return torch.zeros(max(1, triton.cdiv(num_blocks, pull.group_blocks)), dtype=torch.int32, device=device)
+# work_counters layout: [next group to pull, next tile to compute, ready flag of group 0, 1, ...].
+_NEXT_GROUP, _NEXT_TILE, _FLAGS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
+def work_counters(pull: RowPull, num_blocks: int, device: torch.device) -> torch.Tensor:
+    """Zeroed int32 claim counters and ready flags of one pulling launch (a memset in stream order:
+    capturable)."""
+    return torch.zeros(_FLAGS.value + max(1, triton.cdiv(num_blocks, pull.group_blocks)), dtype=torch.int32, device=device)
 
 
 def pull_meta(pull: RowPull | None, rows: torch.Tensor, block_rows: int) -> dict:
@@ -129,54 +136,69 @@ def _row_bases(table_ptr, rank, ELEM: tl.constexpr):
 
 
 @triton.jit
-def pull_groups(
-    rows_ptr, table_ptr, src_rank_ptr, src_token_ptr, src_pair_ptr, weight_table_ptr, ready_ptr,
-    first_block, end_block, program, num_programs, H, group_blocks,
+def pull_then_claim(
+    rows_ptr, table_ptr, src_rank_ptr, src_token_ptr, src_pair_ptr, weight_table_ptr, work_ptr,
+    first_block, end_block, pull_programs, H, group_blocks,
     SCALE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_ROWS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Communication program `program` of `num_programs`: for groups g = program, program + num_programs,
-    ... of schedule blocks [g * group_blocks, (g + 1) * group_blocks) within [first_block, end_block),
-    copy their rows (BLOCK_ROWS per schedule block) and raise ready[g]."""
-    elem = rows_ptr.dtype.element_ty
-    offs_r = tl.arange(0, ROWS)
-    offs_c = tl.arange(0, BLOCK)
-    first_group = first_block // group_blocks
-    for group in range(first_group + program, tl.cdiv(end_block, group_blocks), num_programs):
-        row_begin = tl.maximum(group * group_blocks, first_block) * BLOCK_ROWS
-        row_end = tl.minimum((group + 1) * group_blocks, end_block) * BLOCK_ROWS
-        for r0 in range(row_begin, row_end, ROWS):
-            rows = r0 + offs_r  # ROWS divides BLOCK_ROWS: every row is in range
-            rank = tl.load(src_rank_ptr + rows)
-            live = rank >= 0
-            token = tl.load(src_token_ptr + rows, mask=live, other=0)
-            src = _row_bases(table_ptr, rank, elem) + token.to(tl.int64) * H
-            dst = rows_ptr + rows.to(tl.int64) * H
-            if ALIGNED:
-                src = tl.multiple_of(src, 16)
-                dst = tl.multiple_of(dst, 16)
-            if SCALE:
-                pair = tl.load(src_pair_ptr + rows, mask=live, other=0)
-                weight = tl.load(_row_bases(weight_table_ptr, rank, tl.float32) + pair, mask=live, other=0.0)
-            for c0 in range(0, H, BLOCK):
-                cols = c0 + offs_c
-                col_ok = (cols < H)[None, :]
-                value = tl.load(src[:, None] + cols[None, :], mask=live[:, None] & col_ok, other=0.0)
+    """A pulling GEMM's start: programs below pull_programs claim groups of schedule blocks in order
+    (groups [g * group_blocks, (g + 1) * group_blocks) within [first_block, end_block)), copy their rows
+    (BLOCK_ROWS per schedule block) and raise each group's flag, until no group is left; then every
+    program claims its first tile. Claims are atomic counters, so the communication programs join the
+    GEMM as soon as the pulls run out instead of leaving their SMs idle."""
+    if tl.program_id(0) < pull_programs:
+        elem = rows_ptr.dtype.element_ty
+        offs_r = tl.arange(0, ROWS)
+        offs_c = tl.arange(0, BLOCK)
+        first_group = first_block // group_blocks
+        end_group = tl.cdiv(end_block, group_blocks)
+        group = first_group + tl.atomic_add(work_ptr + _NEXT_GROUP, 1, sem="relaxed")
+        while group < end_group:
+            row_begin = tl.maximum(group * group_blocks, first_block) * BLOCK_ROWS
+            row_end = tl.minimum((group + 1) * group_blocks, end_block) * BLOCK_ROWS
+            for r0 in range(row_begin, row_end, ROWS):
+                rows = r0 + offs_r  # ROWS divides BLOCK_ROWS: every row is in range
+                rank = tl.load(src_rank_ptr + rows)
+                live = rank >= 0
+                token = tl.load(src_token_ptr + rows, mask=live, other=0)
+                src = _row_bases(table_ptr, rank, elem) + token.to(tl.int64) * H
+                dst = rows_ptr + rows.to(tl.int64) * H
+                if ALIGNED:
+                    src = tl.multiple_of(src, 16)
+                    dst = tl.multiple_of(dst, 16)
                 if SCALE:
-                    value = (value.to(tl.float32) * weight[:, None]).to(elem)
-                tl.store(dst[:, None] + cols[None, :], value, mask=col_ok)
-        # Every thread's stores are done (CTA barrier) before one release publishes them GPU-wide.
-        tl.debug_barrier()
-        tl.atomic_xchg(ready_ptr + group, 1, sem="release", scope="gpu")
+                    pair = tl.load(src_pair_ptr + rows, mask=live, other=0)
+                    weight = tl.load(_row_bases(weight_table_ptr, rank, tl.float32) + pair, mask=live, other=0.0)
+                for c0 in range(0, H, BLOCK):
+                    cols = c0 + offs_c
+                    col_ok = (cols < H)[None, :]
+                    value = tl.load(src[:, None] + cols[None, :], mask=live[:, None] & col_ok, other=0.0)
+                    if SCALE:
+                        value = (value.to(tl.float32) * weight[:, None]).to(elem)
+                    tl.store(dst[:, None] + cols[None, :], value, mask=col_ok)
+            # Every thread's stores are done (CTA barrier) before one release publishes them GPU-wide.
+            tl.debug_barrier()
+            tl.atomic_xchg(work_ptr + _FLAGS + group, 1, sem="release", scope="gpu")
+            group = first_group + tl.atomic_add(work_ptr + _NEXT_GROUP, 1, sem="relaxed")
+    return claim_tile(work_ptr)
 
 
 @triton.jit
-def wait_ready(ready_ptr, group, timeout_ns):
-    """Acquire ready[group] (GPU scope); a flag still down after timeout_ns traps the kernel."""
-    ready = tl.atomic_add(ready_ptr + group, 0, sem="acquire", scope="gpu")
+def claim_tile(work_ptr):
+    """The next tile of a pulling GEMM (tiles are claimed in order; each tile's math does not depend on
+    which program computes it, so the results do not either)."""
+    return tl.atomic_add(work_ptr + _NEXT_TILE, 1, sem="relaxed")
+
+
+@triton.jit
+def wait_ready(work_ptr, group, timeout_ns):
+    """Acquire group's ready flag (GPU scope); a flag still down after timeout_ns traps the kernel."""
+    flag_ptr = work_ptr + _FLAGS + group
+    ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
     if ready == 0:
         deadline = globaltimer() + timeout_ns
         while ready == 0:
-            ready = tl.atomic_add(ready_ptr + group, 0, sem="acquire", scope="gpu")
+            ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
             if ready == 0:
                 if globaltimer() > deadline:
                     tl.device_print("megamoe: receive rows never landed (MoEConfig.comm_timeout_ms), flag group", group)

@@ -27,34 +27,8 @@ import triton.language as tl
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import check, load_range, num_sms, persistent_grid, range_of, tile_coords
 from megamoe.backends.triton.kernels.comm_tiles import (
-    RowPull, RowPush, aligned_rows, check_pull, check_push, pull_groups, pull_meta, push_pointers, ready_flags, wait_ready,
+    RowPull, RowPush, aligned_rows, check_pull, check_push, claim_tile, pull_meta, pull_then_claim, push_pointers, work_counters, wait_ready,
 )
-
-
-@triton.jit
-def _gemm_programs(
-    rows_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_weight_table_ptr, ready_ptr,
-    first_m, end_m, num_tiles, H, pull_programs, group_blocks,
-    PULL: tl.constexpr, SCALE: tl.constexpr, ALIGNED: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-    PULL_ROWS: tl.constexpr, PULL_BLOCK: tl.constexpr,
-):
-    """(first tile, tile stride) of this program. With PULL, programs below pull_programs first pull
-    the rows of their groups of schedule blocks (and then take no tile); the rest stride over the tiles."""
-    pid = tl.program_id(0)
-    start = pid
-    step = tl.num_programs(0)
-    if PULL:
-        step = step - pull_programs
-        if pid < pull_programs:
-            pull_groups(
-                rows_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_weight_table_ptr, ready_ptr,
-                first_m // SPLIT, end_m // SPLIT, pid, pull_programs, H, group_blocks,
-                SCALE=SCALE, ALIGNED=ALIGNED, BLOCK_ROWS=BLOCK_M * SPLIT, ROWS=PULL_ROWS, BLOCK=PULL_BLOCK,
-            )
-            start = num_tiles
-        else:
-            start = pid - pull_programs
-    return start, step
 
 
 @triton.jit
@@ -72,9 +46,72 @@ def _store_rows(out_ptr, push_table_ptr, push_rank_ptr, push_pair_ptr, rows, col
 
 
 @triton.jit
+def _gate_up_fwd_tile(
+    tile, a_ptr, w_ptr, row_src_ptr, block_expert_ptr, h_ptr, gate_up_ptr, work_ptr, first_m, num_m, num_n, H, I, top_k,
+    group_blocks, timeout_ns,
+    GATHER: tl.constexpr, STORE_GATE_UP: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PULL: tl.constexpr,
+):
+    """One output tile of gate_up_fwd_kernel (see there); with PULL, after its rows' ready flag."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+    pid_m += first_m
+    if PULL:
+        wait_ready(work_ptr, pid_m // SPLIT // group_blocks, timeout_ns)
+    expert = tl.load(block_expert_ptr + pid_m // SPLIT).to(tl.int64)
+    rows = pid_m.to(tl.int64) * BLOCK_M + offs_m
+    if GATHER:
+        src = tl.load(row_src_ptr + rows)
+        valid = src >= 0
+        a_rows = tl.where(valid, src // top_k, 0).to(tl.int64)
+    else:
+        a_rows = rows
+    cols = pid_n * BLOCK_N + offs_n
+    # Columns past I read a clamped (in-bounds) weight row, dropped at the store: clamping the
+    # strided dimension keeps the loads unmasked (masks go on contiguous dimensions only, where
+    # they keep 16-byte vector copies; a clamp there would break the contiguity analysis).
+    w_cols = tl.minimum(cols, I - 1)
+    a_ptrs = a_ptr + a_rows[:, None] * H + offs_k[None, :]
+    wg_ptrs = w_ptr + expert * (2 * I) * H + w_cols[None, :] * H + offs_k[:, None]
+    wu_ptrs = wg_ptrs + I * H
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:
+            if GATHER:
+                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs)
+            bg = tl.load(wg_ptrs)
+            bu = tl.load(wu_ptrs)
+        else:
+            k_ok = offs_k + k0 < H
+            if GATHER:
+                a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            bg = tl.load(wg_ptrs, mask=k_ok[:, None], other=0.0)
+            bu = tl.load(wu_ptrs, mask=k_ok[:, None], other=0.0)
+        acc_g = tl.dot(a, bg, acc_g)
+        acc_u = tl.dot(a, bu, acc_u)
+        a_ptrs += BLOCK_K
+        wg_ptrs += BLOCK_K
+        wu_ptrs += BLOCK_K
+    out_mask = (cols < I)[None, :]
+    if STORE_GATE_UP:
+        gu_ptrs = gate_up_ptr + rows[:, None] * (2 * I) + cols[None, :]
+        tl.store(gu_ptrs, acc_g.to(gate_up_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(gu_ptrs + I, acc_u.to(gate_up_ptr.dtype.element_ty), mask=out_mask)
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    tl.store(h_ptr + rows[:, None] * I + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
 def gate_up_fwd_kernel(
     a_ptr, w_ptr, row_src_ptr, block_expert_ptr, block_range_ptr, h_ptr, gate_up_ptr,
-    pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_weight_table_ptr, ready_ptr,
+    pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_weight_table_ptr, work_ptr,
     H, I, top_k, pull_programs, group_blocks, timeout_ns,
     GATHER: tl.constexpr, STORE_GATE_UP: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -91,65 +128,25 @@ def gate_up_fwd_kernel(
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
     num_n = tl.cdiv(I, BLOCK_N)
-    start, step = _gemm_programs(
-        a_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_weight_table_ptr, ready_ptr,
-        first_m, end_m, num_m * num_n, H, pull_programs, group_blocks,
-        PULL, SCALE, ALIGNED, SPLIT, BLOCK_M, PULL_ROWS, PULL_BLOCK,
-    )
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    for tile in range(start, num_m * num_n, step):
-        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-        pid_m += first_m
-        if PULL:
-            wait_ready(ready_ptr, pid_m // SPLIT // group_blocks, timeout_ns)
-        expert = tl.load(block_expert_ptr + pid_m // SPLIT).to(tl.int64)
-        rows = pid_m.to(tl.int64) * BLOCK_M + offs_m
-        if GATHER:
-            src = tl.load(row_src_ptr + rows)
-            valid = src >= 0
-            a_rows = tl.where(valid, src // top_k, 0).to(tl.int64)
-        else:
-            a_rows = rows
-        cols = pid_n * BLOCK_N + offs_n
-        # Columns past I read a clamped (in-bounds) weight row, dropped at the store: clamping the
-        # strided dimension keeps the loads unmasked (masks go on contiguous dimensions only, where
-        # they keep 16-byte vector copies; a clamp there would break the contiguity analysis).
-        w_cols = tl.minimum(cols, I - 1)
-        a_ptrs = a_ptr + a_rows[:, None] * H + offs_k[None, :]
-        wg_ptrs = w_ptr + expert * (2 * I) * H + w_cols[None, :] * H + offs_k[:, None]
-        wu_ptrs = wg_ptrs + I * H
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            if EVEN_K:
-                if GATHER:
-                    a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-                else:
-                    a = tl.load(a_ptrs)
-                bg = tl.load(wg_ptrs)
-                bu = tl.load(wu_ptrs)
-            else:
-                k_ok = offs_k + k0 < H
-                if GATHER:
-                    a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-                else:
-                    a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                bg = tl.load(wg_ptrs, mask=k_ok[:, None], other=0.0)
-                bu = tl.load(wu_ptrs, mask=k_ok[:, None], other=0.0)
-            acc_g = tl.dot(a, bg, acc_g)
-            acc_u = tl.dot(a, bu, acc_u)
-            a_ptrs += BLOCK_K
-            wg_ptrs += BLOCK_K
-            wu_ptrs += BLOCK_K
-        out_mask = (cols < I)[None, :]
-        if STORE_GATE_UP:
-            gu_ptrs = gate_up_ptr + rows[:, None] * (2 * I) + cols[None, :]
-            tl.store(gu_ptrs, acc_g.to(gate_up_ptr.dtype.element_ty), mask=out_mask)
-            tl.store(gu_ptrs + I, acc_u.to(gate_up_ptr.dtype.element_ty), mask=out_mask)
-        h = acc_g * tl.sigmoid(acc_g) * acc_u
-        tl.store(h_ptr + rows[:, None] * I + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=out_mask)
+    num_tiles = num_m * num_n
+    if PULL:
+        tile = pull_then_claim(
+            a_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_weight_table_ptr, work_ptr,
+            first_m // SPLIT, end_m // SPLIT, pull_programs, H, group_blocks,
+            SCALE=SCALE, ALIGNED=ALIGNED, BLOCK_ROWS=BLOCK_M * SPLIT, ROWS=PULL_ROWS, BLOCK=PULL_BLOCK,
+        )
+        while tile < num_tiles:
+            _gate_up_fwd_tile(tile, a_ptr, w_ptr, row_src_ptr, block_expert_ptr, h_ptr, gate_up_ptr, work_ptr, first_m, num_m, num_n, H, I,
+                top_k, group_blocks, timeout_ns,
+                GATHER, STORE_GATE_UP, EVEN_K, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PULL,
+            )
+            tile = claim_tile(work_ptr)
+    else:
+        for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+            _gate_up_fwd_tile(tile, a_ptr, w_ptr, row_src_ptr, block_expert_ptr, h_ptr, gate_up_ptr, work_ptr, first_m, num_m, num_n, H, I,
+                top_k, group_blocks, timeout_ns,
+                GATHER, STORE_GATE_UP, EVEN_K, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PULL,
+            )
 
 
 @triton.jit
@@ -193,9 +190,53 @@ def down_fwd_kernel(
 
 
 @triton.jit
+def _down_dgrad_tile(
+    tile, d_y_ptr, w_ptr, gate_up_ptr, block_expert_ptr, d_gate_up_ptr, work_ptr, first_m, num_m, num_n, H, I,
+    group_blocks, timeout_ns,
+    EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PULL: tl.constexpr,
+):
+    """One output tile of down_dgrad_kernel (see there); with PULL, after its rows' ready flag."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+    pid_m += first_m
+    if PULL:
+        wait_ready(work_ptr, pid_m // SPLIT // group_blocks, timeout_ns)
+    expert = tl.load(block_expert_ptr + pid_m // SPLIT).to(tl.int64)
+    rows = pid_m.to(tl.int64) * BLOCK_M + offs_m
+    cols = pid_n * BLOCK_N + offs_n
+    col_ok = (cols < I)[None, :]
+    a_ptrs = d_y_ptr + rows[:, None] * H + offs_k[None, :]
+    b_ptrs = w_ptr + expert * H * I + offs_k[:, None] * I + cols[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs, mask=col_ok, other=0.0)
+        else:
+            k_ok = offs_k + k0 < H
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok, other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * I
+    gu_ptrs = gate_up_ptr + rows[:, None] * (2 * I) + cols[None, :]
+    g = tl.load(gu_ptrs, mask=col_ok, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptrs + I, mask=col_ok, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    d_u = acc * g * sig
+    d_g = acc * u * sig * (1.0 + g * (1.0 - sig))
+    dgu_ptrs = d_gate_up_ptr + rows[:, None] * (2 * I) + cols[None, :]
+    tl.store(dgu_ptrs, d_g.to(d_gate_up_ptr.dtype.element_ty), mask=col_ok)
+    tl.store(dgu_ptrs + I, d_u.to(d_gate_up_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
 def down_dgrad_kernel(
     d_y_ptr, w_ptr, gate_up_ptr, block_expert_ptr, block_range_ptr, d_gate_up_ptr,
-    pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_weight_table_ptr, ready_ptr,
+    pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_weight_table_ptr, work_ptr,
     H, I, pull_programs, group_blocks, timeout_ns,
     EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -208,46 +249,23 @@ def down_dgrad_kernel(
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
     num_n = tl.cdiv(I, BLOCK_N)
-    start, step = _gemm_programs(
-        d_y_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_weight_table_ptr, ready_ptr,
-        first_m, end_m, num_m * num_n, H, pull_programs, group_blocks,
-        PULL, SCALE, ALIGNED, SPLIT, BLOCK_M, PULL_ROWS, PULL_BLOCK,
-    )
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    for tile in range(start, num_m * num_n, step):
-        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-        pid_m += first_m
-        if PULL:
-            wait_ready(ready_ptr, pid_m // SPLIT // group_blocks, timeout_ns)
-        expert = tl.load(block_expert_ptr + pid_m // SPLIT).to(tl.int64)
-        rows = pid_m.to(tl.int64) * BLOCK_M + offs_m
-        cols = pid_n * BLOCK_N + offs_n
-        col_ok = (cols < I)[None, :]
-        a_ptrs = d_y_ptr + rows[:, None] * H + offs_k[None, :]
-        b_ptrs = w_ptr + expert * H * I + offs_k[:, None] * I + cols[None, :]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs, mask=col_ok, other=0.0)
-            else:
-                k_ok = offs_k + k0 < H
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok, other=0.0)
-            acc = tl.dot(a, b, acc)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K * I
-        gu_ptrs = gate_up_ptr + rows[:, None] * (2 * I) + cols[None, :]
-        g = tl.load(gu_ptrs, mask=col_ok, other=0.0).to(tl.float32)
-        u = tl.load(gu_ptrs + I, mask=col_ok, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(g)
-        d_u = acc * g * sig
-        d_g = acc * u * sig * (1.0 + g * (1.0 - sig))
-        dgu_ptrs = d_gate_up_ptr + rows[:, None] * (2 * I) + cols[None, :]
-        tl.store(dgu_ptrs, d_g.to(d_gate_up_ptr.dtype.element_ty), mask=col_ok)
-        tl.store(dgu_ptrs + I, d_u.to(d_gate_up_ptr.dtype.element_ty), mask=col_ok)
+    num_tiles = num_m * num_n
+    if PULL:
+        tile = pull_then_claim(
+            d_y_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_weight_table_ptr, work_ptr,
+            first_m // SPLIT, end_m // SPLIT, pull_programs, H, group_blocks,
+            SCALE=SCALE, ALIGNED=ALIGNED, BLOCK_ROWS=BLOCK_M * SPLIT, ROWS=PULL_ROWS, BLOCK=PULL_BLOCK,
+        )
+        while tile < num_tiles:
+            _down_dgrad_tile(tile, d_y_ptr, w_ptr, gate_up_ptr, block_expert_ptr, d_gate_up_ptr, work_ptr, first_m, num_m, num_n, H, I,
+                group_blocks, timeout_ns, EVEN_K, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PULL,
+            )
+            tile = claim_tile(work_ptr)
+    else:
+        for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+            _down_dgrad_tile(tile, d_y_ptr, w_ptr, gate_up_ptr, block_expert_ptr, d_gate_up_ptr, work_ptr, first_m, num_m, num_n, H, I,
+                group_blocks, timeout_ns, EVEN_K, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PULL,
+            )
 
 
 @triton.jit
@@ -329,7 +347,7 @@ def _pull_launch(pull: RowPull | None, rows: torch.Tensor, blocks: int, max_tile
     gemm_sms = max(1, num_sms(rows.device) - pull.programs)
     grid = (pull.programs + persistent_grid(rows.device, max_tiles, gemm_sms)[0],)
     args = [pull.table, pull.src_rank, pull.src_token, pull.src_pair,
-            pull.weight_table if pull.weight_table is not None else pull.table, ready_flags(pull, blocks, rows.device),
+            pull.weight_table if pull.weight_table is not None else pull.table, work_counters(pull, blocks, rows.device),
             pull.programs, pull.group_blocks, pull.timeout_ns]
     block_rows = rows.shape[0] // blocks  # the schedule's block_m
     return grid, args, dict(pull_meta(pull, rows, block_rows), ALIGNED=aligned_rows(rows.shape[1], rows.element_size(), rows))
