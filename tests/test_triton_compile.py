@@ -28,29 +28,39 @@ from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from megamoe.backends.triton import kernels  # noqa: E402
 from megamoe.backends.triton.configs import _SM90, TileConfig  # noqa: E402
 
-# The communication roles of the expert-parallel path (kernels/comm_tiles.py): off, or on as ep.py runs
-# them (bf16 rows of H = 2048: 8 rows x 1024 columns per copy step).
-_NO_PULL = {"PULL": False, "SCALE": False, "ALIGNED": False, "PULL_ROWS": 1, "PULL_BLOCK": 16}
-_PULL = {"PULL": True, "SCALE": False, "ALIGNED": True, "PULL_ROWS": 16, "PULL_BLOCK": 1024}
-_NO_PUSH = {"PUSH": False, "ALIGNED": False}
-_PUSH = {"PUSH": True, "ALIGNED": True}
+
+def _fused(a: str, b: str) -> dict:
+    """Constexprs of a fused expert-parallel kernel (kernels/ep_fused.py) running the table's tiles a
+    then b (bf16 rows of H = 2048: 16 rows x 1024 columns per copy step)."""
+    ta, tb = getattr(_SM90, a), getattr(_SM90, b)
+    return dict(
+        SPLIT=1, BLOCK_M=ta.block_m, GROUP_M=ta.group_m,
+        A_EVEN_K=True, A_BLOCK_N=ta.block_n, A_BLOCK_K=ta.block_k, A_STAGES=ta.num_stages,
+        B_EVEN_K=True, B_BLOCK_N=tb.block_n, B_BLOCK_K=tb.block_k, B_STAGES=tb.num_stages,
+        PULL_ALIGNED=True, PULL_ROWS=16, PULL_BLOCK=1024, PUSH_ALIGNED=True,
+    )
+
+
 GEMM_KERNELS = {
-    # name: (kernel, the tile-table field it runs with, extra constexprs)
-    "gate_up_fwd": (kernels.gate_up_fwd_kernel, "gate_up_fwd", {"GATHER": False, **_NO_PULL}),
-    "gate_up_fwd_gather": (kernels.gate_up_fwd_kernel, "gate_up_fwd", {"GATHER": True, **_NO_PULL}),
-    "gate_up_fwd_pull": (kernels.gate_up_fwd_kernel, "gate_up_fwd", {"GATHER": False, **_PULL}),
-    "down_fwd": (kernels.down_fwd_kernel, "down_fwd", _NO_PUSH),
-    "down_fwd_push": (kernels.down_fwd_kernel, "down_fwd", _PUSH),
-    "down_dgrad": (kernels.down_dgrad_kernel, "down_dgrad", _NO_PULL),
-    "down_dgrad_pull": (kernels.down_dgrad_kernel, "down_dgrad", {**_PULL, "SCALE": True}),
-    "gate_up_dgrad": (kernels.gate_up_dgrad_kernel, "gate_up_dgrad", _NO_PUSH),
-    "gate_up_dgrad_push": (kernels.gate_up_dgrad_kernel, "gate_up_dgrad", _PUSH),
+    # name: (kernel, the tile-table field it runs with (the fused kernels: the deeper pipeline), constexprs)
+    "gate_up_fwd": (kernels.gate_up_fwd_kernel, "gate_up_fwd", {"GATHER": False}),
+    "gate_up_fwd_gather": (kernels.gate_up_fwd_kernel, "gate_up_fwd", {"GATHER": True}),
+    "down_fwd": (kernels.down_fwd_kernel, "down_fwd", {}),
+    "down_dgrad": (kernels.down_dgrad_kernel, "down_dgrad", {}),
+    "gate_up_dgrad": (kernels.gate_up_dgrad_kernel, "gate_up_dgrad", {}),
     "dw_down": (kernels.dw_down_kernel, "dw_down", {}),
     "dw_gate_up": (kernels.dw_gate_up_kernel, "dw_gate_up", {}),
+    "ep_fwd": (kernels.ep_fwd_kernel, "gate_up_fwd", _fused("gate_up_fwd", "down_fwd")),
+    "ep_bwd_data": (kernels.ep_bwd_data_kernel, "gate_up_dgrad", _fused("down_dgrad", "gate_up_dgrad")),
 }
+# Spill bytes allowed (stores and loads each), per kernel; every other kernel must not spill. The fused
+# backward holds down_dgrad's 128 x 128 tile (255 registers alone) beside gate_up_dgrad's and the
+# communication role: 68 bytes of per-tile scalars spill, outside the K loops. The spill-free 128 x 64
+# tile measured slower (qwen3-30b-a3b EP=2 fwd+bwd 10.12 ms against 9.73; docs/perf-notes.md).
+SPILL_BUDGET = {"ep_bwd_data": 68}
 # GEMMs whose K loop reads contiguous rows only: Triton must pipeline them (async copies, async wgmma).
-PIPELINED = {"gate_up_fwd", "gate_up_fwd_pull", "down_fwd", "down_fwd_push", "down_dgrad", "down_dgrad_pull",
-             "gate_up_dgrad", "gate_up_dgrad_push", "dw_down", "dw_gate_up"}
+PIPELINED = {"gate_up_fwd", "down_fwd", "down_dgrad", "gate_up_dgrad", "dw_down", "dw_gate_up",
+             "ep_fwd", "ep_bwd_data"}
 OTHER_KERNELS = {
     "combine": kernels.combine_kernel,
     "combine_bwd": kernels.combine_bwd_kernel,
@@ -85,7 +95,11 @@ def _signature(fn, constexprs: dict) -> dict:
 
 def _gemm_constexprs(fn, cfg: TileConfig, extra: dict) -> dict:
     names = set(fn.arg_names)
+    if "A_BLOCK_N" in names:  # a fused kernel: everything is in extra
+        return dict(extra)
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, **extra)
+    if "STAGES" in names:
+        consts["STAGES"] = cfg.num_stages
     if "EVEN_K" in names:
         consts.update(EVEN_K=True, SPLIT=1)
     if "STORE_GATE_UP" in names:
@@ -161,7 +175,10 @@ def test_gemm_kernel_sm90_uses_wgmma_without_spills(name, table):
     report = _ptxas_report(ptx, 90)
     pipe = _pipeline_report(compiled)
     print(f"{name}[{table}] {cfg}: {report['registers']} registers, shared {compiled.metadata.shared} B, {pipe}")
-    assert report["spill_stores"] == 0 and report["spill_loads"] == 0, f"{name}[{table}] spills:\n{report['log']}"
+    budget = SPILL_BUDGET.get(name, 0)
+    assert report["spill_stores"] <= budget and report["spill_loads"] <= budget, f"{name}[{table}] spills:\n{report['log']}"
+    # C7510: ptxas serialises the wgmma pipeline (e.g. around a call such as a device_print's printf).
+    assert "C7510" not in report["log"], f"{name}[{table}]: wgmma serialised by ptxas:\n{report['log']}"
     assert compiled.metadata.shared <= 232448, f"{name}[{table}] needs {compiled.metadata.shared} B of shared memory"
     if name in PIPELINED:
         assert pipe["cp_async"] or pipe["bulk"], f"{name}[{table}]: K loop loads are not asynchronous copies"

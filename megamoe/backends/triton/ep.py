@@ -2,24 +2,24 @@
 GEMMs.
 
 Forward: the routing exchange and the schedule (on the device, before this); the token owners publish x
-(barrier, copy into symmetric memory, barrier); gate_up_fwd runs with communication programs that pull
-each group of receive-row blocks from the token owners while its GEMM programs compute, every tile
-starting as soon as its own rows have landed (per-group ready flags, release/acquire); down_fwd's
-epilogue stores each result row straight into its (token, slot) row of the token owner's pairs buffer
-(push combine); a barrier (everything has landed), then the fixed-order fp32 slot sum (+ the shared
-expert, last). kernels/comm_tiles.py has the two roles and why they cannot deadlock.
-Backward mirrors it: d_out and the router weights are published; down_dgrad's communication programs
-pull d_out rows and scale them by their pair's router weight (the d_y rows, fp32 product rounded to the
-dtype, as the one-GPU gather does); gate_up_dgrad's epilogue pushes the d_x rows; the weight grads run
-while the last pushes drain; a barrier, then the slot sum of d_x.
+(barrier, copy into symmetric memory, barrier); then one persistent kernel (kernels/ep_fused.py): its
+communication programs pull each group of receive-row blocks from the token owners and raise the group's
+ready flag, then join the GEMM; tasks are claimed in dependency order, gate/up tiles (SwiGLU epilogue)
+as soon as their rows have landed, down tiles a stage behind, whose epilogue stores each result row
+straight into its (token, slot) row of the token owner's pairs buffer (push combine); a barrier
+(everything has landed), then the fixed-order fp32 slot sum (+ the shared expert, last).
+Backward mirrors it: d_out and the router weights are published; one persistent kernel pulls the d_out
+rows scaled by their pair's router weight (the d_y rows, fp32 product rounded to the dtype, as the
+one-GPU gather does), runs the down-projection data grad (SwiGLU backward epilogue) and the gate/up data
+grad, whose epilogue pushes the d_x rows; the weight grads (every row of an expert) follow as kernels of
+their own; a barrier, then the slot sum of d_x.
 No host synchronisation: every buffer has its worst-case (or declared-capacity) size and every range is
 read on the device, so a forward+backward can be captured in a CUDA graph.
 
-MoEConfig.dispatch / combine: "pull" dispatch and "push" combine run inside the GEMMs as above (the
-"auto" choices, docs/perf-notes.md); "push" dispatch and "pull" combine run as whole exchanges
-(comm/exchange.py, with their own barriers) before and after plain GEMMs. All four give the same bits:
-every element is written by one program with the unfused kernels' values and reduction order, whatever
-num_comm_sms and minibatch_tokens are.
+MoEConfig.dispatch / combine: "pull" dispatch with "push" combine (the "auto" choices, docs/perf-notes.md)
+runs the fused kernels; any other pair runs whole exchanges (comm/exchange.py, with their own barriers)
+around the one-GPU GEMMs. All give the same bits: every element is written by one program with the same
+values and reduction order, whatever num_comm_sms and minibatch_tokens are.
 
 Why no extra barrier is needed around the pushes: a pairs buffer we push into was last read by its
 owner's collect_pushed of the previous exchange, which precedes, on the owner's stream, a barrier that
@@ -106,8 +106,12 @@ def _pull(buffer: _Buffer, weights: _Buffer | None, maps: ReceiveMaps, schedule:
           device: torch.device) -> kernels.RowPull:
     return kernels.RowPull(
         buffer.peer_ptrs, maps.src_rank, maps.src_token, maps.src_pair, None if weights is None else weights.peer_ptrs,
-        comm_programs(config, device), group_blocks(schedule, config), config.comm_timeout_ms * 1_000_000,
+        comm_programs(config, device), group_blocks(schedule, config), _timeout_ns(config),
     )
+
+
+def _timeout_ns(config) -> int:
+    return config.comm_timeout_ms * 1_000_000
 
 
 def _push(ws: Workspace, maps: ReceiveMaps) -> kernels.RowPush:
@@ -125,43 +129,49 @@ def _check_probe(probe: str) -> tuple[bool, bool]:
 # Forward and backward
 
 
+def _fused(config, probe: str) -> bool:
+    """Whether the layer runs the fused kernels: pull dispatch and push combine (the "auto" directions),
+    outside the benchmark probes. Other directions run whole exchanges around the one-GPU GEMMs."""
+    return probe == "full" and _direction(config, "dispatch") == "pull" and _direction(config, "combine") == "push"
+
+
 def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule: Schedule, group, config,
                 *, probe: str = "full"):
     comm, compute = _check_probe(probe)
-    fused = probe == "full"
+    fused = _fused(config, probe)
     ws = _workspace(x, schedule.num_tokens, schedule.top_k, schedule.num_rows, group, config)
     cfg = configs_for(x, w_gate_up, schedule)
     x = x.contiguous()
-    rows, hidden = schedule.num_rows, x.shape[1]
+    rows, hidden, inter = schedule.num_rows, x.shape[1], w_down.shape[2]
     pull, push = _direction(config, "dispatch") == "pull", _direction(config, "combine") == "push"
     maps, blocks = receive_maps(schedule), all_blocks(schedule)
 
     shared_out, shared_act = None, x.new_empty(0)
     if shared_gate_up is not None and compute:
         shared_out, shared_act = shared_fwd(x, shared_gate_up, shared_down)
-    x_rows, x_pull = x.new_empty(rows, hidden), None
+    x_rows = x.new_empty(rows, hidden)
     if comm and pull:
         publish(ws, [(ws.tokens, x)])
-        if fused:
-            x_pull = _pull(ws.tokens, None, maps, schedule, config, x.device)
-        else:
-            pull_rows(ws.tokens, maps, x_rows, by_token=True)
-    elif comm:
-        x_rows = dispatch(ws, x, schedule, "push")
-    y_push = _push(ws, maps) if fused and push else None
-    if compute:
-        h, gate_up = kernels.gate_up_fwd(x_rows, w_gate_up, schedule.block_expert, blocks, store_gate_up=True,
-                                         config=cfg.gate_up_fwd, pull=x_pull)
-        y_rows = kernels.down_fwd(h, w_down, schedule.block_expert, blocks, config=cfg.down_fwd, push=y_push)
-    else:
-        h, gate_up, y_rows = x.new_empty(rows, w_down.shape[2]), x.new_empty(rows, 2 * w_down.shape[2]), x.new_empty(rows, hidden)
-
-    if y_push is not None:
+    if fused:
+        h, gate_up = kernels.ep_forward(x_rows, w_gate_up, w_down, schedule.block_expert, blocks,
+                                        _pull(ws.tokens, None, maps, schedule, config, x.device), _push(ws, maps),
+                                        gate_up_config=cfg.gate_up_fwd, down_config=cfg.down_fwd)
         y_pairs = collect_pushed(ws)
-    elif comm:
-        y_pairs = combine(ws, y_rows, schedule, "push" if push else "pull")
     else:
-        y_pairs = ws.pairs.local  # probe "compute": whatever is there (timing only)
+        if comm and pull:
+            pull_rows(ws.tokens, maps, x_rows, by_token=True)
+        elif comm:
+            x_rows = dispatch(ws, x, schedule, "push")
+        if compute:
+            h, gate_up = kernels.gate_up_fwd(x_rows, w_gate_up, schedule.block_expert, blocks, store_gate_up=True,
+                                             config=cfg.gate_up_fwd)
+            y_rows = kernels.down_fwd(h, w_down, schedule.block_expert, blocks, config=cfg.down_fwd)
+        else:
+            h, gate_up, y_rows = x.new_empty(rows, inter), x.new_empty(rows, 2 * inter), x.new_empty(rows, hidden)
+        if comm:
+            y_pairs = combine(ws, y_rows, schedule, "push" if push else "pull")
+        else:
+            y_pairs = ws.pairs.local  # probe "compute": whatever is there (timing only)
     if compute:
         out = kernels.combine(y_pairs, topk_weights, _pair_index(schedule), shared_out, config=cfg.combine)
     else:
@@ -184,7 +194,7 @@ def empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule: Schedule):
 def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule: Schedule, group, config,
                 saved, *, probe: str = "full"):
     comm, compute = _check_probe(probe)
-    fused = probe == "full"
+    fused = _fused(config, probe)
     x_rows, h, gate_up, y_pairs, shared_act = saved
     ws = _workspace(x, schedule.num_tokens, schedule.top_k, schedule.num_rows, group, config)
     cfg = configs_for(x, w_gate_up, schedule)
@@ -203,33 +213,35 @@ def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, share
     else:
         d_topk_weights = torch.empty_like(weights)
     # d_y rows: each row's d_out times its pair's router weight (fp32 product rounded to the dtype).
-    d_y_rows, d_y_pull = x.new_empty(rows, hidden), None
+    d_y_rows = x.new_empty(rows, hidden)
     if comm and pull:
         publish(ws, [(ws.tokens, d_out), (ws.weights, weights)])
-        if fused:
-            d_y_pull = _pull(ws.tokens, ws.weights, maps, schedule, config, x.device)
-        else:
+    if fused:
+        d_gate_up = kernels.ep_backward_data(
+            d_y_rows, gate_up, w_gate_up, w_down, schedule.block_expert, blocks,
+            _pull(ws.tokens, ws.weights, maps, schedule, config, x.device), _push(ws, maps),
+            down_dgrad_config=cfg.down_dgrad, gate_up_dgrad_config=cfg.gate_up_dgrad)
+    else:
+        if comm and pull:
             d_out_rows, weight_rows = x.new_empty(rows, hidden), weights.new_empty(rows)
             pull_rows(ws.tokens, maps, d_out_rows, by_token=True)
             pull_rows(ws.weights, maps, weight_rows, by_token=False)
             kernels.gather_rows(d_out_rows, None, weight_rows, in_use, out=d_y_rows)
-    elif comm:
-        weight_rows = dispatch_pair_weights(ws, weights, schedule)
-        kernels.gather_rows(dispatch(ws, d_out, schedule, "push"), None, weight_rows, in_use, out=d_y_rows)
-    d_x_push = _push(ws, maps) if fused and push else None
-    if compute:
-        d_gate_up = kernels.down_dgrad(d_y_rows, w_down, gate_up, schedule.block_expert, blocks, config=cfg.down_dgrad,
-                                       pull=d_y_pull)
-        d_x_rows = kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad,
-                                         push=d_x_push)
-        # The weight grads run while the last d_x pushes drain.
+        elif comm:
+            weight_rows = dispatch_pair_weights(ws, weights, schedule)
+            kernels.gather_rows(dispatch(ws, d_out, schedule, "push"), None, weight_rows, in_use, out=d_y_rows)
+        if compute:
+            d_gate_up = kernels.down_dgrad(d_y_rows, w_down, gate_up, schedule.block_expert, blocks, config=cfg.down_dgrad)
+            d_x_rows = kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad)
+        else:
+            d_gate_up, d_x_rows = x.new_empty(rows, 2 * w_down.shape[2]), x.new_empty(rows, hidden)
+    if compute:  # the weight grads need every row of an expert: kernels of their own
         d_w_down = kernels.dw_down(d_y_rows, h, schedule.expert_offsets, experts, config=cfg.dw_down)
         d_w_gate_up = kernels.dw_gate_up(d_gate_up, x_rows, schedule.expert_offsets, experts, config=cfg.dw_gate_up)
     else:
-        d_x_rows = x.new_empty(rows, hidden)
         d_w_gate_up, d_w_down = torch.empty_like(w_gate_up), torch.empty_like(w_down)
 
-    if d_x_push is not None:
+    if fused:
         d_x_pairs = collect_pushed(ws, keep=False)  # read once, by the slot sum below
     elif comm:
         d_x_pairs = combine(ws, d_x_rows, schedule, "push" if push else "pull")

@@ -20,8 +20,8 @@ No deadlock by construction: a GEMM program only ever waits for a group that a c
 of its own grid has claimed or will claim; those have the lowest program ids (the hardware starts them
 first; the interpreter runs programs in id order, so there program 0 pulls every group before any
 tile), copy only local or already-published rows and wait for nothing before the pulls run out. The
-grid is at most one program per SM. Every wait is bounded by a timeout: past it the program prints which group
-never arrived and traps, which surfaces as a CUDA error instead of a hang.
+grid is at most one program per SM. Every wait is bounded by a timeout: past it the kernel traps, which
+surfaces as a CUDA error at the next synchronisation instead of a hang.
 """
 
 from __future__ import annotations
@@ -102,14 +102,15 @@ def check_push(push: RowPush, num_rows: int) -> None:
     check(push.table.dtype == torch.int64 and push.table.dim() == 1, "RowPush.table must be an int64 [W] table")
 
 
-# work_counters layout: [next group to pull, next tile to compute, ready flag of group 0, 1, ...].
-_NEXT_GROUP, _NEXT_TILE, _FLAGS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+# The work buffer of a fused launch (int32, zeroed per launch): [next group to pull, next task to run,
+# ready flag of each group of schedule blocks..., tiles done of each kernel row block...].
+_NEXT_GROUP, _NEXT_TASK, _FLAGS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
-def work_counters(pull: RowPull, num_blocks: int, device: torch.device) -> torch.Tensor:
-    """Zeroed int32 claim counters and ready flags of one pulling launch (a memset in stream order:
-    capturable)."""
-    return torch.zeros(_FLAGS.value + max(1, triton.cdiv(num_blocks, pull.group_blocks)), dtype=torch.int32, device=device)
+def work_buffer(num_groups: int, num_row_blocks: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """(zeroed work buffer, offset of the row-block counters); a memset in stream order: capturable."""
+    flags = max(1, num_groups)
+    return torch.zeros(_FLAGS.value + flags + num_row_blocks, dtype=torch.int32, device=device), _FLAGS.value + flags
 
 
 def pull_meta(pull: RowPull | None, rows: torch.Tensor, block_rows: int) -> dict:
@@ -180,28 +181,43 @@ def pull_then_claim(
             tl.debug_barrier()
             tl.atomic_xchg(work_ptr + _FLAGS + group, 1, sem="release", scope="gpu")
             group = first_group + tl.atomic_add(work_ptr + _NEXT_GROUP, 1, sem="relaxed")
-    return claim_tile(work_ptr)
+    return claim_task(work_ptr)
 
 
 @triton.jit
-def claim_tile(work_ptr):
-    """The next tile of a pulling GEMM (tiles are claimed in order; each tile's math does not depend on
+def claim_task(work_ptr):
+    """The next task of a fused kernel (tasks are claimed in order; each tile's math does not depend on
     which program computes it, so the results do not either)."""
-    return tl.atomic_add(work_ptr + _NEXT_TILE, 1, sem="relaxed")
+    return tl.atomic_add(work_ptr + _NEXT_TASK, 1, sem="relaxed")
 
 
 @triton.jit
 def wait_ready(work_ptr, group, timeout_ns):
-    """Acquire group's ready flag (GPU scope); a flag still down after timeout_ns traps the kernel."""
-    flag_ptr = work_ptr + _FLAGS + group
-    ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
-    if ready == 0:
+    """Acquire the ready flag of a group of schedule blocks (its rows have landed)."""
+    wait_at_least(work_ptr + _FLAGS + group, 1, timeout_ns)
+
+
+@triton.jit
+def signal_done(counter_ptr):
+    """Count one finished tile of a row block: every thread's stores are done (CTA barrier) before one
+    release makes them visible GPU-wide."""
+    tl.debug_barrier()
+    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def wait_at_least(counter_ptr, target, timeout_ns):
+    """Acquire (GPU scope) until *counter_ptr >= target; still short after timeout_ns, the kernel traps:
+    the launch fails with a CUDA error ("unspecified launch failure") at the next synchronisation
+    instead of hanging. (No device_print here: a printf is a function call, and ptxas then serialises
+    every wgmma of the kernel.)"""
+    value = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    if value < target:
         deadline = globaltimer() + timeout_ns
-        while ready == 0:
-            ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
-            if ready == 0:
+        while value < target:
+            value = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+            if value < target:
                 if globaltimer() > deadline:
-                    tl.device_print("megamoe: receive rows never landed (MoEConfig.comm_timeout_ms), flag group", group)
                     tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 

@@ -25,17 +25,15 @@ import triton
 import triton.language as tl
 
 from megamoe.backends.triton.configs import TileConfig
-from megamoe.backends.triton.kernels._common import check, load_range, num_sms, persistent_grid, range_of, tile_coords
-from megamoe.backends.triton.kernels.comm_tiles import (
-    RowPull, RowPush, aligned_rows, check_pull, check_push, claim_tile, pull_meta, pull_then_claim, push_pointers, work_counters, wait_ready,
-)
+from megamoe.backends.triton.kernels._common import check, load_range, persistent_grid, range_of, tile_coords
+from megamoe.backends.triton.kernels.comm_tiles import push_pointers
 
 
 @triton.jit
-def _store_rows(out_ptr, push_table_ptr, push_rank_ptr, push_pair_ptr, rows, cols, acc, N,
-                PUSH: tl.constexpr, ALIGNED: tl.constexpr):
+def store_rows(out_ptr, push_table_ptr, push_rank_ptr, push_pair_ptr, rows, cols, acc, N,
+               PUSH: tl.constexpr, ALIGNED: tl.constexpr):
     """Store a tile's rows [BLOCK_M] x cols [BLOCK_N] of an [R, N] result: locally, or with PUSH into the
-    token owners' pairs rows (padding rows dropped)."""
+    token owners' pairs rows (comm_tiles.py; padding rows dropped, out_ptr only gives the dtype)."""
     elem = out_ptr.dtype.element_ty
     col_ok = (cols < N)[None, :]
     if PUSH:
@@ -45,21 +43,27 @@ def _store_rows(out_ptr, push_table_ptr, push_rank_ptr, push_pair_ptr, rows, col
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(elem), mask=col_ok)
 
 
+# ----------------------------------------------------------------------------------------------------
+# One output tile of each GEMM, at absolute (row block pid_m, column block pid_n). The kernels below
+# and the fused expert-parallel kernels (ep_fused.py) differ only in which tiles they run and when.
+# STAGES: the K loop's software-pipeline depth (a fused kernel runs loops of different depths).
+
+
 @triton.jit
-def _gate_up_fwd_tile(
-    tile, a_ptr, w_ptr, row_src_ptr, block_expert_ptr, h_ptr, gate_up_ptr, work_ptr, first_m, num_m, num_n, H, I, top_k,
-    group_blocks, timeout_ns,
+def gate_up_fwd_tile(
+    pid_m, pid_n, a_ptr, w_ptr, row_src_ptr, block_expert_ptr, h_ptr, gate_up_ptr, H, I, top_k,
     GATHER: tl.constexpr, STORE_GATE_UP: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PULL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
 ):
-    """One output tile of gate_up_fwd_kernel (see there); with PULL, after its rows' ready flag."""
+    """h[r, n] = silu(g) * u with g = a[r] . w_gate_up[e, n], u = a[r] . w_gate_up[e, I + n].
+
+    a[r] = x_rows[r]; with GATHER, a[r] = x[row_src[r] // top_k] (zero for padding), loaded by pointer.
+    Two accumulators (gate columns and the matching up columns) so the SwiGLU is the epilogue and the
+    pre-activation never round-trips memory unless STORE_GATE_UP keeps it for the backward.
+    """
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-    pid_m += first_m
-    if PULL:
-        wait_ready(work_ptr, pid_m // SPLIT // group_blocks, timeout_ns)
     expert = tl.load(block_expert_ptr + pid_m // SPLIT).to(tl.int64)
     rows = pid_m.to(tl.int64) * BLOCK_M + offs_m
     if GATHER:
@@ -78,7 +82,7 @@ def _gate_up_fwd_tile(
     wu_ptrs = wg_ptrs + I * H
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
+    for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
         if EVEN_K:
             if GATHER:
                 a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
@@ -109,101 +113,47 @@ def _gate_up_fwd_tile(
 
 
 @triton.jit
-def gate_up_fwd_kernel(
-    a_ptr, w_ptr, row_src_ptr, block_expert_ptr, block_range_ptr, h_ptr, gate_up_ptr,
-    pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_weight_table_ptr, work_ptr,
-    H, I, top_k, pull_programs, group_blocks, timeout_ns,
-    GATHER: tl.constexpr, STORE_GATE_UP: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PULL: tl.constexpr, SCALE: tl.constexpr, ALIGNED: tl.constexpr, PULL_ROWS: tl.constexpr, PULL_BLOCK: tl.constexpr,
+def down_fwd_tile(
+    pid_m, pid_n, h_ptr, w_ptr, block_expert_ptr, y_ptr, push_table_ptr, push_rank_ptr, push_pair_ptr, H, I,
+    EVEN_K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PUSH: tl.constexpr, ALIGNED: tl.constexpr,
 ):
-    """h[r, n] = silu(g) * u with g = a[r] . w_gate_up[e, n], u = a[r] . w_gate_up[e, I + n].
-
-    a[r] = x_rows[r]; with GATHER, a[r] = x[row_src[r] // top_k] (zero for padding), loaded by pointer.
-    Two accumulators (gate columns and the matching up columns) so the SwiGLU is the epilogue and the
-    pre-activation never round-trips memory unless STORE_GATE_UP keeps it for the backward.
-    SPLIT = schedule block_m // BLOCK_M (kernel row blocks per schedule block).
-    PULL: the first pull_programs programs fill a = x_rows from the token owners (comm_tiles.py).
-    """
-    first_m, end_m = load_range(block_range_ptr, SPLIT)
-    num_m = end_m - first_m
-    num_n = tl.cdiv(I, BLOCK_N)
-    num_tiles = num_m * num_n
-    if PULL:
-        tile = pull_then_claim(
-            a_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_weight_table_ptr, work_ptr,
-            first_m // SPLIT, end_m // SPLIT, pull_programs, H, group_blocks,
-            SCALE=SCALE, ALIGNED=ALIGNED, BLOCK_ROWS=BLOCK_M * SPLIT, ROWS=PULL_ROWS, BLOCK=PULL_BLOCK,
-        )
-        while tile < num_tiles:
-            _gate_up_fwd_tile(tile, a_ptr, w_ptr, row_src_ptr, block_expert_ptr, h_ptr, gate_up_ptr, work_ptr, first_m, num_m, num_n, H, I,
-                top_k, group_blocks, timeout_ns,
-                GATHER, STORE_GATE_UP, EVEN_K, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PULL,
-            )
-            tile = claim_tile(work_ptr)
-    else:
-        for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-            _gate_up_fwd_tile(tile, a_ptr, w_ptr, row_src_ptr, block_expert_ptr, h_ptr, gate_up_ptr, work_ptr, first_m, num_m, num_n, H, I,
-                top_k, group_blocks, timeout_ns,
-                GATHER, STORE_GATE_UP, EVEN_K, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PULL,
-            )
-
-
-@triton.jit
-def down_fwd_kernel(
-    h_ptr, w_ptr, block_expert_ptr, block_range_ptr, y_ptr, push_table_ptr, push_rank_ptr, push_pair_ptr,
-    H, I,
-    EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PUSH: tl.constexpr, ALIGNED: tl.constexpr,
-):
-    """y_rows[r, n] = h[r] . w_down[e, n]; with PUSH, stored into row r's (token, slot) row of its
-    token owner's pairs buffer instead (comm_tiles.py; y_ptr only gives the dtype)."""
-    first_m, end_m = load_range(block_range_ptr, SPLIT)
-    num_m = end_m - first_m
-    num_n = tl.cdiv(H, BLOCK_N)
+    """y_rows[r, n] = h[r] . w_down[e, n] (stored as store_rows does)."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
-        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-        pid_m += first_m
-        expert = tl.load(block_expert_ptr + pid_m // SPLIT).to(tl.int64)
-        rows = pid_m.to(tl.int64) * BLOCK_M + offs_m
-        cols = pid_n * BLOCK_N + offs_n
-        w_cols = tl.minimum(cols, H - 1)
-        a_ptrs = h_ptr + rows[:, None] * I + offs_k[None, :]
-        b_ptrs = w_ptr + expert * H * I + w_cols[None, :] * I + offs_k[:, None]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
-            else:
-                k_ok = offs_k + k0 < I
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-            acc = tl.dot(a, b, acc)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
-        _store_rows(y_ptr, push_table_ptr, push_rank_ptr, push_pair_ptr, rows, cols, acc, H, PUSH, ALIGNED)
+    expert = tl.load(block_expert_ptr + pid_m // SPLIT).to(tl.int64)
+    rows = pid_m.to(tl.int64) * BLOCK_M + offs_m
+    cols = pid_n * BLOCK_N + offs_n
+    w_cols = tl.minimum(cols, H - 1)
+    a_ptrs = h_ptr + rows[:, None] * I + offs_k[None, :]
+    b_ptrs = w_ptr + expert * H * I + w_cols[None, :] * I + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = offs_k + k0 < I
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    store_rows(y_ptr, push_table_ptr, push_rank_ptr, push_pair_ptr, rows, cols, acc, H, PUSH, ALIGNED)
 
 
 @triton.jit
-def _down_dgrad_tile(
-    tile, d_y_ptr, w_ptr, gate_up_ptr, block_expert_ptr, d_gate_up_ptr, work_ptr, first_m, num_m, num_n, H, I,
-    group_blocks, timeout_ns,
-    EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PULL: tl.constexpr,
+def down_dgrad_tile(
+    pid_m, pid_n, d_y_ptr, w_ptr, gate_up_ptr, block_expert_ptr, d_gate_up_ptr, H, I,
+    EVEN_K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
 ):
-    """One output tile of down_dgrad_kernel (see there); with PULL, after its rows' ready flag."""
+    """d_h[r] = d_y_rows[r] @ w_down[e] (the router weight is already in d_y_rows), then the SwiGLU
+    backward in the epilogue from the saved g, u: d_gate_up[r] = [d_h * u * silu'(g), d_h * silu(g)]."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-    pid_m += first_m
-    if PULL:
-        wait_ready(work_ptr, pid_m // SPLIT // group_blocks, timeout_ns)
     expert = tl.load(block_expert_ptr + pid_m // SPLIT).to(tl.int64)
     rows = pid_m.to(tl.int64) * BLOCK_M + offs_m
     cols = pid_n * BLOCK_N + offs_n
@@ -211,7 +161,7 @@ def _down_dgrad_tile(
     a_ptrs = d_y_ptr + rows[:, None] * H + offs_k[None, :]
     b_ptrs = w_ptr + expert * H * I + offs_k[:, None] * I + cols[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
+    for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
         if EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs, mask=col_ok, other=0.0)
@@ -234,78 +184,107 @@ def _down_dgrad_tile(
 
 
 @triton.jit
-def down_dgrad_kernel(
-    d_y_ptr, w_ptr, gate_up_ptr, block_expert_ptr, block_range_ptr, d_gate_up_ptr,
-    pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_weight_table_ptr, work_ptr,
-    H, I, pull_programs, group_blocks, timeout_ns,
-    EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PULL: tl.constexpr, SCALE: tl.constexpr, ALIGNED: tl.constexpr, PULL_ROWS: tl.constexpr, PULL_BLOCK: tl.constexpr,
+def gate_up_dgrad_tile(
+    pid_m, pid_n, d_gate_up_ptr, w_ptr, block_expert_ptr, d_x_ptr, push_table_ptr, push_rank_ptr, push_pair_ptr, H, I,
+    EVEN_K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PUSH: tl.constexpr, ALIGNED: tl.constexpr,
 ):
-    """d_h[r] = d_y_rows[r] @ w_down[e] (the router weight is already in d_y_rows), then the SwiGLU
-    backward in the epilogue from the saved g, u: d_gate_up[r] = [d_h * u * silu'(g), d_h * silu(g)].
-    PULL: the first pull_programs programs fill d_y_rows (d_out rows times their router weight) from
-    the token owners (comm_tiles.py)."""
+    """d_x_rows[r, n] = d_gate_up[r] . w_gate_up[e, :, n] (reduction over 2I; stored as store_rows does)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    expert = tl.load(block_expert_ptr + pid_m // SPLIT).to(tl.int64)
+    rows = pid_m.to(tl.int64) * BLOCK_M + offs_m
+    cols = pid_n * BLOCK_N + offs_n
+    col_ok = (cols < H)[None, :]
+    a_ptrs = d_gate_up_ptr + rows[:, None] * (2 * I) + offs_k[None, :]
+    b_ptrs = w_ptr + expert * (2 * I) * H + offs_k[:, None] * H + cols[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in tl.range(0, 2 * I, BLOCK_K, num_stages=STAGES):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs, mask=col_ok, other=0.0)
+        else:
+            k_ok = offs_k + k0 < 2 * I
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok, other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * H
+    store_rows(d_x_ptr, push_table_ptr, push_rank_ptr, push_pair_ptr, rows, cols, acc, H, PUSH, ALIGNED)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The one-GPU kernels: each program strides over the tiles of the block range.
+
+
+@triton.jit
+def gate_up_fwd_kernel(
+    a_ptr, w_ptr, row_src_ptr, block_expert_ptr, block_range_ptr, h_ptr, gate_up_ptr,
+    H, I, top_k,
+    GATHER: tl.constexpr, STORE_GATE_UP: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
+):
+    """gate_up_fwd_tile over the block range. SPLIT = schedule block_m // BLOCK_M (kernel row blocks per
+    schedule block)."""
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
     num_n = tl.cdiv(I, BLOCK_N)
-    num_tiles = num_m * num_n
-    if PULL:
-        tile = pull_then_claim(
-            d_y_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_weight_table_ptr, work_ptr,
-            first_m // SPLIT, end_m // SPLIT, pull_programs, H, group_blocks,
-            SCALE=SCALE, ALIGNED=ALIGNED, BLOCK_ROWS=BLOCK_M * SPLIT, ROWS=PULL_ROWS, BLOCK=PULL_BLOCK,
-        )
-        while tile < num_tiles:
-            _down_dgrad_tile(tile, d_y_ptr, w_ptr, gate_up_ptr, block_expert_ptr, d_gate_up_ptr, work_ptr, first_m, num_m, num_n, H, I,
-                group_blocks, timeout_ns, EVEN_K, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PULL,
-            )
-            tile = claim_tile(work_ptr)
-    else:
-        for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-            _down_dgrad_tile(tile, d_y_ptr, w_ptr, gate_up_ptr, block_expert_ptr, d_gate_up_ptr, work_ptr, first_m, num_m, num_n, H, I,
-                group_blocks, timeout_ns, EVEN_K, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PULL,
-            )
+    for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
+        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+        gate_up_fwd_tile(first_m + pid_m, pid_n, a_ptr, w_ptr, row_src_ptr, block_expert_ptr, h_ptr, gate_up_ptr,
+                         H, I, top_k, GATHER, STORE_GATE_UP, EVEN_K, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+
+
+@triton.jit
+def down_fwd_kernel(
+    h_ptr, w_ptr, block_expert_ptr, block_range_ptr, y_ptr,
+    H, I,
+    EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
+):
+    """down_fwd_tile over the block range, stored locally."""
+    first_m, end_m = load_range(block_range_ptr, SPLIT)
+    num_m = end_m - first_m
+    num_n = tl.cdiv(H, BLOCK_N)
+    for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
+        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+        down_fwd_tile(first_m + pid_m, pid_n, h_ptr, w_ptr, block_expert_ptr, y_ptr, y_ptr, y_ptr, y_ptr, H, I,
+                      EVEN_K, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, False, False)
+
+
+@triton.jit
+def down_dgrad_kernel(
+    d_y_ptr, w_ptr, gate_up_ptr, block_expert_ptr, block_range_ptr, d_gate_up_ptr,
+    H, I,
+    EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
+):
+    """down_dgrad_tile over the block range."""
+    first_m, end_m = load_range(block_range_ptr, SPLIT)
+    num_m = end_m - first_m
+    num_n = tl.cdiv(I, BLOCK_N)
+    for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
+        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+        down_dgrad_tile(first_m + pid_m, pid_n, d_y_ptr, w_ptr, gate_up_ptr, block_expert_ptr, d_gate_up_ptr, H, I,
+                        EVEN_K, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
 
 
 @triton.jit
 def gate_up_dgrad_kernel(
-    d_gate_up_ptr, w_ptr, block_expert_ptr, block_range_ptr, d_x_ptr, push_table_ptr, push_rank_ptr, push_pair_ptr,
+    d_gate_up_ptr, w_ptr, block_expert_ptr, block_range_ptr, d_x_ptr,
     H, I,
     EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PUSH: tl.constexpr, ALIGNED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
 ):
-    """d_x_rows[r, n] = d_gate_up[r] . w_gate_up[e, :, n] (reduction over 2I); with PUSH, stored into
-    row r's (token, slot) row of its token owner's pairs buffer instead (d_x_ptr only gives the dtype)."""
+    """gate_up_dgrad_tile over the block range, stored locally."""
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
     num_n = tl.cdiv(H, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
         pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-        pid_m += first_m
-        expert = tl.load(block_expert_ptr + pid_m // SPLIT).to(tl.int64)
-        rows = pid_m.to(tl.int64) * BLOCK_M + offs_m
-        cols = pid_n * BLOCK_N + offs_n
-        col_ok = (cols < H)[None, :]
-        a_ptrs = d_gate_up_ptr + rows[:, None] * (2 * I) + offs_k[None, :]
-        b_ptrs = w_ptr + expert * (2 * I) * H + offs_k[:, None] * H + cols[None, :]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, 2 * I, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs, mask=col_ok, other=0.0)
-            else:
-                k_ok = offs_k + k0 < 2 * I
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok, other=0.0)
-            acc = tl.dot(a, b, acc)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K * H
-        _store_rows(d_x_ptr, push_table_ptr, push_rank_ptr, push_pair_ptr, rows, cols, acc, H, PUSH, ALIGNED)
+        gate_up_dgrad_tile(first_m + pid_m, pid_n, d_gate_up_ptr, w_ptr, block_expert_ptr, d_x_ptr, d_x_ptr, d_x_ptr, d_x_ptr,
+                           H, I, EVEN_K, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, False, False)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -335,32 +314,6 @@ def _check_matrix(t: torch.Tensor, rows: int | None, cols: int | None, name: str
     check(cols is None or t.shape[1] == cols, f"{name} must be a contiguous {want} tensor, got {tuple(t.shape)}")
 
 
-def _pull_launch(pull: RowPull | None, rows: torch.Tensor, blocks: int, max_tiles: int) -> tuple[tuple, list, dict]:
-    """(grid, pull arguments, pull constexprs) of a GEMM that may pull its A rows (comm_tiles.py).
-
-    Without pull, the persistent grid on every SM. With it, the persistent GEMM grid on the SMs the
-    communication programs leave, plus those programs first (one per SM: together at most one program
-    per SM)."""
-    if pull is None:
-        return persistent_grid(rows.device, max_tiles), [rows] * 6 + [0, 1, 1], dict(pull_meta(None, rows, 1), ALIGNED=False)
-    check_pull(pull, rows)
-    gemm_sms = max(1, num_sms(rows.device) - pull.programs)
-    grid = (pull.programs + persistent_grid(rows.device, max_tiles, gemm_sms)[0],)
-    args = [pull.table, pull.src_rank, pull.src_token, pull.src_pair,
-            pull.weight_table if pull.weight_table is not None else pull.table, work_counters(pull, blocks, rows.device),
-            pull.programs, pull.group_blocks, pull.timeout_ns]
-    block_rows = rows.shape[0] // blocks  # the schedule's block_m
-    return grid, args, dict(pull_meta(pull, rows, block_rows), ALIGNED=aligned_rows(rows.shape[1], rows.element_size(), rows))
-
-
-def _push_launch(push: RowPush | None, like: torch.Tensor, rows: int, hidden: int) -> tuple[list, dict]:
-    """(push arguments, push constexprs) of a GEMM whose output rows may go to the token owners."""
-    if push is None:
-        return [like] * 3, dict(PUSH=False, ALIGNED=False)
-    check_push(push, rows)
-    return [push.table, push.dst_rank, push.dst_pair], dict(PUSH=True, ALIGNED=aligned_rows(hidden, like.element_size()))
-
-
 def _meta(config: TileConfig, k_dim: int, split: int) -> dict:
     return dict(
         EVEN_K=k_dim % config.block_k == 0,
@@ -369,6 +322,7 @@ def _meta(config: TileConfig, k_dim: int, split: int) -> dict:
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         GROUP_M=config.group_m,
+        STAGES=config.num_stages,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -389,14 +343,11 @@ def gate_up_fwd(
     config: TileConfig,
     row_src_R: torch.Tensor | None = None,
     top_k: int = 1,
-    pull: RowPull | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """h [R, I] = SwiGLU of the rows' gate/up projections; gate_up [R, 2I] too if store_gate_up.
 
     a: x_rows [R, H] (padding rows zero), or with row_src (int32 [R], -1 padding) the token rows x
     [T, H], gathered by pointer at row_src[r] // top_k (the measured alternative; padding reads zero).
-    pull: x_rows is filled by this kernel's communication programs from the token owners while its GEMM
-    programs compute (a is then the uninitialised [R, H] x_rows).
     """
     _check_matrix(a, None, None, "x_rows" if row_src_R is None else "x")
     hidden = a.shape[1]
@@ -407,18 +358,16 @@ def gate_up_fwd(
         check(row_src_R.dtype == torch.int32 and row_src_R.dim() == 1 and row_src_R.is_contiguous(),
               f"row_src must be a contiguous int32 [R] tensor, got {row_src_R.dtype} {tuple(row_src_R.shape)}")
         check(top_k >= 1, f"top_k must be >= 1, got {top_k}")
-    check(pull is None or row_src_R is None, "gate_up_fwd: pull and row_src are exclusive")
     rows = a.shape[0] if row_src_R is None else row_src_R.numel()
     split, blocks = _check_rows(rows, block_expert, blocks, config.block_m)
     h = torch.empty(rows, inter, dtype=a.dtype, device=a.device)
     gate_up = torch.empty(rows, 2 * inter, dtype=a.dtype, device=a.device) if store_gate_up else a.new_empty(0, 2 * inter)
     max_tiles = rows // config.block_m * triton.cdiv(inter, config.block_n)
-    grid, pull_args, pull_constexprs = _pull_launch(pull, a, block_expert.numel(), max_tiles)
-    gate_up_fwd_kernel[grid](
+    gate_up_fwd_kernel[persistent_grid(a.device, max_tiles)](
         a, w_gate_up_E2IH, row_src_R if row_src_R is not None else block_expert, block_expert, blocks, h, gate_up,
-        *pull_args[:6], hidden, inter, top_k, *pull_args[6:],
+        hidden, inter, top_k,
         GATHER=row_src_R is not None, STORE_GATE_UP=store_gate_up,
-        **_meta(config, hidden, split), **pull_constexprs,
+        **_meta(config, hidden, split),
     )
     return h, (gate_up if store_gate_up else None)
 
@@ -430,25 +379,22 @@ def down_fwd(
     blocks: torch.Tensor,
     *,
     config: TileConfig,
-    push: RowPush | None = None,
-) -> torch.Tensor | None:
-    """y_rows [R, H] = h[r] @ w_down[e]^T; with push, each row goes to its (token, slot) row of its
-    token owner's pairs buffer instead and nothing is returned."""
+) -> torch.Tensor:
+    """y_rows [R, H] = h[r] @ w_down[e]^T."""
     _check_matrix(h_RI, None, None, "h")
     rows, inter = h_RI.shape
     check(w_down_EHI.dim() == 3, "w_down must be [E_l, H, I]")
     hidden = w_down_EHI.shape[1]
     _check_weight(w_down_EHI, h_RI, (w_down_EHI.shape[0], hidden, inter), "w_down")
     split, blocks = _check_rows(rows, block_expert, blocks, config.block_m)
-    y_rows = torch.empty(rows, hidden, dtype=h_RI.dtype, device=h_RI.device) if push is None else h_RI.new_empty(0, hidden)
-    push_args, push_constexprs = _push_launch(push, y_rows, rows, hidden)
+    y_rows = torch.empty(rows, hidden, dtype=h_RI.dtype, device=h_RI.device)
     max_tiles = rows // config.block_m * triton.cdiv(hidden, config.block_n)
     down_fwd_kernel[persistent_grid(h_RI.device, max_tiles)](
-        h_RI, w_down_EHI, block_expert, blocks, y_rows, *push_args,
+        h_RI, w_down_EHI, block_expert, blocks, y_rows,
         hidden, inter,
-        **_meta(config, inter, split), **push_constexprs,
+        **_meta(config, inter, split),
     )
-    return y_rows if push is None else None
+    return y_rows
 
 
 def down_dgrad(
@@ -459,14 +405,11 @@ def down_dgrad(
     blocks: torch.Tensor,
     *,
     config: TileConfig,
-    pull: RowPull | None = None,
 ) -> torch.Tensor:
     """d_gate_up [R, 2I] (d_y_rows' dtype): SwiGLU backward of d_h = d_y_rows[r] @ w_down[e].
 
     d_y_rows [R, H]: the weighted upstream gradient of each row (zero for padding); gate_up [R, 2I]
-    the saved pre-activation (zero for padding, as gate_up_fwd writes it). pull (with weight_table):
-    d_y_rows is filled by this kernel's communication programs from the token owners' d_out and
-    router weights while its GEMM programs compute.
+    the saved pre-activation (zero for padding, as gate_up_fwd writes it).
     """
     _check_matrix(d_y_rows_RH, None, None, "d_y_rows")
     rows, hidden = d_y_rows_RH.shape
@@ -477,11 +420,10 @@ def down_dgrad(
     split, blocks = _check_rows(rows, block_expert, blocks, config.block_m)
     d_gate_up = torch.empty(rows, 2 * inter, dtype=d_y_rows_RH.dtype, device=d_y_rows_RH.device)
     max_tiles = rows // config.block_m * triton.cdiv(inter, config.block_n)
-    grid, pull_args, pull_constexprs = _pull_launch(pull, d_y_rows_RH, block_expert.numel(), max_tiles)
-    down_dgrad_kernel[grid](
+    down_dgrad_kernel[persistent_grid(d_y_rows_RH.device, max_tiles)](
         d_y_rows_RH, w_down_EHI, gate_up_R2I, block_expert, blocks, d_gate_up,
-        *pull_args[:6], hidden, inter, *pull_args[6:],
-        **_meta(config, hidden, split), **pull_constexprs,
+        hidden, inter,
+        **_meta(config, hidden, split),
     )
     return d_gate_up
 
@@ -493,23 +435,19 @@ def gate_up_dgrad(
     blocks: torch.Tensor,
     *,
     config: TileConfig,
-    push: RowPush | None = None,
-) -> torch.Tensor | None:
-    """d_x_rows [R, H] = d_gate_up[r] @ w_gate_up[e]; with push, each row goes to its (token, slot)
-    row of its token owner's pairs buffer instead and nothing is returned."""
+) -> torch.Tensor:
+    """d_x_rows [R, H] = d_gate_up[r] @ w_gate_up[e]."""
     _check_matrix(d_gate_up_R2I, None, None, "d_gate_up")
     rows, inter2 = d_gate_up_R2I.shape
     check(w_gate_up_E2IH.dim() == 3 and w_gate_up_E2IH.shape[1] == inter2, "w_gate_up must be [E_l, 2I, H]")
     hidden = w_gate_up_E2IH.shape[2]
     _check_weight(w_gate_up_E2IH, d_gate_up_R2I, (w_gate_up_E2IH.shape[0], inter2, hidden), "w_gate_up")
     split, blocks = _check_rows(rows, block_expert, blocks, config.block_m)
-    d_x_rows = (torch.empty(rows, hidden, dtype=d_gate_up_R2I.dtype, device=d_gate_up_R2I.device) if push is None
-                else d_gate_up_R2I.new_empty(0, hidden))
-    push_args, push_constexprs = _push_launch(push, d_x_rows, rows, hidden)
+    d_x_rows = torch.empty(rows, hidden, dtype=d_gate_up_R2I.dtype, device=d_gate_up_R2I.device)
     max_tiles = rows // config.block_m * triton.cdiv(hidden, config.block_n)
     gate_up_dgrad_kernel[persistent_grid(d_gate_up_R2I.device, max_tiles)](
-        d_gate_up_R2I, w_gate_up_E2IH, block_expert, blocks, d_x_rows, *push_args,
+        d_gate_up_R2I, w_gate_up_E2IH, block_expert, blocks, d_x_rows,
         hidden, inter2 // 2,
-        **_meta(config, inter2, split), **push_constexprs,
+        **_meta(config, inter2, split),
     )
-    return d_x_rows if push is None else None
+    return d_x_rows

@@ -1,0 +1,264 @@
+"""One persistent kernel per direction of the expert-parallel layer, communication inside.
+
+Forward (ep_forward): dispatch pulls, the gate/up GEMM (SwiGLU epilogue) and the down GEMM, whose
+epilogue pushes each result row to its token owner. Backward data grads (ep_backward_data): the pulls
+of the router-weighted d_out rows, the down-projection data grad (SwiGLU backward epilogue) and the
+gate/up data grad, whose epilogue pushes each d_x row to its token owner. (The weight grads need every
+row of an expert and stay kernels of their own, as do the schedule and the final fixed-order sums.)
+
+Tasks. Every program first takes the communication role if it is one of the first `programs`
+(comm_tiles.pull_then_claim: pull groups of row blocks, raise their ready flags), then claims tasks in
+order from a device counter. The task list interleaves the two GEMMs by stages of `stage_m` row blocks:
+    A(0), A(1), B(0), A(2), B(1), ..., A(S-1), B(S-2), B(S-1)
+where A(s) are the first GEMM's tiles of stage s (each after its rows' ready flag) and B(s) the second
+GEMM's (each after every A tile of its row block is done: a per-row-block counter, release/acquire).
+So the second GEMM (and its pushes) starts a stage behind the first instead of after all of it, and no
+SM idles between the two. A stage is about two waves of A tiles, so a B tile rarely waits.
+
+No deadlock by construction: tasks are claimed in list order and a task only waits for pulls (which
+wait for nothing) or for A tasks earlier in the list, already claimed by running programs; the grid is
+at most one program per SM. Every wait is bounded (comm_tiles.wait_at_least). Results are bitwise those
+of the separate kernels: the same tile functions, one program per output element, fixed K order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megamoe.backends.triton.configs import TileConfig
+from megamoe.backends.triton.kernels._common import check, load_range, num_sms, tile_coords
+from megamoe.backends.triton.kernels.comm_tiles import (
+    RowPull, RowPush, aligned_rows, check_pull, check_push, claim_task, pull_meta, pull_then_claim, signal_done,
+    wait_at_least, wait_ready, work_buffer,
+)
+from megamoe.backends.triton.kernels.grouped_gemm import (
+    _check_matrix, _check_rows, _check_weight, down_dgrad_tile, down_fwd_tile, gate_up_dgrad_tile, gate_up_fwd_tile,
+)
+
+
+STAGE_WAVES = 2
+
+
+@triton.jit
+def _task(task, a_tasks, b_tasks, num_stages):
+    """(is a B task, stage, index within the stage's A or B tiles) of task number `task` in the order
+    A(0), A(1), B(0), A(2), B(1), ..., A(S-1), B(S-2), B(S-1), with a_tasks / b_tasks per stage."""
+    first = task < a_tasks
+    q = tl.maximum(task - a_tasks, 0)
+    pair = q // (a_tasks + b_tasks)
+    r = q - pair * (a_tasks + b_tasks)
+    last = pair >= num_stages - 1  # the trailing B(S-1)
+    is_b = (task >= a_tasks) & (last | (r >= a_tasks))
+    stage = tl.where(first, 0, tl.where(last, num_stages - 1, tl.where(r < a_tasks, pair + 1, pair)))
+    index = tl.where(first, task, tl.where(last | (r < a_tasks), r, r - a_tasks))
+    return is_b, stage, index
+
+
+@triton.jit
+def _num_tasks(block_range_ptr, H, I, stage_m, SPLIT: tl.constexpr, A_BLOCK_N: tl.constexpr, B_BLOCK_N: tl.constexpr):
+    """Tasks of the list: stages x (A tiles + B tiles) per stage (partial last stage included)."""
+    first_m, end_m = load_range(block_range_ptr, SPLIT)
+    return tl.cdiv(end_m - first_m, stage_m) * stage_m * (tl.cdiv(I, A_BLOCK_N) + tl.cdiv(H, B_BLOCK_N))
+
+
+@triton.jit
+def ep_fwd_kernel(
+    x_rows_ptr, w_gate_up_ptr, w_down_ptr, block_expert_ptr, block_range_ptr, h_ptr, gate_up_ptr, y_ptr,
+    pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, work_ptr, push_table_ptr, push_rank_ptr, push_pair_ptr,
+    H, I, pull_programs, group_blocks, timeout_ns, stage_m, done_offset,
+    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr,
+    A_EVEN_K: tl.constexpr, A_BLOCK_N: tl.constexpr, A_BLOCK_K: tl.constexpr, A_STAGES: tl.constexpr,
+    B_EVEN_K: tl.constexpr, B_BLOCK_N: tl.constexpr, B_BLOCK_K: tl.constexpr, B_STAGES: tl.constexpr,
+    PULL_ALIGNED: tl.constexpr, PULL_ROWS: tl.constexpr, PULL_BLOCK: tl.constexpr, PUSH_ALIGNED: tl.constexpr,
+):
+    """A = gate_up_fwd tiles (h, gate_up) over the pulled x rows, B = down_fwd tiles (y rows, pushed)."""
+    first_m, end_m = load_range(block_range_ptr, SPLIT)
+    task = pull_then_claim(
+        x_rows_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_table_ptr, work_ptr,
+        first_m // SPLIT, end_m // SPLIT, pull_programs, H, group_blocks,
+        SCALE=False, ALIGNED=PULL_ALIGNED, BLOCK_ROWS=BLOCK_M * SPLIT, ROWS=PULL_ROWS, BLOCK=PULL_BLOCK,
+    )
+    # Only `task` is carried across iterations: the layout is re-derived from the arguments each time
+    # (cheap scalar work), which keeps the tiles' registers free (at 255 otherwise they spill).
+    while task < _num_tasks(block_range_ptr, H, I, stage_m, SPLIT, A_BLOCK_N, B_BLOCK_N):
+        first_m, end_m = load_range(block_range_ptr, SPLIT)
+        num_m = end_m - first_m
+        a_n = tl.cdiv(I, A_BLOCK_N)
+        b_n = tl.cdiv(H, B_BLOCK_N)
+        is_b, stage, index = _task(task, stage_m * a_n, stage_m * b_n, tl.cdiv(num_m, stage_m))
+        m0 = stage * stage_m
+        stage_rows = tl.minimum(stage_m, num_m - m0)
+        if is_b:
+            if index < stage_rows * b_n:
+                pid_m, pid_n = tile_coords(index, stage_rows, b_n, GROUP_M)
+                pid_m += first_m + m0
+                wait_at_least(work_ptr + done_offset + pid_m, a_n, timeout_ns)
+                down_fwd_tile(pid_m, pid_n, h_ptr, w_down_ptr, block_expert_ptr, y_ptr, push_table_ptr, push_rank_ptr,
+                              push_pair_ptr, H, I, B_EVEN_K, SPLIT, BLOCK_M, B_BLOCK_N, B_BLOCK_K, B_STAGES, True, PUSH_ALIGNED)
+        else:
+            if index < stage_rows * a_n:
+                pid_m, pid_n = tile_coords(index, stage_rows, a_n, GROUP_M)
+                pid_m += first_m + m0
+                wait_ready(work_ptr, pid_m // SPLIT // group_blocks, timeout_ns)
+                gate_up_fwd_tile(pid_m, pid_n, x_rows_ptr, w_gate_up_ptr, block_expert_ptr, block_expert_ptr, h_ptr,
+                                 gate_up_ptr, H, I, 1, False, True, A_EVEN_K, SPLIT, BLOCK_M, A_BLOCK_N, A_BLOCK_K, A_STAGES)
+                signal_done(work_ptr + done_offset + pid_m)
+        task = claim_task(work_ptr)
+
+
+@triton.jit
+def ep_bwd_data_kernel(
+    d_y_rows_ptr, w_gate_up_ptr, w_down_ptr, block_expert_ptr, block_range_ptr, gate_up_ptr, d_gate_up_ptr, d_x_ptr,
+    pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_weight_table_ptr, work_ptr,
+    push_table_ptr, push_rank_ptr, push_pair_ptr,
+    H, I, pull_programs, group_blocks, timeout_ns, stage_m, done_offset,
+    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr,
+    A_EVEN_K: tl.constexpr, A_BLOCK_N: tl.constexpr, A_BLOCK_K: tl.constexpr, A_STAGES: tl.constexpr,
+    B_EVEN_K: tl.constexpr, B_BLOCK_N: tl.constexpr, B_BLOCK_K: tl.constexpr, B_STAGES: tl.constexpr,
+    PULL_ALIGNED: tl.constexpr, PULL_ROWS: tl.constexpr, PULL_BLOCK: tl.constexpr, PUSH_ALIGNED: tl.constexpr,
+):
+    """A = down_dgrad tiles (d_gate_up) over the pulled, router-weighted d_y rows, B = gate_up_dgrad
+    tiles (d_x rows, pushed)."""
+    first_m, end_m = load_range(block_range_ptr, SPLIT)
+    task = pull_then_claim(
+        d_y_rows_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_weight_table_ptr, work_ptr,
+        first_m // SPLIT, end_m // SPLIT, pull_programs, H, group_blocks,
+        SCALE=True, ALIGNED=PULL_ALIGNED, BLOCK_ROWS=BLOCK_M * SPLIT, ROWS=PULL_ROWS, BLOCK=PULL_BLOCK,
+    )
+    # Only `task` is carried across iterations: the layout is re-derived from the arguments each time
+    # (cheap scalar work), which keeps the tiles' registers free (at 255 otherwise they spill).
+    while task < _num_tasks(block_range_ptr, H, I, stage_m, SPLIT, A_BLOCK_N, B_BLOCK_N):
+        first_m, end_m = load_range(block_range_ptr, SPLIT)
+        num_m = end_m - first_m
+        a_n = tl.cdiv(I, A_BLOCK_N)
+        b_n = tl.cdiv(H, B_BLOCK_N)
+        is_b, stage, index = _task(task, stage_m * a_n, stage_m * b_n, tl.cdiv(num_m, stage_m))
+        m0 = stage * stage_m
+        stage_rows = tl.minimum(stage_m, num_m - m0)
+        if is_b:
+            if index < stage_rows * b_n:
+                pid_m, pid_n = tile_coords(index, stage_rows, b_n, GROUP_M)
+                pid_m += first_m + m0
+                wait_at_least(work_ptr + done_offset + pid_m, a_n, timeout_ns)
+                gate_up_dgrad_tile(pid_m, pid_n, d_gate_up_ptr, w_gate_up_ptr, block_expert_ptr, d_x_ptr, push_table_ptr,
+                                   push_rank_ptr, push_pair_ptr, H, I, B_EVEN_K, SPLIT, BLOCK_M, B_BLOCK_N, B_BLOCK_K,
+                                   B_STAGES, True, PUSH_ALIGNED)
+        else:
+            if index < stage_rows * a_n:
+                pid_m, pid_n = tile_coords(index, stage_rows, a_n, GROUP_M)
+                pid_m += first_m + m0
+                wait_ready(work_ptr, pid_m // SPLIT // group_blocks, timeout_ns)
+                down_dgrad_tile(pid_m, pid_n, d_y_rows_ptr, w_down_ptr, gate_up_ptr, block_expert_ptr, d_gate_up_ptr, H, I,
+                                A_EVEN_K, SPLIT, BLOCK_M, A_BLOCK_N, A_BLOCK_K, A_STAGES)
+                signal_done(work_ptr + done_offset + pid_m)
+        task = claim_task(work_ptr)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _launch(rows: torch.Tensor, block_expert: torch.Tensor, blocks: torch.Tensor, a: TileConfig, b: TileConfig,
+            a_k: int, b_k: int, a_n: int, pull: RowPull, push: RowPush):
+    """(grid, block range, runtime scalars, work buffer, constexprs) of a fused launch over rows [R, H]."""
+    check(a.block_m == b.block_m and a.num_warps == b.num_warps,
+          f"fused GEMMs need one row tile and warp count, got {a} and {b}")
+    num_rows, hidden = rows.shape
+    split, block_range = _check_rows(num_rows, block_expert, blocks, a.block_m)
+    check_pull(pull, rows)
+    check_push(push, num_rows)
+    num_blocks = block_expert.numel()
+    row_blocks = num_rows // a.block_m
+    # One program per SM, communication programs included (fewer when there are fewer A tiles).
+    grid = max(1, min(num_sms(rows.device), pull.programs + row_blocks * a_n))
+    work, done_offset = work_buffer(triton.cdiv(num_blocks, pull.group_blocks), row_blocks, rows.device)
+    # A stage is about two waves of A tiles, so B tiles a stage behind rarely wait for their rows.
+    # Measured on qwen3-30b-a3b fwd+bwd at EP=2 (docs/perf-notes.md): one wave 9.73 ms, two 9.45, all A
+    # tiles before any B tile 9.55; qwen3-235b-a22b 32.86 (one) and 32.88 (all).
+    stage_m = max(1, STAGE_WAVES * triton.cdiv(grid, a_n))
+    meta = pull_meta(pull, rows, num_rows // num_blocks)
+    constexprs = dict(
+        SPLIT=split, BLOCK_M=a.block_m, GROUP_M=a.group_m,
+        A_EVEN_K=a_k % a.block_k == 0, A_BLOCK_N=a.block_n, A_BLOCK_K=a.block_k, A_STAGES=a.num_stages,
+        B_EVEN_K=b_k % b.block_k == 0, B_BLOCK_N=b.block_n, B_BLOCK_K=b.block_k, B_STAGES=b.num_stages,
+        PULL_ALIGNED=aligned_rows(hidden, rows.element_size(), rows), PULL_ROWS=meta["PULL_ROWS"],
+        PULL_BLOCK=meta["PULL_BLOCK"], PUSH_ALIGNED=aligned_rows(hidden, rows.element_size()),
+        num_warps=a.num_warps, num_stages=max(a.num_stages, b.num_stages),
+    )
+    scalars = [pull.programs, pull.group_blocks, pull.timeout_ns, stage_m, done_offset]
+    return (grid,), block_range, scalars, work, constexprs
+
+
+def ep_forward(
+    x_rows: torch.Tensor,
+    w_gate_up_E2IH: torch.Tensor,
+    w_down_EHI: torch.Tensor,
+    block_expert: torch.Tensor,
+    blocks: torch.Tensor,
+    pull: RowPull,
+    push: RowPush,
+    *,
+    gate_up_config: TileConfig,
+    down_config: TileConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h [R, I], gate_up [R, 2I]) over the schedule blocks in `blocks`; x_rows [R, H] is filled by the
+    communication programs (pull), and every y row goes to its (token, slot) row of its token owner's
+    pairs buffer (push)."""
+    _check_matrix(x_rows, None, None, "x_rows")
+    num_rows, hidden = x_rows.shape
+    check(w_gate_up_E2IH.dim() == 3 and w_gate_up_E2IH.shape[1] % 2 == 0, "w_gate_up must be [E_l, 2I, H]")
+    inter = w_gate_up_E2IH.shape[1] // 2
+    _check_weight(w_gate_up_E2IH, x_rows, (w_gate_up_E2IH.shape[0], 2 * inter, hidden), "w_gate_up")
+    _check_weight(w_down_EHI, x_rows, (w_gate_up_E2IH.shape[0], hidden, inter), "w_down")
+    a_n = triton.cdiv(inter, gate_up_config.block_n)
+    grid, block_range, scalars, work, constexprs = _launch(
+        x_rows, block_expert, blocks, gate_up_config, down_config, hidden, inter, a_n, pull, push)
+    h = torch.empty(num_rows, inter, dtype=x_rows.dtype, device=x_rows.device)
+    gate_up = torch.empty(num_rows, 2 * inter, dtype=x_rows.dtype, device=x_rows.device)
+    ep_fwd_kernel[grid](
+        x_rows, w_gate_up_E2IH, w_down_EHI, block_expert, block_range, h, gate_up, x_rows,
+        pull.table, pull.src_rank, pull.src_token, pull.src_pair, work, push.table, push.dst_rank, push.dst_pair,
+        hidden, inter, *scalars,
+        **constexprs,
+    )
+    return h, gate_up
+
+
+def ep_backward_data(
+    d_y_rows: torch.Tensor,
+    gate_up_R2I: torch.Tensor,
+    w_gate_up_E2IH: torch.Tensor,
+    w_down_EHI: torch.Tensor,
+    block_expert: torch.Tensor,
+    blocks: torch.Tensor,
+    pull: RowPull,
+    push: RowPush,
+    *,
+    down_dgrad_config: TileConfig,
+    gate_up_dgrad_config: TileConfig,
+) -> torch.Tensor:
+    """d_gate_up [R, 2I] over the schedule blocks in `blocks`; d_y_rows [R, H] (each row's d_out times
+    its router weight) is filled by the communication programs (pull, with weight_table), gate_up is the
+    saved pre-activation, and every d_x row goes to its token owner's pairs buffer (push)."""
+    _check_matrix(d_y_rows, None, None, "d_y_rows")
+    num_rows, hidden = d_y_rows.shape
+    check(w_down_EHI.dim() == 3 and w_down_EHI.shape[1] == hidden, "w_down must be [E_l, H, I]")
+    inter = w_down_EHI.shape[2]
+    _check_weight(w_down_EHI, d_y_rows, (w_down_EHI.shape[0], hidden, inter), "w_down")
+    _check_weight(w_gate_up_E2IH, d_y_rows, (w_down_EHI.shape[0], 2 * inter, hidden), "w_gate_up")
+    _check_matrix(gate_up_R2I, num_rows, 2 * inter, "gate_up")
+    check(pull.weight_table is not None, "ep_backward_data: the pull needs the router weights' weight_table")
+    a_n = triton.cdiv(inter, down_dgrad_config.block_n)
+    grid, block_range, scalars, work, constexprs = _launch(
+        d_y_rows, block_expert, blocks, down_dgrad_config, gate_up_dgrad_config, hidden, 2 * inter, a_n, pull, push)
+    d_gate_up = torch.empty(num_rows, 2 * inter, dtype=d_y_rows.dtype, device=d_y_rows.device)
+    ep_bwd_data_kernel[grid](
+        d_y_rows, w_gate_up_E2IH, w_down_EHI, block_expert, block_range, gate_up_R2I, d_gate_up, d_y_rows,
+        pull.table, pull.src_rank, pull.src_token, pull.src_pair, pull.weight_table, work,
+        push.table, push.dst_rank, push.dst_pair,
+        hidden, inter, *scalars,
+        **constexprs,
+    )
+    return d_gate_up
