@@ -30,7 +30,9 @@ from megamoe.schedule import Schedule
 
 class ReceiveMaps(NamedTuple):
     """Per receive row r (int32 [R] each): source rank (-1 for padding), source pair p, source token
-    p // k, 0 if r is in use else -1, r itself, and zeros (a local tensor's "peer" column)."""
+    p // k, 0 if r is in use else -1, r itself, zeros (a local tensor's "peer" column), and the first
+    receive row holding the same token of the same rank (r itself for a token's first row here and for
+    padding: a token that picked several of this rank's experts needs its row sent only once)."""
 
     src_rank: torch.Tensor
     src_pair: torch.Tensor
@@ -38,6 +40,20 @@ class ReceiveMaps(NamedTuple):
     in_use: torch.Tensor
     rows: torch.Tensor
     zeros: torch.Tensor
+    first_row: torch.Tensor
+
+
+def _first_rows(src_rank: torch.Tensor, src_token: torch.Tensor, num_tokens: int, rows: torch.Tensor) -> torch.Tensor:
+    """first_row of ReceiveMaps: a stable sort by (rank, token) keeps rows in order within each token's
+    run, so each run starts at its smallest row. Device ops only (no host sync); deterministic."""
+    key = torch.where(src_rank >= 0, src_rank.long() * num_tokens + src_token.long(), -1 - rows.long())
+    sorted_key, order = torch.sort(key, stable=True)
+    starts = torch.ones_like(sorted_key, dtype=torch.bool)
+    starts[1:] = sorted_key[1:] != sorted_key[:-1]
+    run_start = torch.where(starts, torch.arange(key.numel(), device=key.device), 0).cummax(0).values
+    first = torch.empty_like(rows)
+    first[order] = order[run_start].to(torch.int32)
+    return first
 
 
 def receive_maps(schedule: Schedule) -> ReceiveMaps:
@@ -47,7 +63,9 @@ def receive_maps(schedule: Schedule) -> ReceiveMaps:
     in_use = torch.where(rows < schedule.expert_offsets[-1], 0, -1).to(torch.int32)
     src_rank = torch.where(src >= 0, src // pairs, -1).to(torch.int32)
     src_pair = torch.where(src >= 0, src % pairs, 0).to(torch.int32)
-    return ReceiveMaps(src_rank, src_pair, src_pair // schedule.top_k, in_use, rows, torch.zeros_like(rows))
+    src_token = src_pair // schedule.top_k
+    return ReceiveMaps(src_rank, src_pair, src_token, in_use, rows, torch.zeros_like(rows),
+                       _first_rows(src_rank, src_token, schedule.num_tokens, rows))
 
 
 def _send_maps(schedule: Schedule):
