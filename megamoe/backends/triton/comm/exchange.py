@@ -45,15 +45,13 @@ class ReceiveMaps(NamedTuple):
 
 def _first_rows(src_rank: torch.Tensor, src_token: torch.Tensor, num_tokens: int, rows: torch.Tensor) -> torch.Tensor:
     """first_row of ReceiveMaps: a stable sort by (rank, token) keeps rows in order within each token's
-    run, so each run starts at its smallest row. Device ops only (no host sync); deterministic."""
+    run, so each run starts at its smallest row, found by a binary search of the sorted keys. Device ops
+    only (no host sync), all parallel (a cummax here scans in one CUDA block: ~1 ms at 131k rows);
+    deterministic."""
     key = torch.where(src_rank >= 0, src_rank.long() * num_tokens + src_token.long(), -1 - rows.long())
     sorted_key, order = torch.sort(key, stable=True)
-    starts = torch.ones_like(sorted_key, dtype=torch.bool)
-    starts[1:] = sorted_key[1:] != sorted_key[:-1]
-    run_start = torch.where(starts, torch.arange(key.numel(), device=key.device), 0).cummax(0).values
-    first = torch.empty_like(rows)
-    first[order] = order[run_start].to(torch.int32)
-    return first
+    run_start = torch.searchsorted(sorted_key, sorted_key)
+    return torch.empty_like(rows).scatter_(0, order, order[run_start].to(torch.int32))
 
 
 def receive_maps(schedule: Schedule) -> ReceiveMaps:
