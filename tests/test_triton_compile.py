@@ -29,7 +29,7 @@ from megamoe.backends.triton import kernels  # noqa: E402
 from megamoe.backends.triton.configs import _SM90, TileConfig  # noqa: E402
 
 
-def _fused(a: str, b: str, **extra) -> dict:
+def _fused(a: str, b: str) -> dict:
     """Constexprs of a fused expert-parallel kernel (kernels/ep_fused.py) running the table's tiles a
     then b (bf16 rows of H = 2048: 16 rows x 1024 columns per copy step)."""
     ta, tb = getattr(_SM90, a), getattr(_SM90, b)
@@ -37,7 +37,7 @@ def _fused(a: str, b: str, **extra) -> dict:
         SPLIT=1, BLOCK_M=ta.block_m, GROUP_M=ta.group_m,
         A_EVEN_K=True, A_BLOCK_N=ta.block_n, A_BLOCK_K=ta.block_k, A_STAGES=ta.num_stages,
         B_EVEN_K=True, B_BLOCK_N=tb.block_n, B_BLOCK_K=tb.block_k, B_STAGES=tb.num_stages,
-        PULL_ALIGNED=True, PULL_ROWS=16, PULL_BLOCK=1024, PUSH_ALIGNED=True, **extra,
+        PULL_ALIGNED=True, PULL_ROWS=16, PULL_BLOCK=1024, PUSH_ALIGNED=True,
     )
 
 
@@ -50,7 +50,7 @@ GEMM_KERNELS = {
     "gate_up_dgrad": (kernels.gate_up_dgrad_kernel, "gate_up_dgrad", {}),
     "dw_down": (kernels.dw_down_kernel, "dw_down", {}),
     "dw_gate_up": (kernels.dw_gate_up_kernel, "dw_gate_up", {}),
-    "ep_fwd": (kernels.ep_fwd_kernel, "gate_up_fwd", _fused("gate_up_fwd", "down_fwd", DEDUP=True)),
+    "ep_fwd": (kernels.ep_fwd_kernel, "gate_up_fwd", _fused("gate_up_fwd", "down_fwd")),
     "ep_bwd_data": (kernels.ep_bwd_data_kernel, "gate_up_dgrad", _fused("down_dgrad", "gate_up_dgrad")),
 }
 # Spill bytes allowed (stores and loads each), per kernel; every other kernel must not spill. The fused
@@ -74,7 +74,6 @@ _POINTER_TYPES = {
     "w_ptr": "*bf16", "d_w_ptr": "*fp32",
     "pull_table_ptr": "*i64", "pull_weight_table_ptr": "*i64", "push_table_ptr": "*i64",
     "pull_rank_ptr": "*i32", "pull_token_ptr": "*i32", "pull_pair_ptr": "*i32", "work_ptr": "*i32",
-    "pull_first_row_ptr": "*i32",
     "push_rank_ptr": "*i32", "push_pair_ptr": "*i32",
 }
 _INT_TYPES = {"timeout_ns": "i64"}

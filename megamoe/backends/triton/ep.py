@@ -104,11 +104,8 @@ def group_blocks(schedule: Schedule, config) -> int:
 
 def _pull(buffer: _Buffer, weights: _Buffer | None, maps: ReceiveMaps, schedule: Schedule, config,
           device: torch.device) -> kernels.RowPull:
-    """The pull of x rows (weights None: each token row sent once per rank, its other rows here copied
-    locally) or of router-weighted d_out rows (weights given: rows of one token differ, each is read)."""
     return kernels.RowPull(
-        buffer.peer_ptrs, maps.src_rank, maps.src_token, maps.src_pair,
-        None if weights is None else weights.peer_ptrs, maps.first_row if weights is None else None,
+        buffer.peer_ptrs, maps.src_rank, maps.src_token, maps.src_pair, None if weights is None else weights.peer_ptrs,
         comm_programs(config, device), group_blocks(schedule, config), _timeout_ns(config),
     )
 

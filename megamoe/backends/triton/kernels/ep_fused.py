@@ -66,21 +66,19 @@ def _num_tasks(block_range_ptr, H, I, stage_m, SPLIT: tl.constexpr, A_BLOCK_N: t
 @triton.jit
 def ep_fwd_kernel(
     x_rows_ptr, w_gate_up_ptr, w_down_ptr, block_expert_ptr, block_range_ptr, h_ptr, gate_up_ptr, y_ptr,
-    pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_first_row_ptr, work_ptr,
-    push_table_ptr, push_rank_ptr, push_pair_ptr,
+    pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, work_ptr, push_table_ptr, push_rank_ptr, push_pair_ptr,
     H, I, pull_programs, group_blocks, timeout_ns, stage_m, done_offset,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr,
     A_EVEN_K: tl.constexpr, A_BLOCK_N: tl.constexpr, A_BLOCK_K: tl.constexpr, A_STAGES: tl.constexpr,
     B_EVEN_K: tl.constexpr, B_BLOCK_N: tl.constexpr, B_BLOCK_K: tl.constexpr, B_STAGES: tl.constexpr,
     PULL_ALIGNED: tl.constexpr, PULL_ROWS: tl.constexpr, PULL_BLOCK: tl.constexpr, PUSH_ALIGNED: tl.constexpr,
-    DEDUP: tl.constexpr,
 ):
     """A = gate_up_fwd tiles (h, gate_up) over the pulled x rows, B = down_fwd tiles (y rows, pushed)."""
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     task = pull_then_claim(
-        x_rows_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_table_ptr, pull_first_row_ptr,
-        work_ptr, first_m // SPLIT, end_m // SPLIT, pull_programs, H, group_blocks, timeout_ns,
-        SCALE=False, DEDUP=DEDUP, ALIGNED=PULL_ALIGNED, BLOCK_ROWS=BLOCK_M * SPLIT, ROWS=PULL_ROWS, BLOCK=PULL_BLOCK,
+        x_rows_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_table_ptr, work_ptr,
+        first_m // SPLIT, end_m // SPLIT, pull_programs, H, group_blocks,
+        SCALE=False, ALIGNED=PULL_ALIGNED, BLOCK_ROWS=BLOCK_M * SPLIT, ROWS=PULL_ROWS, BLOCK=PULL_BLOCK,
     )
     # Only `task` is carried across iterations: the layout is re-derived from the arguments each time
     # (cheap scalar work), which keeps the tiles' registers free (at 255 otherwise they spill).
@@ -125,9 +123,9 @@ def ep_bwd_data_kernel(
     tiles (d_x rows, pushed)."""
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     task = pull_then_claim(
-        d_y_rows_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_weight_table_ptr, pull_rank_ptr,
-        work_ptr, first_m // SPLIT, end_m // SPLIT, pull_programs, H, group_blocks, timeout_ns,
-        SCALE=True, DEDUP=False, ALIGNED=PULL_ALIGNED, BLOCK_ROWS=BLOCK_M * SPLIT, ROWS=PULL_ROWS, BLOCK=PULL_BLOCK,
+        d_y_rows_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_weight_table_ptr, work_ptr,
+        first_m // SPLIT, end_m // SPLIT, pull_programs, H, group_blocks,
+        SCALE=True, ALIGNED=PULL_ALIGNED, BLOCK_ROWS=BLOCK_M * SPLIT, ROWS=PULL_ROWS, BLOCK=PULL_BLOCK,
     )
     # Only `task` is carried across iterations: the layout is re-derived from the arguments each time
     # (cheap scalar work), which keeps the tiles' registers free (at 255 otherwise they spill).
@@ -206,8 +204,8 @@ def ep_forward(
     down_config: TileConfig,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h [R, I], gate_up [R, 2I]) over the schedule blocks in `blocks`; x_rows [R, H] is filled by the
-    communication programs (pull; with pull.first_row each token row crosses NVLink once per rank), and
-    every y row goes to its (token, slot) row of its token owner's pairs buffer (push)."""
+    communication programs (pull), and every y row goes to its (token, slot) row of its token owner's
+    pairs buffer (push)."""
     _check_matrix(x_rows, None, None, "x_rows")
     num_rows, hidden = x_rows.shape
     check(w_gate_up_E2IH.dim() == 3 and w_gate_up_E2IH.shape[1] % 2 == 0, "w_gate_up must be [E_l, 2I, H]")
@@ -221,11 +219,9 @@ def ep_forward(
     gate_up = torch.empty(num_rows, 2 * inter, dtype=x_rows.dtype, device=x_rows.device)
     ep_fwd_kernel[grid](
         x_rows, w_gate_up_E2IH, w_down_EHI, block_expert, block_range, h, gate_up, x_rows,
-        pull.table, pull.src_rank, pull.src_token, pull.src_pair,
-        pull.first_row if pull.first_row is not None else pull.src_rank, work,
-        push.table, push.dst_rank, push.dst_pair,
+        pull.table, pull.src_rank, pull.src_token, pull.src_pair, work, push.table, push.dst_rank, push.dst_pair,
         hidden, inter, *scalars,
-        DEDUP=pull.first_row is not None, **constexprs,
+        **constexprs,
     )
     return h, gate_up
 
