@@ -7,10 +7,11 @@ Per workload (default qwen3-30b-a3b and qwen3-235b-a22b at their 16384 tokens pe
 GPU, bf16, no shared expert), each pass ("fwd", "fwd+bwd") of the EP layer (ep.experts_fwd/_bwd; the
 schedule is built once, outside the timing) is timed four ways, median over iterations of the max over
 ranks (megamoe.bench.measure):
-  fused    the layer as it runs: pulls inside the gate/up (and down-dgrad) GEMMs, pushes in the down
-           (and gate/up-dgrad) epilogues
-  compute  the same GEMMs with no communication at all, on every SM (wrong results, timing only): the
-           best the layer could do if communication were free
+  fused    the layer as it runs: one persistent kernel per direction (kernels/ep_fused.py) pulls the
+           rows, runs both GEMMs (gate/up and down; backward: down-dgrad and gate/up-dgrad) and pushes
+           the second GEMM's rows from its epilogue; the weight grads are kernels of their own
+  compute  the one-GPU GEMM kernels (same tiles) with no communication at all, on every SM (wrong
+           results, timing only): the best the layer could do if communication were free
   comm     the exchanges alone (barriers, publishes, whole pulls/pushes, the final copies), no compute
   serial   no overlap: whole exchanges around plain GEMMs on every SM
 hidden = compute + comm - fused (the communication time that ran under compute), reported as a

@@ -31,15 +31,17 @@ class MoEConfig:
         backend choose (torch: 16, the alignment torch._grouped_mm wants; triton: its tile table).
     num_comm_sms / minibatch_tokens / dispatch / combine: expert-parallel overlap knobs used by the
         fused EP path (triton backend). They never change results (bitwise), only speed.
-        num_comm_sms: communication programs (one SM each) inside each persistent GEMM that pulls its
-            rows from the token owners (gate/up forward, down-projection data grad); its GEMM
-            programs take the other SMs. None: 16. Must be smaller than the GPU's SM count.
+        num_comm_sms: communication programs (one SM each) inside each fused expert-parallel kernel
+            (the forward's, and the backward's data grads'): they pull the receive rows from the token
+            owners, then join the GEMM programs, which start on the other SMs. None: 32
+            (ep.DEFAULT_COMM_SMS). Must be smaller than the GPU's SM count.
         minibatch_tokens: the overlap granularity: the rows of about minibatch_tokens tokens
             (minibatch_tokens * k rows, whole blocks of block_m) share one ready flag, raised when
             they have all landed; a GEMM tile starts when its rows' flag is up. None: one flag per
             block, the finest granularity.
         dispatch / combine: the direction of each communication operation, "pull", "push" or
-            "auto" (pull dispatch, push combine: the directions that run inside the GEMMs).
+            "auto" (pull dispatch, push combine: the directions that run inside the fused kernels;
+            other choices run whole exchanges around the GEMMs).
     comm_timeout_ms: how long a GPU waits for a peer of the expert-parallel group at a synchronisation
         point before failing with an error (a peer that never arrives must not hang the job).
     """

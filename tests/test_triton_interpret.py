@@ -15,7 +15,7 @@ in fp64 + autograd within the STYLE.md error budget. Launcher outputs are NaN-po
 kernel forgets to write fails; rows past the rows in use are NaN-filled inputs, so a kernel that reads
 them fails. The expert-parallel driver (ep.py) runs on a one-rank group with a CPU workspace and must
 match experts.py bitwise, for every dispatch/combine direction and every overlap setting (communication
-programs inside the GEMMs, rows per ready flag), and match its own unfused run.
+programs inside the fused kernels, rows per ready flag), and match its own unfused run.
 """
 
 from __future__ import annotations
@@ -425,10 +425,10 @@ def fake_workspace(group, *, device, num_tokens, hidden_size, topk, num_rows, dt
 
 EP_CASES = ["T37-H48-I40-E5-k3-shared", "T40-H32-I32-E8-k2-empty-experts", "T1-H32-I16-E1-k1-El1"]
 DIRECTIONS = {"pull-push": ("pull", "push"), "push-pull": ("push", "pull")}
-# (num_comm_sms, minibatch_tokens): the default (16 communication programs, one GEMM program as CPU
-# "SMs" are 3; a flag per block), one communication program and two GEMM programs, and two with flags
-# over ~16 tokens' rows. The "serial" probe (whole exchanges around plain GEMMs) is the unfused
-# reference. All must give the same bits.
+# (num_comm_sms, minibatch_tokens): the default (DEFAULT_COMM_SMS communication programs: all 3 programs
+# of a CPU grid pull, then compute; a flag per block), one communication program and two GEMM programs
+# (a flag per block), and two communication programs with flags over ~16 tokens' rows. The "serial"
+# probe (whole exchanges around plain GEMMs) is the unfused reference. All must give the same bits.
 OVERLAPS = {"default": (None, None), "comm1-mb1": (1, 1), "comm2-mb16": (2, 16)}
 
 
@@ -438,7 +438,7 @@ def run_ep(x, weights, wgu, wd, sgu, sd, s, d_out, config, probe="full"):
     return (out, *grads), saved
 
 
-# Every case x direction x overlap plan dropless; with a capacity, the default plan only (interpreter time).
+# Every case x direction x overlap setting dropless; with a capacity, the default only (interpreter time).
 EP_PARAMS = [
     pytest.param(case, capacity, directions, overlap, id=f"{case}-{'dropless' if capacity is None else 'capacity'}-{directions}-{overlap}")
     for case in EP_CASES
@@ -486,8 +486,9 @@ def test_ep_matches_one_gpu_bitwise(case, capacity, directions, overlap, monkeyp
 
 @interpreted
 def test_overlap_knobs():
-    """num_comm_sms -> communication programs of each pulling GEMM (default 16); minibatch_tokens ->
-    schedule blocks per ready flag = ceil(minibatch_tokens * k / block_m), at least 1 (None: 1)."""
+    """num_comm_sms -> communication programs of each fused kernel (default ep.DEFAULT_COMM_SMS);
+    minibatch_tokens -> schedule blocks per ready flag = ceil(minibatch_tokens * k / block_m), at least 1
+    (None: 1)."""
     T, E, k = 64, 8, 2
     _, ids, *_ = make_problem(T, 32, 16, E, k, torch.float32, routing="sparse")
     s = build_schedule(ids, E, block_m=16)

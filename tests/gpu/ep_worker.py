@@ -3,7 +3,7 @@
 Every rank builds the same global problem (same seed), runs its shard through megamoe.experts with a
 group, and compares its outputs and gradients with the fp64 reference of the global problem (error
 budget as STYLE.md) — for every backend and direction, bitwise across runs, directions and EP overlap
-plans (num_comm_sms, minibatch_tokens), under a CUDA graph, with skewed routing and an empty rank. Exits non-zero on the first failure.
+settings (num_comm_sms, minibatch_tokens), under a CUDA graph, with skewed routing and an empty rank. Exits non-zero on the first failure.
 Usage: torchrun --nproc-per-node=N tests/gpu/ep_worker.py [checks|timeout]
 """
 
@@ -92,9 +92,9 @@ def check_bitwise(tag, a, b):
             raise AssertionError(f"{tag}: {name} differs bitwise")
 
 
-# (num_comm_sms, minibatch_tokens) of the EP overlap: the default (16 communication programs inside each
-# pulling GEMM, one ready flag per block), two coarser settings, and few communication programs with the
-# finest flags. Bitwise identical.
+# (num_comm_sms, minibatch_tokens) of the EP overlap: the default (ep.DEFAULT_COMM_SMS communication
+# programs inside each fused kernel, one ready flag per block), two coarser settings, and few
+# communication programs with the finest flags. Bitwise identical.
 OVERLAPS = [(None, None), (8, 1024), (32, 4096), (4, 1)]
 
 

@@ -2,8 +2,9 @@
 
 One GPU (schedule.world_size == 1): experts.py gathers token rows expert-contiguous once and runs the
 fused grouped GEMMs on contiguous rows (`rows_fwd` / `rows_bwd`). Expert parallelism: ep.py,
-symmetric-memory dispatch/combine around the same rows compute, and the routing exchange that
-build_schedule uses (`routing_exchange`).
+symmetric-memory dispatch/combine inside one persistent kernel per direction built from the same GEMM
+tiles (kernels/ep_fused.py; the weight grads and slot sums are the one-GPU kernels), and the routing
+exchange that build_schedule uses (`routing_exchange`).
 """
 
 from megamoe.backends.triton import ep, experts

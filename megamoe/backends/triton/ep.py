@@ -44,9 +44,11 @@ from megamoe.schedule import Schedule, receive_rows
 
 # The direction "auto" resolves to, per operation (docs/perf-notes.md has the measurements).
 AUTO_DIRECTIONS = {"dispatch": "pull", "combine": "push"}
-# MoEConfig.num_comm_sms = None: communication programs of each pulling GEMM, one SM each; they join
-# its GEMM programs when the pulls run out. 32 measured best on qwen3-30b-a3b and qwen3-235b-a22b at
-# EP=2 (16 / 32 / 48: 10.04 / 9.41 / 9.55 ms and 32.97 / 32.90 ms fwd+bwd; docs/perf-notes.md).
+# MoEConfig.num_comm_sms = None: communication programs of each fused kernel (kernels/ep_fused.py), one
+# SM each; they join its GEMM tasks when the pulls run out. 32 measured best at EP=2 with the previous
+# design (v5: pulls in gate_up_fwd / down_dgrad, pushes in down_fwd / gate_up_dgrad), fwd+bwd:
+# qwen3-30b-a3b 16 / 32 / 48 -> 10.04 / 9.41 / 9.55 ms, qwen3-235b-a22b 16 / 32 -> 32.97 / 32.90 ms
+# (docs/perf-notes.md, "EP v5"); not re-swept for the fused kernels.
 DEFAULT_COMM_SMS = 32
 # Benchmark-only probes (benchmarks/overlap_bench.py): "full" is the layer; "compute" skips every copy
 # and barrier (GEMMs on every SM; results wrong, timing only); "comm" runs only the exchanges, whole
@@ -86,7 +88,7 @@ def _pair_index(schedule: Schedule) -> torch.Tensor:
 
 
 def comm_programs(config, device: torch.device) -> int:
-    """Communication programs of each pulling GEMM (MoEConfig.num_comm_sms, default DEFAULT_COMM_SMS)."""
+    """Communication programs of each fused kernel (MoEConfig.num_comm_sms, default DEFAULT_COMM_SMS)."""
     comm = DEFAULT_COMM_SMS if config.num_comm_sms is None else config.num_comm_sms
     sms = num_sms(device)
     if device.type == "cuda" and comm >= sms:

@@ -5,16 +5,18 @@ Row maps come from the Schedule (every rank holds the same global placement):
   token p // k; pair p = t*k + j of this rank lives in row dest_row[t, j] of rank dest_rank[t, j].
 Each exchange starts with a barrier (peers are done with the buffer it overwrites) and, where peers
 wrote into this rank, ends with one (everything has landed), so consecutive exchanges and layers can
-reuse one workspace. Returned tensors are local (never the reused symmetric buffers).
+reuse one workspace. Returned tensors are local (never the reused symmetric buffers), except
+collect_pushed(keep=False).
 
 The whole exchanges (dispatch, combine, ...) are built from a few steps: `publish` (barrier, copy into
 this rank's buffers, barrier), `pull_rows` (expert owner reads every published row it receives),
 `push_rows` (expert owner writes its result rows into the token owners' pairs buffers) and
-`collect_pushed` (barrier, then a local copy of this rank's pairs buffer). The row steps never
+`collect_pushed` (barrier, then this rank's pairs buffer, copied or not). The row steps never
 synchronise with peers: every barrier is in publish / collect_pushed (and the exchanges' own).
-ep.py runs publish and collect_pushed around the GEMMs that pull and push inside their kernels
-(kernels/comm_tiles.py), calls pull_rows itself only in its unfused probes ("serial", "comm"), and
-runs the whole exchanges (push_rows inside combine) for the directions and probes the GEMMs do not fuse.
+ep.py runs publish and collect_pushed around its fused kernels, which pull and push themselves
+(kernels/ep_fused.py); on its unfused paths (the probes "serial" and "comm", and directions other
+than pull dispatch with push combine) it calls publish and pull_rows itself for a pull dispatch and
+runs whole exchanges for the rest (push dispatch, either combine: push_rows inside combine).
 """
 
 from __future__ import annotations

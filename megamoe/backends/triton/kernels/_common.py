@@ -25,16 +25,10 @@ def num_sms(device: torch.device) -> int:
     return _CPU_PROGRAMS
 
 
-def persistent_grid(device: torch.device, max_tiles: int, sms: int | None = None) -> tuple[int]:
+def persistent_grid(device: torch.device, max_tiles: int) -> tuple[int]:
     """Worst-case grid: min(SMs, tiles of the worst case); programs skip tiles past the real count.
-
-    sms: how many SMs the grid may take (default all). A GEMM that pulls its rows passes the SMs its
-    communication programs leave (SMs - num_comm_sms, grouped_gemm._pull_launch), so the whole grid
-    is at most one program per SM (a persistent grid with programs that cannot start runs their
-    tiles late).
-    """
-    check(sms is None or sms >= 1, f"sms must be None or >= 1, got {sms}")
-    return (max(1, min(num_sms(device) if sms is None else sms, max_tiles)),)
+    (The fused expert-parallel kernels size their own grid, kernels/ep_fused.py.)"""
+    return (max(1, min(num_sms(device), max_tiles)),)
 
 
 def range_of(bounds: torch.Tensor, name: str) -> torch.Tensor:
@@ -54,11 +48,6 @@ def load_range(range_ptr, SCALE: tl.constexpr):
     first = tl.load(range_ptr).to(tl.int32) * SCALE
     end = tl.load(range_ptr + 1).to(tl.int32) * SCALE
     return first, end
-
-
-def dtype_of(t: torch.Tensor, *allowed: torch.dtype) -> None:
-    if t.dtype not in allowed:
-        raise TypeError(f"expected dtype in {allowed}, got {t.dtype}")
 
 
 def check(cond: bool, msg: str) -> None:

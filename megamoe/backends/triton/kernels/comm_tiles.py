@@ -1,23 +1,25 @@
-"""Communication inside the persistent GEMMs of the expert-parallel path.
+"""Communication inside the persistent kernels of the expert-parallel path (kernels/ep_fused.py).
 
-Pull (dispatch): in a GEMM whose A operand is this rank's receive rows (gate_up_fwd: x rows; down_dgrad:
-d_y rows), the first `programs` programs of the grid are communication programs. They claim groups of
-schedule blocks in order (a device counter), copy each group's rows from the token owners' published
+Pull (dispatch): the fused kernel's first GEMM reads this rank's receive rows (forward: x rows; backward:
+d_y rows), and the first `programs` programs of its grid are communication programs. They claim groups
+of schedule blocks in order (a device counter), copy each group's rows from the token owners' published
 buffers (symmetric memory, read over NVLink through the peers' mapped addresses) into the local rows,
-and raise the group's ready flag (release, GPU scope); when no group is left they become GEMM programs.
-The GEMM programs claim tiles in order (another counter) and acquire the tile's row-block flag before
-its K loop, so a tile starts as soon as its own rows have landed, not when the whole exchange has.
+and raise the group's ready flag (release, GPU scope); when no group is left they join the GEMM tasks.
+Tasks are claimed in order (another counter); a first-GEMM tile acquires its row block's flag before
+its K loop, so it starts as soon as its own rows have landed, not when the whole exchange has.
 
-Push (combine): in a GEMM whose output rows go back to the token owners (down_fwd: y; gate_up_dgrad:
-d_x), the epilogue stores each tile row straight into its (token, slot) row of the owner's pairs
-buffer, so the combine leaves as each down-projection tile finishes.
+Push (combine): the fused kernel's second GEMM (forward: down_fwd_tile, y; backward:
+gate_up_dgrad_tile, d_x) stores each tile row straight into its (token, slot) row of the owner's pairs
+buffer (grouped_gemm.store_rows with PUSH, through push_pointers), so the combine leaves as each tile
+finishes.
 
 Determinism: every element is still written by one program, with the values and reduction order of the
 unfused kernels (copies are bit copies; the backward's router-weight scale is the same fp32 product
 rounded to the dtype as gather_rows'), so results do not depend on the split or the granularity.
 
-No deadlock by construction: a GEMM program only ever waits for a group that a communication program
-of its own grid has claimed or will claim; those have the lowest program ids (the hardware starts them
+No deadlock by construction: a tile only ever waits for a group that a communication program of its
+own grid has claimed or will claim (or, in the second GEMM, for first-GEMM tiles claimed before it:
+ep_fused.py); communication programs have the lowest program ids (the hardware starts them
 first; the interpreter runs programs in id order, so there program 0 pulls every group before any
 tile), copy only local or already-published rows and wait for nothing before the pulls run out. The
 grid is at most one program per SM. Every wait is bounded by a timeout: past it the kernel traps, which
@@ -42,7 +44,7 @@ _PULL_BLOCK_BYTES = 2048
 
 
 class RowPull(NamedTuple):
-    """Receive rows that a GEMM's communication programs pull while its GEMM programs compute.
+    """Receive rows that a fused kernel's communication programs pull while its other programs compute.
 
     table: int64 [W] base addresses of every rank's published token rows [T, H] (Workspace.tokens).
     src_rank, src_token, src_pair: int32 [R] per receive row: the token owner (-1: padding, written
@@ -66,7 +68,7 @@ class RowPull(NamedTuple):
 
 
 class RowPush(NamedTuple):
-    """Output rows a GEMM's epilogue stores into the token owners' pairs buffers.
+    """Output rows a fused kernel's second-GEMM epilogue stores into the token owners' pairs buffers.
 
     table: int64 [W] base addresses of every rank's pairs buffer [T*k, H] (Workspace.pairs).
     dst_rank, dst_pair: int32 [R] per receive row: the token owner (-1: padding, not stored) and the
@@ -113,15 +115,13 @@ def work_buffer(num_groups: int, num_row_blocks: int, device: torch.device) -> t
     return torch.zeros(_FLAGS.value + flags + num_row_blocks, dtype=torch.int32, device=device), _FLAGS.value + flags
 
 
-def pull_meta(pull: RowPull | None, rows: torch.Tensor, block_rows: int) -> dict:
+def pull_meta(rows: torch.Tensor, block_rows: int) -> dict:
     """Constexprs of the pull role: the rows per step (a power of two dividing the schedule's
-    block_rows) and the columns per inner step of the copy."""
-    if pull is None:
-        return dict(PULL=False, SCALE=False, PULL_ROWS=1, PULL_BLOCK=16)
+    block_rows) and the columns per inner step of the copy, for receive rows [R, H]."""
     hidden, size = rows.shape[1], rows.element_size()
     block = min(triton.next_power_of_2(hidden), _PULL_BLOCK_BYTES // size)
     step_rows = min(block_rows, max(1, _PULL_STEP_BYTES // (block * size)))
-    return dict(PULL=True, SCALE=pull.weight_table is not None, PULL_ROWS=step_rows, PULL_BLOCK=block)
+    return dict(PULL_ROWS=step_rows, PULL_BLOCK=block)
 
 
 def aligned_rows(hidden: int, element_size: int, *local: torch.Tensor) -> bool:
@@ -142,11 +142,12 @@ def pull_then_claim(
     first_block, end_block, pull_programs, H, group_blocks,
     SCALE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_ROWS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """A pulling GEMM's start: programs below pull_programs claim groups of schedule blocks in order
+    """A fused kernel's start: programs below pull_programs claim groups of schedule blocks in order
     (groups [g * group_blocks, (g + 1) * group_blocks) within [first_block, end_block)), copy their rows
-    (BLOCK_ROWS per schedule block) and raise each group's flag, until no group is left; then every
-    program claims its first tile. Claims are atomic counters, so the communication programs join the
-    GEMM as soon as the pulls run out instead of leaving their SMs idle."""
+    (BLOCK_ROWS per schedule block; with SCALE each times its pair's router weight) and raise each
+    group's flag, until no group is left; then every program claims its first task. Claims are atomic
+    counters, so the communication programs join the GEMMs as soon as the pulls run out instead of
+    leaving their SMs idle."""
     if tl.program_id(0) < pull_programs:
         elem = rows_ptr.dtype.element_ty
         offs_r = tl.arange(0, ROWS)

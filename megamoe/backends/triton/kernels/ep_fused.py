@@ -178,7 +178,7 @@ def _launch(rows: torch.Tensor, block_expert: torch.Tensor, blocks: torch.Tensor
     # Measured on qwen3-30b-a3b fwd+bwd at EP=2 (docs/perf-notes.md): one wave 9.73 ms, two 9.45, all A
     # tiles before any B tile 9.55; qwen3-235b-a22b 32.86 (one) and 32.88 (all).
     stage_m = max(1, STAGE_WAVES * triton.cdiv(grid, a_n))
-    meta = pull_meta(pull, rows, num_rows // num_blocks)
+    meta = pull_meta(rows, num_rows // num_blocks)
     constexprs = dict(
         SPLIT=split, BLOCK_M=a.block_m, GROUP_M=a.group_m,
         A_EVEN_K=a_k % a.block_k == 0, A_BLOCK_N=a.block_n, A_BLOCK_K=a.block_k, A_STAGES=a.num_stages,

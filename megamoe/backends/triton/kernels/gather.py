@@ -11,7 +11,8 @@ Rows outside the range are left unwritten. Both drivers pass [0, rows in use].
 Uses: x_rows = x[row_src // k] (one GPU, forward); d_y_rows = topk_weights.flat[row_src] *
 d_out[row_src // k] (one GPU, backward: the router weight of the pair, rounded to the dtype as autograd
 of the reference rounds it); d_y_rows = weight_rows[r] * d_out_rows[r] (expert parallel, ep.py's
-unfused paths: the whole dispatched rows, scale only; its fused path scales inside down_dgrad's pull).
+unfused paths: the whole dispatched rows, scale only; its fused path scales in the pull of the fused
+backward kernel, kernels/ep_fused.py).
 """
 
 from __future__ import annotations

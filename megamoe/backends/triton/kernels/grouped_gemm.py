@@ -15,6 +15,11 @@ every result is zero there too without a mask; rows outside the block range are 
 The one exception is gate_up_fwd with GATHER (kept to measure against): it reads x[row_src[r] // k]
 by pointer, as the first version of this backend did.
 
+Each kernel is a loop over one tile function (gate_up_fwd_tile, down_fwd_tile, down_dgrad_tile,
+gate_up_dgrad_tile); the fused expert-parallel kernels (ep_fused.py) run the same tile functions, with
+the second GEMM's rows stored into the token owners' pairs buffers (store_rows with PUSH, which loads
+each row's owner and pair) instead of locally.
+
 Shapes: w_gate_up [E_l, 2I, H] (gate rows first), w_down [E_l, H, I], R receive rows.
 """
 
