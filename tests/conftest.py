@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
+import socket
+import time
 import zlib
 
 import pytest
@@ -228,3 +231,35 @@ def poisoned_empty():
         yield
     finally:
         torch.empty = real_empty
+
+
+# ----------------------------------------------------------------------------------------------------
+# gloo process groups on this machine (the CPU expert-parallel and distributed-wrapper tests)
+
+
+def init_gloo(rank: int, world: int, port: int) -> None:
+    """In a spawned worker: one thread, and the gloo group of `world` ranks on 127.0.0.1:port."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+
+
+def run_gloo_workers(worker, world: int, args: tuple, out_dir, timeout_s: float, what: str) -> list:
+    """Spawn `world` processes running worker(rank, world, port, *args) on a free local port and return
+    each rank's results, which the worker saves to out_dir/rank{r}.pt. Past timeout_s the processes are
+    killed and the test fails, naming `what`."""
+    import torch.multiprocessing as mp
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.start_processes(worker, args=(world, port, *args), nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail(f"gloo workers ({what}) did not finish within {timeout_s}s")
+    return [torch.load(f"{out_dir}/rank{r}.pt", weights_only=False) for r in range(world)]

@@ -14,21 +14,17 @@ experts, run once per rank's tokens (aux_loss is per rank), the N losses average
 
 from __future__ import annotations
 
-import datetime
 import os
-import socket
-import time
 import traceback
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megamoe import MoELayer
 from megamoe.parallel import ddp_ignore_experts, expert_parameters, non_expert_parameters, reduce_expert_grads
-from conftest import assert_close_tight, rel_err
+from conftest import assert_close_tight, init_gloo, rel_err, run_gloo_workers
 
 T, H, I, I_SHARED, K = 6, 8, 4, 4, 2  # tokens per rank, hidden, expert and shared intermediate, top-k
 EXPERTS_PER_RANK = 2  # of the EP group
@@ -126,12 +122,10 @@ def _step(recipe: str, problem: dict, rank: int, world: int, mesh) -> dict[str, 
             for n, p in layer.named_parameters()}
 
 
-def _worker(rank: int, world: int, dp: int, port: int, in_path: str, out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, dp: int, in_path: str, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    init_gloo(rank, world, port)
     if dp == 1:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
     else:
@@ -149,12 +143,6 @@ def _worker(rank: int, world: int, dp: int, port: int, in_path: str, out_dir: st
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=list(LAYOUTS), ids=str)
 def run(request, tmp_path_factory):
     """(layout, problem, results[rank][recipe]) from one spawn of the layout's gloo processes."""
@@ -164,15 +152,7 @@ def run(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
     in_path = str(tmp / "problem.pt")
     torch.save(problem, in_path)
-    ctx = mp.start_processes(_worker, args=(world, layout["dp"], _free_port(), in_path, str(tmp)), nprocs=world,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                proc.kill()
-            pytest.fail(f"gloo workers ({request.param}) did not finish within {SPAWN_TIMEOUT_S}s")
-    results = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    results = run_gloo_workers(_worker, world, (layout["dp"], in_path, str(tmp)), tmp, SPAWN_TIMEOUT_S, request.param)
     return layout, problem, results
 
 

@@ -7,20 +7,16 @@ the reference of the same *global* problem (rank r owns tokens [r*T, (r+1)*T) an
 
 from __future__ import annotations
 
-import datetime
 import os
-import socket
-import time
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import megamoe
 from megamoe import MoEConfig, MoELayer, build_schedule
-from conftest import assert_close_tight, assert_equal, make_problem, run_reference
+from conftest import assert_close_tight, assert_equal, init_gloo, make_problem, run_gloo_workers, run_reference
 from test_schedule import SCHEDULE_TENSORS, brute_schedule
 
 WORLD_SIZES = [2, 4]
@@ -183,9 +179,7 @@ RUNNERS = {"schedule": _run_schedule, "experts": _run_experts, "layer": _run_lay
 
 
 def _worker(rank: int, world: int, port: int, in_path: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    init_gloo(rank, world, port)
     group = dist.new_group(list(range(world)))
     results = {}
     try:
@@ -199,12 +193,6 @@ def _worker(rank: int, world: int, port: int, in_path: str, out_dir: str) -> Non
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"W{w}")
 def ep(request, tmp_path_factory):
     """(world, scenarios, results[rank][scenario]) from one spawn of `world` gloo processes."""
@@ -213,15 +201,7 @@ def ep(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"ep_w{world}")
     in_path = str(tmp / "scenarios.pt")
     torch.save(scenarios, in_path)
-    ctx = mp.start_processes(_worker, args=(world, _free_port(), in_path, str(tmp)), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                proc.kill()
-            pytest.fail(f"gloo workers (world {world}) did not finish within {SPAWN_TIMEOUT_S}s")
-    results = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    results = run_gloo_workers(_worker, world, (in_path, str(tmp)), tmp, SPAWN_TIMEOUT_S, f"world {world}")
     return world, scenarios, results
 
 
