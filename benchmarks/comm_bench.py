@@ -1,10 +1,13 @@
 """Dispatch and combine alone over symmetric memory: GB/s of cross-GPU payload per direction.
 
-Usage: torchrun --nproc-per-node=N benchmarks/comm_bench.py [--workload NAME] [--tokens T] [--json PATH]
-Balanced routing. Each exchange is timed as the library runs it (its barriers included), with CUDA
-events around it, median over iterations of the max over ranks (megamoe.bench.measure.median_ms). Payload = rows that cross GPUs
-(source rank != destination rank) x H x 2 bytes, per rank; the copy-engine-free ceiling on NV18 is
-~367 GB/s one way by SM pull (DESIGN.md).
+Usage: torchrun --nproc-per-node=N benchmarks/comm_bench.py [--workload NAME] [--tokens T] [--sweep] [--json PATH]
+Balanced routing. Each direction of each operation is timed twice, with CUDA events, median over
+iterations of the max over ranks (megamoe.bench.measure.median_ms):
+  exchange  as the library runs it: its maps, barriers, publish copy and result copy included;
+  kernel    its row copy alone (the kernel and its per-call index maps), buffers published beforehand.
+--sweep also times the kernel at every launch shape of SHAPES (programs per SM, bytes per step, warps).
+Payload = rows that cross GPUs (source rank != destination rank) x H x 2 bytes, per rank; the
+copy-engine-free ceiling on NV18 is ~367 GB/s one way by SM pull (DESIGN.md).
 """
 
 from __future__ import annotations
@@ -16,11 +19,17 @@ import os
 import torch
 import torch.distributed as dist
 
-from megamoe.backends.triton.comm.exchange import combine, dispatch
+from megamoe.backends.triton.comm.exchange import (
+    combine, dispatch, publish, pull_pairs, pull_rows, push_rows, push_tokens, receive_maps,
+)
 from megamoe.backends.triton.comm.workspace import get_workspace
+from megamoe.backends.triton.kernels.row_copy import COPY_SHAPE, CopyShape
 from megamoe.bench.measure import median_ms
 from megamoe.bench.workloads import WORKLOADS
 from megamoe.schedule import build_schedule
+
+
+SHAPES = [CopyShape(p, b, w) for p in (1, 2, 4, 8) for b in (8192, 16384, 32768) for w in (4, 8)]
 
 
 def main() -> None:
@@ -28,6 +37,7 @@ def main() -> None:
     parser.add_argument("--workload", default="qwen3-30b-a3b")
     parser.add_argument("--tokens", type=int, default=None)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--sweep", action="store_true", help="time the kernels at every launch shape of SHAPES")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     rank = int(os.environ["LOCAL_RANK"])
@@ -46,22 +56,47 @@ def main() -> None:
     src_rank = torch.where(s.row_src >= 0, s.row_src // pairs_per_rank, rank)
     incoming = int((src_rank != rank).sum())  # rows this rank receives from peers (dispatch)
     outgoing = int(((s.dest_rank != rank) & (s.dest_row >= 0)).sum())  # rows it sends (dispatch)
+    maps = receive_maps(s)
+    pairs_out = x.new_empty(T * k, H)
+    pulled = x.new_empty(s.num_rows, H)
+    # The kernels alone read (pull) or overwrite (push) buffers published once (below); no rank reads a
+    # buffer that peers push into while they are timed.
+    kernels = {
+        ("dispatch", "pull"): lambda shape: pull_rows(ws.tokens, maps, pulled, by_token=True, shape=shape),
+        ("dispatch", "push"): lambda shape: push_tokens(ws, x, s, maps, shape),
+        ("combine", "push"): lambda shape: push_rows(ws, rows, maps, shape),
+        ("combine", "pull"): lambda shape: pull_pairs(ws, s, pairs_out, shape),
+    }
     records = []
+    device = torch.device("cuda", rank)
+
+    def timed(fn) -> float:
+        return median_ms(lambda i: fn(), iters=args.iters, warmup=2, device=device, group=group)
+
     for op, direction, fn, payload_rows in (
         ("dispatch", "pull", lambda: dispatch(ws, x, s, "pull"), incoming),
         ("dispatch", "push", lambda: dispatch(ws, x, s, "push"), outgoing),
         ("combine", "push", lambda: combine(ws, rows, s, "push"), incoming),
         ("combine", "pull", lambda: combine(ws, rows, s, "pull"), outgoing),
     ):
-        ms = median_ms(lambda i, fn=fn: fn(), iters=args.iters, warmup=2, device=torch.device("cuda", rank), group=group)
         moved = torch.tensor([payload_rows * H * 2], device="cuda", dtype=torch.float64)
         dist.all_reduce(moved, op=dist.ReduceOp.MIN)
-        records.append({"workload": args.workload, "ep": world, "tokens": T, "op": op, "direction": direction,
-                        "ms": ms, "payload_bytes_per_rank": int(moved.item()), "gbps": moved.item() / ms / 1e6})
+        base = {"workload": args.workload, "ep": world, "tokens": T, "op": op, "direction": direction,
+                "payload_bytes_per_rank": int(moved.item())}
+        ms = timed(fn)
+        records.append({**base, "what": "exchange", "ms": ms, "gbps": moved.item() / ms / 1e6})
+        publish(ws, [(ws.tokens, x), (ws.rows_out, rows)])  # (the exchange above may have reused them)
+        for shape in SHAPES if args.sweep else [COPY_SHAPE]:
+            ms = timed(lambda shape=shape: kernels[op, direction](shape))
+            records.append({**base, "what": "kernel", "shape": shape._asdict(), "default_shape": shape == COPY_SHAPE,
+                            "ms": ms, "gbps": moved.item() / ms / 1e6})
+        dist.barrier()
     if rank == 0:
-        print(f"{'op':9} {'direction':9} {'ms':>7} {'MB/rank':>8} {'GB/s':>7}")
+        print(f"{'op':9} {'direction':9} {'what':8} {'shape (progs/SM, step B, warps)':32} {'ms':>7} {'MB/rank':>8} {'GB/s':>7}")
         for r in records:
-            print(f"{r['op']:9} {r['direction']:9} {r['ms']:7.3f} {r['payload_bytes_per_rank'] / 1e6:8.1f} {r['gbps']:7.1f}")
+            shape = "" if r["what"] == "exchange" else ", ".join(str(v) for v in r["shape"].values())
+            print(f"{r['op']:9} {r['direction']:9} {r['what']:8} {shape:32} {r['ms']:7.3f} "
+                  f"{r['payload_bytes_per_rank'] / 1e6:8.1f} {r['gbps']:7.1f}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(records, f, indent=1)

@@ -10,6 +10,8 @@ written by one program, so the result does not depend on timing.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -56,9 +58,18 @@ def _copy_rows_kernel(
             tl.store(dst[:, None] + cols[None, :], value, mask=mask)
 
 
-# Bytes each program moves per step (at most _MAX_ROWS rows, _WARPS warps): the grid of 4 programs per
-# SM (an exchange has the GPU to itself) keeps 16 KB per program in flight.
-_STEP_BYTES, _WARPS, _MAX_ROWS = 16384, 4, 8
+class CopyShape(NamedTuple):
+    """Launch shape of a row copy: programs per SM, bytes each program moves per step (at most 8 rows
+    of up to 4 KB), warps per program."""
+
+    programs_per_sm: int = 4
+    step_bytes: int = 16384
+    num_warps: int = 4
+
+
+# The default: 4 programs per SM (an exchange has the GPU to itself), 16 KB per program in flight.
+COPY_SHAPE = CopyShape()
+_MAX_ROWS = 8
 
 
 def _aligned(t: torch.Tensor, is_table: bool) -> bool:
@@ -79,10 +90,12 @@ def copy_rows(
     element_size: int,
     src_is_table: bool,
     dst_is_table: bool,
+    shape: CopyShape = COPY_SHAPE,
 ) -> None:
     """Launch the row copy of all N rows. peers/rows: int32 [N]; rows of row_elems elements of
     element_size bytes, copied as raw bits (any dtype of that size). A table is int64 [W] base
-    addresses. The grid is 4 programs per SM (16 without a GPU), fewer when the rows need fewer steps.
+    addresses. The grid is shape.programs_per_sm programs per SM (4 SMs without a GPU), fewer when the
+    rows need fewer steps.
     """
     num_rows = src_peer.numel()
     if not (src_row.numel() == dst_peer.numel() == dst_row.numel() == num_rows):
@@ -92,13 +105,13 @@ def copy_rows(
     if num_rows == 0:
         return
     block = min(triton.next_power_of_2(row_elems), 4096 // element_size)
-    rows_per_step = max(1, min(_MAX_ROWS, _STEP_BYTES // (block * element_size)))
+    rows_per_step = max(1, min(_MAX_ROWS, shape.step_bytes // (block * element_size)))
     sms = torch.cuda.get_device_properties(src_peer.device).multi_processor_count if src_peer.is_cuda else 4
-    num_programs = max(1, min(triton.cdiv(num_rows, rows_per_step), 4 * sms))
+    num_programs = max(1, min(triton.cdiv(num_rows, rows_per_step), shape.programs_per_sm * sms))
     _copy_rows_kernel[(num_programs,)](
         src, src_peer, src_row, dst, dst_peer, dst_row,
         num_rows, row_elems,
         SRC_TABLE=src_is_table, DST_TABLE=dst_is_table, RAW=_RAW_TYPES[element_size],
         ALIGNED=_aligned(src, src_is_table) and _aligned(dst, dst_is_table) and row_elems * element_size % 16 == 0,
-        ROWS=rows_per_step, BLOCK=block, num_warps=_WARPS,
+        ROWS=rows_per_step, BLOCK=block, num_warps=shape.num_warps,
     )
