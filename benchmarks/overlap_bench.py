@@ -1,8 +1,7 @@
 """How much of the expert-parallel communication the overlap hides: fused vs (communication + compute).
 
 Usage: torchrun --nproc-per-node=N benchmarks/overlap_bench.py [--workloads A,B] [--tokens T]
-           [--num-comm-sms S] [--minibatch-tokens M] [--routing balanced|skewed] [--probes P,Q]
-           [--no-dedup] [--json PATH]
+           [--num-comm-sms S] [--minibatch-tokens M] [--routing balanced|skewed] [--probes P,Q] [--json PATH]
 
 Per workload (default qwen3-30b-a3b and qwen3-235b-a22b at their 16384 tokens per GPU, E/N experts per
 GPU, bf16, no shared expert), each pass ("fwd", "fwd+bwd") of the EP layer (ep.experts_fwd/_bwd; the
@@ -10,13 +9,12 @@ schedule is built once, outside the timing) is timed four ways, median over iter
 ranks (megamoe.bench.measure):
   fused    the layer as it runs: one persistent kernel per direction (kernels/ep_fused.py) pulls the
            rows, runs both GEMMs (gate/up and down; backward: down-dgrad and gate/up-dgrad) and pushes
-           the second GEMM's rows from its epilogue; the backward's kernel runs the weight grads too
+           the second GEMM's rows from its epilogue; the weight grads are kernels of their own
   compute  the one-GPU GEMM kernels (same tiles) with no communication at all, on every SM (wrong
            results, timing only): the best the layer could do if communication were free
   comm     the exchanges alone (barriers, publishes, whole pulls/pushes, the final copies), no compute
   serial   no overlap: whole exchanges around plain GEMMs on every SM
---probes times a subset (hidden/exposed need fused, compute and comm); --no-dedup sends a token row
-once per receive row instead of once per rank (ep.DEDUP_PULL), to time what the dedup gains.
+--probes times a subset (hidden/exposed need fused, compute and comm).
 hidden = compute + comm - fused (the communication time that ran under compute), reported as a
 fraction of comm; exposed = fused - compute (it includes what the SMs given to communication cost the
 GEMMs). Gate before timing: fused and serial give bitwise equal outputs and gradients.
@@ -86,13 +84,11 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--probes", default=",".join(PROBES))
-    parser.add_argument("--no-dedup", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     probes = args.probes.split(",")
     if not set(probes) <= set(PROBES):
         raise SystemExit(f"--probes must be among {PROBES}, got {args.probes}")
-    ep.DEDUP_PULL = not args.no_dedup
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
@@ -125,15 +121,14 @@ def main() -> None:
             records.append({
                 "workload": name, "ep": world, "tokens": tokens, "routing": args.routing, "pass": pass_name,
                 "num_comm_sms": ep.comm_programs(config, device), "blocks_per_flag": ep.group_blocks(schedule, config),
-                "dedup": ep.DEDUP_PULL, **{f"{k}_ms": v for k, v in ms.items()},
+                **{f"{k}_ms": v for k, v in ms.items()},
                 "hidden_ms": hidden, "hidden_frac": hidden / ms["comm"],
                 "exposed_ms": ms["fused"] - ms["compute"], "speedup_vs_serial": ms["serial"] / ms["fused"],
             })
         del p, schedule
         torch.cuda.empty_cache()
     if rank == 0:
-        print(f"EP={world}, num_comm_sms={config.num_comm_sms}, minibatch_tokens={config.minibatch_tokens}, "
-              f"dedup={ep.DEDUP_PULL}")
+        print(f"EP={world}, num_comm_sms={config.num_comm_sms}, minibatch_tokens={config.minibatch_tokens}")
         print(f"{'workload':17} {'pass':8} {'comm SMs':>8} {'fused':>7} {'compute':>7} {'comm':>7} {'c+c':>7} "
               f"{'serial':>7} {'hidden':>7} {'hid%':>5} {'exposed':>7}")
         for r in records:

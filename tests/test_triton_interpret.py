@@ -47,7 +47,6 @@ def test_interpreter_suite():
 
 if INTERPRET:
     from megamoe.backends.triton import block_m_for, ep, kernels
-    from megamoe.backends.triton.comm import exchange
     from megamoe.backends.triton.comm.workspace import Workspace, _Buffer
     from megamoe.backends.triton.experts import empty_saved, experts_bwd, experts_fwd
     from megamoe.config import MoEConfig
@@ -483,37 +482,6 @@ def test_ep_matches_one_gpu_bitwise(case, capacity, directions, overlap, monkeyp
         shapes = [tuple(t.shape) for t in saved_], [tuple(t.shape) for t in want]
         assert shapes[0] == shapes[1], f"{name}: empty_saved shapes {shapes[1]} != saved {shapes[0]}"
         assert [t.dtype for t in saved_] == [t.dtype for t in want], f"{name}: empty_saved dtypes differ from saved"
-
-
-@interpreted
-@pytest.mark.parametrize("num_comm_sms", [1, 3])
-def test_fused_forward_reads_each_token_row_once(num_comm_sms):
-    """The fused forward's pull with first_row: a receive row whose token already has a row here in an
-    earlier block is copied from that row, not read again from the owner. Every such row's source is
-    pointed at a NaN row of the published tokens: h and the pushed y rows must still equal the one-GPU
-    kernels bitwise."""
-    T, H, I, E, k = 40, 32, 16, 4, 3
-    x, ids, _, wgu, wd, _, _ = make_problem(T, H, I, E, k, torch.float16)
-    s = build_schedule(ids, E, block_m=16)
-    maps = exchange.receive_maps(s)
-    again = (maps.first_row // 16 != maps.rows // 16) & (maps.src_rank >= 0)  # first row in an earlier block
-    assert again.sum() > T // 2, "the case must have tokens on several experts"
-    published = torch.cat([x, torch.full((1, H), float("nan"), dtype=x.dtype)])  # row T: NaN
-    maps = maps._replace(src_token=torch.where(again, T, maps.src_token).to(torch.int32))
-    pairs = torch.full((T * k, H), float("nan"), dtype=x.dtype)
-    pull = kernels.RowPull(torch.tensor([published.data_ptr()]), maps.src_rank, maps.src_token, maps.src_pair, None,
-                           maps.first_row, num_comm_sms, 1, 10**9)
-    push = kernels.RowPush(torch.tensor([pairs.data_ptr()]), maps.src_rank, maps.src_pair)
-    x_rows = torch.full((s.num_rows, H), float("nan"), dtype=x.dtype)
-    h, _ = kernels.ep_forward(x_rows, wgu, wd, s.block_expert, s.num_blocks, pull, push,
-                              gate_up_config=SMALL, down_config=SMALL)
-    want_h, _ = kernels.gate_up_fwd(rows_of(x, s, k, fill_unused=0.0), wgu, s.block_expert, s.num_blocks,
-                                    store_gate_up=True, config=SMALL)
-    want_y = kernels.down_fwd(want_h, wd, s.block_expert, s.num_blocks, config=SMALL)
-    used = int(s.expert_offsets[-1])
-    assert torch.equal(h[:used], want_h[:used]), "h differs: a duplicate row was read from the owner (NaN)"
-    kept = s.dest_row.reshape(-1) >= 0
-    assert torch.equal(pairs[kept], want_y[s.dest_row.reshape(-1)[kept].long()]), "pushed y rows differ"
 
 
 @interpreted

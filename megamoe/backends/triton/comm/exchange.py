@@ -34,9 +34,7 @@ from megamoe.schedule import Schedule
 
 class ReceiveMaps(NamedTuple):
     """Per receive row r (int32 [R] each): source rank (-1 for padding), source pair p, source token
-    p // k, 0 if r is in use else -1, r itself, zeros (a local tensor's "peer" column), and the first
-    receive row holding the same token of the same rank (r itself for a token's first row here and for
-    padding: a token that picked several of this rank's experts needs its row sent only once)."""
+    p // k, 0 if r is in use else -1, r itself, and zeros (a local tensor's "peer" column)."""
 
     src_rank: torch.Tensor
     src_pair: torch.Tensor
@@ -44,18 +42,6 @@ class ReceiveMaps(NamedTuple):
     in_use: torch.Tensor
     rows: torch.Tensor
     zeros: torch.Tensor
-    first_row: torch.Tensor
-
-
-def _first_rows(src_rank: torch.Tensor, src_token: torch.Tensor, num_tokens: int, rows: torch.Tensor) -> torch.Tensor:
-    """first_row of ReceiveMaps: a stable sort by (rank, token) keeps rows in order within each token's
-    run, so each run starts at its smallest row, found by a binary search of the sorted keys. Device ops
-    only (no host sync), all parallel (a cummax here scans in one CUDA block: ~1 ms at 131k rows);
-    deterministic."""
-    key = torch.where(src_rank >= 0, src_rank.long() * num_tokens + src_token.long(), -1 - rows.long())
-    sorted_key, order = torch.sort(key, stable=True)
-    run_start = torch.searchsorted(sorted_key, sorted_key)
-    return torch.empty_like(rows).scatter_(0, order, order[run_start].to(torch.int32))
 
 
 def receive_maps(schedule: Schedule) -> ReceiveMaps:
@@ -65,9 +51,7 @@ def receive_maps(schedule: Schedule) -> ReceiveMaps:
     in_use = torch.where(rows < schedule.expert_offsets[-1], 0, -1).to(torch.int32)
     src_rank = torch.where(src >= 0, src // pairs, -1).to(torch.int32)
     src_pair = torch.where(src >= 0, src % pairs, 0).to(torch.int32)
-    src_token = src_pair // schedule.top_k
-    return ReceiveMaps(src_rank, src_pair, src_token, in_use, rows, torch.zeros_like(rows),
-                       _first_rows(src_rank, src_token, schedule.num_tokens, rows))
+    return ReceiveMaps(src_rank, src_pair, src_pair // schedule.top_k, in_use, rows, torch.zeros_like(rows))
 
 
 def _send_maps(schedule: Schedule):

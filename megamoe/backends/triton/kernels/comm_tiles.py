@@ -52,9 +52,6 @@ class RowPull(NamedTuple):
     weight_table: int64 [W] base addresses of every rank's published router weights [T, k] fp32, or
         None. Given, row r is weights[src_pair[r]] * row (fp32 product rounded to the dtype): the
         backward's d_y rows.
-    first_row: int32 [R] (ReceiveMaps.first_row), or None. Given, a row whose token already has an
-        earlier receive row here is copied from it locally: each token row crosses NVLink once per rank.
-        (Not with weight_table: rows of one token then differ by their router weight.)
     programs: communication programs (MoEConfig.num_comm_sms); the other programs of the grid compute.
     group_blocks: schedule blocks per ready flag (the overlap granularity, MoEConfig.minibatch_tokens).
     timeout_ns: the longest a GEMM program waits for a flag before it traps.
@@ -65,7 +62,6 @@ class RowPull(NamedTuple):
     src_token: torch.Tensor
     src_pair: torch.Tensor
     weight_table: torch.Tensor | None
-    first_row: torch.Tensor | None
     programs: int
     group_blocks: int
     timeout_ns: int
@@ -87,8 +83,7 @@ class RowPush(NamedTuple):
 def check_pull(pull: RowPull, rows: torch.Tensor) -> None:
     """rows: the local [R, H] buffer the pull fills (the GEMM's A operand)."""
     num_rows = rows.shape[0]
-    check(pull.first_row is None or pull.weight_table is None, "RowPull: first_row and weight_table are exclusive")
-    for name in ("src_rank", "src_token", "src_pair") + (("first_row",) if pull.first_row is not None else ()):
+    for name in ("src_rank", "src_token", "src_pair"):
         t = getattr(pull, name)
         check(t.dtype == torch.int32 and t.shape == (num_rows,) and t.is_contiguous(),
               f"RowPull.{name} must be a contiguous int32 [{num_rows}] tensor, got {t.dtype} {tuple(t.shape)}")
@@ -143,24 +138,16 @@ def _row_bases(table_ptr, rank, ELEM: tl.constexpr):
 
 @triton.jit
 def pull_then_claim(
-    rows_ptr, table_ptr, src_rank_ptr, src_token_ptr, src_pair_ptr, weight_table_ptr, first_row_ptr, work_ptr,
-    first_block, end_block, pull_programs, H, group_blocks, timeout_ns,
-    SCALE: tl.constexpr, DEDUP: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_ROWS: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    rows_ptr, table_ptr, src_rank_ptr, src_token_ptr, src_pair_ptr, weight_table_ptr, work_ptr,
+    first_block, end_block, pull_programs, H, group_blocks,
+    SCALE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_ROWS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """A fused kernel's start: programs below pull_programs claim groups of schedule blocks in order
     (groups [g * group_blocks, (g + 1) * group_blocks) within [first_block, end_block)), copy their rows
     (BLOCK_ROWS per schedule block; with SCALE each times its pair's router weight) and raise each
     group's flag, until no group is left; then every program claims its first task. Claims are atomic
     counters, so the communication programs join the GEMMs as soon as the pulls run out instead of
-    leaving their SMs idle.
-
-    DEDUP: a row whose token already has a receive row here in an earlier block (first_row[r]: the token
-    picked several of this rank's experts) is copied from that local row instead of read again from its
-    owner, once that row's group has landed. The earlier group was claimed first, and its program waits
-    only for groups before it, so the waits end; an earlier block of the same group was copied by this
-    program in an earlier step, made readable by the CTA barrier after each step. (A token routed twice
-    to one expert has two rows in one block: both are read from the owner.)"""
+    leaving their SMs idle."""
     if tl.program_id(0) < pull_programs:
         elem = rows_ptr.dtype.element_ty
         offs_r = tl.arange(0, ROWS)
@@ -177,12 +164,6 @@ def pull_then_claim(
                 live = rank >= 0
                 token = tl.load(src_token_ptr + rows, mask=live, other=0)
                 src = _row_bases(table_ptr, rank, elem) + token.to(tl.int64) * H
-                if DEDUP:
-                    first = tl.load(first_row_ptr + rows)
-                    again = live & (first // BLOCK_ROWS != rows // BLOCK_ROWS)  # first in an earlier block
-                    first_group_of = first // BLOCK_ROWS // group_blocks
-                    _wait_groups(work_ptr, first_group_of, again & (first_group_of != group), timeout_ns)
-                    src = tl.where(again, rows_ptr + first.to(tl.int64) * H, src)
                 dst = rows_ptr + rows.to(tl.int64) * H
                 if ALIGNED:
                     src = tl.multiple_of(src, 16)
@@ -197,30 +178,11 @@ def pull_then_claim(
                     if SCALE:
                         value = (value.to(tl.float32) * weight[:, None]).to(elem)
                     tl.store(dst[:, None] + cols[None, :], value, mask=col_ok)
-                if DEDUP:
-                    tl.debug_barrier()  # this step's rows are readable by the program's later steps
             # Every thread's stores are done (CTA barrier) before one release publishes them GPU-wide.
             tl.debug_barrier()
             tl.atomic_xchg(work_ptr + _FLAGS + group, 1, sem="release", scope="gpu")
             group = first_group + tl.atomic_add(work_ptr + _NEXT_GROUP, 1, sem="relaxed")
     return claim_task(work_ptr)
-
-
-@triton.jit
-def _wait_groups(work_ptr, groups, mask, timeout_ns):
-    """Acquire the ready flags of groups[i] where mask[i] (a vector of flags polled together), then a CTA
-    barrier so every thread may read what they publish; bounded like wait_at_least."""
-    flags = tl.atomic_add(work_ptr + _FLAGS + groups, 0, mask=mask, sem="acquire", scope="gpu")
-    pending = mask & (flags == 0)
-    if tl.max(pending.to(tl.int32), axis=0) > 0:
-        deadline = globaltimer() + timeout_ns
-        while tl.max(pending.to(tl.int32), axis=0) > 0:
-            flags = tl.atomic_add(work_ptr + _FLAGS + groups, 0, mask=pending, sem="acquire", scope="gpu")
-            pending = pending & (flags == 0)
-            if tl.max(pending.to(tl.int32), axis=0) > 0:
-                if globaltimer() > deadline:
-                    tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-    tl.debug_barrier()
 
 
 @triton.jit
