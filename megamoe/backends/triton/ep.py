@@ -45,10 +45,9 @@ from megamoe.schedule import Schedule, receive_rows
 # The direction "auto" resolves to, per operation (docs/perf-notes.md has the measurements).
 AUTO_DIRECTIONS = {"dispatch": "pull", "combine": "push"}
 # MoEConfig.num_comm_sms = None: communication programs of each fused kernel (kernels/ep_fused.py), one
-# SM each; they join its GEMM tasks when the pulls run out. 32 measured best at EP=2 with the previous
-# design (v5: pulls in gate_up_fwd / down_dgrad, pushes in down_fwd / gate_up_dgrad), fwd+bwd:
-# qwen3-30b-a3b 16 / 32 / 48 -> 10.04 / 9.41 / 9.55 ms, qwen3-235b-a22b 16 / 32 -> 32.97 / 32.90 ms
-# (docs/perf-notes.md, "EP v5"); not re-swept for the fused kernels.
+# SM each; they join its GEMM tasks when the pulls run out. Swept on the fused kernels at EP=2, fwd+bwd
+# (docs/perf-notes.md, "EP v7"): qwen3-30b-a3b 16 / 24 / 32 / 48 -> 9.50 / 9.44 / 9.41 / 9.48 ms,
+# qwen3-235b-a22b 32.78 / 32.76 / 32.57 / 32.69 ms: flat within 1%, 32 the best of both.
 DEFAULT_COMM_SMS = 32
 # Benchmark-only probes (benchmarks/overlap_bench.py): "full" is the layer; "compute" skips every copy
 # and barrier (GEMMs on every SM; results wrong, timing only); "comm" runs only the exchanges, whole
