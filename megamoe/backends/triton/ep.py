@@ -150,7 +150,10 @@ def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
     shared_out, shared_act = None, x.new_empty(0)
     if shared_gate_up is not None and compute:
         shared_out, shared_act = shared_fwd(x, shared_gate_up, shared_down)
-    x_rows = x.new_empty(rows, hidden)
+    if comm and not pull:  # push dispatch: the token owners write the receive rows (a whole exchange)
+        x_rows = dispatch(ws, x, schedule, "push")
+    else:  # filled by the pull (fused kernel or pull_rows) below
+        x_rows = x.new_empty(rows, hidden)
     if comm and pull:
         publish(ws, [(ws.tokens, x)])
     if fused:
@@ -161,8 +164,6 @@ def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
     else:
         if comm and pull:
             pull_rows(ws.tokens, maps, x_rows, by_token=True)
-        elif comm:
-            x_rows = dispatch(ws, x, schedule, "push")
         if compute:
             h, gate_up = kernels.gate_up_fwd(x_rows, w_gate_up, schedule.block_expert, blocks, store_gate_up=True,
                                              config=cfg.gate_up_fwd)
