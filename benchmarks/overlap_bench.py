@@ -9,7 +9,7 @@ schedule is built once, outside the timing) is timed four ways, median over iter
 ranks (megamoe.bench.measure):
   fused    the layer as it runs: one persistent kernel per direction (kernels/ep_fused.py) pulls the
            rows, runs both GEMMs (gate/up and down; backward: down-dgrad and gate/up-dgrad) and pushes
-           the second GEMM's rows from its epilogue; the weight grads are kernels of their own
+           the second GEMM's rows from its epilogue; the backward's kernel runs the weight grads too
   compute  the one-GPU GEMM kernels (same tiles) with no communication at all, on every SM (wrong
            results, timing only): the best the layer could do if communication were free
   comm     the exchanges alone (barriers, publishes, whole pulls/pushes, the final copies), no compute

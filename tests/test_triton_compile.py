@@ -29,7 +29,7 @@ from megamoe.backends.triton import kernels  # noqa: E402
 from megamoe.backends.triton.configs import _SM90, TileConfig  # noqa: E402
 
 
-def _fused(a: str, b: str) -> dict:
+def _fused(a: str, b: str, **extra) -> dict:
     """Constexprs of a fused expert-parallel kernel (kernels/ep_fused.py) running the table's tiles a
     then b (bf16 rows of H = 2048: 16 rows x 1024 columns per copy step)."""
     ta, tb = getattr(_SM90, a), getattr(_SM90, b)
@@ -37,7 +37,7 @@ def _fused(a: str, b: str) -> dict:
         SPLIT=1, BLOCK_M=ta.block_m, GROUP_M=ta.group_m,
         A_EVEN_K=True, A_BLOCK_N=ta.block_n, A_BLOCK_K=ta.block_k, A_STAGES=ta.num_stages,
         B_EVEN_K=True, B_BLOCK_N=tb.block_n, B_BLOCK_K=tb.block_k, B_STAGES=tb.num_stages,
-        PULL_ALIGNED=True, PULL_ROWS=16, PULL_BLOCK=1024, PUSH_ALIGNED=True,
+        PULL_ALIGNED=True, PULL_ROWS=16, PULL_BLOCK=1024, PUSH_ALIGNED=True, **extra,
     )
 
 
@@ -51,17 +51,20 @@ GEMM_KERNELS = {
     "dw_down": (kernels.dw_down_kernel, "dw_down", {}),
     "dw_gate_up": (kernels.dw_gate_up_kernel, "dw_gate_up", {}),
     "ep_fwd": (kernels.ep_fwd_kernel, "gate_up_fwd", _fused("gate_up_fwd", "down_fwd")),
-    "ep_bwd_data": (kernels.ep_bwd_data_kernel, "gate_up_dgrad", _fused("down_dgrad", "gate_up_dgrad")),
+    "ep_bwd": (kernels.ep_bwd_kernel, "dw_down", _fused(
+        "down_dgrad", "gate_up_dgrad", W_BLOCK_M=_SM90.dw_down.block_m, W_BLOCK_N=_SM90.dw_down.block_n,
+        W_BLOCK_K=_SM90.dw_down.block_k, W_GROUP_M=_SM90.dw_down.group_m, W_STAGES=_SM90.dw_down.num_stages)),
 }
 # Spill bytes allowed (stores and loads each), per kernel; every other kernel must not spill. The fused
-# backward holds down_dgrad's 128 x 128 tile (255 registers alone) beside gate_up_dgrad's and the
-# communication role: 68 bytes of per-tile scalars spill. Where a spill is allowed, the SASS must show
-# no spill instruction inside a K loop (test_spills_stay_out_of_k_loops). The spill-free 128 x 64 tile
-# measured slower (qwen3-30b-a3b EP=2 fwd+bwd 10.12 ms against 9.73; docs/perf-notes.md).
-SPILL_BUDGET = {"ep_bwd_data": 68}
+# backward holds down_dgrad's 128 x 128 tile (255 registers alone) beside gate_up_dgrad's, the
+# weight-grad tile and the communication role: 20 / 12 bytes of per-task scalars spill. Where a spill is
+# allowed, the SASS must show no spill instruction inside a K loop (test_spills_stay_out_of_k_loops). The
+# spill-free 128 x 64 down_dgrad tile measured slower (qwen3-30b-a3b EP=2 fwd+bwd 10.12 ms against 9.73;
+# docs/perf-notes.md).
+SPILL_BUDGET = {"ep_bwd": 24}
 # GEMMs whose K loop reads contiguous rows only: Triton must pipeline them (async copies, async wgmma).
 PIPELINED = {"gate_up_fwd", "down_fwd", "down_dgrad", "gate_up_dgrad", "dw_down", "dw_gate_up",
-             "ep_fwd", "ep_bwd_data"}
+             "ep_fwd", "ep_bwd"}
 OTHER_KERNELS = {
     "combine": kernels.combine_kernel,
     "combine_bwd": kernels.combine_bwd_kernel,

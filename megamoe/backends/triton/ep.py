@@ -11,8 +11,8 @@ straight into its (token, slot) row of the token owner's pairs buffer (push comb
 Backward mirrors it: d_out and the router weights are published; one persistent kernel pulls the d_out
 rows scaled by their pair's router weight (the d_y rows, fp32 product rounded to the dtype, as the
 one-GPU gather does), runs the down-projection data grad (SwiGLU backward epilogue) and the gate/up data
-grad, whose epilogue pushes the d_x rows; the weight grads (every row of an expert) follow as kernels of
-their own; a barrier, then the slot sum of d_x.
+grad, whose epilogue pushes the d_x rows, then the two weight grads (tiles that wait for every row of
+their expert); a barrier, then the slot sum of d_x.
 No host synchronisation: every buffer has its worst-case (or declared-capacity) size and every range is
 read on the device, so a forward+backward can be captured in a CUDA graph.
 
@@ -219,10 +219,11 @@ def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, share
     if comm and pull:
         publish(ws, [(ws.tokens, d_out), (ws.weights, weights)])
     if fused:
-        d_gate_up = kernels.ep_backward_data(
-            d_y_rows, gate_up, w_gate_up, w_down, schedule.block_expert, blocks,
+        d_w_gate_up, d_w_down = kernels.ep_backward(
+            d_y_rows, x_rows, h, gate_up, w_gate_up, w_down, schedule.block_expert, blocks, schedule.expert_offsets,
             _pull(ws.tokens, ws.weights, maps, schedule, config, x.device), _push(ws, maps),
-            down_dgrad_config=cfg.down_dgrad, gate_up_dgrad_config=cfg.gate_up_dgrad)
+            down_dgrad_config=cfg.down_dgrad, gate_up_dgrad_config=cfg.gate_up_dgrad,
+            dw_down_config=cfg.dw_down, dw_gate_up_config=cfg.dw_gate_up)
     else:
         if comm and pull:
             d_out_rows, weight_rows = x.new_empty(rows, hidden), weights.new_empty(rows)
@@ -235,13 +236,12 @@ def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, share
         if compute:
             d_gate_up = kernels.down_dgrad(d_y_rows, w_down, gate_up, schedule.block_expert, blocks, config=cfg.down_dgrad)
             d_x_rows = kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad)
+            # the weight grads need every row of an expert: kernels of their own here
+            d_w_down = kernels.dw_down(d_y_rows, h, schedule.expert_offsets, experts, config=cfg.dw_down)
+            d_w_gate_up = kernels.dw_gate_up(d_gate_up, x_rows, schedule.expert_offsets, experts, config=cfg.dw_gate_up)
         else:
-            d_gate_up, d_x_rows = x.new_empty(rows, 2 * w_down.shape[2]), x.new_empty(rows, hidden)
-    if compute:  # the weight grads need every row of an expert: kernels of their own
-        d_w_down = kernels.dw_down(d_y_rows, h, schedule.expert_offsets, experts, config=cfg.dw_down)
-        d_w_gate_up = kernels.dw_gate_up(d_gate_up, x_rows, schedule.expert_offsets, experts, config=cfg.dw_gate_up)
-    else:
-        d_w_gate_up, d_w_down = torch.empty_like(w_gate_up), torch.empty_like(w_down)
+            d_x_rows = x.new_empty(rows, hidden)
+            d_w_gate_up, d_w_down = torch.empty_like(w_gate_up), torch.empty_like(w_down)
 
     if fused:
         d_x_pairs = collect_pushed(ws, keep=False)  # read once, by the slot sum below

@@ -2,7 +2,7 @@
 
 from megamoe.backends.triton.kernels.combine import combine, combine_bwd, combine_bwd_kernel, combine_kernel
 from megamoe.backends.triton.kernels.comm_tiles import RowPull, RowPush
-from megamoe.backends.triton.kernels.ep_fused import ep_backward_data, ep_bwd_data_kernel, ep_forward, ep_fwd_kernel
+from megamoe.backends.triton.kernels.ep_fused import ep_backward, ep_bwd_kernel, ep_forward, ep_fwd_kernel
 from megamoe.backends.triton.kernels.gather import gather_rows, gather_rows_kernel
 from megamoe.backends.triton.kernels.grouped_gemm import (
     down_dgrad,
@@ -19,7 +19,7 @@ from megamoe.backends.triton.kernels.weight_grad import dw_down, dw_down_kernel,
 __all__ = [
     "combine", "combine_bwd", "combine_bwd_kernel", "combine_kernel",
     "gather_rows", "gather_rows_kernel",
-    "RowPull", "RowPush", "ep_forward", "ep_fwd_kernel", "ep_backward_data", "ep_bwd_data_kernel",
+    "RowPull", "RowPush", "ep_forward", "ep_fwd_kernel", "ep_backward", "ep_bwd_kernel",
     "down_dgrad", "down_dgrad_kernel", "down_fwd", "down_fwd_kernel",
     "gate_up_dgrad", "gate_up_dgrad_kernel", "gate_up_fwd", "gate_up_fwd_kernel",
     "dw_down", "dw_down_kernel", "dw_gate_up", "dw_gate_up_kernel",

@@ -223,6 +223,28 @@ def wait_at_least(counter_ptr, target, timeout_ns):
 
 
 @triton.jit
+def wait_all_at_least(counters_ptr, first, end, target, timeout_ns):
+    """Acquire (GPU scope) until counters_ptr[i] >= target for every i in [first, end): 64 counters polled
+    together by one vector atomic, then a CTA barrier (every thread may read what they publish); bounded
+    like wait_at_least."""
+    offs = tl.arange(0, 64)
+    for c0 in range(first, end, 64):
+        index = c0 + offs
+        pending = index < end
+        values = tl.atomic_add(counters_ptr + index, 0, mask=pending, sem="acquire", scope="gpu")
+        pending = pending & (values < target)
+        if tl.max(pending.to(tl.int32), axis=0) > 0:
+            deadline = globaltimer() + timeout_ns
+            while tl.max(pending.to(tl.int32), axis=0) > 0:
+                values = tl.atomic_add(counters_ptr + index, 0, mask=pending, sem="acquire", scope="gpu")
+                pending = pending & (values < target)
+                if tl.max(pending.to(tl.int32), axis=0) > 0:
+                    if globaltimer() > deadline:
+                        tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    tl.debug_barrier()
+
+
+@triton.jit
 def push_pointers(table_ptr, dst_rank_ptr, dst_pair_ptr, rows, H, ELEM: tl.constexpr, ALIGNED: tl.constexpr):
     """(row pointers [BLOCK_M] into the token owners' pairs rows, row mask): padding rows are not stored."""
     rank = tl.load(dst_rank_ptr + rows)

@@ -1,10 +1,10 @@
 """One persistent kernel per direction of the expert-parallel layer, communication inside.
 
 Forward (ep_forward): dispatch pulls, the gate/up GEMM (SwiGLU epilogue) and the down GEMM, whose
-epilogue pushes each result row to its token owner. Backward data grads (ep_backward_data): the pulls
-of the router-weighted d_out rows, the down-projection data grad (SwiGLU backward epilogue) and the
-gate/up data grad, whose epilogue pushes each d_x row to its token owner. (The weight grads need every
-row of an expert and stay kernels of their own, as do the schedule and the final fixed-order sums.)
+epilogue pushes each result row to its token owner. Backward (ep_backward): the pulls of the
+router-weighted d_out rows, the down-projection data grad (SwiGLU backward epilogue), the gate/up data
+grad, whose epilogue pushes each d_x row to its token owner, and both weight grads. (The schedule and
+the final fixed-order sums stay small kernels of their own.)
 
 Tasks. Every program first takes the communication role if it is one of the first `programs`
 (comm_tiles.pull_then_claim: pull groups of row blocks, raise their ready flags), then claims tasks in
@@ -13,7 +13,10 @@ order from a device counter. The task list interleaves the two GEMMs by stages o
 where A(s) are the first GEMM's tiles of stage s (each after its rows' ready flag) and B(s) the second
 GEMM's (each after every A tile of its row block is done: a per-row-block counter, release/acquire).
 So the second GEMM (and its pushes) starts a stage behind the first instead of after all of it, and no
-SM idles between the two. A stage is about two waves of A tiles, so a B tile rarely waits.
+SM idles between the two. A stage is about two waves of A tiles, so a B tile rarely waits. The backward's
+list goes on with the weight-grad tiles (C), which need every row of an expert: every d_w_down tile,
+then every d_w_gate_up tile, each after every A tile of its expert's row blocks; programs reach them
+while the last B tiles still run and push.
 
 No deadlock by construction: tasks are claimed in list order and a task only waits for pulls (which
 wait for nothing) or for A tasks earlier in the list, already claimed by running programs; the grid is
@@ -31,11 +34,12 @@ from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import check, load_range, num_sms, tile_coords
 from megamoe.backends.triton.kernels.comm_tiles import (
     RowPull, RowPush, aligned_rows, check_pull, check_push, claim_task, pull_meta, pull_then_claim, signal_done,
-    wait_at_least, wait_ready, work_buffer,
+    wait_all_at_least, wait_at_least, wait_ready, work_buffer,
 )
 from megamoe.backends.triton.kernels.grouped_gemm import (
     _check_matrix, _check_rows, _check_weight, down_dgrad_tile, down_fwd_tile, gate_up_dgrad_tile, gate_up_fwd_tile,
 )
+from megamoe.backends.triton.kernels.weight_grad import check_expert_offsets, dw_tile
 
 
 STAGE_WAVES = 2
@@ -109,18 +113,21 @@ def ep_fwd_kernel(
 
 
 @triton.jit
-def ep_bwd_data_kernel(
+def ep_bwd_kernel(
     d_y_rows_ptr, w_gate_up_ptr, w_down_ptr, block_expert_ptr, block_range_ptr, gate_up_ptr, d_gate_up_ptr, d_x_ptr,
     pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_weight_table_ptr, work_ptr,
     push_table_ptr, push_rank_ptr, push_pair_ptr,
+    x_rows_ptr, h_ptr, expert_offsets_ptr, d_w_down_ptr, d_w_gate_up_ptr, num_experts,
     H, I, pull_programs, group_blocks, timeout_ns, stage_m, done_offset,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr,
     A_EVEN_K: tl.constexpr, A_BLOCK_N: tl.constexpr, A_BLOCK_K: tl.constexpr, A_STAGES: tl.constexpr,
     B_EVEN_K: tl.constexpr, B_BLOCK_N: tl.constexpr, B_BLOCK_K: tl.constexpr, B_STAGES: tl.constexpr,
     PULL_ALIGNED: tl.constexpr, PULL_ROWS: tl.constexpr, PULL_BLOCK: tl.constexpr, PUSH_ALIGNED: tl.constexpr,
+    W_BLOCK_M: tl.constexpr, W_BLOCK_N: tl.constexpr, W_BLOCK_K: tl.constexpr, W_GROUP_M: tl.constexpr,
+    W_STAGES: tl.constexpr,
 ):
     """A = down_dgrad tiles (d_gate_up) over the pulled, router-weighted d_y rows, B = gate_up_dgrad
-    tiles (d_x rows, pushed)."""
+    tiles (d_x rows, pushed); then the weight-grad tiles (_weight_grad_tasks)."""
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     task = pull_then_claim(
         d_y_rows_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_weight_table_ptr, work_ptr,
@@ -154,6 +161,46 @@ def ep_bwd_data_kernel(
                                 A_EVEN_K, SPLIT, BLOCK_M, A_BLOCK_N, A_BLOCK_K, A_STAGES)
                 signal_done(work_ptr + done_offset + pid_m)
         task = claim_task(work_ptr)
+    # Tasks are claimed in order: a program gets here with the first task past the A/B list.
+    _weight_grad_tasks(
+        task - _num_tasks(block_range_ptr, H, I, stage_m, SPLIT, A_BLOCK_N, B_BLOCK_N), work_ptr, done_offset,
+        _num_tasks(block_range_ptr, H, I, stage_m, SPLIT, A_BLOCK_N, B_BLOCK_N), tl.cdiv(I, A_BLOCK_N), timeout_ns,
+        d_y_rows_ptr, h_ptr, d_gate_up_ptr, x_rows_ptr, expert_offsets_ptr, d_w_down_ptr, d_w_gate_up_ptr, num_experts, H, I,
+        BLOCK_M, W_BLOCK_M, W_BLOCK_N, W_BLOCK_K, W_GROUP_M, W_STAGES,
+    )
+
+
+@triton.jit
+def _weight_grad_tasks(
+    index, work_ptr, done_offset, first_task, a_n, timeout_ns,
+    d_y_rows_ptr, h_ptr, d_gate_up_ptr, x_rows_ptr, expert_offsets_ptr, d_w_down_ptr, d_w_gate_up_ptr, num_experts, H, I,
+    BLOCK_M: tl.constexpr, W_BLOCK_M: tl.constexpr, W_BLOCK_N: tl.constexpr, W_BLOCK_K: tl.constexpr,
+    W_GROUP_M: tl.constexpr, W_STAGES: tl.constexpr,
+):
+    """The backward's weight-grad tasks, claimed after every A/B task (index: this program's first, counted
+    from the first weight-grad task; first_task: that task's number in the whole list): every d_w_down
+    tile, then every d_w_gate_up tile, expert-major. A tile waits until every A tile of its expert's row
+    blocks is done: those tiles acquired the ready flags of the expert's d_y rows and wrote its d_gate_up
+    rows. The A/B loop before it is left as it was: folding these tasks into it measured 0.3-1.4 ms slower
+    (docs/perf-notes.md, "EP v7")."""
+    down_tiles = tl.cdiv(H, W_BLOCK_M) * tl.cdiv(I, W_BLOCK_N)
+    gate_up_tiles = tl.cdiv(2 * I, W_BLOCK_M) * tl.cdiv(H, W_BLOCK_N)
+    while index < num_experts * (down_tiles + gate_up_tiles):
+        is_down = index < num_experts * down_tiles
+        tile = tl.where(is_down, index, index - num_experts * down_tiles)
+        per_expert = tl.where(is_down, down_tiles, gate_up_tiles)
+        expert = tile // per_expert
+        first_m = tl.load(expert_offsets_ptr + expert) // BLOCK_M
+        end_m = tl.load(expert_offsets_ptr + expert + 1) // BLOCK_M
+        wait_all_at_least(work_ptr + done_offset, first_m, end_m, a_n, timeout_ns)
+        # One dw_tile call site for both weight grads (each inlined copy would hold its own shared memory).
+        if is_down:  # d_w_down = d_y_rows^T h
+            a_ptr, b_ptr, dw_ptr, dw_m, dw_n = d_y_rows_ptr, h_ptr, d_w_down_ptr, H, I
+        else:  # d_w_gate_up = d_gate_up^T x_rows
+            a_ptr, b_ptr, dw_ptr, dw_m, dw_n = d_gate_up_ptr, x_rows_ptr, d_w_gate_up_ptr, 2 * I, H
+        dw_tile(expert, tile - expert * per_expert, a_ptr, b_ptr, dw_m, dw_n, expert_offsets_ptr, dw_ptr,
+                W_BLOCK_M, W_BLOCK_N, W_BLOCK_K, W_GROUP_M, W_STAGES)
+        index = claim_task(work_ptr) - first_task
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -226,39 +273,58 @@ def ep_forward(
     return h, gate_up
 
 
-def ep_backward_data(
+def ep_backward(
     d_y_rows: torch.Tensor,
+    x_rows: torch.Tensor,
+    h_RI: torch.Tensor,
     gate_up_R2I: torch.Tensor,
     w_gate_up_E2IH: torch.Tensor,
     w_down_EHI: torch.Tensor,
     block_expert: torch.Tensor,
     blocks: torch.Tensor,
+    expert_offsets: torch.Tensor,
     pull: RowPull,
     push: RowPush,
     *,
     down_dgrad_config: TileConfig,
     gate_up_dgrad_config: TileConfig,
-) -> torch.Tensor:
-    """d_gate_up [R, 2I] over the schedule blocks in `blocks`; d_y_rows [R, H] (each row's d_out times
-    its router weight) is filled by the communication programs (pull, with weight_table), gate_up is the
-    saved pre-activation, and every d_x row goes to its token owner's pairs buffer (push)."""
+    dw_down_config: TileConfig,
+    dw_gate_up_config: TileConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_w_gate_up [E_l, 2I, H], d_w_down [E_l, H, I]) over the schedule blocks in `blocks`; d_y_rows
+    [R, H] (each row's d_out times its router weight) is filled by the communication programs (pull,
+    with weight_table); x_rows, h and gate_up are the forward's receive rows, hidden activation and
+    pre-activation; every d_x row goes to its token owner's pairs buffer (push). The two weight grads run
+    one tile (their configs must be equal); expert_offsets int32 [E_l + 1] bound their row loops."""
     _check_matrix(d_y_rows, None, None, "d_y_rows")
     num_rows, hidden = d_y_rows.shape
     check(w_down_EHI.dim() == 3 and w_down_EHI.shape[1] == hidden, "w_down must be [E_l, H, I]")
-    inter = w_down_EHI.shape[2]
-    _check_weight(w_down_EHI, d_y_rows, (w_down_EHI.shape[0], hidden, inter), "w_down")
-    _check_weight(w_gate_up_E2IH, d_y_rows, (w_down_EHI.shape[0], 2 * inter, hidden), "w_gate_up")
+    num_experts, inter = w_down_EHI.shape[0], w_down_EHI.shape[2]
+    _check_weight(w_down_EHI, d_y_rows, (num_experts, hidden, inter), "w_down")
+    _check_weight(w_gate_up_E2IH, d_y_rows, (num_experts, 2 * inter, hidden), "w_gate_up")
+    _check_matrix(x_rows, num_rows, hidden, "x_rows")
+    _check_matrix(h_RI, num_rows, inter, "h")
     _check_matrix(gate_up_R2I, num_rows, 2 * inter, "gate_up")
-    check(pull.weight_table is not None, "ep_backward_data: the pull needs the router weights' weight_table")
+    check(pull.weight_table is not None, "ep_backward: the pull needs the router weights' weight_table")
+    dw_config = dw_down_config
+    check(dw_gate_up_config == dw_config and dw_config.num_warps == down_dgrad_config.num_warps,
+          f"the fused backward runs one weight-grad tile at the GEMMs' warp count, got dw_down {dw_down_config}, "
+          f"dw_gate_up {dw_gate_up_config}, down_dgrad {down_dgrad_config}")
+    check_expert_offsets(expert_offsets, num_rows, num_experts, dw_config.block_k)
     a_n = triton.cdiv(inter, down_dgrad_config.block_n)
     grid, block_range, scalars, work, constexprs = _launch(
         d_y_rows, block_expert, blocks, down_dgrad_config, gate_up_dgrad_config, hidden, 2 * inter, a_n, pull, push)
     d_gate_up = torch.empty(num_rows, 2 * inter, dtype=d_y_rows.dtype, device=d_y_rows.device)
-    ep_bwd_data_kernel[grid](
+    d_w_down = torch.empty_like(w_down_EHI)
+    d_w_gate_up = torch.empty_like(w_gate_up_E2IH)
+    constexprs["num_stages"] = max(constexprs["num_stages"], dw_config.num_stages)
+    ep_bwd_kernel[grid](
         d_y_rows, w_gate_up_E2IH, w_down_EHI, block_expert, block_range, gate_up_R2I, d_gate_up, d_y_rows,
         pull.table, pull.src_rank, pull.src_token, pull.src_pair, pull.weight_table, work,
         push.table, push.dst_rank, push.dst_pair,
+        x_rows, h_RI, expert_offsets, d_w_down, d_w_gate_up, num_experts,
         hidden, inter, *scalars,
-        **constexprs,
+        W_BLOCK_M=dw_config.block_m, W_BLOCK_N=dw_config.block_n, W_BLOCK_K=dw_config.block_k,
+        W_GROUP_M=dw_config.group_m, W_STAGES=dw_config.num_stages, **constexprs,
     )
-    return d_gate_up
+    return d_w_gate_up, d_w_down

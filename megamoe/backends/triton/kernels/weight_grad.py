@@ -25,60 +25,66 @@ from megamoe.backends.triton.kernels._common import check, persistent_grid, tile
 
 
 @triton.jit
+def dw_tile(
+    expert, tile, a_ptr, b_ptr, M, N, expert_offsets_ptr, dw_ptr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
+):
+    """Tile number `tile` of expert `expert` (of cdiv(M, BLOCK_M) x cdiv(N, BLOCK_N)):
+    dw[e, m, n] = sum over rows r of expert e of a[r, m] * b[r, n]; a [R, M], b [R, N], dw [E, M, N]."""
+    pid_m, pid_n = tile_coords(tile, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    start = tl.load(expert_offsets_ptr + expert).to(tl.int64)  # row indices: int64 pointer math
+    end = tl.load(expert_offsets_ptr + expert + 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    cols_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = (cols_m < M)[None, :]
+    n_ok = (cols_n < N)[None, :]
+    a_ptrs = a_ptr + (start + offs_k)[:, None] * M + cols_m[None, :]
+    b_ptrs = b_ptr + (start + offs_k)[:, None] * N + cols_n[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in tl.range(start, end, BLOCK_K, num_stages=STAGES):
+        a = tl.load(a_ptrs, mask=m_ok, other=0.0)
+        b = tl.load(b_ptrs, mask=n_ok, other=0.0)
+        acc = tl.dot(tl.trans(a), b, acc)
+        a_ptrs += BLOCK_K * M
+        b_ptrs += BLOCK_K * N
+    mask = (cols_m < M)[:, None] & (cols_n < N)[None, :]
+    dst = dw_ptr + expert.to(tl.int64) * M * N + cols_m[:, None] * N + cols_n[None, :]
+    tl.store(dst, acc.to(dw_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rows_t_dot_rows(
     a_ptr, b_ptr, M, N, expert_offsets_ptr, dw_ptr, num_experts,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
 ):
-    """dw[e, m, n] = sum over rows r of expert e of a[r, m] * b[r, n]; a [R, M], b [R, N], dw [E, M, N]."""
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_expert = num_m * num_n
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
+    """Every dw_tile of every expert, expert-major, on the persistent grid."""
+    per_expert = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     for tile in range(tl.program_id(0), num_experts * per_expert, tl.num_programs(0)):
-        expert = tile // per_expert
-        pid_m, pid_n = tile_coords(tile % per_expert, num_m, num_n, GROUP_M)
-        start = tl.load(expert_offsets_ptr + expert).to(tl.int64)  # row indices: int64 pointer math
-        end = tl.load(expert_offsets_ptr + expert + 1).to(tl.int64)
-        cols_m = pid_m * BLOCK_M + offs_m
-        cols_n = pid_n * BLOCK_N + offs_n
-        m_ok = (cols_m < M)[None, :]
-        n_ok = (cols_n < N)[None, :]
-        a_ptrs = a_ptr + (start + offs_k)[:, None] * M + cols_m[None, :]
-        b_ptrs = b_ptr + (start + offs_k)[:, None] * N + cols_n[None, :]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for _ in range(start, end, BLOCK_K):
-            a = tl.load(a_ptrs, mask=m_ok, other=0.0)
-            b = tl.load(b_ptrs, mask=n_ok, other=0.0)
-            acc = tl.dot(tl.trans(a), b, acc)
-            a_ptrs += BLOCK_K * M
-            b_ptrs += BLOCK_K * N
-        mask = (cols_m < M)[:, None] & (cols_n < N)[None, :]
-        dst = dw_ptr + expert.to(tl.int64) * M * N + cols_m[:, None] * N + cols_n[None, :]
-        tl.store(dst, acc.to(dw_ptr.dtype.element_ty), mask=mask)
+        dw_tile(tile // per_expert, tile % per_expert, a_ptr, b_ptr, M, N, expert_offsets_ptr, dw_ptr,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)
 
 
 @triton.jit
 def dw_down_kernel(
     d_y_ptr, h_ptr, expert_offsets_ptr, dw_ptr,
     H, I, num_experts,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
 ):
     """d_w_down[e, m, n] = sum over rows r of e of d_y_rows[r, m] * h[r, n]; m over H, n over I."""
     _rows_t_dot_rows(d_y_ptr, h_ptr, H, I, expert_offsets_ptr, dw_ptr, num_experts,
-                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)
 
 
 @triton.jit
 def dw_gate_up_kernel(
     d_gate_up_ptr, x_ptr, expert_offsets_ptr, dw_ptr,
     H, I, num_experts,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
 ):
     """d_w_gate_up[e, m, n] = sum over rows r of e of d_gate_up[r, m] * x_rows[r, n]; m over 2I, n over H."""
     _rows_t_dot_rows(d_gate_up_ptr, x_ptr, 2 * I, H, expert_offsets_ptr, dw_ptr, num_experts,
-                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)
 
 
 def _check_operands(a: torch.Tensor, b: torch.Tensor, names: tuple[str, str]) -> None:
@@ -88,7 +94,7 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor, names: tuple[str, str]) ->
     check(a.dtype == b.dtype, f"{names[0]} ({a.dtype}) and {names[1]} ({b.dtype}) must have one dtype")
 
 
-def _check_offsets(expert_offsets: torch.Tensor, rows: int, num_experts: int, block_k: int) -> None:
+def check_expert_offsets(expert_offsets: torch.Tensor, rows: int, num_experts: int, block_k: int) -> None:
     check(expert_offsets.dtype == torch.int32 and tuple(expert_offsets.shape) == (num_experts + 1,),
           f"expert_offsets must be int32 [{num_experts + 1}], got {expert_offsets.dtype} {tuple(expert_offsets.shape)}")
     check(rows % block_k == 0, f"the row step {block_k} must divide R={rows} (and block_m)")
@@ -97,14 +103,14 @@ def _check_offsets(expert_offsets: torch.Tensor, rows: int, num_experts: int, bl
 def _launch(kernel, a, b, m_dim, n_dim, kernel_dims, expert_offsets, num_experts, config):
     """dw [E_l, m_dim, n_dim] in a's dtype: every tile of every expert, on the persistent grid."""
     check(num_experts >= 1, f"num_experts must be >= 1, got {num_experts}")
-    _check_offsets(expert_offsets, a.shape[0], num_experts, config.block_k)
+    check_expert_offsets(expert_offsets, a.shape[0], num_experts, config.block_k)
     out = torch.empty(num_experts, m_dim, n_dim, dtype=a.dtype, device=a.device)
     max_tiles = num_experts * triton.cdiv(m_dim, config.block_m) * triton.cdiv(n_dim, config.block_n)
     kernel[persistent_grid(a.device, max_tiles)](
         a, b, expert_offsets, out,
         *kernel_dims, num_experts,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        STAGES=config.num_stages, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 
