@@ -13,14 +13,16 @@ order from a device counter. The task list interleaves the two GEMMs by stages o
 where A(s) are the first GEMM's tiles of stage s (each after its rows' ready flag) and B(s) the second
 GEMM's (each after every A tile of its row block is done: a per-row-block counter, release/acquire).
 So the second GEMM (and its pushes) starts a stage behind the first instead of after all of it, and no
-SM idles between the two. A stage is about two waves of A tiles, so a B tile rarely waits. The backward's
-list goes on with the weight-grad tiles (C), which need every row of an expert: every d_w_down tile,
-then every d_w_gate_up tile, each after every A tile of its expert's row blocks; programs reach them
-while the last B tiles still run and push.
+SM idles between the two. A stage is about two waves of A tiles, so a B tile rarely waits. After the
+list, the backward's programs run the weight-grad tiles, which need every row of an expert: every
+d_w_down tile, then every d_w_gate_up tile, each after every A tile of its expert's row blocks. A program
+gets there once the list is used up, while the last B tiles still run and push; the weight-grad tiles
+are dealt round-robin over the programs in the order they arrive (no claim per tile).
 
 No deadlock by construction: tasks are claimed in list order and a task only waits for pulls (which
-wait for nothing) or for A tasks earlier in the list, already claimed by running programs; the grid is
-at most one program per SM. Every wait is bounded (comm_tiles.wait_at_least). Results are bitwise those
+wait for nothing) or for A tasks earlier in the list, already claimed by running programs (a
+weight-grad tile starts only after its program has seen the whole list claimed); the grid is at most
+one program per SM. Every wait is bounded (comm_tiles.wait_at_least). Results are bitwise those
 of the separate kernels: the same tile functions, one program per output element, fixed K order.
 """
 
@@ -33,7 +35,7 @@ import triton.language as tl
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import check, load_range, num_sms, tile_coords
 from megamoe.backends.triton.kernels.comm_tiles import (
-    RowPull, RowPush, aligned_rows, check_pull, check_push, claim_task, pull_meta, pull_then_claim, signal_done,
+    RowPull, RowPush, aligned_rows, check_pull, check_push, claim_slot, claim_task, pull_meta, pull_then_claim, signal_done,
     wait_all_at_least, wait_at_least, wait_ready, work_buffer,
 )
 from megamoe.backends.triton.kernels.grouped_gemm import (
@@ -161,10 +163,8 @@ def ep_bwd_kernel(
                                 A_EVEN_K, SPLIT, BLOCK_M, A_BLOCK_N, A_BLOCK_K, A_STAGES)
                 signal_done(work_ptr + done_offset + pid_m)
         task = claim_task(work_ptr)
-    # Tasks are claimed in order: a program gets here with the first task past the A/B list.
     _weight_grad_tasks(
-        task - _num_tasks(block_range_ptr, H, I, stage_m, SPLIT, A_BLOCK_N, B_BLOCK_N), work_ptr, done_offset,
-        _num_tasks(block_range_ptr, H, I, stage_m, SPLIT, A_BLOCK_N, B_BLOCK_N), tl.cdiv(I, A_BLOCK_N), timeout_ns,
+        claim_slot(work_ptr), work_ptr, done_offset, tl.cdiv(I, A_BLOCK_N), timeout_ns,
         d_y_rows_ptr, h_ptr, d_gate_up_ptr, x_rows_ptr, expert_offsets_ptr, d_w_down_ptr, d_w_gate_up_ptr, num_experts, H, I,
         BLOCK_M, W_BLOCK_M, W_BLOCK_N, W_BLOCK_K, W_GROUP_M, W_STAGES,
     )
@@ -172,27 +172,30 @@ def ep_bwd_kernel(
 
 @triton.jit
 def _weight_grad_tasks(
-    index, work_ptr, done_offset, first_task, a_n, timeout_ns,
+    index, work_ptr, done_offset, a_n, timeout_ns,
     d_y_rows_ptr, h_ptr, d_gate_up_ptr, x_rows_ptr, expert_offsets_ptr, d_w_down_ptr, d_w_gate_up_ptr, num_experts, H, I,
     BLOCK_M: tl.constexpr, W_BLOCK_M: tl.constexpr, W_BLOCK_N: tl.constexpr, W_BLOCK_K: tl.constexpr,
     W_GROUP_M: tl.constexpr, W_STAGES: tl.constexpr,
 ):
-    """The backward's weight-grad tasks, claimed after every A/B task (index: this program's first, counted
-    from the first weight-grad task; first_task: that task's number in the whole list): every d_w_down
-    tile, then every d_w_gate_up tile, expert-major. A tile waits until every A tile of its expert's row
-    blocks is done: those tiles acquired the ready flags of the expert's d_y rows and wrote its d_gate_up
-    rows. The A/B loop before it is left as it was: folding these tasks into it measured 0.3-1.4 ms slower
-    (docs/perf-notes.md, "EP v7")."""
+    """The backward's weight-grad tiles, after every A/B task: every d_w_down tile, then every d_w_gate_up
+    tile, expert-major. index: this program's slot (claim_slot, 0 .. programs-1): the tiles are dealt
+    round-robin from there with no further claim (an atomic round trip per tile otherwise).
+    A tile needs every A tile of its expert's row blocks done (they acquired the ready flags of the
+    expert's d_y rows and wrote its d_gate_up rows). A program keeps how many leading experts it has
+    seen done (`ready`) and waits only past them, so it polls each row block's counter at most once."""
     down_tiles = tl.cdiv(H, W_BLOCK_M) * tl.cdiv(I, W_BLOCK_N)
     gate_up_tiles = tl.cdiv(2 * I, W_BLOCK_M) * tl.cdiv(H, W_BLOCK_N)
+    ready = 0
     while index < num_experts * (down_tiles + gate_up_tiles):
         is_down = index < num_experts * down_tiles
         tile = tl.where(is_down, index, index - num_experts * down_tiles)
         per_expert = tl.where(is_down, down_tiles, gate_up_tiles)
         expert = tile // per_expert
-        first_m = tl.load(expert_offsets_ptr + expert) // BLOCK_M
-        end_m = tl.load(expert_offsets_ptr + expert + 1) // BLOCK_M
-        wait_all_at_least(work_ptr + done_offset, first_m, end_m, a_n, timeout_ns)
+        if expert >= ready:
+            first_m = tl.load(expert_offsets_ptr + ready) // BLOCK_M
+            end_m = tl.load(expert_offsets_ptr + expert + 1) // BLOCK_M
+            wait_all_at_least(work_ptr + done_offset, first_m, end_m, a_n, timeout_ns)
+            ready = expert + 1
         # One dw_tile call site for both weight grads (each inlined copy would hold its own shared memory).
         if is_down:  # d_w_down = d_y_rows^T h
             a_ptr, b_ptr, dw_ptr, dw_m, dw_n = d_y_rows_ptr, h_ptr, d_w_down_ptr, H, I
@@ -200,7 +203,7 @@ def _weight_grad_tasks(
             a_ptr, b_ptr, dw_ptr, dw_m, dw_n = d_gate_up_ptr, x_rows_ptr, d_w_gate_up_ptr, 2 * I, H
         dw_tile(expert, tile - expert * per_expert, a_ptr, b_ptr, dw_m, dw_n, expert_offsets_ptr, dw_ptr,
                 W_BLOCK_M, W_BLOCK_N, W_BLOCK_K, W_GROUP_M, W_STAGES)
-        index = claim_task(work_ptr) - first_task
+        index += tl.num_programs(0)
 
 
 # ----------------------------------------------------------------------------------------------------
