@@ -57,11 +57,11 @@ GEMM_KERNELS = {
 }
 # Spill bytes allowed (stores and loads each), per kernel; every other kernel must not spill. The fused
 # backward holds down_dgrad's 128 x 128 tile (255 registers alone) beside gate_up_dgrad's, the
-# weight-grad tile and the communication role: 32 / 24 bytes of per-task scalars spill. Where a spill is
+# weight-grad tile and the communication role: 20 / 12 bytes of per-task scalars spill. Where a spill is
 # allowed, the SASS must show no spill instruction inside a K loop (test_spills_stay_out_of_k_loops). The
 # spill-free 128 x 64 down_dgrad tile measured slower (qwen3-30b-a3b EP=2 fwd+bwd 10.12 ms against 9.73;
 # docs/perf-notes.md).
-SPILL_BUDGET = {"ep_bwd": 32}
+SPILL_BUDGET = {"ep_bwd": 20}
 # GEMMs whose K loop reads contiguous rows only: Triton must pipeline them (async copies, async wgmma).
 PIPELINED = {"gate_up_fwd", "down_fwd", "down_dgrad", "gate_up_dgrad", "dw_down", "dw_gate_up",
              "ep_fwd", "ep_bwd"}

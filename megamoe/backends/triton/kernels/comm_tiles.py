@@ -105,9 +105,8 @@ def check_push(push: RowPush, num_rows: int) -> None:
 
 
 # The work buffer of a fused launch (int32, zeroed per launch): [next group to pull, next task to run,
-# next slot after the task list, ready flag of each group of schedule blocks..., tiles done of each kernel
-# row block...].
-_NEXT_GROUP, _NEXT_TASK, _NEXT_SLOT, _FLAGS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+# ready flag of each group of schedule blocks..., tiles done of each kernel row block...].
+_NEXT_GROUP, _NEXT_TASK, _FLAGS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 def work_buffer(num_groups: int, num_row_blocks: int, device: torch.device) -> tuple[torch.Tensor, int]:
@@ -183,20 +182,14 @@ def pull_then_claim(
             tl.debug_barrier()
             tl.atomic_xchg(work_ptr + _FLAGS + group, 1, sem="release", scope="gpu")
             group = first_group + tl.atomic_add(work_ptr + _NEXT_GROUP, 1, sem="relaxed")
-    return claim_task(work_ptr)
+    return claim_task(work_ptr, 1)
 
 
 @triton.jit
-def claim_task(work_ptr):
-    """The next task of a fused kernel (tasks are claimed in order; each tile's math does not depend on
-    which program computes it, so the results do not either)."""
-    return tl.atomic_add(work_ptr + _NEXT_TASK, 1, sem="relaxed")
-
-
-@triton.jit
-def claim_slot(work_ptr):
-    """This program's place (0 .. programs-1) in the order the programs leave the task list."""
-    return tl.atomic_add(work_ptr + _NEXT_SLOT, 1, sem="relaxed")
+def claim_task(work_ptr, COUNT: tl.constexpr):
+    """The first of the next COUNT tasks of a fused kernel (tasks are claimed in order; each tile's math
+    does not depend on which program computes it, so the results do not either)."""
+    return tl.atomic_add(work_ptr + _NEXT_TASK, COUNT, sem="relaxed")
 
 
 @triton.jit

@@ -15,14 +15,12 @@ GEMM's (each after every A tile of its row block is done: a per-row-block counte
 So the second GEMM (and its pushes) starts a stage behind the first instead of after all of it, and no
 SM idles between the two. A stage is about two waves of A tiles, so a B tile rarely waits. After the
 list, the backward's programs run the weight-grad tiles, which need every row of an expert: every
-d_w_down tile, then every d_w_gate_up tile, each after every A tile of its expert's row blocks. A program
-gets there once the list is used up, while the last B tiles still run and push; the weight-grad tiles
-are dealt round-robin over the programs in the order they arrive (no claim per tile).
+d_w_down tile, then every d_w_gate_up tile, each after every A tile of its expert's row blocks, claimed
+from the same counter once the list is used up, while the last B tiles still run and push.
 
 No deadlock by construction: tasks are claimed in list order and a task only waits for pulls (which
-wait for nothing) or for A tasks earlier in the list, already claimed by running programs (a
-weight-grad tile starts only after its program has seen the whole list claimed); the grid is at most
-one program per SM. Every wait is bounded (comm_tiles.wait_at_least). Results are bitwise those
+wait for nothing) or for A tasks earlier in the list, already claimed by running programs; the grid is
+at most one program per SM. Every wait is bounded (comm_tiles.wait_at_least). Results are bitwise those
 of the separate kernels: the same tile functions, one program per output element, fixed K order.
 """
 
@@ -35,7 +33,7 @@ import triton.language as tl
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import check, load_range, num_sms, tile_coords
 from megamoe.backends.triton.kernels.comm_tiles import (
-    RowPull, RowPush, aligned_rows, check_pull, check_push, claim_slot, claim_task, pull_meta, pull_then_claim, signal_done,
+    RowPull, RowPush, aligned_rows, check_pull, check_push, claim_task, pull_meta, pull_then_claim, signal_done,
     wait_all_at_least, wait_at_least, wait_ready, work_buffer,
 )
 from megamoe.backends.triton.kernels.grouped_gemm import (
@@ -45,6 +43,10 @@ from megamoe.backends.triton.kernels.weight_grad import check_expert_offsets, dw
 
 
 STAGE_WAVES = 2
+# Weight-grad tiles per claim (one atomic round trip each). On 2x H200 against the weight grads as kernels
+# of their own (docs/perf-notes.md, "EP v8"): 2 at a time on par with them for balanced routing and ahead
+# for skewed; dealing the tiles round-robin with no claim was 4.6% behind on qwen3-235b-a22b skewed.
+WEIGHT_GRAD_CLAIM = tl.constexpr(2)
 
 
 @triton.jit
@@ -111,7 +113,7 @@ def ep_fwd_kernel(
                 gate_up_fwd_tile(pid_m, pid_n, x_rows_ptr, w_gate_up_ptr, block_expert_ptr, block_expert_ptr, h_ptr,
                                  gate_up_ptr, H, I, 1, False, True, A_EVEN_K, SPLIT, BLOCK_M, A_BLOCK_N, A_BLOCK_K, A_STAGES)
                 signal_done(work_ptr + done_offset + pid_m)
-        task = claim_task(work_ptr)
+        task = claim_task(work_ptr, 1)
 
 
 @triton.jit
@@ -162,9 +164,11 @@ def ep_bwd_kernel(
                 down_dgrad_tile(pid_m, pid_n, d_y_rows_ptr, w_down_ptr, gate_up_ptr, block_expert_ptr, d_gate_up_ptr, H, I,
                                 A_EVEN_K, SPLIT, BLOCK_M, A_BLOCK_N, A_BLOCK_K, A_STAGES)
                 signal_done(work_ptr + done_offset + pid_m)
-        task = claim_task(work_ptr)
+        task = claim_task(work_ptr, 1)
+    # Tasks are claimed in order: a program gets here with the first task past the A/B list.
     _weight_grad_tasks(
-        claim_slot(work_ptr), work_ptr, done_offset, tl.cdiv(I, A_BLOCK_N), timeout_ns,
+        task, _num_tasks(block_range_ptr, H, I, stage_m, SPLIT, A_BLOCK_N, B_BLOCK_N), work_ptr, done_offset,
+        tl.cdiv(I, A_BLOCK_N), timeout_ns,
         d_y_rows_ptr, h_ptr, d_gate_up_ptr, x_rows_ptr, expert_offsets_ptr, d_w_down_ptr, d_w_gate_up_ptr, num_experts, H, I,
         BLOCK_M, W_BLOCK_M, W_BLOCK_N, W_BLOCK_K, W_GROUP_M, W_STAGES,
     )
@@ -172,19 +176,23 @@ def ep_bwd_kernel(
 
 @triton.jit
 def _weight_grad_tasks(
-    index, work_ptr, done_offset, a_n, timeout_ns,
+    task, first_task, work_ptr, done_offset, a_n, timeout_ns,
     d_y_rows_ptr, h_ptr, d_gate_up_ptr, x_rows_ptr, expert_offsets_ptr, d_w_down_ptr, d_w_gate_up_ptr, num_experts, H, I,
     BLOCK_M: tl.constexpr, W_BLOCK_M: tl.constexpr, W_BLOCK_N: tl.constexpr, W_BLOCK_K: tl.constexpr,
     W_GROUP_M: tl.constexpr, W_STAGES: tl.constexpr,
 ):
-    """The backward's weight-grad tiles, after every A/B task: every d_w_down tile, then every d_w_gate_up
-    tile, expert-major. index: this program's slot (claim_slot, 0 .. programs-1): the tiles are dealt
-    round-robin from there with no further claim (an atomic round trip per tile otherwise).
+    """The backward's weight-grad tiles, the tasks after the A/B list (task: the first this program
+    claimed there; first_task: the first weight-grad task's number): every d_w_down tile, then every
+    d_w_gate_up tile, expert-major, claimed WEIGHT_GRAD_CLAIM at a time. Claimed, not dealt round-robin:
+    the programs running at once then work on neighbouring tiles of one expert and share its rows in L2,
+    which decides the time for experts with many rows (docs/perf-notes.md, "EP v8").
     A tile needs every A tile of its expert's row blocks done (they acquired the ready flags of the
     expert's d_y rows and wrote its d_gate_up rows). A program keeps how many leading experts it has
     seen done (`ready`) and waits only past them, so it polls each row block's counter at most once."""
     down_tiles = tl.cdiv(H, W_BLOCK_M) * tl.cdiv(I, W_BLOCK_N)
     gate_up_tiles = tl.cdiv(2 * I, W_BLOCK_M) * tl.cdiv(H, W_BLOCK_N)
+    index = task - first_task
+    claimed_end = index + 1
     ready = 0
     while index < num_experts * (down_tiles + gate_up_tiles):
         is_down = index < num_experts * down_tiles
@@ -203,7 +211,10 @@ def _weight_grad_tasks(
             a_ptr, b_ptr, dw_ptr, dw_m, dw_n = d_gate_up_ptr, x_rows_ptr, d_w_gate_up_ptr, 2 * I, H
         dw_tile(expert, tile - expert * per_expert, a_ptr, b_ptr, dw_m, dw_n, expert_offsets_ptr, dw_ptr,
                 W_BLOCK_M, W_BLOCK_N, W_BLOCK_K, W_GROUP_M, W_STAGES)
-        index += tl.num_programs(0)
+        index += 1
+        if index == claimed_end:  # this program's claim is used up
+            index = claim_task(work_ptr, WEIGHT_GRAD_CLAIM) - first_task
+            claimed_end = index + WEIGHT_GRAD_CLAIM
 
 
 # ----------------------------------------------------------------------------------------------------
