@@ -65,6 +65,21 @@ def _task(task, a_tasks, b_tasks, num_stages):
 
 
 @triton.jit
+def _stage_task(task, block_range_ptr, H, I, stage_m, SPLIT: tl.constexpr, A_BLOCK_N: tl.constexpr,
+                B_BLOCK_N: tl.constexpr):
+    """Where task number `task` lies in the list: (is a B task, index within its stage's A or B tiles,
+    first row block of the range, the stage's first row block within it, row blocks in the stage,
+    A tiles per row block, B tiles per row block)."""
+    first_m, end_m = load_range(block_range_ptr, SPLIT)
+    num_m = end_m - first_m
+    a_n = tl.cdiv(I, A_BLOCK_N)
+    b_n = tl.cdiv(H, B_BLOCK_N)
+    is_b, stage, index = _task(task, stage_m * a_n, stage_m * b_n, tl.cdiv(num_m, stage_m))
+    m0 = stage * stage_m
+    return is_b, index, first_m, m0, tl.minimum(stage_m, num_m - m0), a_n, b_n
+
+
+@triton.jit
 def _num_tasks(block_range_ptr, H, I, stage_m, SPLIT: tl.constexpr, A_BLOCK_N: tl.constexpr, B_BLOCK_N: tl.constexpr):
     """Tasks of the list: stages x (A tiles + B tiles) per stage (partial last stage included)."""
     first_m, end_m = load_range(block_range_ptr, SPLIT)
@@ -91,13 +106,8 @@ def ep_fwd_kernel(
     # Only `task` is carried across iterations: the layout is re-derived from the arguments each time
     # (cheap scalar work), which keeps the tiles' registers free (at 255 otherwise they spill).
     while task < _num_tasks(block_range_ptr, H, I, stage_m, SPLIT, A_BLOCK_N, B_BLOCK_N):
-        first_m, end_m = load_range(block_range_ptr, SPLIT)
-        num_m = end_m - first_m
-        a_n = tl.cdiv(I, A_BLOCK_N)
-        b_n = tl.cdiv(H, B_BLOCK_N)
-        is_b, stage, index = _task(task, stage_m * a_n, stage_m * b_n, tl.cdiv(num_m, stage_m))
-        m0 = stage * stage_m
-        stage_rows = tl.minimum(stage_m, num_m - m0)
+        is_b, index, first_m, m0, stage_rows, a_n, b_n = _stage_task(
+            task, block_range_ptr, H, I, stage_m, SPLIT, A_BLOCK_N, B_BLOCK_N)
         if is_b:
             if index < stage_rows * b_n:
                 pid_m, pid_n = tile_coords(index, stage_rows, b_n, GROUP_M)
@@ -141,13 +151,8 @@ def ep_bwd_kernel(
     # Only `task` is carried across iterations: the layout is re-derived from the arguments each time
     # (cheap scalar work), which keeps the tiles' registers free (at 255 otherwise they spill).
     while task < _num_tasks(block_range_ptr, H, I, stage_m, SPLIT, A_BLOCK_N, B_BLOCK_N):
-        first_m, end_m = load_range(block_range_ptr, SPLIT)
-        num_m = end_m - first_m
-        a_n = tl.cdiv(I, A_BLOCK_N)
-        b_n = tl.cdiv(H, B_BLOCK_N)
-        is_b, stage, index = _task(task, stage_m * a_n, stage_m * b_n, tl.cdiv(num_m, stage_m))
-        m0 = stage * stage_m
-        stage_rows = tl.minimum(stage_m, num_m - m0)
+        is_b, index, first_m, m0, stage_rows, a_n, b_n = _stage_task(
+            task, block_range_ptr, H, I, stage_m, SPLIT, A_BLOCK_N, B_BLOCK_N)
         if is_b:
             if index < stage_rows * b_n:
                 pid_m, pid_n = tile_coords(index, stage_rows, b_n, GROUP_M)
