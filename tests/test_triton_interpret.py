@@ -367,6 +367,68 @@ def test_recompute_matches_save_bitwise():
         assert torch.equal(a, b), f"{name}: recompute differs from save"
 
 
+# ----------------------------------------------------------------------------------------------------
+# The TMA core (kernels/tma_gemm.py): the same GEMMs with descriptor copies. On a GPU it runs where
+# tma_kernel_configs allows; here it is forced, and must give the pointer core's bits (same tiles, same K
+# order), with K and N tails that are not multiples of the tile (H40: 16 + 16 + 8, I24: 16 + 8).
+
+TMA_CASES = {
+    # id: (T, H, I, E, k, routing, shared I)
+    "T37-H48-I40-E5-k3-shared": (37, 48, 40, 5, 3, "random", 24),
+    "T29-H40-I24-E6-k2-tails": (29, 40, 24, 6, 2, "random", 0),
+    "T40-H32-I32-E8-k2-empty-experts": (40, 32, 32, 8, 2, "sparse", 0),
+}
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", list(TMA_CASES), ids=list(TMA_CASES))
+def test_tma_core_matches_pointer_core_bitwise(case, dtype, monkeypatch):
+    from megamoe.backends.triton import experts as triton_experts
+    from megamoe.backends.triton.configs import kernel_configs
+
+    T, H, I, E, k, routing, shared = TMA_CASES[case]
+    x, ids, weights, wgu, wd, sgu, sd = make_problem(T, H, I, E, k, dtype, routing=routing, shared=shared)
+    d_out = torch.randn(T, H, generator=torch.Generator().manual_seed(7)).to(dtype)
+    s = build_schedule(ids, E, block_m=32)
+
+    def run(core):
+        gemms = triton_experts.gemms_for(x, wgu, wd, s)
+        assert gemms.gate_up_fwd.__name__.endswith("_tma") == (core == "tma"), f"{core} core not selected"
+        with poisoned_empty():
+            out, saved = experts_fwd(x, weights, wgu, wd, sgu, sd, s, None)
+            return (out, *experts_bwd(d_out, x, weights, wgu, wd, sgu, sd, s, None, None, saved))
+
+    pointer = run("pointer")
+    # The pointer core's own tiles, so that both cores sum every output in the same order.
+    monkeypatch.setattr(triton_experts, "tma_kernel_configs", kernel_configs)
+    tma = run("tma")
+    names = ["out", "d_x", "d_topk_weights", "d_w_gate_up", "d_w_down", "d_shared_gate_up", "d_shared_down"]
+    for name, a, b in zip(names, pointer, tma):
+        if a is None:
+            assert b is None, f"{name}: expected None"
+            continue
+        assert not torch.isnan(b).any(), f"{name}: NaN from the TMA core"
+        assert torch.equal(a, b), f"{name}: TMA core differs from the pointer core (max {(a - b).abs().max():.3e})"
+
+
+@interpreted
+def test_tma_core_refuses_unaligned_rows(monkeypatch):
+    """TMA needs 16-byte row strides: I = 20 fp16 (40 bytes) is refused by the launcher, and gemms_for
+    keeps the pointer core for such weights even where the TMA tiles would apply."""
+    from megamoe.backends.triton import experts as triton_experts
+    from megamoe.backends.triton.configs import kernel_configs
+    from megamoe.backends.triton.kernels import tma_gemm
+
+    x, ids, _, wgu, wd, _, _ = make_problem(19, 40, 20, 4, 2, torch.float16)
+    s = build_schedule(ids, 4, block_m=16)
+    h = random_rows(s, 2, 20, torch.float16)
+    with pytest.raises(ValueError, match="16-byte"):
+        tma_gemm.down_fwd_tma(h, wd, s.block_expert, s.num_blocks, config=SMALL)
+    monkeypatch.setattr(triton_experts, "tma_kernel_configs", kernel_configs)
+    assert triton_experts.gemms_for(x, wgu, wd, s).gate_up_fwd is kernels.gate_up_fwd
+
+
 @interpreted
 def test_capacity_cut_pairs_count_as_zero():
     """Pairs a declared capacity cut (dest_row -1) contribute nothing and get zero router grads, never NaN."""

@@ -22,7 +22,7 @@ pytestmark = [
 if torch.cuda.is_available():
     from megamoe.backends.triton import block_m_for, kernels
     from megamoe.backends.triton.configs import kernel_configs
-    from megamoe.backends.triton.experts import experts_bwd, experts_fwd
+    from megamoe.backends.triton.experts import experts_bwd, experts_fwd, gemms_for
     from megamoe.reference import experts as reference_experts
     from megamoe.schedule import build_schedule
 
@@ -46,6 +46,8 @@ EDGES = {
     "T1-k1-E1-shared": (1, 2048, 768, 1, 1, 512, "balanced"),
     "T129-not-multiple-of-block-k3": (129, 2048, 768, 8, 3, 0, "balanced"),
     "odd-H2880-T77-k4": (77, 2880, 2880, 4, 4, 0, "skewed"),
+    # H not a multiple of 8: rows TMA cannot address, so the pointer-load core runs (gemms_for).
+    "pointer-core-H2052-T100-k2": (100, 2052, 768, 8, 2, 0, "balanced"),
 }
 
 
@@ -192,6 +194,18 @@ def test_gate_up_fwd_gather_variant_matches_rows_bitwise():
     used = s.expert_offsets[-1].item()
     for name, a, b in zip(["h", "gate_up"], rows, gathered):
         assert torch.equal(a[:used], b[:used]), f"{name}: gather variant differs from the rows variant"
+
+
+def test_tma_core_runs_where_rows_are_16_byte_aligned():
+    """On Hopper the benchmarked shapes run the TMA core (so the accuracy tests above test it), and an H
+    that is not a multiple of 8 runs the pointer core (the pointer-core edge case above)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the TMA tile table is for Hopper (sm_90)")
+    for T, H, I, E, k, shared, kind in [*WORKLOADS.values(), EDGES["pointer-core-H2052-T100-k2"]]:
+        x, ids, _, wgu, wd, *_ = make_inputs(min(T, 8), H, I, E, k, shared, kind)
+        s = build_schedule(ids, E, block_m=block_m_for(H, I, DTYPE))
+        core = gemms_for(x, wgu, wd, s).gate_up_fwd.__name__
+        assert core == ("gate_up_fwd" if H % 8 else "gate_up_fwd_tma"), f"H={H}, I={I}: ran {core}"
 
 
 _NEVER_RAISED = """

@@ -20,7 +20,9 @@ import torch
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
     """One kernel's launch shape. block_m: rows (or output rows of a weight-grad tile); block_n: output
-    columns; block_k: reduction step; group_m: row blocks swept together (L2 reuse of weight tiles)."""
+    columns; block_k: reduction step; group_m: row blocks swept together (L2 reuse of weight tiles);
+    flatten: Triton flattens the persistent tile loop with the K loop (kernels/tma_gemm.py only), so the
+    next tile's first copies are issued during this tile's epilogue."""
 
     block_m: int
     block_n: int
@@ -28,6 +30,7 @@ class TileConfig:
     num_warps: int
     num_stages: int
     group_m: int = 8
+    flatten: bool = False
 
     def with_block_m(self, block_m: int) -> "TileConfig":
         return dataclasses.replace(self, block_m=block_m)
@@ -68,6 +71,23 @@ _SM90 = KernelConfigs(
     dw_gate_up=TileConfig(128, 256, 64, num_warps=8, num_stages=4),
     combine=TileConfig(8, 256, 1, num_warps=4, num_stages=1),
 )
+# The TMA kernels (kernels/tma_gemm.py) of the one-GPU path on Hopper, measured per GEMM with
+# benchmarks/gemm_bench.py on five workloads (docs/perf-notes.md, "GEMM core v1"). A TMA stage costs no
+# registers, so down_dgrad affords the 4th stage its pointer version could not; flattening helps the GEMMs
+# whose epilogue is short next to their K loop (down_fwd, the weight grads) and hurts the two-accumulator
+# gate/up tile (its epilogue then competes with the next tile's copies for shared memory).
+_SM90_TMA = KernelConfigs(
+    gate_up_fwd=TileConfig(128, 128, 64, num_warps=8, num_stages=3),
+    down_fwd=TileConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=True),
+    down_dgrad=TileConfig(128, 128, 64, num_warps=8, num_stages=4),
+    gate_up_dgrad=TileConfig(128, 256, 64, num_warps=8, num_stages=3),
+    dw_down=TileConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=True),
+    dw_gate_up=TileConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=True),
+    combine=_SM90.combine,
+)
+# down_dgrad's K loop runs over H: below this the flattened loop wins (qwen3-30b-a3b 480 TF/s against 436,
+# gpt-oss-120b 467 against 447), above it the plain one (qwen3-235b-a22b 500 against 460).
+_FLATTEN_DOWN_DGRAD_MAX_H = 3072
 # Other GPUs (Ampere, Ada, Blackwell until measured): mma.sync-sized tiles that fit 100 KB of shared memory.
 _DEFAULT = KernelConfigs(
     gate_up_fwd=TileConfig(128, 64, 32, num_warps=8, num_stages=3),
@@ -92,6 +112,23 @@ def block_m_for(hidden: int, intermediate: int, dtype: torch.dtype) -> int:
     """
     del hidden, intermediate, dtype
     return _BLOCK_M
+
+
+def tma_kernel_configs(
+    hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device, block_m: int
+) -> KernelConfigs | None:
+    """The tiles of the TMA kernels for this problem, or None where they do not run: not a Hopper GPU
+    (Blackwell: not yet measured), not a 16-bit dtype, or rows TMA cannot address (H or I not a multiple
+    of 8 elements: 16-byte strides), or a schedule block_m the 128-row tiles do not divide."""
+    arch = _arch(torch.device(device))
+    if arch is None or arch[0] != 9 or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if hidden % 8 or intermediate % 8 or block_m % _SM90_TMA.gate_up_fwd.block_m:
+        return None
+    table = _SM90_TMA
+    if hidden <= _FLATTEN_DOWN_DGRAD_MAX_H:
+        table = dataclasses.replace(table, down_dgrad=dataclasses.replace(table.down_dgrad, flatten=True))
+    return table
 
 
 def _arch(device: torch.device) -> tuple[int, int] | None:

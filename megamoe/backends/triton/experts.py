@@ -21,12 +21,14 @@ cross torch.library custom ops.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 
 from megamoe.backends.triton import kernels
-from megamoe.backends.triton.configs import KernelConfigs, kernel_configs
+from megamoe.backends.triton.configs import KernelConfigs, kernel_configs, tma_kernel_configs
+from megamoe.backends.triton.kernels import tma_gemm
 from megamoe.backends.triton.kernels._common import range_of
 from megamoe.schedule import Schedule
 
@@ -38,6 +40,31 @@ SAVE_GATE_UP = True
 def configs_for(x: torch.Tensor, w_gate_up: torch.Tensor, schedule: Schedule) -> KernelConfigs:
     """The tile table entry of this problem (H, I, dtype, device, the schedule's block_m)."""
     return kernel_configs(x.shape[1], w_gate_up.shape[1] // 2, x.dtype, x.device, schedule.block_m)
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemms:
+    """The six grouped GEMMs of the rows compute, with the tiles they run (one launcher signature per
+    GEMM, whichever core: kernels/grouped_gemm.py + weight_grad.py, or kernels/tma_gemm.py)."""
+
+    gate_up_fwd: Callable
+    down_fwd: Callable
+    down_dgrad: Callable
+    gate_up_dgrad: Callable
+    dw_down: Callable
+    dw_gate_up: Callable
+    cfg: KernelConfigs
+
+
+def gemms_for(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, schedule: Schedule) -> Gemms:
+    """The TMA core where it runs (a Hopper GPU, 16-bit operands TMA can address; tma_kernel_configs),
+    the pointer-load core elsewhere. Host metadata only: no sync."""
+    tma = tma_kernel_configs(x.shape[1], w_gate_up.shape[1] // 2, x.dtype, x.device, schedule.block_m)
+    if tma is not None and tma_gemm.tma_addressable(w_gate_up, w_down):
+        return Gemms(tma_gemm.gate_up_fwd_tma, tma_gemm.down_fwd_tma, tma_gemm.down_dgrad_tma,
+                     tma_gemm.gate_up_dgrad_tma, tma_gemm.dw_down_tma, tma_gemm.dw_gate_up_tma, tma)
+    return Gemms(kernels.gate_up_fwd, kernels.down_fwd, kernels.down_dgrad, kernels.gate_up_dgrad,
+                 kernels.dw_down, kernels.dw_gate_up, configs_for(x, w_gate_up, schedule))
 
 
 def rows_in_use(schedule: Schedule) -> torch.Tensor:
@@ -86,7 +113,7 @@ def rows_fwd(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     schedule: Schedule,
-    cfg: KernelConfigs,
+    gemms: Gemms,
     *,
     save_gate_up: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -96,10 +123,11 @@ def rows_fwd(
     # NOTE: the block range stays on the device; every buffer and grid is sized from shapes alone,
     # so nothing here waits for the GPU.
     blocks = all_blocks(schedule)
-    h, gate_up = kernels.gate_up_fwd(
+    cfg = gemms.cfg
+    h, gate_up = gemms.gate_up_fwd(
         x_rows, w_gate_up, schedule.block_expert, blocks, store_gate_up=save_gate_up, config=cfg.gate_up_fwd,
     )
-    y_rows = kernels.down_fwd(h, w_down, schedule.block_expert, blocks, config=cfg.down_fwd)
+    y_rows = gemms.down_fwd(h, w_down, schedule.block_expert, blocks, config=cfg.down_fwd)
     if gate_up is None:
         gate_up = x_rows.new_empty(0, 2 * h.shape[1])
     return h, gate_up, y_rows
@@ -113,7 +141,7 @@ def rows_bwd(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     schedule: Schedule,
-    cfg: KernelConfigs,
+    gemms: Gemms,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d_x_rows [R, H], d_w_gate_up [E_l, 2I, H], d_w_down [E_l, H, I]).
 
@@ -124,16 +152,17 @@ def rows_bwd(
     """
     rows = x_rows if callable(x_rows) else (lambda: x_rows)
     blocks = all_blocks(schedule)
+    cfg = gemms.cfg
     if gate_up.shape[0] == 0:
-        h, gate_up = kernels.gate_up_fwd(
+        h, gate_up = gemms.gate_up_fwd(
             rows(), w_gate_up, schedule.block_expert, blocks, store_gate_up=True, config=cfg.gate_up_fwd,
         )
     num_experts = w_gate_up.shape[0]
-    d_gate_up = kernels.down_dgrad(d_y_rows, w_down, gate_up, schedule.block_expert, blocks, config=cfg.down_dgrad)
-    d_w_down = kernels.dw_down(d_y_rows, h, schedule.expert_offsets, num_experts, config=cfg.dw_down)
+    d_gate_up = gemms.down_dgrad(d_y_rows, w_down, gate_up, schedule.block_expert, blocks, config=cfg.down_dgrad)
+    d_w_down = gemms.dw_down(d_y_rows, h, schedule.expert_offsets, num_experts, config=cfg.dw_down)
     del d_y_rows  # lowers the backward's peak memory (the caller holds no reference)
-    d_x_rows = kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad)
-    d_w_gate_up = kernels.dw_gate_up(d_gate_up, rows(), schedule.expert_offsets, num_experts, config=cfg.dw_gate_up)
+    d_x_rows = gemms.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad)
+    d_w_gate_up = gemms.dw_gate_up(d_gate_up, rows(), schedule.expert_offsets, num_experts, config=cfg.dw_gate_up)
     return d_x_rows, d_w_gate_up, d_w_down
 
 
@@ -161,10 +190,11 @@ def experts_fwd(
     power of two >= 16). Sync-free: every size here comes from shapes, counts are read on the device.
     """
     _check_group(group, schedule, w_gate_up)
-    cfg = configs_for(x, w_gate_up, schedule)
+    gemms = gemms_for(x, w_gate_up, w_down, schedule)
+    cfg = gemms.cfg
     x = x.contiguous()
     x_rows = kernels.gather_rows(x, schedule.row_src, None, rows_in_use(schedule), div=schedule.top_k)
-    h, gate_up, y_rows = rows_fwd(x_rows, w_gate_up, w_down, schedule, cfg, save_gate_up=save_gate_up)
+    h, gate_up, y_rows = rows_fwd(x_rows, w_gate_up, w_down, schedule, gemms, save_gate_up=save_gate_up)
     shared_out, shared_act = None, x.new_empty(0)
     if shared_gate_up is not None:
         shared_out, shared_act = shared_fwd(x, shared_gate_up, shared_down)
@@ -198,7 +228,8 @@ def experts_bwd(
     """(d_x, d_topk_weights [T, k] fp32, d_w_gate_up, d_w_down, d_shared_gate_up or None, d_shared_down or None)."""
     _check_group(group, schedule, w_gate_up)
     h, gate_up, y_rows, shared_act = saved
-    cfg = configs_for(x, w_gate_up, schedule)
+    gemms = gemms_for(x, w_gate_up, w_down, schedule)
+    cfg = gemms.cfg
     d_out = d_out.to(x.dtype).contiguous()
     d_topk_weights = kernels.combine_bwd(d_out, y_rows, schedule.dest_row, config=cfg.combine)
     in_use = rows_in_use(schedule)
@@ -207,7 +238,7 @@ def experts_bwd(
         # as autograd of the reference rounds w * d_out), so no GEMM scales its operand in registers.
         kernels.gather_rows(d_out, schedule.row_src, topk_weights.contiguous().view(-1), in_use, div=schedule.top_k),
         lambda: kernels.gather_rows(x.contiguous(), schedule.row_src, None, in_use, div=schedule.top_k),
-        h, gate_up, w_gate_up, w_down, schedule, cfg,
+        h, gate_up, w_gate_up, w_down, schedule, gemms,
     )
     d_x_shared = d_shared_gate_up = d_shared_down = None
     if shared_gate_up is not None:

@@ -68,3 +68,43 @@ def tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
     size_m = tl.minimum(num_m - first_m, GROUP_M)
     in_group = tile % per_group
     return first_m + in_group % size_m, in_group // size_m
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launch-time checks of the GEMM operands (grouped_gemm.py, weight_grad.py, tma_gemm.py).
+
+
+def check_rows(rows: int, block_expert: torch.Tensor, blocks: torch.Tensor, block_m: int) -> tuple[int, torch.Tensor]:
+    """(SPLIT, the block range as int32 [2]). SPLIT: kernel row blocks per schedule block (the schedule's
+    block_m is R // len(block_expert))."""
+    check(block_expert.dtype == torch.int32 and block_expert.dim() == 1, "block_expert must be int32 [R // block_m]")
+    check(block_expert.numel() > 0 and rows % block_expert.numel() == 0, f"R={rows} is not a multiple of len(block_expert)={block_expert.numel()}")
+    sched_block = rows // block_expert.numel()
+    check(sched_block % block_m == 0, f"kernel row tile {block_m} must divide the schedule's block_m {sched_block}")
+    return sched_block // block_m, range_of(blocks, "blocks")
+
+
+def check_weight(w: torch.Tensor, x: torch.Tensor, shape: tuple, name: str) -> None:
+    check(w.is_contiguous(), f"{name} must be contiguous")
+    check(tuple(w.shape) == shape, f"{name} must have shape {shape}, got {tuple(w.shape)}")
+    check(w.dtype == x.dtype, f"{name} dtype {w.dtype} must match the activations' {x.dtype}")
+
+
+def check_matrix(t: torch.Tensor, rows: int | None, cols: int | None, name: str) -> None:
+    want = f"[{'R' if rows is None else rows}, {'*' if cols is None else cols}]"
+    check(t.dim() == 2 and t.is_contiguous(), f"{name} must be a contiguous {want} tensor, got {tuple(t.shape)}")
+    check(rows is None or t.shape[0] == rows, f"{name} must be a contiguous {want} tensor, got {tuple(t.shape)}")
+    check(cols is None or t.shape[1] == cols, f"{name} must be a contiguous {want} tensor, got {tuple(t.shape)}")
+
+
+def check_row_operands(a: torch.Tensor, b: torch.Tensor, names: tuple[str, str]) -> None:
+    for t, name in zip((a, b), names):
+        check(t.dim() == 2 and t.is_contiguous(), f"{name} must be a contiguous [R, *] tensor, got {tuple(t.shape)}")
+    check(a.shape[0] == b.shape[0], f"{names[0]} has {a.shape[0]} rows, {names[1]} has {b.shape[0]}")
+    check(a.dtype == b.dtype, f"{names[0]} ({a.dtype}) and {names[1]} ({b.dtype}) must have one dtype")
+
+
+def check_expert_offsets(expert_offsets: torch.Tensor, rows: int, num_experts: int, block_k: int) -> None:
+    check(expert_offsets.dtype == torch.int32 and tuple(expert_offsets.shape) == (num_experts + 1,),
+          f"expert_offsets must be int32 [{num_experts + 1}], got {expert_offsets.dtype} {tuple(expert_offsets.shape)}")
+    check(rows % block_k == 0, f"the row step {block_k} must divide R={rows} (and block_m)")

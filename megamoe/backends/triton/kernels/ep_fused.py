@@ -31,15 +31,15 @@ import triton
 import triton.language as tl
 
 from megamoe.backends.triton.configs import TileConfig
-from megamoe.backends.triton.kernels._common import check, load_range, num_sms, tile_coords
+from megamoe.backends.triton.kernels._common import (
+    check, check_expert_offsets, check_matrix, check_rows, check_weight, load_range, num_sms, tile_coords,
+)
 from megamoe.backends.triton.kernels.comm_tiles import (
     RowPull, RowPush, aligned_rows, check_pull, check_push, claim_task, pull_meta, pull_then_claim, signal_done,
     wait_all_at_least, wait_at_least, wait_ready, work_buffer,
 )
-from megamoe.backends.triton.kernels.grouped_gemm import (
-    _check_matrix, _check_rows, _check_weight, down_dgrad_tile, down_fwd_tile, gate_up_dgrad_tile, gate_up_fwd_tile,
-)
-from megamoe.backends.triton.kernels.weight_grad import check_expert_offsets, dw_tile
+from megamoe.backends.triton.kernels.grouped_gemm import down_dgrad_tile, down_fwd_tile, gate_up_dgrad_tile, gate_up_fwd_tile
+from megamoe.backends.triton.kernels.weight_grad import dw_tile
 
 
 STAGE_WAVES = 2
@@ -232,7 +232,7 @@ def _launch(rows: torch.Tensor, block_expert: torch.Tensor, blocks: torch.Tensor
     check(a.block_m == b.block_m and a.num_warps == b.num_warps,
           f"fused GEMMs need one row tile and warp count, got {a} and {b}")
     num_rows, hidden = rows.shape
-    split, block_range = _check_rows(num_rows, block_expert, blocks, a.block_m)
+    split, block_range = check_rows(num_rows, block_expert, blocks, a.block_m)
     check_pull(pull, rows)
     check_push(push, num_rows)
     num_blocks = block_expert.numel()
@@ -272,12 +272,12 @@ def ep_forward(
     """(h [R, I], gate_up [R, 2I]) over the schedule blocks in `blocks`; x_rows [R, H] is filled by the
     communication programs (pull), and every y row goes to its (token, slot) row of its token owner's
     pairs buffer (push)."""
-    _check_matrix(x_rows, None, None, "x_rows")
+    check_matrix(x_rows, None, None, "x_rows")
     num_rows, hidden = x_rows.shape
     check(w_gate_up_E2IH.dim() == 3 and w_gate_up_E2IH.shape[1] % 2 == 0, "w_gate_up must be [E_l, 2I, H]")
     inter = w_gate_up_E2IH.shape[1] // 2
-    _check_weight(w_gate_up_E2IH, x_rows, (w_gate_up_E2IH.shape[0], 2 * inter, hidden), "w_gate_up")
-    _check_weight(w_down_EHI, x_rows, (w_gate_up_E2IH.shape[0], hidden, inter), "w_down")
+    check_weight(w_gate_up_E2IH, x_rows, (w_gate_up_E2IH.shape[0], 2 * inter, hidden), "w_gate_up")
+    check_weight(w_down_EHI, x_rows, (w_gate_up_E2IH.shape[0], hidden, inter), "w_down")
     a_n = triton.cdiv(inter, gate_up_config.block_n)
     grid, block_range, scalars, work, constexprs = _launch(
         x_rows, block_expert, blocks, gate_up_config, down_config, hidden, inter, a_n, pull, push)
@@ -315,15 +315,15 @@ def ep_backward(
     with weight_table); x_rows, h and gate_up are the forward's receive rows, hidden activation and
     pre-activation; every d_x row goes to its token owner's pairs buffer (push). The two weight grads run
     one tile (their configs must be equal); expert_offsets int32 [E_l + 1] bound their row loops."""
-    _check_matrix(d_y_rows, None, None, "d_y_rows")
+    check_matrix(d_y_rows, None, None, "d_y_rows")
     num_rows, hidden = d_y_rows.shape
     check(w_down_EHI.dim() == 3 and w_down_EHI.shape[1] == hidden, "w_down must be [E_l, H, I]")
     num_experts, inter = w_down_EHI.shape[0], w_down_EHI.shape[2]
-    _check_weight(w_down_EHI, d_y_rows, (num_experts, hidden, inter), "w_down")
-    _check_weight(w_gate_up_E2IH, d_y_rows, (num_experts, 2 * inter, hidden), "w_gate_up")
-    _check_matrix(x_rows, num_rows, hidden, "x_rows")
-    _check_matrix(h_RI, num_rows, inter, "h")
-    _check_matrix(gate_up_R2I, num_rows, 2 * inter, "gate_up")
+    check_weight(w_down_EHI, d_y_rows, (num_experts, hidden, inter), "w_down")
+    check_weight(w_gate_up_E2IH, d_y_rows, (num_experts, 2 * inter, hidden), "w_gate_up")
+    check_matrix(x_rows, num_rows, hidden, "x_rows")
+    check_matrix(h_RI, num_rows, inter, "h")
+    check_matrix(gate_up_R2I, num_rows, 2 * inter, "gate_up")
     check(pull.weight_table is not None, "ep_backward: the pull needs the router weights' weight_table")
     dw_config = dw_down_config
     check(dw_gate_up_config == dw_config and dw_config.num_warps == down_dgrad_config.num_warps,

@@ -30,7 +30,9 @@ import triton
 import triton.language as tl
 
 from megamoe.backends.triton.configs import TileConfig
-from megamoe.backends.triton.kernels._common import check, load_range, persistent_grid, range_of, tile_coords
+from megamoe.backends.triton.kernels._common import (
+    check, check_matrix, check_rows, check_weight, load_range, persistent_grid, tile_coords,
+)
 from megamoe.backends.triton.kernels.comm_tiles import push_pointers
 
 
@@ -296,29 +298,6 @@ def gate_up_dgrad_kernel(
 # Launchers: validate, allocate, build the grid.
 
 
-def _check_rows(rows: int, block_expert: torch.Tensor, blocks: torch.Tensor, block_m: int) -> tuple[int, torch.Tensor]:
-    """(SPLIT, the block range as int32 [2]). SPLIT: kernel row blocks per schedule block (the schedule's
-    block_m is R // len(block_expert))."""
-    check(block_expert.dtype == torch.int32 and block_expert.dim() == 1, "block_expert must be int32 [R // block_m]")
-    check(block_expert.numel() > 0 and rows % block_expert.numel() == 0, f"R={rows} is not a multiple of len(block_expert)={block_expert.numel()}")
-    sched_block = rows // block_expert.numel()
-    check(sched_block % block_m == 0, f"kernel row tile {block_m} must divide the schedule's block_m {sched_block}")
-    return sched_block // block_m, range_of(blocks, "blocks")
-
-
-def _check_weight(w: torch.Tensor, x: torch.Tensor, shape: tuple, name: str) -> None:
-    check(w.is_contiguous(), f"{name} must be contiguous")
-    check(tuple(w.shape) == shape, f"{name} must have shape {shape}, got {tuple(w.shape)}")
-    check(w.dtype == x.dtype, f"{name} dtype {w.dtype} must match the activations' {x.dtype}")
-
-
-def _check_matrix(t: torch.Tensor, rows: int | None, cols: int | None, name: str) -> None:
-    want = f"[{'R' if rows is None else rows}, {'*' if cols is None else cols}]"
-    check(t.dim() == 2 and t.is_contiguous(), f"{name} must be a contiguous {want} tensor, got {tuple(t.shape)}")
-    check(rows is None or t.shape[0] == rows, f"{name} must be a contiguous {want} tensor, got {tuple(t.shape)}")
-    check(cols is None or t.shape[1] == cols, f"{name} must be a contiguous {want} tensor, got {tuple(t.shape)}")
-
-
 def _meta(config: TileConfig, k_dim: int, split: int) -> dict:
     return dict(
         EVEN_K=k_dim % config.block_k == 0,
@@ -354,17 +333,17 @@ def gate_up_fwd(
     a: x_rows [R, H] (padding rows zero), or with row_src (int32 [R], -1 padding) the token rows x
     [T, H], gathered by pointer at row_src[r] // top_k (the measured alternative; padding reads zero).
     """
-    _check_matrix(a, None, None, "x_rows" if row_src_R is None else "x")
+    check_matrix(a, None, None, "x_rows" if row_src_R is None else "x")
     hidden = a.shape[1]
     check(w_gate_up_E2IH.dim() == 3 and w_gate_up_E2IH.shape[1] % 2 == 0, "w_gate_up must be [E_l, 2I, H]")
     inter = w_gate_up_E2IH.shape[1] // 2
-    _check_weight(w_gate_up_E2IH, a, (w_gate_up_E2IH.shape[0], 2 * inter, hidden), "w_gate_up")
+    check_weight(w_gate_up_E2IH, a, (w_gate_up_E2IH.shape[0], 2 * inter, hidden), "w_gate_up")
     if row_src_R is not None:
         check(row_src_R.dtype == torch.int32 and row_src_R.dim() == 1 and row_src_R.is_contiguous(),
               f"row_src must be a contiguous int32 [R] tensor, got {row_src_R.dtype} {tuple(row_src_R.shape)}")
         check(top_k >= 1, f"top_k must be >= 1, got {top_k}")
     rows = a.shape[0] if row_src_R is None else row_src_R.numel()
-    split, blocks = _check_rows(rows, block_expert, blocks, config.block_m)
+    split, blocks = check_rows(rows, block_expert, blocks, config.block_m)
     h = torch.empty(rows, inter, dtype=a.dtype, device=a.device)
     gate_up = torch.empty(rows, 2 * inter, dtype=a.dtype, device=a.device) if store_gate_up else a.new_empty(0, 2 * inter)
     max_tiles = rows // config.block_m * triton.cdiv(inter, config.block_n)
@@ -386,12 +365,12 @@ def down_fwd(
     config: TileConfig,
 ) -> torch.Tensor:
     """y_rows [R, H] = h[r] @ w_down[e]^T."""
-    _check_matrix(h_RI, None, None, "h")
+    check_matrix(h_RI, None, None, "h")
     rows, inter = h_RI.shape
     check(w_down_EHI.dim() == 3, "w_down must be [E_l, H, I]")
     hidden = w_down_EHI.shape[1]
-    _check_weight(w_down_EHI, h_RI, (w_down_EHI.shape[0], hidden, inter), "w_down")
-    split, blocks = _check_rows(rows, block_expert, blocks, config.block_m)
+    check_weight(w_down_EHI, h_RI, (w_down_EHI.shape[0], hidden, inter), "w_down")
+    split, blocks = check_rows(rows, block_expert, blocks, config.block_m)
     y_rows = torch.empty(rows, hidden, dtype=h_RI.dtype, device=h_RI.device)
     max_tiles = rows // config.block_m * triton.cdiv(hidden, config.block_n)
     down_fwd_kernel[persistent_grid(h_RI.device, max_tiles)](
@@ -416,13 +395,13 @@ def down_dgrad(
     d_y_rows [R, H]: the weighted upstream gradient of each row (zero for padding); gate_up [R, 2I]
     the saved pre-activation (zero for padding, as gate_up_fwd writes it).
     """
-    _check_matrix(d_y_rows_RH, None, None, "d_y_rows")
+    check_matrix(d_y_rows_RH, None, None, "d_y_rows")
     rows, hidden = d_y_rows_RH.shape
     check(w_down_EHI.dim() == 3 and w_down_EHI.shape[1] == hidden, "w_down must be [E_l, H, I]")
     inter = w_down_EHI.shape[2]
-    _check_weight(w_down_EHI, d_y_rows_RH, (w_down_EHI.shape[0], hidden, inter), "w_down")
-    _check_matrix(gate_up_R2I, rows, 2 * inter, "gate_up")
-    split, blocks = _check_rows(rows, block_expert, blocks, config.block_m)
+    check_weight(w_down_EHI, d_y_rows_RH, (w_down_EHI.shape[0], hidden, inter), "w_down")
+    check_matrix(gate_up_R2I, rows, 2 * inter, "gate_up")
+    split, blocks = check_rows(rows, block_expert, blocks, config.block_m)
     d_gate_up = torch.empty(rows, 2 * inter, dtype=d_y_rows_RH.dtype, device=d_y_rows_RH.device)
     max_tiles = rows // config.block_m * triton.cdiv(inter, config.block_n)
     down_dgrad_kernel[persistent_grid(d_y_rows_RH.device, max_tiles)](
@@ -442,12 +421,12 @@ def gate_up_dgrad(
     config: TileConfig,
 ) -> torch.Tensor:
     """d_x_rows [R, H] = d_gate_up[r] @ w_gate_up[e]."""
-    _check_matrix(d_gate_up_R2I, None, None, "d_gate_up")
+    check_matrix(d_gate_up_R2I, None, None, "d_gate_up")
     rows, inter2 = d_gate_up_R2I.shape
     check(w_gate_up_E2IH.dim() == 3 and w_gate_up_E2IH.shape[1] == inter2, "w_gate_up must be [E_l, 2I, H]")
     hidden = w_gate_up_E2IH.shape[2]
-    _check_weight(w_gate_up_E2IH, d_gate_up_R2I, (w_gate_up_E2IH.shape[0], inter2, hidden), "w_gate_up")
-    split, blocks = _check_rows(rows, block_expert, blocks, config.block_m)
+    check_weight(w_gate_up_E2IH, d_gate_up_R2I, (w_gate_up_E2IH.shape[0], inter2, hidden), "w_gate_up")
+    split, blocks = check_rows(rows, block_expert, blocks, config.block_m)
     d_x_rows = torch.empty(rows, hidden, dtype=d_gate_up_R2I.dtype, device=d_gate_up_R2I.device)
     max_tiles = rows // config.block_m * triton.cdiv(hidden, config.block_n)
     gate_up_dgrad_kernel[persistent_grid(d_gate_up_R2I.device, max_tiles)](

@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 
 from megamoe.backends.triton.configs import TileConfig
-from megamoe.backends.triton.kernels._common import check, persistent_grid, tile_coords
+from megamoe.backends.triton.kernels._common import (
+    check, check_expert_offsets, check_row_operands, persistent_grid, tile_coords,
+)
 
 
 @triton.jit
@@ -87,19 +89,6 @@ def dw_gate_up_kernel(
                      BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)
 
 
-def _check_operands(a: torch.Tensor, b: torch.Tensor, names: tuple[str, str]) -> None:
-    for t, name in zip((a, b), names):
-        check(t.dim() == 2 and t.is_contiguous(), f"{name} must be a contiguous [R, *] tensor, got {tuple(t.shape)}")
-    check(a.shape[0] == b.shape[0], f"{names[0]} has {a.shape[0]} rows, {names[1]} has {b.shape[0]}")
-    check(a.dtype == b.dtype, f"{names[0]} ({a.dtype}) and {names[1]} ({b.dtype}) must have one dtype")
-
-
-def check_expert_offsets(expert_offsets: torch.Tensor, rows: int, num_experts: int, block_k: int) -> None:
-    check(expert_offsets.dtype == torch.int32 and tuple(expert_offsets.shape) == (num_experts + 1,),
-          f"expert_offsets must be int32 [{num_experts + 1}], got {expert_offsets.dtype} {tuple(expert_offsets.shape)}")
-    check(rows % block_k == 0, f"the row step {block_k} must divide R={rows} (and block_m)")
-
-
 def _launch(kernel, a, b, m_dim, n_dim, kernel_dims, expert_offsets, num_experts, config):
     """dw [E_l, m_dim, n_dim] in a's dtype: every tile of every expert, on the persistent grid."""
     check(num_experts >= 1, f"num_experts must be >= 1, got {num_experts}")
@@ -128,7 +117,7 @@ def dw_down(
     d_y_rows [R, H] (weighted upstream gradient, zero for padding), h [R, I] (zero for padding);
     expert_offsets int32 [E_l + 1]. config.block_k is the row step and must divide block_m.
     """
-    _check_operands(d_y_rows_RH, h_RI, ("d_y_rows", "h"))
+    check_row_operands(d_y_rows_RH, h_RI, ("d_y_rows", "h"))
     hidden, inter = d_y_rows_RH.shape[1], h_RI.shape[1]
     return _launch(dw_down_kernel, d_y_rows_RH, h_RI, hidden, inter, (hidden, inter), expert_offsets, num_experts, config)
 
@@ -145,7 +134,7 @@ def dw_gate_up(
 
     d_gate_up [R, 2I], x_rows [R, H], both zero for padding; expert_offsets int32 [E_l + 1].
     """
-    _check_operands(d_gate_up_R2I, x_rows_RH, ("d_gate_up", "x_rows"))
+    check_row_operands(d_gate_up_R2I, x_rows_RH, ("d_gate_up", "x_rows"))
     inter2, hidden = d_gate_up_R2I.shape[1], x_rows_RH.shape[1]
     check(inter2 % 2 == 0, f"d_gate_up must have 2I columns, got {inter2}")
     return _launch(dw_gate_up_kernel, d_gate_up_R2I, x_rows_RH, inter2, hidden, (hidden, inter2 // 2),

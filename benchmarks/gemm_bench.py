@@ -1,0 +1,199 @@
+"""Every grouped GEMM of the fused one-GPU path against torch._grouped_mm (cuBLAS) on identical operands.
+
+Usage: python benchmarks/gemm_bench.py [--workload NAME ...] [--routing balanced|skewed] [--json PATH]
+
+Per workload the operands are the real ones of a training step: balanced (or skewed) routing, the
+schedule's expert-major rows padded per expert to its block_m, and the same segments handed to
+torch._grouped_mm (offsets = the schedule's expert_offsets). Each GEMM is timed as the fused path runs it
+(with its epilogue: SwiGLU after gate/up fwd, the SwiGLU backward after down dgrad) and as cuBLAS plus
+the torch ops that epilogue replaces. Variants:
+    "tma"          kernels/tma_gemm.py with the tile table's entry (what the one-GPU backend runs on Hopper)
+    "pointer"      kernels/grouped_gemm.py + weight_grad.py (pointer loads; the EP kernels' core)
+    "cublas"       torch._grouped_mm + the torch ops the fused epilogue replaces
+    "cublas-gemm"  torch._grouped_mm alone (the GEMMs with an epilogue only)
+    "tma (tile)"   with --sweep: the TMA kernels with candidate tiles, flattened ("tma-flat") or not
+Every variant is checked against cuBLAS before it is timed (relative Frobenius error). TF/s counts
+2*M*N*K over the rows in use (padding included: both sides compute it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from megamoe.backends.triton import kernels
+from megamoe.backends.triton.configs import TileConfig, block_m_for, kernel_configs, tma_kernel_configs
+from megamoe.backends.triton.kernels import tma_gemm
+from megamoe.backends.triton.kernels._common import range_of
+from megamoe.bench.routing import route
+from megamoe.bench.workloads import WORKLOADS
+from megamoe.schedule import build_schedule
+
+# --sweep: candidate tiles of the TMA kernels, (block_m, block_n, block_k, warps, stages), each run
+# flattened and not.
+SWEEP = {
+    "gate_up_fwd": [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)],
+    "down_fwd": [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4)],
+    "down_dgrad": [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4)],
+    "gate_up_dgrad": [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4)],
+    "dw_down": [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4)],
+    "dw_gate_up": [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4)],
+}
+MAX_REL_ERR = 2e-2  # bf16 outputs of fp32 accumulations in different orders; NaN fails
+
+
+def swiglu_torch(gate_up):
+    g, u = gate_up.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
+def swiglu_bwd_torch(gate_up, d_h):
+    g, u = gate_up.float().chunk(2, dim=-1)
+    sig = torch.sigmoid(g)
+    d_h = d_h.float()
+    return torch.cat([d_h * u * sig * (1 + g * (1 - sig)), d_h * g * sig], dim=-1).to(gate_up.dtype)
+
+
+def problem(name: str, routing: str, tokens: int | None):
+    w = WORKLOADS[name]
+    T, H, I, k = tokens or w.tokens_per_gpu, w.hidden, w.intermediate, w.top_k
+    E = w.one_gpu_experts or w.num_experts
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(T, H, device=dev, generator=g).to(dt)
+    ids, tw = route(routing, T, E, k, g)
+    wgu = (torch.randn(E, 2 * I, H, device=dev, generator=g) * H**-0.5).to(dt)
+    wd = (torch.randn(E, H, I, device=dev, generator=g) * I**-0.5).to(dt)
+    d_out = torch.randn(T, H, device=dev, generator=g).to(dt)
+    bm = block_m_for(H, I, dt)
+    s = build_schedule(ids, E, block_m=bm)
+    in_use = s.expert_offsets[-1:]
+    x_rows = kernels.gather_rows(x, s.row_src, None, in_use, div=k)
+    d_y = kernels.gather_rows(d_out, s.row_src, tw.reshape(-1), in_use, div=k)
+    cfg = kernel_configs(H, I, dt, dev, bm)
+    tma_cfg = tma_kernel_configs(H, I, dt, dev, bm)
+    blocks = (s.block_expert, range_of(s.num_blocks, "num_blocks"))
+    h, gate_up = kernels.gate_up_fwd(x_rows, wgu, *blocks, store_gate_up=True, config=cfg.gate_up_fwd)
+    d_gu = kernels.down_dgrad(d_y, wd, gate_up, *blocks, config=cfg.down_dgrad)
+    rows = int(in_use)  # host read: a benchmark, outside anything timed
+    return dict(w=w, E=E, rows=rows, x_rows=x_rows, d_y=d_y, wgu=wgu, wd=wd, h=h, gate_up=gate_up, d_gu=d_gu,
+                s=s, cfg=cfg, tma_cfg=tma_cfg, blocks=blocks, offs=s.expert_offsets[1:].contiguous())
+
+
+def gemms(p, sweep: bool) -> dict:
+    """{gemm: (flops, {variant: fn})}: each fn returns the GEMM's output (rows past the rows in use ignored)."""
+    w, s, cfg, tma_cfg, blocks, offs = p["w"], p["s"], p["cfg"], p["tma_cfg"], p["blocks"], p["offs"]
+    H, I, E, R = w.hidden, w.intermediate, p["E"], p["rows"]
+    x_rows, d_y, wgu, wd, h, gate_up, d_gu = (p[n] for n in ("x_rows", "d_y", "wgu", "wd", "h", "gate_up", "d_gu"))
+    wgu_t, wd_t = wgu.transpose(1, 2), wd.transpose(1, 2)
+
+    def tile(t, flatten):
+        return TileConfig(*t[:3], num_warps=t[3], num_stages=t[4], flatten=flatten)
+
+    table = {
+        "gate_up_fwd": (2 * 2 * R * H * I, {
+            "pointer": lambda: kernels.gate_up_fwd(x_rows, wgu, *blocks, store_gate_up=True, config=cfg.gate_up_fwd)[0],
+            "cublas": lambda: swiglu_torch(torch._grouped_mm(x_rows, wgu_t, offs=offs)),
+            "cublas-gemm": lambda: torch._grouped_mm(x_rows, wgu_t, offs=offs),
+        }, lambda c: lambda: tma_gemm.gate_up_fwd_tma(x_rows, wgu, *blocks, store_gate_up=True, config=c)[0]),
+        "down_fwd": (2 * R * H * I, {
+            "pointer": lambda: kernels.down_fwd(h, wd, *blocks, config=cfg.down_fwd),
+            "cublas": lambda: torch._grouped_mm(h, wd_t, offs=offs),
+        }, lambda c: lambda: tma_gemm.down_fwd_tma(h, wd, *blocks, config=c)),
+        "down_dgrad": (2 * R * H * I, {
+            "pointer": lambda: kernels.down_dgrad(d_y, wd, gate_up, *blocks, config=cfg.down_dgrad),
+            "cublas": lambda: swiglu_bwd_torch(gate_up, torch._grouped_mm(d_y, wd, offs=offs)),
+            "cublas-gemm": lambda: torch._grouped_mm(d_y, wd, offs=offs),
+        }, lambda c: lambda: tma_gemm.down_dgrad_tma(d_y, wd, gate_up, *blocks, config=c)),
+        "gate_up_dgrad": (2 * 2 * R * H * I, {
+            "pointer": lambda: kernels.gate_up_dgrad(d_gu, wgu, *blocks, config=cfg.gate_up_dgrad),
+            "cublas": lambda: torch._grouped_mm(d_gu, wgu, offs=offs),
+        }, lambda c: lambda: tma_gemm.gate_up_dgrad_tma(d_gu, wgu, *blocks, config=c)),
+        "dw_down": (2 * R * H * I, {
+            "pointer": lambda: kernels.dw_down(d_y, h, s.expert_offsets, E, config=cfg.dw_down),
+            "cublas": lambda: torch._grouped_mm(d_y.t(), h, offs=offs),
+        }, lambda c: lambda: tma_gemm.dw_down_tma(d_y, h, s.expert_offsets, E, config=c)),
+        "dw_gate_up": (2 * 2 * R * H * I, {
+            "pointer": lambda: kernels.dw_gate_up(d_gu, x_rows, s.expert_offsets, E, config=cfg.dw_gate_up),
+            "cublas": lambda: torch._grouped_mm(d_gu.t(), x_rows, offs=offs),
+        }, lambda c: lambda: tma_gemm.dw_gate_up_tma(d_gu, x_rows, s.expert_offsets, E, config=c)),
+    }
+    out = {}
+    for name, (flops, variants, make_tma) in table.items():
+        variants["tma"] = make_tma(getattr(tma_cfg, name))
+        for t in SWEEP[name] if sweep else ():
+            for flat in (False, True):
+                variants[f"tma{'-flat' if flat else ''} {t}"] = make_tma(tile(t, flat))
+        out[name] = (flops, variants)
+    return out
+
+
+def rel_err(got, want, rows: int, dw: bool) -> float:
+    if not dw:
+        got, want = got[:rows], want[:rows]
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def run(name: str, routing: str, tokens: int | None, sweep: bool) -> list[dict]:
+    p = problem(name, routing, tokens)
+    records = []
+    for gemm, (flops, variants) in gemms(p, sweep).items():
+        want = variants["cublas"]()
+        for variant, fn in variants.items():
+            rec = {"workload": name, "routing": routing, "rows": p["rows"], "gemm": gemm, "variant": variant}
+            try:
+                # cublas-gemm is the cuBLAS variant's own first step (its output is the pre-epilogue GEMM).
+                err = 0.0 if variant == "cublas-gemm" else rel_err(fn(), want, p["rows"], gemm.startswith("dw_"))
+                if not err <= MAX_REL_ERR:
+                    rec.update(status="WRONG", rel_err=err)
+                else:
+                    ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+                    rec.update(status="ok", rel_err=err, ms=ms, tflops=flops / ms / 1e9)
+            except Exception as error:  # out of shared memory, compile failure: report and go on
+                rec.update(status=f"{type(error).__name__}: {str(error)[:120]}")
+            records.append(rec)
+            print(json.dumps(rec), flush=True)
+    return records
+
+
+def summary(records: list[dict]) -> str:
+    """TF/s per (workload, GEMM): cuBLAS with the torch epilogue, cuBLAS's GEMM alone, the pointer core,
+    the TMA core's table entry and its ratio to cuBLAS (with epilogue), and the best swept tile."""
+    lines = [f"{'workload':16} {'gemm':14} {'cublas':>7} {'(gemm)':>7} {'pointer':>8} {'tma':>6} "
+             f"{'tma/cublas':>10}  best swept"]
+    for key in dict.fromkeys((r["workload"], r["gemm"]) for r in records):
+        rs = [r for r in records if (r["workload"], r["gemm"]) == key and r.get("tflops")]
+        by = {r["variant"]: r["tflops"] for r in rs}
+        swept = max((r for r in rs if r["variant"].startswith("tma")), key=lambda r: r["tflops"], default=None)
+        ratio = by.get("tma", 0) / by["cublas"] if by.get("cublas") else 0
+        gemm_only = f"{by['cublas-gemm']:7.0f}" if "cublas-gemm" in by else f"{'-':>7}"
+        lines.append(f"{key[0]:16} {key[1]:14} {by.get('cublas', 0):7.0f} {gemm_only} {by.get('pointer', 0):8.0f} "
+                     f"{by.get('tma', 0):6.0f} {ratio:9.2f}x  {swept['variant'] if swept else '-'}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", action="append")
+    parser.add_argument("--routing", default="balanced", choices=("balanced", "skewed"))
+    parser.add_argument("--tokens", type=int)
+    parser.add_argument("--sweep", action="store_true", help="also time the SWEEP tiles of the TMA kernels")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    records = []
+    for name in args.workload or ["qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b", "deepseek-v3", "mixtral-8x7b"]:
+        records += run(name, args.routing, args.tokens, args.sweep)
+        torch.cuda.empty_cache()
+    print(summary(records))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": triton.__version__, "records": records}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
