@@ -2,38 +2,27 @@
 
 Usage: python benchmarks/kernel_breakdown.py [--workload NAME ...] [--json PATH]
 Prints, per kernel, ms and TFLOP/s (GEMMs) or GB/s (memory-bound kernels), and the fwd/bwd sums, so
-docs/perf-notes.md can say where the time goes. Balanced routing, bf16. gate_up_fwd is timed both on the
-materialised x_rows (the driver's path, in the fwd total) and gathering x by pointer (phase "alt").
+docs/perf-notes.md can say where the time goes. Balanced routing, bf16. The GEMMs run on the core the backend picks
+(experts.gemms_for: TMA on Hopper); benchmarks/gemm_bench.py compares the cores with cuBLAS and sweeps tiles.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
 import torch
 import triton
 
 from megamoe.backends.triton import kernels
-from megamoe.backends.triton.configs import TileConfig, block_m_for, kernel_configs
+from megamoe.backends.triton.configs import block_m_for
+from megamoe.backends.triton.experts import gemms_for
 from megamoe.backends.triton.kernels.schedule import place_routing
 from megamoe.bench.workloads import WORKLOADS
 from megamoe.schedule import build_schedule
 
 
-# Tile candidates per GEMM kernel for --sweep (TileConfig fields: block_m, block_n, block_k, warps, stages).
-SWEEP = {
-    "gate_up_fwd": [(128, 128, 64, 8, 3), (128, 64, 64, 8, 4), (64, 128, 64, 4, 3), (128, 128, 64, 8, 4)],
-    "down_fwd": [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (64, 256, 64, 4, 3)],
-    "down_dgrad": [(128, 128, 64, 8, 3), (128, 64, 64, 8, 4), (128, 64, 64, 8, 3), (64, 128, 64, 4, 3)],
-    "gate_up_dgrad": [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 8, 3)],
-    "dw_down": [(128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3)],
-    "dw_gate_up": [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3)],
-}
-
-
-def breakdown(name: str, tokens: int | None, experts_cap: int | None, sweep: bool = False) -> list[dict]:
+def breakdown(name: str, tokens: int | None, experts_cap: int | None) -> list[dict]:
     w = WORKLOADS[name]
     T = tokens or w.tokens_per_gpu
     H, I, k = w.hidden, w.intermediate, w.top_k
@@ -48,35 +37,35 @@ def breakdown(name: str, tokens: int | None, experts_cap: int | None, sweep: boo
     d_out = torch.randn(T, H, device=dev, generator=g).to(dt)
     bm = block_m_for(H, I, dt)
     s = build_schedule(ids, E, block_m=bm)
-    cfg = kernel_configs(H, I, dt, dev, bm)
+    gemms = gemms_for(x, wgu, wd, s)  # the core the one-GPU backend runs here (TMA on Hopper)
+    cfg = gemms.cfg
     in_use = s.expert_offsets[-1:]
     blocks = (s.block_expert, s.num_blocks)
     w_flat = tw.reshape(-1)
     x_rows = kernels.gather_rows(x, s.row_src, None, in_use, div=k)
     d_y = kernels.gather_rows(d_out, s.row_src, w_flat, in_use, div=k)
-    h, gate_up = kernels.gate_up_fwd(x_rows, wgu, *blocks, store_gate_up=True, config=cfg.gate_up_fwd)
-    y = kernels.down_fwd(h, wd, *blocks, config=cfg.down_fwd)
-    d_gu = kernels.down_dgrad(d_y, wd, gate_up, *blocks, config=cfg.down_dgrad)
-    d_x_rows = kernels.gate_up_dgrad(d_gu, wgu, *blocks, config=cfg.gate_up_dgrad)
+    h, gate_up = gemms.gate_up_fwd(x_rows, wgu, *blocks, store_gate_up=True, config=cfg.gate_up_fwd)
+    y = gemms.down_fwd(h, wd, *blocks, config=cfg.down_fwd)
+    d_gu = gemms.down_dgrad(d_y, wd, gate_up, *blocks, config=cfg.down_dgrad)
+    d_x_rows = gemms.gate_up_dgrad(d_gu, wgu, *blocks, config=cfg.gate_up_dgrad)
     pairs = T * k
     gemm = 2 * pairs * H * I  # one GEMM of the three (gate and up count as two)
     rows_bytes = 2 * 2 * pairs * H  # a gather reads and writes one [P, H] 16-bit row set (padding not counted)
     combine_bytes = 2 * pairs * H + 2 * T * H
-    # phase "alt": the gather-by-pointer variant of gate_up_fwd, timed for comparison, not in the totals.
+    # phase "alt": timed for comparison, not in the totals.
     steps = {
         "schedule": (lambda: build_schedule(ids, E, block_m=bm, place_routing=place_routing), 0, 0, "fwd"),
         "schedule_torch": (lambda: build_schedule(ids, E, block_m=bm), 0, 0, "alt"),
         "gather_x": (lambda: kernels.gather_rows(x, s.row_src, None, in_use, div=k), 0, rows_bytes, "fwd"),
-        "gate_up_fwd": (lambda: kernels.gate_up_fwd(x_rows, wgu, *blocks, store_gate_up=True, config=cfg.gate_up_fwd), 2 * gemm, 0, "fwd"),
-        "gate_up_fwd_gather": (lambda: kernels.gate_up_fwd(x, wgu, *blocks, row_src_R=s.row_src, top_k=k, store_gate_up=True, config=cfg.gate_up_fwd), 2 * gemm, 0, "alt"),
-        "down_fwd": (lambda: kernels.down_fwd(h, wd, *blocks, config=cfg.down_fwd), gemm, 0, "fwd"),
+        "gate_up_fwd": (lambda: gemms.gate_up_fwd(x_rows, wgu, *blocks, store_gate_up=True, config=cfg.gate_up_fwd), 2 * gemm, 0, "fwd"),
+        "down_fwd": (lambda: gemms.down_fwd(h, wd, *blocks, config=cfg.down_fwd), gemm, 0, "fwd"),
         "combine": (lambda: kernels.combine(y, tw, s.dest_row, None, config=cfg.combine), 0, combine_bytes, "fwd"),
         "combine_bwd": (lambda: kernels.combine_bwd(d_out, y, s.dest_row, config=cfg.combine), 0, combine_bytes, "bwd"),
         "gather_d_y": (lambda: kernels.gather_rows(d_out, s.row_src, w_flat, in_use, div=k), 0, rows_bytes, "bwd"),
-        "down_dgrad": (lambda: kernels.down_dgrad(d_y, wd, gate_up, *blocks, config=cfg.down_dgrad), gemm, 0, "bwd"),
-        "gate_up_dgrad": (lambda: kernels.gate_up_dgrad(d_gu, wgu, *blocks, config=cfg.gate_up_dgrad), 2 * gemm, 0, "bwd"),
-        "dw_down": (lambda: kernels.dw_down(d_y, h, s.expert_offsets, E, config=cfg.dw_down), gemm, 0, "bwd"),
-        "dw_gate_up": (lambda: kernels.dw_gate_up(d_gu, x_rows, s.expert_offsets, E, config=cfg.dw_gate_up), 2 * gemm, 0, "bwd"),
+        "down_dgrad": (lambda: gemms.down_dgrad(d_y, wd, gate_up, *blocks, config=cfg.down_dgrad), gemm, 0, "bwd"),
+        "gate_up_dgrad": (lambda: gemms.gate_up_dgrad(d_gu, wgu, *blocks, config=cfg.gate_up_dgrad), 2 * gemm, 0, "bwd"),
+        "dw_down": (lambda: gemms.dw_down(d_y, h, s.expert_offsets, E, config=cfg.dw_down), gemm, 0, "bwd"),
+        "dw_gate_up": (lambda: gemms.dw_gate_up(d_gu, x_rows, s.expert_offsets, E, config=cfg.dw_gate_up), 2 * gemm, 0, "bwd"),
         "combine_dx": (lambda: kernels.combine(d_x_rows, None, s.dest_row, None, config=cfg.combine), 0, combine_bytes, "bwd"),
     }
     records = []
@@ -84,21 +73,6 @@ def breakdown(name: str, tokens: int | None, experts_cap: int | None, sweep: boo
         ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
         records.append({"workload": name, "tokens": T, "experts": E, "kernel": kernel, "phase": phase, "ms": ms,
                         "tflops": flops / ms / 1e9 if flops else None, "gbps": nbytes / ms / 1e6 if nbytes else None})
-    if sweep:
-        base = cfg
-        for kernel, candidates in SWEEP.items():
-            for tile in candidates:
-                # The step lambdas above read `cfg` when called, so rebinding it swaps this kernel's tile.
-                cfg = dataclasses.replace(base, **{kernel: TileConfig(*tile[:3], num_warps=tile[3], num_stages=tile[4])})
-                fn, flops, _, _ = steps[kernel]
-                try:
-                    ms = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
-                except Exception as error:  # out of shared memory / registers: report, keep sweeping
-                    print(f"sweep {name} {kernel} {tile}: {type(error).__name__}")
-                    continue
-                records.append({"workload": name, "tokens": T, "experts": E, "kernel": kernel, "phase": "sweep",
-                                "tile": tile, "ms": ms, "tflops": flops / ms / 1e9, "gbps": None})
-        cfg = base
     return records
 
 
@@ -108,16 +82,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=None)
     parser.add_argument("--experts-per-gpu", type=int, default=None)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--sweep", action="store_true", help="also time the SWEEP tile candidates of every GEMM")
     args = parser.parse_args()
     records = []
     for name in args.workload or ["qwen3-30b-a3b", "qwen3-235b-a22b"]:
-        records += breakdown(name, args.tokens, args.experts_per_gpu, args.sweep)
+        records += breakdown(name, args.tokens, args.experts_per_gpu)
     print(f"{'workload':16} {'kernel':18} {'ms':>8} {'TFLOP/s':>8} {'GB/s':>8}")
     for r in records:
-        if r["phase"] == "sweep":
-            print(f"{r['workload']:16} {r['kernel']:14} {r['ms']:8.3f} {r['tflops']:8.0f}  sweep {r['tile']}")
-            continue
         tf = f"{r['tflops']:.0f}" if r["tflops"] else ""
         gb = f"{r['gbps']:.0f}" if r["gbps"] else ""
         print(f"{r['workload']:16} {r['kernel']:18} {r['ms']:8.3f} {tf:>8} {gb:>8}")

@@ -45,8 +45,7 @@ def _fused(a: str, b: str, **extra) -> dict:
 
 GEMM_KERNELS = {
     # name: (kernel, the tile-table field it runs with (the fused kernels: the deeper pipeline), constexprs)
-    "gate_up_fwd": (kernels.gate_up_fwd_kernel, "gate_up_fwd", {"GATHER": False}),
-    "gate_up_fwd_gather": (kernels.gate_up_fwd_kernel, "gate_up_fwd", {"GATHER": True}),
+    "gate_up_fwd": (kernels.gate_up_fwd_kernel, "gate_up_fwd", {}),
     "down_fwd": (kernels.down_fwd_kernel, "down_fwd", {}),
     "down_dgrad": (kernels.down_dgrad_kernel, "down_dgrad", {}),
     "gate_up_dgrad": (kernels.gate_up_dgrad_kernel, "gate_up_dgrad", {}),

@@ -165,18 +165,13 @@ def test_gather_rows(dtype, mode):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
 @pytest.mark.parametrize("H", [48, 40], ids=["H48-evenK", "H40-oddK"])
 @pytest.mark.parametrize("store", [True, False], ids=["save", "nosave"])
-@pytest.mark.parametrize("gather", [False, True], ids=["rows", "gather"])
-def test_gate_up_fwd(dtype, H, store, gather):
+def test_gate_up_fwd(dtype, H, store):
     T, I, E, k = 23, 40, 4, 2
     x, ids, _, wgu, _, _, _ = make_problem(T, H, I, E, k, dtype)
     s = build_schedule(ids, E, block_m=32)  # kernel BM=16: two kernel row blocks per schedule block
     with poisoned_empty():
-        if gather:
-            h, gate_up = kernels.gate_up_fwd(x, wgu, s.block_expert, s.num_blocks, row_src_R=s.row_src, top_k=k,
-                                             store_gate_up=store, config=SMALL)
-        else:
-            h, gate_up = kernels.gate_up_fwd(rows_of(x, s, k), wgu, s.block_expert, s.num_blocks,
-                                             store_gate_up=store, config=SMALL)
+        h, gate_up = kernels.gate_up_fwd(rows_of(x, s, k), wgu, s.block_expert, s.num_blocks,
+                                         store_gate_up=store, config=SMALL)
     used, src, valid, token, expert = row_info(s, k)
     want_gu = torch.einsum("rh,rnh->rn", x.double()[token], wgu.double()[expert]) * valid[:, None]
     atol, rtol = tol_for(dtype)

@@ -120,8 +120,8 @@ def ep_fwd_kernel(
                 pid_m, pid_n = tile_coords(index, stage_rows, a_n, GROUP_M)
                 pid_m += first_m + m0
                 wait_ready(work_ptr, pid_m // SPLIT // group_blocks, timeout_ns)
-                gate_up_fwd_tile(pid_m, pid_n, x_rows_ptr, w_gate_up_ptr, block_expert_ptr, block_expert_ptr, h_ptr,
-                                 gate_up_ptr, H, I, 1, False, True, A_EVEN_K, SPLIT, BLOCK_M, A_BLOCK_N, A_BLOCK_K, A_STAGES)
+                gate_up_fwd_tile(pid_m, pid_n, x_rows_ptr, w_gate_up_ptr, block_expert_ptr, h_ptr,
+                                 gate_up_ptr, H, I, True, A_EVEN_K, SPLIT, BLOCK_M, A_BLOCK_N, A_BLOCK_K, A_STAGES)
                 signal_done(work_ptr + done_offset + pid_m)
         task = claim_task(work_ptr, 1)
 

@@ -12,8 +12,6 @@ row r (x_rows, h, gate_up, y_rows, d_y_rows, d_gate_up, d_x_rows), materialised 
 kernels/gather.py or by the expert-parallel dispatch. No kernel loads a row index, so the K loops are
 plain strided loads that Triton software-pipelines. Padding rows hold zeros in x_rows and d_y_rows, so
 every result is zero there too without a mask; rows outside the block range are never touched.
-The one exception is gate_up_fwd with GATHER (kept to measure against): it reads x[row_src[r] // k]
-by pointer, as the first version of this backend did.
 
 Each kernel is a loop over one tile function (gate_up_fwd_tile, down_fwd_tile, down_dgrad_tile,
 gate_up_dgrad_tile); the fused expert-parallel kernels (ep_fused.py) run the same tile functions, with
@@ -58,13 +56,12 @@ def store_rows(out_ptr, push_table_ptr, push_rank_ptr, push_pair_ptr, rows, cols
 
 @triton.jit
 def gate_up_fwd_tile(
-    pid_m, pid_n, a_ptr, w_ptr, row_src_ptr, block_expert_ptr, h_ptr, gate_up_ptr, H, I, top_k,
-    GATHER: tl.constexpr, STORE_GATE_UP: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
+    pid_m, pid_n, a_ptr, w_ptr, block_expert_ptr, h_ptr, gate_up_ptr, H, I,
+    STORE_GATE_UP: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
 ):
-    """h[r, n] = silu(g) * u with g = a[r] . w_gate_up[e, n], u = a[r] . w_gate_up[e, I + n].
+    """h[r, n] = silu(g) * u with g = x_rows[r] . w_gate_up[e, n], u = x_rows[r] . w_gate_up[e, I + n].
 
-    a[r] = x_rows[r]; with GATHER, a[r] = x[row_src[r] // top_k] (zero for padding), loaded by pointer.
     Two accumulators (gate columns and the matching up columns) so the SwiGLU is the epilogue and the
     pre-activation never round-trips memory unless STORE_GATE_UP keeps it for the backward.
     """
@@ -73,36 +70,24 @@ def gate_up_fwd_tile(
     offs_k = tl.arange(0, BLOCK_K)
     expert = tl.load(block_expert_ptr + pid_m // SPLIT).to(tl.int64)
     rows = pid_m.to(tl.int64) * BLOCK_M + offs_m
-    if GATHER:
-        src = tl.load(row_src_ptr + rows)
-        valid = src >= 0
-        a_rows = tl.where(valid, src // top_k, 0).to(tl.int64)
-    else:
-        a_rows = rows
     cols = pid_n * BLOCK_N + offs_n
     # Columns past I read a clamped (in-bounds) weight row, dropped at the store: clamping the
     # strided dimension keeps the loads unmasked (masks go on contiguous dimensions only, where
     # they keep 16-byte vector copies; a clamp there would break the contiguity analysis).
     w_cols = tl.minimum(cols, I - 1)
-    a_ptrs = a_ptr + a_rows[:, None] * H + offs_k[None, :]
+    a_ptrs = a_ptr + rows[:, None] * H + offs_k[None, :]
     wg_ptrs = w_ptr + expert * (2 * I) * H + w_cols[None, :] * H + offs_k[:, None]
     wu_ptrs = wg_ptrs + I * H
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
         if EVEN_K:
-            if GATHER:
-                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-            else:
-                a = tl.load(a_ptrs)
+            a = tl.load(a_ptrs)
             bg = tl.load(wg_ptrs)
             bu = tl.load(wu_ptrs)
         else:
             k_ok = offs_k + k0 < H
-            if GATHER:
-                a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-            else:
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             bg = tl.load(wg_ptrs, mask=k_ok[:, None], other=0.0)
             bu = tl.load(wu_ptrs, mask=k_ok[:, None], other=0.0)
         acc_g = tl.dot(a, bg, acc_g)
@@ -227,9 +212,9 @@ def gate_up_dgrad_tile(
 
 @triton.jit
 def gate_up_fwd_kernel(
-    a_ptr, w_ptr, row_src_ptr, block_expert_ptr, block_range_ptr, h_ptr, gate_up_ptr,
-    H, I, top_k,
-    GATHER: tl.constexpr, STORE_GATE_UP: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
+    a_ptr, w_ptr, block_expert_ptr, block_range_ptr, h_ptr, gate_up_ptr,
+    H, I,
+    STORE_GATE_UP: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
 ):
     """gate_up_fwd_tile over the block range. SPLIT = schedule block_m // BLOCK_M (kernel row blocks per
@@ -239,8 +224,8 @@ def gate_up_fwd_kernel(
     num_n = tl.cdiv(I, BLOCK_N)
     for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
         pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-        gate_up_fwd_tile(first_m + pid_m, pid_n, a_ptr, w_ptr, row_src_ptr, block_expert_ptr, h_ptr, gate_up_ptr,
-                         H, I, top_k, GATHER, STORE_GATE_UP, EVEN_K, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+        gate_up_fwd_tile(first_m + pid_m, pid_n, a_ptr, w_ptr, block_expert_ptr, h_ptr, gate_up_ptr,
+                         H, I, STORE_GATE_UP, EVEN_K, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
 
 
 @triton.jit
@@ -318,39 +303,31 @@ def _meta(config: TileConfig, k_dim: int, split: int) -> dict:
 
 
 def gate_up_fwd(
-    a: torch.Tensor,
+    x_rows_RH: torch.Tensor,
     w_gate_up_E2IH: torch.Tensor,
     block_expert: torch.Tensor,
     blocks: torch.Tensor,
     *,
     store_gate_up: bool,
     config: TileConfig,
-    row_src_R: torch.Tensor | None = None,
-    top_k: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """h [R, I] = SwiGLU of the rows' gate/up projections; gate_up [R, 2I] too if store_gate_up.
 
-    a: x_rows [R, H] (padding rows zero), or with row_src (int32 [R], -1 padding) the token rows x
-    [T, H], gathered by pointer at row_src[r] // top_k (the measured alternative; padding reads zero).
+    x_rows [R, H]: padding rows zero.
     """
-    check_matrix(a, None, None, "x_rows" if row_src_R is None else "x")
-    hidden = a.shape[1]
+    check_matrix(x_rows_RH, None, None, "x_rows")
+    rows, hidden = x_rows_RH.shape
     check(w_gate_up_E2IH.dim() == 3 and w_gate_up_E2IH.shape[1] % 2 == 0, "w_gate_up must be [E_l, 2I, H]")
     inter = w_gate_up_E2IH.shape[1] // 2
-    check_weight(w_gate_up_E2IH, a, (w_gate_up_E2IH.shape[0], 2 * inter, hidden), "w_gate_up")
-    if row_src_R is not None:
-        check(row_src_R.dtype == torch.int32 and row_src_R.dim() == 1 and row_src_R.is_contiguous(),
-              f"row_src must be a contiguous int32 [R] tensor, got {row_src_R.dtype} {tuple(row_src_R.shape)}")
-        check(top_k >= 1, f"top_k must be >= 1, got {top_k}")
-    rows = a.shape[0] if row_src_R is None else row_src_R.numel()
+    check_weight(w_gate_up_E2IH, x_rows_RH, (w_gate_up_E2IH.shape[0], 2 * inter, hidden), "w_gate_up")
     split, blocks = check_rows(rows, block_expert, blocks, config.block_m)
-    h = torch.empty(rows, inter, dtype=a.dtype, device=a.device)
-    gate_up = torch.empty(rows, 2 * inter, dtype=a.dtype, device=a.device) if store_gate_up else a.new_empty(0, 2 * inter)
+    h = torch.empty(rows, inter, dtype=x_rows_RH.dtype, device=x_rows_RH.device)
+    gate_up = torch.empty(rows, 2 * inter, dtype=h.dtype, device=h.device) if store_gate_up else h.new_empty(0, 2 * inter)
     max_tiles = rows // config.block_m * triton.cdiv(inter, config.block_n)
-    gate_up_fwd_kernel[persistent_grid(a.device, max_tiles)](
-        a, w_gate_up_E2IH, row_src_R if row_src_R is not None else block_expert, block_expert, blocks, h, gate_up,
-        hidden, inter, top_k,
-        GATHER=row_src_R is not None, STORE_GATE_UP=store_gate_up,
+    gate_up_fwd_kernel[persistent_grid(h.device, max_tiles)](
+        x_rows_RH, w_gate_up_E2IH, block_expert, blocks, h, gate_up,
+        hidden, inter,
+        STORE_GATE_UP=store_gate_up,
         **_meta(config, hidden, split),
     )
     return h, (gate_up if store_gate_up else None)
