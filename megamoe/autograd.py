@@ -8,7 +8,7 @@ import functools
 import torch
 
 from megamoe import reference
-from megamoe.config import DEFAULT_CONFIG, MoEConfig
+from megamoe.config import DEFAULT_CONFIG, MoEConfig, check_group
 from megamoe.schedule import (
     SCHEDULE_TENSORS,
     Schedule,
@@ -54,6 +54,15 @@ def resolve_backend(config: MoEConfig, x: torch.Tensor, group) -> str:
     if config.backend != "auto":
         if config.backend not in BACKENDS and config.backend != "reference":
             raise ValueError(f"MoEConfig.backend={config.backend!r} is not available here (needs Triton)")
+        if config.backend == "triton" and not triton_runs_on(x.device):
+            # A host-side device query (as "auto" makes), no sync: fail here, not in Triton's driver lookup.
+            where = str(x.device)
+            if x.device.type == "cuda":
+                where += " (compute capability {}.{})".format(*torch.cuda.get_device_capability(x.device))
+            raise ValueError(
+                f"MoEConfig.backend='triton' needs a CUDA GPU of compute capability >= 9.0, but the tensors are on "
+                f"{where}; use backend='auto' or 'torch'"
+            )
         return config.backend
     if triton_runs_on(x.device) and x.dtype in (torch.bfloat16, torch.float16) and _on_one_host(group):
         return "triton"
@@ -89,9 +98,18 @@ def validate(x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, share
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"x must be float16, bfloat16, float32 or float64, got {x.dtype}")
     num_tokens, hidden = x.shape
+    if hidden < 1:
+        raise ValueError(f"x must be [T, H] with hidden size H >= 1, got shape {tuple(x.shape)}")
     num_local, two_i, w_hidden = w_gate_up.shape
+    if num_local < 1:
+        raise ValueError(
+            f"w_gate_up must be [E_local, 2*I, H] with E_local >= 1 experts, got shape {tuple(w_gate_up.shape)}"
+        )
     if two_i % 2 != 0 or two_i == 0:
-        raise ValueError(f"w_gate_up must be [E_local, 2*I, H] with an even middle size, got {tuple(w_gate_up.shape)}")
+        raise ValueError(
+            "w_gate_up must be [E_local, 2*I, H] with an even middle size 2*I >= 2 (I >= 1), "
+            f"got shape {tuple(w_gate_up.shape)}"
+        )
     if w_hidden != hidden:
         raise ValueError(f"w_gate_up must be [E_local, 2*I, H={hidden}] to match x [T, H], got {tuple(w_gate_up.shape)}")
     expected_down = (num_local, hidden, two_i // 2)
@@ -327,6 +345,7 @@ def experts(
     config = DEFAULT_CONFIG if config is None else config
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a megamoe.MoEConfig or None, got {type(config).__name__}")
+    check_group("group", group)
     world_size = 1
     if group is not None:
         import torch.distributed as dist

@@ -1,17 +1,58 @@
-"""MoEConfig: the one place where megamoe's knobs (and its environment variables) live."""
+"""MoEConfig: the one place where megamoe's knobs (and its environment variables) live.
+
+Also the argument checks shared by every layer above (schedule, autograd, layer): this module is the lowest
+layer, importable from all of them. Each raises naming the argument, what was given and what is allowed.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 BACKENDS = ("auto", "reference", "torch", "triton")
 COMM_DIRECTIONS = ("auto", "pull", "push")
 ENV_PREFIX = "MEGAMOE_"
+MAX_BLOCK_M = 1024
 
 
 def _is_power_of_two(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
+
+
+def check_positive_int(name: str, value, *, allow_none: bool = False, allow_zero: bool = False) -> None:
+    """ValueError naming `name` unless value is an int >= 1 (>= 0 with allow_zero; or None with allow_none).
+    bool is not accepted as an int, nor are floats with integral values."""
+    if allow_none and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if allow_zero else 1):
+        allowed = "an int >= 0" if allow_zero else "a positive int"
+        raise ValueError(f"{name} must be {'None or ' if allow_none else ''}{allowed}, got {value!r}")
+
+
+def check_block_m(name: str, value) -> None:
+    """ValueError naming `name` unless value is None or a power of two in [1, MAX_BLOCK_M] (rows per GEMM
+    block: every expert's rows are padded to a multiple of it, and every kernel's row tile must divide it)."""
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int) or not _is_power_of_two(value) or value > MAX_BLOCK_M
+    ):
+        raise ValueError(f"{name} must be None or a power of two in [1, {MAX_BLOCK_M}], got {value!r}")
+
+
+def check_group(name: str, group) -> None:
+    """TypeError naming `name` unless group is None or a torch.distributed ProcessGroup (a host-side type
+    check; nothing is communicated)."""
+    if group is None:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and isinstance(group, dist.ProcessGroup):
+        return
+    hint = " (for a DeviceMesh, pass mesh.get_group())" if hasattr(group, "get_group") else ""
+    raise TypeError(
+        f"{name} must be a torch.distributed ProcessGroup (e.g. dist.group.WORLD) or None, "
+        f"got {type(group).__name__} {group!r}{hint}"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +64,7 @@ class MoEConfig:
         "torch" elsewhere; "reference" runs the plain-PyTorch math (no schedule, no EP); "torch" the
         portable path.
     capacity_factor: None (default) sizes every buffer for the worst case, so no token can ever be
-        dropped. A float c > 0 sizes each rank's receive rows for c times the balanced load
+        dropped. A finite float c > 0 sizes each rank's receive rows for c times the balanced load
         (c * T * k rows, plus per-expert padding); routing that overflows it is detected on the device
         and raised as an error (on CPU at once; on CUDA through a device-side assert that surfaces at
         the next host synchronisation, e.g. `loss.item()`).
@@ -63,19 +104,15 @@ class MoEConfig:
                 raise TypeError(
                     f"MoEConfig.capacity_factor must be None or a number > 0, got {type(self.capacity_factor).__name__}"
                 )
-            if not self.capacity_factor > 0:
-                raise ValueError(f"MoEConfig.capacity_factor must be None or > 0, got {self.capacity_factor}")
-        if self.block_m is not None and (
-            isinstance(self.block_m, bool) or not isinstance(self.block_m, int) or not _is_power_of_two(self.block_m)
-            or self.block_m > 1024
-        ):
-            raise ValueError(f"MoEConfig.block_m must be None or a power of two in [1, 1024], got {self.block_m!r}")
-        if isinstance(self.comm_timeout_ms, bool) or not isinstance(self.comm_timeout_ms, int) or self.comm_timeout_ms <= 0:
-            raise ValueError(f"MoEConfig.comm_timeout_ms must be a positive int, got {self.comm_timeout_ms!r}")
+            # NaN fails `> 0`; inf would size buffers with math.ceil(inf) (an OverflowError much later).
+            if not (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)):
+                raise ValueError(
+                    f"MoEConfig.capacity_factor must be None or a finite number > 0, got {self.capacity_factor}"
+                )
+        check_block_m("MoEConfig.block_m", self.block_m)
+        check_positive_int("MoEConfig.comm_timeout_ms", self.comm_timeout_ms)
         for name in ("num_comm_sms", "minibatch_tokens"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ValueError(f"MoEConfig.{name} must be None or a positive int, got {value!r}")
+            check_positive_int(f"MoEConfig.{name}", getattr(self, name), allow_none=True)
         for name in ("dispatch", "combine"):
             value = getattr(self, name)
             if value not in COMM_DIRECTIONS:

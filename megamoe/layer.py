@@ -8,15 +8,9 @@ import torch
 from torch import nn
 
 from megamoe.autograd import experts
-from megamoe.config import MoEConfig
+from megamoe.config import MoEConfig, check_group, check_positive_int
 
 SCORE_FUNCS = ("softmax", "sigmoid")
-
-
-def _positive_int(name: str, value, allow_zero: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if allow_zero else 1):
-        allowed = ">= 0" if allow_zero else ">= 1"
-        raise ValueError(f"{name} must be an int {allowed}, got {value!r}")
 
 
 class MoELayer(nn.Module):
@@ -55,17 +49,17 @@ class MoELayer(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        _positive_int("hidden_size", hidden_size)
-        _positive_int("intermediate_size", intermediate_size)
-        _positive_int("num_experts", num_experts)
-        _positive_int("top_k", top_k)
-        _positive_int("shared_intermediate_size", shared_intermediate_size, allow_zero=True)
+        for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
+                            ("num_experts", num_experts), ("top_k", top_k)):
+            check_positive_int(name, value)
+        check_positive_int("shared_intermediate_size", shared_intermediate_size, allow_zero=True)
         if top_k > num_experts:
             raise ValueError(f"top_k ({top_k}) must be <= num_experts ({num_experts})")
         if score_func not in SCORE_FUNCS:
             raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
         if config is not None and not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a megamoe.MoEConfig or None, got {type(config).__name__}")
+        check_group("group", group)
         world_size = 1
         if group is not None:
             import torch.distributed as dist
@@ -124,7 +118,9 @@ class MoELayer(nn.Module):
         counts.scatter_add_(0, topk_ids.reshape(-1), torch.ones_like(topk_ids.reshape(-1), dtype=torch.int32))
         self.tokens_per_expert = counts
         fraction = counts.float() / max(topk_ids.numel(), 1)
-        self.aux_loss = self.num_experts * (fraction * probs.mean(dim=0)).sum()
+        # sum / max(T, 1) rather than mean: an empty batch gives 0 (0 * 0), not 0 * NaN.
+        mean_probs = probs.sum(dim=0) / max(x_TH.shape[0], 1)
+        self.aux_loss = self.num_experts * (fraction * mean_probs).sum()
         out = experts(
             x_TH, topk_ids, topk_weights, self.w_gate_up, self.w_down,
             shared_gate_up=self.shared_gate_up, shared_down=self.shared_down,

@@ -1,4 +1,4 @@
-"""The math of one MoE layer in plain PyTorch (DESIGN.md), readable and importable without Triton or a GPU.
+"""The math of one MoE layer in plain PyTorch (docs/design.md), readable and importable without Triton or a GPU.
 
 No schedule and no expert-parallel tricks: a loop over experts. Matmuls run in the inputs' dtype (so the
 reference in bf16 is "PyTorch's own bf16 error" for error budgets, and in fp64 the ground truth); the sum

@@ -1,6 +1,6 @@
 """build_schedule: routing -> fixed-size device tensors, without host synchronisation.
 
-The schedule is the contract between routing and every kernel (DESIGN.md). All ranks of an
+The schedule is the contract between routing and every kernel (docs/design.md). All ranks of an
 expert-parallel group derive the same *global* placement from the all-gathered routing, so each rank
 knows both its receive rows (as expert owner) and where its own (token, slot) pairs go (as token owner).
 Every shape here is a function of (W, T, k, E, block_m, capacity) only: nothing depends on the routing
@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from megamoe.config import DEFAULT_CONFIG, MoEConfig
+from megamoe.config import DEFAULT_CONFIG, MoEConfig, check_block_m, check_group, check_positive_int
 
 DEFAULT_BLOCK_M = 128
 
@@ -96,13 +96,17 @@ def receive_rows(
     pairs = world_size * num_tokens * top_k
     nonempty = min(num_local_experts, pairs)
     worst_blocks = (pairs + nonempty * (block_m - 1)) // block_m
-    if capacity_factor is None:
+    wanted = None if capacity_factor is None else capacity_factor * num_tokens * top_k
+    # A capacity at least the worst case is the worst case (this also keeps a huge finite factor, whose
+    # product overflows to inf, away from math.ceil).
+    if wanted is None or wanted >= worst_blocks * block_m:
         return worst_blocks * block_m
-    capped_blocks = math.ceil(math.ceil(capacity_factor * num_tokens * top_k) / block_m) + nonempty
+    capped_blocks = math.ceil(math.ceil(wanted) / block_m) + nonempty
     return min(worst_blocks, capped_blocks) * block_m
 
 
 def _group_info(group) -> tuple[int, int]:
+    check_group("group", group)
     if group is None:
         return 1, 0
     import torch.distributed as dist
@@ -121,8 +125,7 @@ def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, *, check_range: boo
         raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
     if topk_ids.shape[1] < 1:
         raise ValueError(f"topk_ids must have k >= 1 columns, got shape {tuple(topk_ids.shape)}")
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    check_positive_int("num_experts", num_experts)
     if not check_range or topk_ids.device.type == "meta" or topk_ids.numel() == 0:
         return
     in_range = ((topk_ids >= 0) & (topk_ids < num_experts)).all()
@@ -151,7 +154,8 @@ def build_schedule(
     num_experts: E, the global number of experts (divisible by the group size).
     group: expert-parallel process group (None: one process owns all experts). With a group, every
         rank must pass the same T and k; routing is all-gathered and each rank derives the same schedule.
-    block_m: overrides config.block_m (backends pass their tile size); default 128.
+    block_m: overrides config.block_m (backends pass their tile size); default 128. Like
+        MoEConfig.block_m: None or a power of two in [1, 1024].
     gather_routing: with a group, how to all-gather routing: a callable taking this rank's int32
         [T, k] ids and returning every rank's, [W*T, k] in rank order (default: the process group's
         all_gather_into_tensor; the fused EP path passes its symmetric-memory exchange).
@@ -161,6 +165,7 @@ def build_schedule(
     config = DEFAULT_CONFIG if config is None else config
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a megamoe.MoEConfig or None, got {type(config).__name__}")
+    check_block_m("build_schedule: block_m", block_m)
     check_topk_ids(topk_ids, num_experts)
     world_size, rank = _group_info(group)
     if num_experts % world_size != 0:

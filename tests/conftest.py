@@ -179,8 +179,8 @@ def _check_meta(name: str, ours: torch.Tensor, ref: torch.Tensor) -> None:
 def assert_close_budget(
     name: str, ours: torch.Tensor, ref64: torch.Tensor, ref_lowp: torch.Tensor, factor: float = 2.0, floor: float = 1e-5
 ) -> None:
-    """Error budget (STYLE.md): err(ours) <= factor * err(PyTorch's own low-precision run) + floor,
-    errors relative to the fp64 reference in the Frobenius norm. NaN/inf never pass."""
+    """Error budget (docs/design.md, "Accuracy"): err(ours) <= factor * err(PyTorch's own low-precision
+    run) + floor, errors relative to the fp64 reference in the Frobenius norm. NaN/inf never pass."""
     _check_meta(name, ours, ref64)
     assert torch.isfinite(ref_lowp).all(), f"{name}: the low-precision reference itself is non-finite"
     ours_err, budget_err = rel_err(ours, ref64), rel_err(ref_lowp, ref64)

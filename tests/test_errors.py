@@ -292,3 +292,111 @@ def test_layer_wrong_hidden_size(rng):
     layer = MoELayer(H, I, E, K)
     with pytest.raises(ValueError, match=r"\bx\b"):
         layer(torch.randn(3, H + 1, generator=rng))
+
+
+# --------------------------------------------------------------------------------------------- hostile input
+
+
+DEGENERATE = {
+    # case: (argument the error must name, what it must say is allowed, (T, H, I, E_local)); every other
+    # shape consistent with it
+    "x-H0": ("x", "H >= 1", (T, 0, I, E)),
+    "w_gate_up-E0": ("w_gate_up", "E_local >= 1", (T, H, I, 0)),
+    "w_gate_up-I0": ("w_gate_up", "I >= 1", (T, H, 0, E)),
+}
+
+
+@BACKENDS
+@pytest.mark.parametrize("case", list(DEGENERATE), ids=list(DEGENERATE))
+def test_zero_sizes_rejected(rng, case, backend):
+    """H = 0, I = 0 or E_local = 0 with every shape consistent: a ValueError naming the argument, showing its
+    shape and saying what is allowed (not "num_experts", not a failure inside torch._grouped_mm)."""
+    name, allowed, (t, h, i, e) = DEGENERATE[case]
+    kw = dict(x=torch.randn(t, h, generator=rng), topk_ids=torch.zeros(t, K, dtype=torch.int64),
+              topk_weights=torch.rand(t, K, generator=rng), w_gate_up=torch.randn(e, 2 * i, h, generator=rng),
+              w_down=torch.randn(e, h, i, generator=rng))
+    with pytest.raises(ValueError) as info:
+        call(kw, backend)
+    message = str(info.value)
+    assert re.search(rf"\b{name}\b", message), f"message does not name {name!r}: {message}"
+    assert str(tuple(kw[name].shape)) in message, f"message does not show {name}'s shape: {message}"
+    assert allowed in message, f"message does not say {allowed!r}: {message}"
+
+
+@pytest.mark.parametrize("group", ["WORLD", 0, object()], ids=["str", "int", "object"])
+def test_group_not_a_process_group(rng, group):
+    """group="WORLD" and friends: a TypeError naming group and what is expected, from experts, MoELayer and
+    build_schedule alike (not an AttributeError from deep inside torch.distributed)."""
+    kw = args(rng)
+    x = kw.pop("x")
+    calls = {
+        "experts": lambda: megamoe.experts(x, kw["topk_ids"], kw["topk_weights"], kw["w_gate_up"], kw["w_down"],
+                                           group=group, config=MoEConfig(backend="torch")),
+        "MoELayer": lambda: MoELayer(H, I, E, K, group=group),
+        "build_schedule": lambda: build_schedule(kw["topk_ids"], E, group=group),
+    }
+    for where, fn in calls.items():
+        with pytest.raises(TypeError) as info:
+            fn()
+        message = str(info.value)
+        assert re.search(r"\bgroup\b", message) and "ProcessGroup" in message and "None" in message, (
+            f"{where}: {message}"
+        )
+        assert type(group).__name__ in message, f"{where}: message does not say what was given: {message}"
+
+
+@pytest.mark.parametrize("block_m", [-1, 0, 3, 48, 2048, 16.0, True], ids=repr)
+def test_build_schedule_bad_block_m(block_m):
+    """build_schedule's block_m follows MoEConfig.block_m's rule (None or a power of two in [1, 1024])."""
+    with pytest.raises(ValueError) as info:
+        build_schedule(torch.tensor([[0, 1]]), 4, block_m=block_m)
+    message = str(info.value)
+    assert re.search(r"\bblock_m\b", message) and "power of two" in message and repr(block_m) in message, message
+
+
+@pytest.mark.parametrize("capacity_factor", [1e300, 1.7e308])
+def test_huge_finite_capacity_is_dropless(capacity_factor):
+    """A finite capacity beyond the worst case is the worst case (no OverflowError from inf rows)."""
+    ids = torch.tensor([[0, 1], [1, 2], [3, 0]])
+    huge = build_schedule(ids, 4, config=MoEConfig(capacity_factor=capacity_factor), block_m=2)
+    dropless = build_schedule(ids, 4, block_m=2)
+    assert huge.num_rows == dropless.num_rows and int(huge.overflow) == 0
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")], ids=repr)
+def test_non_finite_capacity_factor(value, monkeypatch):
+    """inf (or NaN) is rejected when the config is made, directly or from MEGAMOE_CAPACITY_FACTOR."""
+    with pytest.raises(ValueError, match=r"\bcapacity_factor\b.*finite"):
+        MoEConfig(capacity_factor=value)
+    monkeypatch.setenv("MEGAMOE_CAPACITY_FACTOR", str(value))
+    with pytest.raises(ValueError, match=r"\bcapacity_factor\b.*finite"):
+        MoEConfig.from_env()
+
+
+def test_triton_backend_on_cpu(rng):
+    """backend="triton" with CPU tensors: a ValueError saying what it needs and where the tensors are (not
+    Triton's "0 active drivers")."""
+    with pytest.raises(ValueError) as info:
+        call(args(rng), "triton")
+    message = str(info.value)
+    assert re.search(r"\bbackend\b", message) and "triton" in message, message
+    if "triton" in megamoe.autograd.BACKENDS:  # else: "not available here (needs Triton)"
+        assert "compute capability >= 9.0" in message and "cpu" in message, message
+
+
+@pytest.mark.parametrize(
+    "make,name",
+    [
+        (lambda: MoELayer(0, I, E, K), "hidden_size"),
+        (lambda: MoELayer(H, I, E, 0), "top_k"),
+        (lambda: build_schedule(torch.tensor([[0, 1]]), 0), "num_experts"),
+        (lambda: MoEConfig(comm_timeout_ms=0), "comm_timeout_ms"),
+        (lambda: MoEConfig(num_comm_sms=0), "num_comm_sms"),
+    ],
+    ids=["layer-hidden_size", "layer-top_k", "schedule-num_experts", "config-comm_timeout_ms", "config-num_comm_sms"],
+)
+def test_positive_int_one_rule(make, name):
+    """One positive-int check, one wording, wherever the rule applies."""
+    with pytest.raises(ValueError) as info:
+        make()
+    assert re.search(rf"\b{name} must be (None or )?a positive int, got 0$", str(info.value)), str(info.value)

@@ -205,3 +205,18 @@ def test_low_precision_layer(rng, dtype):
         assert_close_tight("out", out.detach(), ref64, 1e-5)
     else:
         assert_close_budget("out", out.detach(), ref64, ref_low)
+
+
+@pytest.mark.parametrize("x_shape", [(0, H), (2, 0, H)], ids=["T0", "B2-S0"])
+def test_empty_batch(rng, x_shape):
+    """No tokens: an empty output, zero counts and aux_loss exactly 0 (not 0 * NaN from a mean over no rows);
+    backward through both gives finite (zero) gradients."""
+    layer = make_layer(rng, shared=4)
+    x = torch.zeros(x_shape, dtype=torch.float64, requires_grad=True)
+    out = layer(x)
+    assert out.shape == x.shape
+    assert_equal("tokens_per_expert", layer.tokens_per_expert, torch.zeros(E, dtype=torch.int32))
+    assert layer.aux_loss.dim() == 0 and float(layer.aux_loss.detach()) == 0.0, f"aux_loss = {layer.aux_loss}"
+    (out.sum() + layer.aux_loss).backward()
+    for name, p in layer.named_parameters():
+        assert p.grad is None or torch.equal(p.grad, torch.zeros_like(p)), f"d_{name} not zero"

@@ -41,7 +41,7 @@ def _silu(v: float) -> float:
 
 
 def loop_forward(p) -> torch.Tensor:
-    """The math of DESIGN.md written as scalar Python loops over tokens, slots, and matrix entries."""
+    """The math of docs/design.md written as scalar Python loops over tokens, slots, and matrix entries."""
     x, ids, w = p.x.tolist(), p.topk_ids.tolist(), p.topk_weights.tolist()
     wgu, wd = p.w_gate_up.tolist(), p.w_down.tolist()
     num_tokens, hidden = p.x.shape
@@ -98,7 +98,7 @@ def test_unrouted_expert_gets_zero_gradient(rng):
 
 
 def test_topk_weights_gradient_is_dot_with_expert_output(rng):
-    """d_topk_weights[t, j] = <d_out[t], y[t, j]> (DESIGN.md), y from the swiglu MLP of expert topk_ids[t, j]."""
+    """d_topk_weights[t, j] = <d_out[t], y[t, j]> (docs/design.md), y from the swiglu MLP of expert topk_ids[t, j]."""
     p = make_problem(rng, 5, 6, 4, 4, 2)
     grads = run_reference(p)
     expected = torch.empty(5, 2, dtype=torch.float64)
