@@ -2,8 +2,10 @@
 
 Usage: python benchmarks/readme_table.py RESULT.json [RESULT.json ...] [--readme README.md]
 Rewrites the block between `<!-- perf-table:start -->` and `<!-- perf-table:end -->`: one row per
-(gpu, ep, workload, routing, pass) with every backend's ms and TFLOP/s, MFU of the fastest, peak memory
-and the speed-up over the torch-native path measured in the same run.
+(gpu, ep, workload, routing, pass) with the ms and TFLOP/s of the TorchTitan baseline ("torchtitan",
+megamoe.bench.baselines), megamoe's portable torch path and the triton path, triton's MFU, their peak
+memory, and triton's speed-up over the TorchTitan baseline measured in the same run ("-" where a result
+file has no record of that backend, e.g. files from before the baseline existed).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import pathlib
 from megamoe.bench.workloads import WORKLOADS
 
 START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
+NA = "-"
 
 
 def load(paths: list[pathlib.Path]) -> list[dict]:
@@ -34,26 +37,30 @@ def table(records: list[dict]) -> str:
         key = (r["gpu"], r["ep"], r["workload"], r["experts_per_gpu"], r["tokens"], r["routing"], r["pass"], r["source"])
         rows[key][r["backend"]] = r
     lines = [
-        "| GPU | EP | workload | experts/GPU | tokens/GPU | routing | pass | torch ms (TFLOP/s) | triton ms (TFLOP/s) | triton MFU | peak mem torch / triton (GiB) | speed-up | source |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| GPU | EP | workload | experts/GPU | tokens/GPU | routing | pass | torchtitan ms (TFLOP/s) "
+        "| portable torch ms (TFLOP/s) | triton ms (TFLOP/s) | triton MFU "
+        "| peak mem torchtitan / torch / triton (GiB) | triton vs torchtitan | source |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     order = {name: i for i, name in enumerate(WORKLOADS)}
     for key in sorted(rows, key=lambda k: (k[0], k[1], order.get(k[2], len(order)), k[5] != "balanced", k[6])):
         gpu, ep, workload, experts, tokens, routing, pass_name, source = key
         by = rows[key]
-        torch_r, triton_r = by.get("torch"), by.get("triton")
+        # Results measured before the TorchTitan baseline existed have no "torchtitan" records: "-" cells.
+        titan_r, torch_r, triton_r = by.get("torchtitan"), by.get("torch"), by.get("triton")
 
         def cell(r):
-            return f"{r['ms']:.2f} ({r['tflops']:.0f})" if r else "–"
+            return f"{r['ms']:.2f} ({r['tflops']:.0f})" if r else NA
 
         def mem(r):
-            return f"{r['peak_mem_bytes'] / 2**30:.1f}" if r and r.get("peak_mem_bytes") else "–"
+            return f"{r['peak_mem_bytes'] / 2**30:.1f}" if r and r.get("peak_mem_bytes") else NA
 
-        mfu = f"{100 * triton_r['mfu']:.0f}%" if triton_r and triton_r.get("mfu") else "–"
-        speedup = f"{torch_r['ms'] / triton_r['ms']:.2f}x" if torch_r and triton_r else "–"
+        mfu = f"{100 * triton_r['mfu']:.0f}%" if triton_r and triton_r.get("mfu") else NA
+        speedup = f"{titan_r['ms'] / triton_r['ms']:.2f}x" if titan_r and triton_r else NA
         lines.append(
-            f"| {gpu} | {ep} | {workload} | {experts} | {tokens} | {routing} | {pass_name} | {cell(torch_r)} | "
-            f"{cell(triton_r)} | {mfu} | {mem(torch_r)} / {mem(triton_r)} | {speedup} | {source} |"
+            f"| {gpu} | {ep} | {workload} | {experts} | {tokens} | {routing} | {pass_name} | {cell(titan_r)} | "
+            f"{cell(torch_r)} | {cell(triton_r)} | {mfu} | {mem(titan_r)} / {mem(torch_r)} / {mem(triton_r)} | "
+            f"{speedup} | {source} |"
         )
     return "\n".join(lines)
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megamoe.bench.run import DTYPES, run_bench
+from megamoe.bench.baselines import PEERS
+from megamoe.bench.run import BASELINE, DTYPES, run_bench
 from megamoe.bench.workloads import WORKLOADS
 from megamoe.config import BACKENDS
 
-TIMED_BACKENDS = tuple(b for b in BACKENDS if b != "auto")
+TIMED_BACKENDS = (BASELINE, *(b for b in BACKENDS if b != "auto"))
 
 
 def _names(values: list[str] | None, allowed, option: str, parser: argparse.ArgumentParser) -> list[str] | None:
@@ -26,8 +27,11 @@ def _names(values: list[str] | None, allowed, option: str, parser: argparse.Argu
 def _add_bench(commands) -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench",
-        help="time megamoe's backends against the torch-native baseline",
+        help="time megamoe's backends against a TorchTitan-style baseline (and optional peers)",
         description="Gate each backend against megamoe.reference, then time fwd and fwd+bwd (BENCHMARKS.md). "
+        f"Speed-ups are against {BASELINE!r}, what TorchTitan users run (token sort, torch._grouped_mm, "
+        "all_to_all with host-side split sizes; megamoe.bench.baselines), which always runs; megamoe's portable "
+        "'torch' backend is printed as 'portable'. "
         "Under `torchrun --nproc-per-node=N` the N ranks form one expert-parallel group.",
     )
     bench.add_argument(
@@ -37,7 +41,12 @@ def _add_bench(commands) -> argparse.ArgumentParser:
     bench.add_argument(
         "--backend", action="append", metavar="NAME",
         help=f"repeatable or comma list of {', '.join(TIMED_BACKENDS)} "
-        "(default: all that run here; torch always runs, as the baseline)",
+        f"(default: torch and triton where they run; {BASELINE} always runs, as the baseline)",
+    )
+    bench.add_argument(
+        "--peers", action="append", metavar="NAME",
+        help=f"repeatable or comma list of {', '.join(PEERS)}: other MoE implementations timed too when installed "
+        "(one GPU only; an absent one is a note, not an error). liger autotunes at run time: minutes per shape",
     )
     bench.add_argument("--tokens", type=int, metavar="N", help="tokens per GPU (default: the workload's)")
     bench.add_argument("--routing", choices=("balanced", "skewed", "both"), default="both")
@@ -63,7 +72,7 @@ def _add_bench(commands) -> argparse.ArgumentParser:
 
 
 # Options that only shape a timed run; with --from-json nothing is timed, so they would be silently ignored.
-TIMING_OPTIONS = ("workload", "backend", "tokens", "iters", "warmup", "dtype", "experts_per_gpu", "json")
+TIMING_OPTIONS = ("workload", "backend", "peers", "tokens", "iters", "warmup", "dtype", "experts_per_gpu", "json")
 
 
 def _plot_from_json(args, bench: argparse.ArgumentParser) -> int:
@@ -118,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             experts_per_gpu=args.experts_per_gpu,
             json_path=args.json,
             plot_path=args.plot,
+            peers=_names(args.peers, PEERS, "--peers", bench),
         )
     return 0
 

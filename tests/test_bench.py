@@ -85,14 +85,17 @@ def test_skewed_routing_overloads_some_experts():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gate_passes_torch_and_fails_a_wrong_backend(dtype, monkeypatch):
     w, cpu = WORKLOADS["cpu-small"], torch.device("cpu")
-    gates = gate_backends(w, ["torch", "triton"], "skewed", 8, 64, dtype, cpu, group=None)
+    gates = gate_backends(w, ["torchtitan", "torch", "triton"], "skewed", 8, 64, dtype, cpu, group=None)
+    assert gates["torchtitan"] == ("ok", "")
     assert gates["torch"] == ("ok", "")
     assert gates["triton"][0] == "unavailable"
 
     experts = megamoe.experts
     monkeypatch.setattr(megamoe, "experts", lambda *args, **kwargs: experts(*args, **kwargs) * 1.02)
-    status, detail = gate_backends(w, ["torch"], "skewed", 8, 64, dtype, cpu, group=None)["torch"]
+    gates = gate_backends(w, ["torchtitan", "torch"], "skewed", 8, 64, dtype, cpu, group=None)
+    status, detail = gates["torch"]
     assert status == "FAILED" and "out: rel err" in detail, detail
+    assert gates["torchtitan"] == ("ok", ""), "the TorchTitan baseline does not run megamoe.experts"
 
 
 def _bench(tmp_path: Path, launcher: list[str]) -> list[dict]:
@@ -101,18 +104,21 @@ def _bench(tmp_path: Path, launcher: list[str]) -> list[dict]:
         [*launcher, "megamoe", *TINY_RUN, "--json", str(path)], cwd=REPO, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "cpu-small" in done.stdout and "vs torch" in done.stdout, done.stdout
+    assert "cpu-small" in done.stdout and "vs torchtitan" in done.stdout, done.stdout
     return json.loads(path.read_text())
 
 
 def _check_records(records: list[dict], ep: int) -> None:
-    assert {(r["routing"], r["pass"]) for r in records} == {
-        (routing, pass_name) for routing in ("balanced", "skewed") for pass_name in ("fwd", "fwd+bwd")
+    """The TorchTitan baseline and megamoe's portable path, each in every (routing, pass), baseline first."""
+    assert {(r["backend"], r["routing"], r["pass"]) for r in records} == {
+        (backend, routing, pass_name) for backend in ("torchtitan", "torch") for routing in ("balanced", "skewed")
+        for pass_name in ("fwd", "fwd+bwd")
     }
+    assert records[0]["backend"] == "torchtitan"
     for r in records:
         assert tuple(r) == RECORD_FIELDS
-        problem = (r["workload"], r["backend"], r["ep"], r["tokens"], r["experts_per_gpu"])
-        assert problem == ("cpu-small", "torch", ep, 64, 8 // ep)
+        problem = (r["workload"], r["ep"], r["tokens"], r["experts_per_gpu"])
+        assert problem == ("cpu-small", ep, 64, 8 // ep)
         assert r["ms"] > 0 and r["tflops"] > 0
         assert r["gpu"] == "cpu" and r["mfu"] is None and r["peak_mem_bytes"] is None
         assert r["torch"] == torch.__version__ and r["commit"]
@@ -127,7 +133,9 @@ def test_torchrun_two_ranks_gloo(tmp_path):
     _check_records(_bench(tmp_path, launcher), ep=2)
 
 
-@pytest.mark.parametrize("option, known", [("--workload", "cpu-small"), ("--backend", "torch")])
+@pytest.mark.parametrize(
+    "option, known", [("--workload", "cpu-small"), ("--backend", "torch"), ("--peers", "hf-grouped_mm")]
+)
 def test_cli_rejects_unknown_names(option, known, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", option, f"{known},nope"])

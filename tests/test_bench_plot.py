@@ -17,7 +17,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CEILING = 784.0
 
 
-def make_records(ep: int, backends=("torch", "triton"), workloads=("qwen3-30b-a3b", "mixtral-8x7b")) -> list[dict]:
+def make_records(ep: int, backends=("torchtitan", "torch", "triton"), workloads=("qwen3-30b-a3b", "mixtral-8x7b")) -> list[dict]:
     """Bench records (every field of BENCHMARKS.md) with made-up, distinct TFLOP/s."""
     records = []
     for w, workload in enumerate(workloads):
@@ -54,7 +54,7 @@ def test_plot_from_json_files_writes_a_png(tmp_path, capsys):
     data = png.read_bytes()
     assert data.startswith(PNG_MAGIC), f"{png}: not a PNG (starts {data[:8]!r})"
     assert len(data) > 10_000, f"{png}: only {len(data)} bytes"
-    assert "wrote the plot of 24 records from 2 file(s)" in capsys.readouterr().out
+    assert "wrote the plot of 32 records from 2 file(s)" in capsys.readouterr().out
 
 
 def test_plot_draws_series_ceiling_and_panels(tmp_path):
@@ -64,12 +64,22 @@ def test_plot_draws_series_ceiling_and_panels(tmp_path):
     with matplotlib.rc_context({"svg.fonttype": "none"}):
         plot_records(records, svg, title="synthetic")
     text = svg.read_text()
-    for expected in ("torch", "triton", "torch (EP=2)", f"bf16 matmul ceiling: {CEILING:.0f} TFLOP/s", "synthetic",
+    for expected in ("torchtitan", "torch", "triton", "torch (EP=2)", f"bf16 matmul ceiling: {CEILING:.0f} TFLOP/s", "synthetic",
                      "fwd, balanced routing", "fwd+bwd, balanced routing", "fwd, skewed routing",
                      "fwd+bwd, skewed routing", "qwen3-30b-a3b", "mixtral-8x7b", "TFLOP/s per GPU"):
         assert f">{expected}<" in text, f"plot: no text {expected!r}"
-    # Every bar is labelled with its value: 2 workloads x 2 routings x 2 passes x (2 + 1) series.
+    # Every bar is labelled with its value: 2 workloads x 2 routings x 2 passes x (3 + 1) series.
     assert text.count(">125<") == 2, "bar label of qwen3-30b-a3b / torch (EP=2) / fwd+bwd: one per routing"
+
+
+def test_torchtitan_baseline_is_drawn_first(tmp_path):
+    """Series order: the TorchTitan baseline first, wherever its records come in the files."""
+    svg = tmp_path / "order.svg"
+    with matplotlib.rc_context({"svg.fonttype": "none"}):
+        plot_records(make_records(ep=1, backends=("triton", "torch", "torchtitan")), svg, title="order")
+    text = svg.read_text()
+    legend = [text.index(f">{name}<") for name in ("torchtitan", "triton", "torch")]
+    assert legend == sorted(legend), "legend order must be torchtitan, then the others as they come"
 
 
 def test_plot_without_ceiling_or_skewed_routing(tmp_path):
@@ -140,4 +150,4 @@ def test_bench_run_draws_its_own_records(tmp_path):
                  "--routing", "balanced", "--json", str(records_path), "--plot", str(png)])
     assert code == 0
     assert png.read_bytes().startswith(PNG_MAGIC)
-    assert len(load_records([records_path])) == 2  # torch x (fwd, fwd+bwd)
+    assert len(load_records([records_path])) == 4  # (torchtitan, torch) x (fwd, fwd+bwd)

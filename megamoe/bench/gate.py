@@ -1,5 +1,8 @@
 """The correctness gate run before timing: each backend's output and gradients against megamoe.reference.
 
+A backend is the callable experts_fn(backend) (megamoe.experts with that MoEConfig backend, or a baseline
+or peer of megamoe.bench.baselines); the gate runs exactly what the timing runs.
+
 The gate problem is the timed one with fewer tokens and at most GATE_EXPERTS experts over the group (but
 at least one per rank and k in all), so that the fp64 reference of all of them fits next to the timed weights.
 fp32: relative error (Frobenius) against the fp64 reference < FP32_REL_TOL. Lower precisions get an
@@ -8,6 +11,7 @@ error budget: at most 2x the error of the reference run in that dtype, plus a no
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -15,6 +19,7 @@ import torch.distributed as dist
 
 import megamoe
 from megamoe.autograd import triton_runs_on
+from megamoe.bench import baselines
 from megamoe.bench.problem import Tokens, Weights, cast, forward_backward, make_tokens, make_weights
 from megamoe.bench.workloads import Workload
 
@@ -32,7 +37,17 @@ def unavailable_reason(backend: str, device: torch.device, group) -> str:
         return "needs Triton and a CUDA GPU of compute capability >= 9.0"
     if backend == "reference" and group is not None:
         return "computes all experts in one process; no expert parallelism"
+    if backend in baselines.PEERS:
+        return baselines.peer_unavailable_reason(backend, device, group)
     return ""
+
+
+def experts_fn(backend: str):
+    """The callable gated and timed for backend, with megamoe.experts' signature: a baseline or peer of
+    megamoe.bench.baselines, or megamoe.experts with MoEConfig(backend=backend)."""
+    if backend in baselines.FUNCTIONS:
+        return baselines.FUNCTIONS[backend]
+    return functools.partial(megamoe.experts, config=megamoe.MoEConfig(backend=backend))
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -75,8 +90,7 @@ def gate_one(backend: str, weights, tokens, ref_fp64, ref_dtype, dtype: torch.dt
     if reason:
         return "unavailable", reason
     try:
-        config = megamoe.MoEConfig(backend=backend)
-        results = forward_backward(megamoe.experts, weights, tokens, group=group, config=config)
+        results = forward_backward(experts_fn(backend), weights, tokens, group=group)
     except (NotImplementedError, ImportError) as e:
         return "unavailable", str(e)
     except Exception as e:  # a backend that crashes fails its gate; the other backends still run

@@ -18,7 +18,7 @@ from pathlib import Path
 PASS_ORDER = ("fwd", "fwd+bwd")
 ROUTING_ORDER = ("balanced", "skewed")
 NEEDED_FIELDS = ("workload", "backend", "pass", "routing", "ep", "tflops", "ceiling_tflops", "gpu")
-BASELINE = "torch"  # drawn first in every group
+BASELINE = "torchtitan"  # what TorchTitan users run (megamoe.bench.baselines): drawn first in every group
 
 
 def require_matplotlib():

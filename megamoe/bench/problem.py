@@ -95,7 +95,8 @@ def grad_leaves(weights: Weights, tokens: Tokens) -> dict[str, torch.Tensor]:
 
 
 def forward_TH(experts_fn, weights: Weights, tokens: Tokens, **kwargs) -> torch.Tensor:
-    """experts_fn (megamoe.experts or megamoe.reference.experts) on this problem; kwargs: group, config."""
+    """experts_fn (megamoe.bench.gate.experts_fn(backend), megamoe.reference.experts) on this problem;
+    kwargs: group."""
     return experts_fn(
         tokens.x_TH,
         tokens.topk_ids_TK,

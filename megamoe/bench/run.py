@@ -1,5 +1,9 @@
 """`python -m megamoe bench`: every (workload, routing, backend, pass) gated, timed, printed and written as JSON.
 
+Backends: "torchtitan" (megamoe.bench.baselines: what TorchTitan users run) always runs and is the baseline
+of the speed-up column; megamoe's "torch" (the portable path, printed as "portable") and "triton"; the
+peers of --peers (hf-grouped_mm, liger) when installed.
+
 Passes: "fwd" is the forward of a training step (x, topk_weights and the weights require grad, so autograd
 keeps what the backward needs); "fwd+bwd" adds autograd.grad of sum(out * d_out) for all of them.
 """
@@ -14,8 +18,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import megamoe
-from megamoe.bench.gate import gate_backends, unavailable_reason
+from megamoe.bench.baselines import PEERS
+from megamoe.bench.gate import experts_fn, gate_backends, unavailable_reason
 from megamoe.bench.measure import git_commit, matmul_ceiling_tflops, median_ms, reduce_over_ranks
 from megamoe.bench.problem import forward_backward, forward_TH, make_tokens, make_weights
 from megamoe.bench.routing import ROUTINGS, expert_load_E
@@ -24,7 +28,8 @@ from megamoe.bench.workloads import (
 )
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-BASELINE = "torch"
+BASELINE = "torchtitan"
+TABLE_LABELS = {"torch": "portable"}  # megamoe's portable path, not torch's own
 TOKEN_SEED = 10_000  # + rank: every rank routes its own tokens
 RECORD_FIELDS = (
     "workload", "backend", "pass", "routing", "ep", "tokens", "experts_per_gpu", "ms", "tflops", "mfu",
@@ -62,11 +67,11 @@ def triton_version() -> str | None:
 
 def time_pass(w, backend, pass_name, weights, token_sets, *, iters, warmup, ceiling, device, group) -> dict:
     """ms, tflops, mfu and peak_mem_bytes of one backend and pass, rotating through token_sets."""
-    config = megamoe.MoEConfig(backend=backend)
+    fn = experts_fn(backend)
     run = forward_TH if pass_name == "fwd" else forward_backward
 
     def step(i):
-        run(megamoe.experts, weights, token_sets[i % len(token_sets)], group=group, config=config)
+        run(fn, weights, token_sets[i % len(token_sets)], group=group)
 
     on_gpu = device.type == "cuda"
     if on_gpu:
@@ -92,14 +97,29 @@ def run_bench(
     experts_per_gpu: int | None,
     json_path: str | None,
     plot_path: str | None = None,
+    peers: list[str] | None = None,
 ) -> int:
     """Run the benchmark; rank 0 prints the table, writes JSON and draws the plot (megamoe.bench.plot).
+    peers: names of megamoe.bench.baselines.PEERS to time too; one that cannot run here is a note.
     Returns 1 if a backend failed its gate."""
+    unknown = [p for p in peers or () if p not in PEERS]
+    if unknown:
+        raise ValueError(f"peers: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(PEERS)}")
     group, device = init_distributed()
     world_size, rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
     on_gpu = device.type == "cuda"
     workloads = workloads or list(GPU_WORKLOADS if on_gpu else CPU_WORKLOADS)
     backends = [BASELINE] + [b for b in (backends or default_backends(device, group)) if b != BASELINE]
+    rows, notes = [], []
+    for peer in dict.fromkeys(peers or ()):
+        reason = unavailable_reason(peer, device, group)
+        if reason:
+            notes.append(f"{peer}: {reason}")
+        else:
+            backends.append(peer)
+    if "liger" in backends and rank == 0:
+        print("note: liger autotunes its Triton kernels at run time: its first call on each new shape (gate and "
+              "timing) can take minutes", flush=True)
     routings = ROUTINGS if routing == "both" else (routing,)
     dtype_name = dtype or ("bf16" if on_gpu else "fp32")
     dtype = DTYPES[dtype_name]
@@ -113,7 +133,6 @@ def run_bench(
         "commit": git_commit(),
     }
     ceiling = matmul_ceiling_tflops(device) if on_gpu else None
-    rows, notes = [], []
     progress = tqdm(
         total=len(workloads) * len(routings) * len(backends) * len(PASSES), file=sys.stderr, disable=rank != 0
     )
@@ -197,7 +216,7 @@ def report(title: str, notes: list[str], rows: list[dict], on_gpu: bool, json_pa
 
 
 def format_table(rows: list[dict], on_gpu: bool) -> str:
-    """One line per row: times, rates and the speed-up over the torch-native baseline on the same inputs."""
+    """One line per row: times, rates and the speed-up over the TorchTitan baseline on the same inputs."""
     baseline_ms = {
         (r["workload"], r["routing"], r["pass"]): r["ms"] for r in rows if r["backend"] == BASELINE and r["ms"]
     }
@@ -206,7 +225,8 @@ def format_table(rows: list[dict], on_gpu: bool) -> str:
     header += [f"vs {BASELINE}"]
     lines = [header]
     for r in rows:
-        line = [r["workload"], str(r["experts_per_gpu"]), r["routing"], f"{r['load']:.2f}", r["backend"], r["pass"]]
+        backend = TABLE_LABELS.get(r["backend"], r["backend"])
+        line = [r["workload"], str(r["experts_per_gpu"]), r["routing"], f"{r['load']:.2f}", backend, r["pass"]]
         if r["ms"] is None:
             lines.append(line + [r["status"]] + ["-"] * (len(header) - len(line) - 1))
             continue

@@ -1,0 +1,271 @@
+"""The benchmark's baseline and peers (megamoe.bench.baselines) against megamoe.reference, and the harness
+around them: TorchTitan's path on 1 and 2 gloo ranks, transformers' grouped_mm, absent peers, the table
+and README columns against "torchtitan"."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import (
+    assert_close_budget,
+    assert_close_tight,
+    init_gloo,
+    make_problem,
+    problem_id,
+    run_experts,
+    run_gloo_workers,
+    run_reference,
+)
+from megamoe.bench import baselines
+from megamoe.bench.baselines import hf_grouped_mm_experts, peer_unavailable_reason, torchtitan_experts
+from megamoe.bench.run import format_table, run_bench
+
+REPO = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+
+# (T, H, I, E, k), routing (conftest.routing), shared intermediate size
+CASES = [
+    ((33, 24, 16, 6, 3), "random", 8),  # T*k = 99: no expert's rows a multiple of 16
+    ((40, 32, 16, 6, 2), "empty", 8),  # odd experts get no tokens
+    ((17, 16, 8, 4, 2), "one", 0),  # skewed: expert 0 gets every token
+    ((24, 12, 6, 5, 2), "random", 4),  # bf16 rows of 24 bytes: torch._grouped_mm refuses, the loop runs
+]
+CASE_IDS = [f"{problem_id(s)}-{r}-shared{sh}" for s, r, sh in CASES]
+
+
+def check_against_reference(fn, p, dtype, device=CPU) -> None:
+    """fn on the fp64 problem p cast to dtype (run on device): fp32 within 1e-5 of the fp64 reference, bf16
+    within the error budget (the references run on the CPU)."""
+    ref64 = run_reference(p)
+    low = p.cast(dtype)
+    low.__dict__.update({n: None if v is None else v.to(device) for n, v in low.__dict__.items()})
+    ours = {n: v.cpu() for n, v in run_experts(low, fn).items()}
+    assert ours.keys() == ref64.keys()
+    for name in ref64:
+        if dtype == torch.float32:
+            assert_close_tight(name, ours[name], ref64[name], 1e-5)
+        else:
+            assert_close_budget(name, ours[name], ref64[name], run_reference(p.cast(dtype))[name])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape,route,shared", CASES, ids=CASE_IDS)
+def test_torchtitan_one_rank_matches_reference(rng, shape, route, shared, dtype):
+    check_against_reference(torchtitan_experts, make_problem(rng, *shape, shared_intermediate=shared, route=route), dtype)
+
+
+def test_torchtitan_pads_expert_segments_to_16_rows():
+    """Rows grouped by (rank, expert): each expert's segment starts at a multiple of 16, ranks in order."""
+    counts_WE = torch.tensor([[3, 0, 17], [2, 0, 1]])
+    dest_N, ends_E = baselines._padded_layout(counts_WE, int(counts_WE.sum()))
+    assert ends_E.tolist() == [16, 16, 48] and ends_E.dtype == torch.int32
+    expected = [0, 1, 2, *range(16, 33), 3, 4, 33]
+    assert dest_N.tolist() == expected
+
+
+def test_torchtitan_rejects_bad_shapes(rng):
+    p = make_problem(rng, 4, 8, 4, 2, 1)
+    with pytest.raises(ValueError, match="topk_weights_TK"):
+        torchtitan_experts(p.x, p.topk_ids, p.topk_weights[:, :0], p.w_gate_up, p.w_down)
+    with pytest.raises(ValueError, match="w_down_EHI"):
+        torchtitan_experts(p.x, p.topk_ids, p.topk_weights, p.w_gate_up, p.w_down[:, :, :1])
+    with pytest.raises(TypeError, match="topk_ids_TK"):
+        torchtitan_experts(p.x, p.topk_ids.float(), p.topk_weights, p.w_gate_up, p.w_down)
+
+
+# --------------------------------------------------------------------------------------------- 2 gloo ranks
+
+WORLD, T, H, I, K, E_LOCAL = 2, 32, 32, 16, 2, 2
+
+
+def _ep_scenarios() -> dict[str, object]:
+    """Global fp64 problems: rank r owns tokens [r*T, (r+1)*T) and experts [r*E_l, (r+1)*E_l)."""
+    gen = torch.Generator().manual_seed(7)
+    num_experts = WORLD * E_LOCAL
+
+    def ids_from(allowed: list[int], weights: list[float]) -> torch.Tensor:
+        probs = torch.tensor(weights, dtype=torch.float64)
+        picks = [torch.multinomial(probs, K, replacement=False, generator=gen) for _ in range(WORLD * T)]
+        return torch.tensor(allowed)[torch.stack(picks)]
+
+    return {
+        "random-shared": make_problem(gen, WORLD * T, H, I, num_experts, K, shared_intermediate=8),
+        # Skewed, and the last expert (rank 1's) gets no token.
+        "skewed-empty-expert": make_problem(gen, WORLD * T, H, I, num_experts, K, shared_intermediate=8,
+                                            topk_ids=ids_from([0, 1, 2], [8.0, 1.0, 1.0])),
+        # Every pair to rank 0's experts: rank 1 receives no row at all.
+        "rank1-receives-nothing": make_problem(gen, WORLD * T, H, I, num_experts, K, topk_ids=ids_from([0, 1], [1, 1])),
+    }
+
+
+def _local(p, rank: int) -> object:
+    """Rank `rank`'s part of the global problem p (the shared expert is replicated)."""
+    tok, exp = slice(rank * T, (rank + 1) * T), slice(rank * E_LOCAL, (rank + 1) * E_LOCAL)
+    mine = make_problem(torch.Generator(), 1, 1, 1, 1, 1)
+    mine.__dict__.update({n: (v[tok] if n in ("x", "topk_ids", "topk_weights", "d_out") else
+                              v[exp] if n in ("w_gate_up", "w_down") else v) for n, v in p.__dict__.items()})
+    return mine
+
+
+def _ep_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    init_gloo(rank, world, port)
+    results = {}
+    try:
+        for name, p in _ep_scenarios().items():
+            for dtype in (torch.float32, torch.bfloat16):
+                try:
+                    results[name, dtype] = run_experts(_local(p, rank).cast(dtype), torchtitan_experts,
+                                                       group=dist.group.WORLD)
+                except Exception as e:  # noqa: BLE001 - reported by the parent
+                    results[name, dtype] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
+    finally:
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+
+
+def _ep_expected(p, dtype) -> list[dict[str, torch.Tensor]]:
+    """Per rank: the reference (in dtype) on its tokens with every expert; the routed weights' gradients
+    summed over the ranks (in fp32 at least) and cut to the rank's experts."""
+    per_rank = []
+    for rank in range(WORLD):
+        tok_only = _local(p, rank)
+        tok_only.w_gate_up, tok_only.w_down = p.w_gate_up, p.w_down
+        per_rank.append(run_reference(tok_only.cast(dtype)))
+    acc = torch.promote_types(dtype, torch.float32)
+    for name in ("d_w_gate_up", "d_w_down"):
+        total = sum(r[name].to(acc) for r in per_rank)
+        for rank, r in enumerate(per_rank):
+            r[name] = total[rank * E_LOCAL : (rank + 1) * E_LOCAL]
+    return per_rank
+
+
+@pytest.fixture(scope="module")
+def ep_results(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("baseline_ep")
+    return run_gloo_workers(_ep_worker, WORLD, (str(out_dir),), out_dir, 120, "torchtitan baseline, 2 ranks")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(_ep_scenarios()))
+def test_torchtitan_two_gloo_ranks_match_reference(ep_results, name, dtype):
+    p = _ep_scenarios()[name]
+    ref64 = _ep_expected(p, torch.float64)
+    ref_low = _ep_expected(p, dtype)
+    for rank in range(WORLD):
+        ours = ep_results[rank][name, dtype]
+        assert "error" not in ours, f"rank {rank}: {ours.get('error')}"
+        assert ours.keys() == ref64[rank].keys()
+        for tensor in ours:
+            label = f"rank {rank}: {tensor}"
+            if dtype == torch.float32:
+                assert_close_tight(label, ours[tensor], ref64[rank][tensor], 1e-5)
+            else:
+                assert_close_budget(label, ours[tensor], ref64[rank][tensor], ref_low[rank][tensor])
+
+
+# --------------------------------------------------------------------------------------------- peers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape,route,shared", CASES[:3], ids=CASE_IDS[:3])
+def test_hf_grouped_mm_matches_reference(rng, shape, route, shared, dtype):
+    pytest.importorskip("transformers.integrations.moe", reason="transformers >= 5 not installed")
+    check_against_reference(hf_grouped_mm_experts, make_problem(rng, *shape, shared_intermediate=shared, route=route),
+                            dtype)
+
+
+def test_liger_when_installed(rng):
+    pytest.importorskip("liger_kernel", reason="liger-kernel not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("liger's fused MoE runs Triton kernels: needs a CUDA GPU")
+    p = make_problem(rng, 64, 64, 32, 8, 2, shared_intermediate=16)
+    check_against_reference(baselines.liger_experts, p, torch.bfloat16, device=torch.device("cuda"))
+
+
+def test_absent_peer_is_a_one_line_note(monkeypatch, capsys):
+    monkeypatch.setitem(baselines.PEER_PACKAGES, "hf-grouped_mm", ("no_such_module_for_megamoe", "transformers"))
+    assert peer_unavailable_reason("hf-grouped_mm", CPU, None) == "transformers not installed"
+    code = run_bench(workloads=["cpu-small"], backends=["torch"], routing="balanced", tokens=16, iters=1, warmup=0,
+                     dtype=None, experts_per_gpu=None, json_path=None, peers=["hf-grouped_mm"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "note: hf-grouped_mm: transformers not installed" in out, out
+    assert " hf-grouped_mm " not in out, "an absent peer must not get table rows"
+
+
+def test_peers_run_on_one_gpu_only(monkeypatch):
+    monkeypatch.setitem(baselines.PEER_PACKAGES, "hf-grouped_mm", ("torch", "transformers"))  # "installed"
+    assert peer_unavailable_reason("hf-grouped_mm", CPU, group=object()) == "unavailable: one GPU only"
+    with pytest.raises(ValueError, match="group: hf-grouped_mm runs on one GPU only"):
+        hf_grouped_mm_experts(*(None,) * 5, group=object())
+
+
+def test_unknown_peer_is_a_value_error():
+    with pytest.raises(ValueError, match="peers: unknown 'nope'"):
+        run_bench(workloads=["cpu-small"], backends=None, routing="balanced", tokens=16, iters=1, warmup=0,
+                  dtype=None, experts_per_gpu=None, json_path=None, peers=["nope"])
+
+
+# --------------------------------------------------------------------------------------------- harness
+
+
+def test_bench_times_torchtitan_first_and_gates_peers(tmp_path, capsys):
+    """A tiny CPU run: torchtitan records come first; an installed peer is gated and timed like a backend."""
+    import json
+
+    has_hf = importlib.util.find_spec("transformers") is not None
+    path = tmp_path / "run.json"
+    code = run_bench(workloads=["cpu-small"], backends=None, routing="skewed", tokens=32, iters=1, warmup=0,
+                     dtype=None, experts_per_gpu=None, json_path=str(path), peers=["hf-grouped_mm", "liger"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    records = json.loads(path.read_text())
+    backends = list(dict.fromkeys(r["backend"] for r in records))
+    assert backends[:2] == ["torchtitan", "torch"] and ("hf-grouped_mm" in backends) == has_hf, backends
+    assert "vs torchtitan" in out and " portable " in out, out
+    if importlib.util.find_spec("liger_kernel") is None:
+        assert "note: liger: liger-kernel not installed" in out, out
+
+
+def test_speedup_column_is_against_torchtitan():
+    def row(backend, pass_name, ms):
+        return {"workload": "w", "experts_per_gpu": 8, "routing": "balanced", "load": 1.0, "backend": backend,
+                "pass": pass_name, "ms": ms, "tflops": 1.0, "status": "ok"}
+
+    rows = [row("torchtitan", "fwd", 3.0), row("torch", "fwd", 4.0), row("triton", "fwd", 1.5),
+            row("torch", "fwd+bwd", 2.0)]
+    lines = format_table(rows, on_gpu=False).splitlines()
+    assert lines[0].split()[-2:] == ["vs", "torchtitan"]
+    assert [line.split()[4] for line in lines[1:]] == ["torchtitan", "portable", "triton", "portable"]
+    assert [line.split()[-1] for line in lines[1:]] == ["1.00x", "0.75x", "2.00x", "-"]
+
+
+def _readme_table_module():
+    spec = importlib.util.spec_from_file_location("readme_table", REPO / "benchmarks" / "readme_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readme_table_against_torchtitan_and_old_files():
+    def record(backend, ms, source):
+        return {"gpu": "H200", "ep": 1, "workload": "qwen3-30b-a3b", "experts_per_gpu": 128, "tokens": 16384,
+                "routing": "balanced", "pass": "fwd", "backend": backend, "ms": ms, "tflops": 100 / ms,
+                "mfu": 0.5, "peak_mem_bytes": 2**30, "source": source}
+
+    table = _readme_table_module().table([
+        record("torchtitan", 6.0, "new.json"), record("torch", 5.0, "new.json"), record("triton", 2.0, "new.json"),
+        record("torch", 5.0, "old.json"), record("triton", 2.5, "old.json"),
+    ])
+    header, _, new, old = table.splitlines()
+    assert "| torchtitan ms (TFLOP/s) | portable torch ms (TFLOP/s) | triton ms (TFLOP/s) |" in header
+    assert "| peak mem torchtitan / torch / triton (GiB) | triton vs torchtitan | source |" in header
+    assert "| 6.00 (17) | 5.00 (20) | 2.00 (50) | 50% | 1.0 / 1.0 / 1.0 | 3.00x | new.json |" in new
+    assert "| - | 5.00 (20) | 2.50 (40) | 50% | - / 1.0 / 1.0 | - | old.json |" in old
