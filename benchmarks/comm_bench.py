@@ -7,7 +7,8 @@ iterations of the max over ranks (megamoe.bench.measure.median_ms):
   kernel    its row copy alone (the kernel and its per-call index maps), buffers published beforehand.
 --sweep also times the kernel at every launch shape of SHAPES (programs per SM, bytes per step, warps).
 Payload = rows that cross GPUs (source rank != destination rank) x H x 2 bytes, per rank; the
-copy-engine-free ceiling on NV18 is ~367 GB/s one way by SM pull (DESIGN.md).
+copy-engine-free ceiling on NV18 is ~367 GB/s one way by SM pull (measured on 2x H200 by an earlier
+session, docs/perf-notes.md).
 """
 
 from __future__ import annotations

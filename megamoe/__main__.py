@@ -1,4 +1,4 @@
-"""`python -m megamoe COMMAND`: command-line tools (bench: BENCHMARKS.md). Run under torchrun for expert parallelism."""
+"""`python -m megamoe COMMAND`: command-line tools (bench: docs/design.md). Run under torchrun for expert parallelism."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _add_bench(commands) -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench",
         help="time megamoe's backends against a TorchTitan-style baseline (and optional peers)",
-        description="Gate each backend against megamoe.reference, then time fwd and fwd+bwd (BENCHMARKS.md). "
+        description="Gate each backend against megamoe.reference, then time fwd and fwd+bwd (docs/design.md). "
         f"Speed-ups are against {BASELINE!r}, what TorchTitan users run (token sort, torch._grouped_mm, "
         "all_to_all with host-side split sizes; megamoe.bench.baselines), which always runs; megamoe's portable "
         "'torch' backend is printed as 'portable'. "

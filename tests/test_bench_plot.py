@@ -18,7 +18,7 @@ CEILING = 784.0
 
 
 def make_records(ep: int, backends=("torchtitan", "torch", "triton"), workloads=("qwen3-30b-a3b", "mixtral-8x7b")) -> list[dict]:
-    """Bench records (every field of BENCHMARKS.md) with made-up, distinct TFLOP/s."""
+    """Bench records (every field of megamoe.bench.run.RECORD_FIELDS) with made-up, distinct TFLOP/s."""
     records = []
     for w, workload in enumerate(workloads):
         for routing in ("balanced", "skewed"):

@@ -112,7 +112,7 @@ def _gemm_constexprs(fn, cfg: TileConfig, extra: dict) -> dict:
     return consts
 
 
-# Integer arguments that are multiples of 16 at every workload of BENCHMARKS.md (H, I); Triton's launcher
+# Integer arguments that are multiples of 16 at every benchmarked workload (H, I); Triton's launcher
 # specialises such arguments (and 16-byte aligned pointers) the same way at run time, which is what
 # lets the K loop use 16-byte cp.async copies and be software-pipelined.
 _DIVISIBLE_INTS = {"H", "I"}

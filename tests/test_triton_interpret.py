@@ -11,7 +11,7 @@ with its output if any interpreted test fails; the other tests are skipped there
 
 Shapes are tiny; dtypes fp32 and fp16 (the interpreter cannot run bf16 tl.dot). Each kernel is checked
 against an fp64 torch computation from the schedule, and the full path against megamoe.reference.experts
-in fp64 + autograd within the STYLE.md error budget. Launcher outputs are NaN-poisoned, so an element a
+in fp64 + autograd within the error budget (docs/design.md). Launcher outputs are NaN-poisoned, so an element a
 kernel forgets to write fails; rows past the rows in use are NaN-filled inputs, so a kernel that reads
 them fails. The expert-parallel driver (ep.py) runs on a one-rank group with a CPU workspace and must
 match experts.py bitwise, for every dispatch/combine direction and every overlap setting (communication
@@ -293,7 +293,7 @@ def test_combine_and_bwd(dtype, shared):
 
 
 def budget_check(name, got, want64, ref_lowp):
-    """STYLE.md error budget: |ours - fp64| <= 2 |reference in the same dtype - fp64| + 1e-5 (max norms)."""
+    """The error budget (docs/design.md): |ours - fp64| <= 2 |reference in the same dtype - fp64| + 1e-5 (max norms)."""
     assert not torch.isnan(got).any(), f"{name}: NaN"
     err = (got.double() - want64).abs().max().item()
     ref_err = (ref_lowp.double() - want64).abs().max().item()

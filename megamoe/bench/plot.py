@@ -5,7 +5,7 @@ In each panel a group of bars per workload, one bar per series: the backend, lab
 when the record's ep > 1 (and with the GPU name too when the records come from several GPUs). The bf16
 matmul ceiling measured in the same run (`ceiling_tflops`, absent on CPU) is a dashed horizontal line.
 
-Records are the JSON records of BENCHMARKS.md (megamoe.bench.run.RECORD_FIELDS). matplotlib is imported
+Records are the JSON records of `python -m megamoe bench --json` (megamoe.bench.run.RECORD_FIELDS). matplotlib is imported
 only when a plot is drawn: it is a test/extra dependency, not one of megamoe's.
 """
 
@@ -54,7 +54,7 @@ def load_records(paths: list[str | Path]) -> list[dict]:
         for i, record in enumerate(data):
             missing = [f for f in NEEDED_FIELDS if not isinstance(record, dict) or f not in record]
             if missing:
-                raise ValueError(f"{path}: record {i} lacks {', '.join(missing)} (fields: BENCHMARKS.md)")
+                raise ValueError(f"{path}: record {i} lacks {', '.join(missing)} (fields: megamoe.bench.run.RECORD_FIELDS)")
         records += data
     return records
 

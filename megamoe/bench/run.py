@@ -34,7 +34,7 @@ TOKEN_SEED = 10_000  # + rank: every rank routes its own tokens
 RECORD_FIELDS = (
     "workload", "backend", "pass", "routing", "ep", "tokens", "experts_per_gpu", "ms", "tflops", "mfu",
     "ceiling_tflops", "peak_mem_bytes", "gpu", "torch", "triton", "commit",
-)  # BENCHMARKS.md
+)  # every record's fields (docs/design.md)
 
 
 def init_distributed() -> tuple[object, torch.device]:

@@ -1,4 +1,4 @@
-"""The benchmarked MoE layers (BENCHMARKS.md), the FLOPs they are credited with, and how many experts fit."""
+"""The benchmarked MoE layers (real models' MoE layers, per GPU), the FLOPs they are credited with, and how many experts fit."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ CPU_WORKLOADS = ("cpu-small",)
 
 
 def layer_flops(w: Workload, num_tokens: int, pass_name: str) -> int:
-    """FLOPs of one layer on num_tokens tokens, counted as BENCHMARKS.md says.
+    """FLOPs of one layer on num_tokens tokens, counted as every published MoE benchmark here counts them.
 
     Forward: 6*T*k*H*I for the routed experts (gate, up and down matmuls) + 6*T*H*I_s for the shared
     expert; backward = 2x forward. Experts cut to fit a GPU do not change it: every token still goes to k.

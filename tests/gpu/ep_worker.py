@@ -2,7 +2,7 @@
 
 Every rank builds the same global problem (same seed), runs its shard through megamoe.experts with a
 group, and compares its outputs and gradients with the fp64 reference of the global problem (error
-budget as STYLE.md) — for every backend and direction, bitwise across runs, directions and EP overlap
+budget as docs/design.md) — for every backend and direction, bitwise across runs, directions and EP overlap
 settings (num_comm_sms, minibatch_tokens), under a CUDA graph, with skewed routing and an empty rank. Exits non-zero on the first failure.
 Usage: torchrun --nproc-per-node=N tests/gpu/ep_worker.py [checks|timeout]
 """

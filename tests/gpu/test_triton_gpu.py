@@ -3,9 +3,9 @@ CUDA-graph replay with new routing, and no host synchronisation.
 
 Run on a CUDA machine: pytest -m gpu tests/gpu/test_triton_gpu.py  (skipped without CUDA).
 
-Accuracy (STYLE.md): for every output, max |ours - fp64 reference| <= 2 * max |reference in bf16 - fp64
+Accuracy (docs/design.md): for every output, max |ours - fp64 reference| <= 2 * max |reference in bf16 - fp64
 reference| + 1e-5, where the reference is megamoe.reference.experts (+ autograd). Workloads are small
-versions (fewer tokens and experts, real H and I, so the real tile-table entries run) of BENCHMARKS.md.
+versions (fewer tokens and experts, real H and I, so the real tile-table entries run) of the benchmarked workloads (megamoe.bench.workloads).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def error_budget(ref_err: float, numel: int) -> float:
-    """STYLE.md's budget: 2x the bf16 reference's relative error, plus a noise floor. The reference's
+    """The error budget (docs/design.md): 2x the bf16 reference's relative error, plus a noise floor. The reference's
     error on n elements is itself a random draw (for a single dot product it can be 50x below typical),
     so one bf16 ulp (2^-8) / sqrt(n) is added to it before doubling; on large tensors this is nil."""
     return 2 * (ref_err + 2.0**-8 / numel**0.5) + 1e-5

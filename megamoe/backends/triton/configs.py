@@ -1,7 +1,7 @@
 """Fixed tile table of the Triton backend: per architecture and shape class, no runtime autotuning.
 
-Autotuning picks configs by timing, which would make results depend on the machine's mood (DESIGN.md,
-promise 1); so every kernel's tile shape comes from this table, chosen by (arch, dtype, shape class).
+Autotuning picks configs by timing, which would make results depend on the machine's mood (promise 1 in
+docs/design.md); so every kernel's tile shape comes from this table, chosen by (arch, dtype, shape class).
 Benchmarks (not tests) are where new entries are justified.
 
 Hopper (sm_90) entries are sized for wgmma: 128-row tiles over 8 warps (two warpgroups of 64 rows),
