@@ -3,7 +3,22 @@
 It runs on CPU (gloo) and any GPU (NCCL), and is the baseline the benchmarks compare against: what a
 user would otherwise write (TorchTitan-like: token gather, `torch._grouped_mm` over expert segments
 padded to 16 rows, all_to_all with split sizes known on the host). Forward and backward are written
-out by hand so that every reduction has a fixed order: the slot sums run in fp32, j = 0..k-1.
+out by hand, in eager ops chosen for the bytes they move, so that every reduction has a fixed order.
+
+Precision (bf16/fp16 inputs; fp32 and fp64 run the same ops in their own dtype):
+- GEMMs run in the input dtype (fp32 accumulation inside); SwiGLU and its backward run in the input dtype
+  with fp32 math inside each op, one rounding per op: exactly the ops of PyTorch's own F.silu(g) * u and
+  its autograd (the error-budget reference), never an fp32 copy of [R, 2I].
+- Forward slot sum: out[t] = sum_j w[t, j] * y[t, j] + shared[t], products and sums in fp32 (fp64 for
+  fp64), j = 0..k-1 in order, one chain of in-place fp32 ops (the documented math, the same fp32 ops as
+  before).
+- Backward: d_y = w * d_out in fp32, rounded once; d_x[t] = sum_j d_x_pairs[t, j] by one torch.sum with
+  fp32 accumulation, whose order is fixed by the shapes (j = 0..k-1 on CPU and for k <= 4 on CUDA;
+  CUDA's reduction kernel pairs slots j and j+4 for larger k); d_topk_weights[t, j] = <d_out[t], y[t, j]>
+  summed in fp32 over products rounded once to the input dtype.
+Deterministic: no atomics, no index_add_/scatter_add_; every scatter (index_copy_) has unique targets.
+No host sync on the one-process path. With a group, the split sizes go to the host once per forward
+(see the NOTE in _exchange); the backward reuses that exchange (saved with the activations).
 
 Backend interface (shared with the triton backend):
     block_m_for(hidden, intermediate, dtype) -> int      rows per expert-segment block for build_schedule
@@ -12,6 +27,10 @@ Backend interface (shared with the triton backend):
         -> (out [T, H], saved: tuple of tensors for the backward)
     experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config, saved)
         -> (d_x, d_topk_weights, d_w_gate_up, d_w_down, d_shared_gate_up | None, d_shared_down | None)
+
+saved = (x_rows [R, H], gate_up [R, 2I], h [R, I], y_pairs [T, k, H]), then with a shared expert
+(shared_gate_up_out [T, 2I_s], shared_h [T, I_s]), then with a group of W > 1 ranks the exchange
+(send_order [T*k] int64, recv_order [R] int64, splits [2, W] int64 on the CPU).
 """
 
 from __future__ import annotations
@@ -19,9 +38,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 
-from megamoe.schedule import Schedule
+from megamoe.schedule import Schedule, receive_rows
 
 GROUPED_MM_ALIGN = 16
 
@@ -62,38 +80,64 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Te
     return torch.stack([a[:, bounds[e] : bounds[e + 1]] @ b[bounds[e] : bounds[e + 1]] for e in range(len(bounds) - 1)])
 
 
-def _acc(t: torch.Tensor) -> torch.Tensor:
-    """t in its accumulation precision: fp32, or fp64 for fp64 inputs."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation precision of dtype: fp32, or fp64 for fp64."""
+    return torch.promote_types(dtype, torch.float32)
 
 
-def swiglu_fwd(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = _acc(gate_up).chunk(2, dim=-1)
-    return (F.silu(gate) * up).to(gate_up.dtype)
+def swiglu_fwd(gate_up: torch.Tensor, live: int | None = None) -> torch.Tensor:
+    """h = silu(gate) * up in gate_up's dtype (fp32 math inside each op, one rounding per op, as PyTorch's
+    F.silu(g) * u): two passes over [R, I], 10 B per element in bf16 (was an fp32 copy of [R, 2I] and fp32
+    temporaries, 38 B). Only the first `live` rows are computed (the rest of h is left unwritten)."""
+    gate, up = gate_up[:live].chunk(2, dim=-1)
+    h = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    torch.ops.aten.silu.out(gate, out=h[:live]).mul_(up)
+    return h
 
 
-def swiglu_bwd(gate_up: torch.Tensor, d_h: torch.Tensor) -> torch.Tensor:
-    gate, up = _acc(gate_up).chunk(2, dim=-1)
-    sig = torch.sigmoid(gate)
-    d_h = _acc(d_h)
-    d_gate = d_h * up * sig * (1 + gate * (1 - sig))
-    d_up = d_h * gate * sig
-    return torch.cat([d_gate, d_up], dim=-1).to(gate_up.dtype)
+def swiglu_bwd(gate_up: torch.Tensor, d_h: torch.Tensor, live: int | None = None) -> torch.Tensor:
+    """d_gate_up [R, 2I] of swiglu_fwd, written in place into one buffer (no fp32 copies, no cat): the ops
+    of PyTorch's autograd of F.silu(g) * u, 22 B per element of [R, I] in bf16 (was 142). d_h is consumed
+    (overwritten). Only the first `live` rows are computed (the rest of d_gate_up is left unwritten)."""
+    gate, up = gate_up[:live].chunk(2, dim=-1)
+    d_gate_up = torch.empty_like(gate_up)
+    d_gate, d_up = d_gate_up[:live].chunk(2, dim=-1)
+    d_h = d_h[:live]
+    torch.ops.aten.silu.out(gate, out=d_up)  # s = silu(gate), recomputed straight into d_up's half
+    d_up.mul_(d_h)  # d_up = d_h * s
+    torch.ops.aten.silu_backward.grad_input(d_h.mul_(up), gate, grad_input=d_gate)  # silu'(gate) * (d_h * up)
+    return d_gate_up
 
 
 @dataclasses.dataclass
 class _Exchange:
-    """How rows move between token owners and expert owners for one schedule.
+    """How rows move between token owners and expert owners for one schedule (built once per forward,
+    saved for the backward).
 
-    send_order [T*k]: this rank's pairs sorted by (dest rank, dest row) — the order all_to_all sends them.
-    recv_rows  [n]:   receive rows sorted by (source rank, row) — the order all_to_all delivers them.
-    send_splits / recv_splits: rows per peer rank (host ints; see the NOTE in _exchange).
+    send_order [T*k]: this rank's pairs sorted by (dest rank, dest row) — the order all_to_all sends them;
+                      pairs that did not fit a capacity come last (not sent).
+    recv_order [R]:   receive rows sorted by (source rank, row) — the order all_to_all delivers them — then
+                      the rows nobody sends (padding, unused).
+    splits [2, W]:    int64 on the CPU: rows sent to / received from each peer rank.
     """
 
     send_order: torch.Tensor
-    recv_rows: torch.Tensor
-    send_splits: list[int]
-    recv_splits: list[int]
+    recv_order: torch.Tensor
+    splits: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.send_splits, self.recv_splits = self.splits.tolist()  # a CPU tensor: no device sync here
+        self.num_sent, self.num_received = sum(self.send_splits), sum(self.recv_splits)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.send_order, self.recv_order, self.splits
+
+    def live_rows(self, schedule: Schedule) -> int:
+        """A bound on the receive rows in use (expert_offsets[-1]) from the host's split sizes: each local
+        expert pads its received rows by at most block_m - 1. The buffer is sized for the worst case (all
+        W*T*k pairs of the group here): elementwise work on rows past this bound would be wasted (about
+        (W - 1) / W of it with balanced routing)."""
+        return min(schedule.num_rows, self.num_received + schedule.num_local_experts * (schedule.block_m - 1))
 
 
 def _exchange(schedule: Schedule) -> _Exchange:
@@ -108,10 +152,13 @@ def _exchange(schedule: Schedule) -> _Exchange:
     recv_key = src_rank * rows + torch.arange(rows, device=src.device)
     recv_order = torch.argsort(recv_key, stable=True)
     ranks = torch.arange(world, device=src.device)
+    # Counted with masks, not boolean indexing (which would sync the host on its own).
+    send_counts = ((dest_rank.unsqueeze(1) == ranks) & (dest_row >= 0).unsqueeze(1)).sum(0)
+    recv_counts = (src_rank.unsqueeze(1) == ranks).sum(0)
     # NOTE: host sync — all_to_all needs split sizes on the host (as TorchTitan and DeepEP's default do).
-    send_splits = (dest_rank[dest_row >= 0].unsqueeze(1) == ranks).sum(0).tolist()
-    recv_splits = (src_rank.unsqueeze(1) == ranks).sum(0).tolist()
-    return _Exchange(send_order, recv_order[: sum(recv_splits)], send_splits, recv_splits)
+    # Once per forward, both directions in one copy; the backward reuses them (saved, on the CPU).
+    splits = torch.stack([send_counts, recv_counts]).cpu()
+    return _Exchange(send_order, recv_order, splits)
 
 
 def _all_to_all(rows_N: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -122,117 +169,216 @@ def _all_to_all(rows_N: torch.Tensor, out_splits: list[int], in_splits: list[int
     return out
 
 
-def to_rows(source: torch.Tensor, schedule: Schedule, group, *, per_token: bool) -> torch.Tensor:
-    """Token owner's rows -> the expert owner's receive rows [R, ...] (padding rows zero).
+def _is_local(schedule: Schedule, group) -> bool:
+    return group is None or schedule.world_size == 1
+
+
+def _dropless(schedule: Schedule) -> bool:
+    """Whether every pair has a receive row, known from the shapes alone (no host sync): the receive buffer
+    is the worst case (MoEConfig.capacity_factor None, or a capacity at least that large)."""
+    worst = receive_rows(
+        schedule.num_tokens, schedule.top_k, schedule.num_local_experts, schedule.world_size, schedule.block_m, None
+    )
+    return schedule.num_rows >= worst
+
+
+def to_rows(
+    source: torch.Tensor, schedule: Schedule, group, ex: _Exchange | None = None, *, per_token: bool,
+    pair_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Token owner's rows -> the expert owner's receive rows [R, ...] (padding rows zero; with a group, rows
+    past ex.live_rows, which nothing reads, are left unwritten).
 
     source: [T, ...] one row per token (per_token) or [T*k, ...] one row per (token, slot) pair.
+    pair_scale: optional [T, k]: each row is multiplied by its pair's value (fp32 math, one rounding to
+        source's dtype; padding rows stay zero) — the router-weighted d_out of the backward.
+    ex: the forward's exchange (with a group).
     """
     k = schedule.top_k if per_token else 1
-    if group is None or schedule.world_size == 1:
-        # One gather: padding rows (-1) read an appended zero row.
+    if _is_local(schedule, group):
+        # One gather: padding rows (-1) read an appended zero row (the copy of source costs T rows, the
+        # gather R; zeroing the padding rows after the gather would cost another pass over R rows).
         src = schedule.row_src.long()
         padded = torch.cat([source, source.new_zeros(1, *source.shape[1:])])
-        return padded[torch.where(src >= 0, src // k, source.shape[0])]
-    rows = source.new_zeros(schedule.num_rows, *source.shape[1:])
-    ex = _exchange(schedule)
-    sent = source[ex.send_order[: sum(ex.send_splits)] // k]
+        rows = padded.index_select(0, torch.where(src >= 0, src // k, source.shape[0]))
+        if pair_scale is not None:
+            scale = pair_scale.reshape(-1)
+            pair = torch.where(src >= 0, src, scale.numel())
+            scale_rows = torch.cat([scale, scale.new_zeros(1)]).index_select(0, pair)
+            rows.mul_(scale_rows.unsqueeze(1))  # in place: one pass over [R, H] (was 20 B/element of fp32 temporaries)
+        return rows
+    send = ex.send_order[: ex.num_sent]
+    sent = source.index_select(0, send // k)
+    if pair_scale is not None:  # scaled on the sending side: the same products, no separate exchange of weights
+        sent.mul_(pair_scale.reshape(-1).index_select(0, send).unsqueeze(1))
     received = _all_to_all(sent, ex.recv_splits, ex.send_splits, group)
-    return rows.index_copy(0, ex.recv_rows, received)
+    # The received rows copied and the padding rows zeroed, each written once (was a zero-fill of all R
+    # rows, then the copy). Rows past live_rows are never read and stay unwritten: recv_order lists the
+    # rows nobody sends by ascending row, so the first live - num_received of them are the ones below live.
+    rows = received.new_empty(schedule.num_rows, *source.shape[1:])
+    rows.index_copy_(0, ex.recv_order[: ex.num_received], received)
+    live = ex.live_rows(schedule)
+    if ex.num_received < live:
+        rows.index_fill_(0, ex.recv_order[ex.num_received : live], 0)
+    return rows
 
 
-def to_pairs(rows_RH: torch.Tensor, schedule: Schedule, group) -> torch.Tensor:
+def to_pairs(rows_RH: torch.Tensor, schedule: Schedule, group, ex: _Exchange | None = None) -> torch.Tensor:
     """Receive rows [R, H] -> the token owner's (token, slot) rows [T*k, H] (zero if a capacity dropped them)."""
     pairs = schedule.num_tokens * schedule.top_k
-    if group is None or schedule.world_size == 1:
+    if _is_local(schedule, group):
         dest = schedule.dest_row.reshape(-1).long()
-        return torch.where((dest >= 0).unsqueeze(1), rows_RH[dest.clamp(min=0)], 0).to(rows_RH.dtype)
-    ex = _exchange(schedule)
-    returned = _all_to_all(rows_RH[ex.recv_rows], ex.send_splits, ex.recv_splits, group)
-    out = rows_RH.new_zeros(pairs, rows_RH.shape[1])
-    return out.index_copy(0, ex.send_order[: sum(ex.send_splits)], returned)
+        if _dropless(schedule):  # every pair has a row: one gather (was a gather plus a where-copy)
+            return rows_RH.index_select(0, dest)
+        out = rows_RH.index_select(0, dest.clamp(min=0))
+        return out.masked_fill_((dest < 0).unsqueeze(1), 0)
+    sent = rows_RH.index_select(0, ex.recv_order[: ex.num_received])
+    returned = _all_to_all(sent, ex.send_splits, ex.recv_splits, group)
+    if ex.num_sent == pairs:  # every pair came back: no zero-fill
+        out = rows_RH.new_empty(pairs, rows_RH.shape[1])
+    else:
+        out = rows_RH.new_zeros(pairs, rows_RH.shape[1])
+    return out.index_copy_(0, ex.send_order[: ex.num_sent], returned)
 
 
-def slot_sum(pairs_TKH: torch.Tensor, weights_TK: torch.Tensor | None) -> torch.Tensor:
-    """sum_j w[t, j] * pairs[t, j] in fp32 (fp64 for fp64), j in order 0..k-1."""
-    acc_dtype = torch.promote_types(pairs_TKH.dtype, torch.float32)
-    acc = torch.zeros(pairs_TKH.shape[0], pairs_TKH.shape[2], dtype=acc_dtype, device=pairs_TKH.device)
-    for j in range(pairs_TKH.shape[1]):  # in place, one pass over acc per slot
-        if weights_TK is None:
-            acc.add_(pairs_TKH[:, j])
+def weighted_slot_sum(
+    y_TKH: torch.Tensor, weights_TK: torch.Tensor, extra_TH: torch.Tensor | None = None
+) -> torch.Tensor:
+    """out[t] = sum_j w[t, j] * y[t, j] (+ extra[t]) in fp32 (fp64 for fp64), j = 0..k-1 in order, then cast
+    to y's dtype: the documented math, the same fp32 operations as the zero-initialised loop it replaces.
+
+    An explicit chain of in-place fp32 ops rather than one batched reduction: in eager torch a batched one
+    needs the products w * y first, rounded to bf16 (or bf16 weights in a bmm), which the documented math
+    does not round, and its order is not j = 0..k-1 on CUDA. The chain reads and writes the fp32
+    accumulator once per slot; it starts from the first product (no zero-fill) and writes the last op's
+    result straight in y's dtype (no separate cast pass): (10k - 6) B per [T, H] element in bf16, 10k + 4
+    with a shared expert (was 10k + 10 and 10k + 20).
+    """
+    acc_dtype = _acc_dtype(y_TKH.dtype)
+    num_tokens, top_k, hidden = y_TKH.shape
+    w = weights_TK.to(acc_dtype)
+    final = y_TKH.new_empty(num_tokens, hidden) if y_TKH.dtype != acc_dtype else None
+    last = top_k - 1 if extra_TH is None and final is not None else top_k  # the op that writes `final`
+    acc = torch.mul(y_TKH[:, 0], w[:, 0:1], out=final if last == 0 else None)
+    for j in range(1, top_k):
+        if j == last:
+            acc = torch.addcmul(acc, w[:, j : j + 1], y_TKH[:, j], out=final)
         else:
-            acc.addcmul_(weights_TK[:, j : j + 1].to(acc_dtype), pairs_TKH[:, j])
+            acc.addcmul_(w[:, j : j + 1], y_TKH[:, j])
+    if extra_TH is not None:
+        return torch.add(acc, extra_TH, out=final) if final is not None else acc.add_(extra_TH)
     return acc
 
 
-def rows_fwd(x_rows, w_gate_up, w_down, ends):
-    """Expert MLPs over receive rows: returns (gate_up [R, 2I] pre-activation, y_rows [R, H])."""
+def slot_sum(pairs_TKH: torch.Tensor, extra_TH: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_j pairs[t, j] (+ extra[t]) accumulated in fp32 (fp64 for fp64), in pairs' dtype.
+
+    One torch.sum over the k dim (reads the pairs once; was k passes over an fp32 [T, H] accumulator,
+    10 B per element per slot): the reduction kernel accumulates in fp32 and rounds once, in an order fixed
+    by the shapes (see the module docstring), so it is deterministic. With extra, the fp32 sum is kept and
+    extra added before the one rounding.
+    """
+    if extra_TH is None:
+        return pairs_TKH.sum(dim=1)  # low precision: fp32 accumulation inside, one rounding at the end
+    acc = pairs_TKH.sum(dim=1, dtype=_acc_dtype(pairs_TKH.dtype))
+    return torch.add(acc, extra_TH, out=torch.empty_like(extra_TH))
+
+
+def pair_weight_grads(d_out: torch.Tensor, y_pairs_TKH: torch.Tensor) -> torch.Tensor:
+    """d_topk_weights[t, j] = <d_out[t], y[t, j]> summed in fp32 (fp64 for fp64).
+
+    The products are rounded once to the inputs' dtype (one pass over [T, k, H] in bf16, then one read by
+    the reduction: 6 B/element; was an fp32 copy of y_pairs and an fp32 product, ~18 B/element).
+    """
+    return (y_pairs_TKH * d_out.unsqueeze(1)).sum(-1, dtype=_acc_dtype(d_out.dtype))
+
+
+def rows_fwd(x_rows, w_gate_up, w_down, ends, live: int | None = None):
+    """Expert MLPs over receive rows: returns (gate_up [R, 2I] pre-activation, h [R, I], y_rows [R, H]).
+    live: a bound on the rows in use (ends[-1] <= live); SwiGLU skips the rows past it."""
     gate_up = grouped_mm(x_rows, w_gate_up.transpose(1, 2), ends)
-    return gate_up, grouped_mm(swiglu_fwd(gate_up), w_down.transpose(1, 2), ends)
+    h = swiglu_fwd(gate_up, live)
+    return gate_up, h, grouped_mm(h, w_down.transpose(1, 2), ends)
 
 
-def rows_bwd(d_y_rows, x_rows, gate_up, w_gate_up, w_down, ends):
-    """Backward of rows_fwd: returns (d_x_rows [R, H], d_w_gate_up, d_w_down)."""
-    d_w_down = grouped_mm(d_y_rows.t(), swiglu_fwd(gate_up), ends)
-    d_gate_up = swiglu_bwd(gate_up, grouped_mm(d_y_rows, w_down, ends))
+def rows_bwd(d_y_rows, x_rows, gate_up, h, w_gate_up, w_down, ends, live: int | None = None):
+    """Backward of rows_fwd: returns (d_x_rows [R, H], d_w_gate_up, d_w_down). h comes saved from the forward
+    (2 B per [R, I] element held; was recomputed here, an extra SwiGLU forward of 38 B per element)."""
+    d_w_down = grouped_mm(d_y_rows.t(), h, ends)
+    d_gate_up = swiglu_bwd(gate_up, grouped_mm(d_y_rows, w_down, ends), live)
     d_w_gate_up = grouped_mm(d_gate_up.t(), x_rows, ends)
     return grouped_mm(d_gate_up, w_gate_up, ends), d_w_gate_up, d_w_down
 
 
 def shared_fwd(x, shared_gate_up, shared_down):
-    return swiglu_fwd(x @ shared_gate_up.t()) @ shared_down.t()
-
-
-def shared_bwd(d_out, x, shared_gate_up, shared_down):
-    """Returns (d_x, d_shared_gate_up, d_shared_down) of the shared expert, recomputing its activations."""
+    """The shared expert: returns (out [T, H], pre [T, 2I_s], h [T, I_s]); pre and h are kept for the backward."""
     pre = x @ shared_gate_up.t()
-    d_shared_down = d_out.t() @ swiglu_fwd(pre)
+    h = swiglu_fwd(pre)
+    return h @ shared_down.t(), pre, h
+
+
+def shared_bwd(d_out, x, shared_gate_up, shared_down, pre, h):
+    """Returns (d_x, d_shared_gate_up, d_shared_down) of the shared expert from the forward's pre and h
+    (was a recompute of x @ shared_gate_up.T: 2*T*H*2I_s FLOPs saved)."""
+    d_shared_down = d_out.t() @ h
     d_pre = swiglu_bwd(pre, d_out @ shared_down)
     return d_pre @ shared_gate_up, d_pre.t() @ x, d_shared_down
 
 
-def weighted_rows(d_out_rows: torch.Tensor, weight_rows: torch.Tensor) -> torch.Tensor:
-    """d_y of each receive row: its pair's router weight times d_out of its token (fp32 product, cast)."""
-    return (_acc(weight_rows).view(-1, 1) * _acc(d_out_rows)).to(d_out_rows.dtype)
-
-
 def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule: Schedule, group, config=None):
+    ex = None if _is_local(schedule, group) else _exchange(schedule)
     ends = schedule.expert_offsets[1:]
-    x_rows = to_rows(x, schedule, group, per_token=True)
-    gate_up, y_rows = rows_fwd(x_rows, w_gate_up, w_down, ends)
-    y_pairs = to_pairs(y_rows, schedule, group).view(schedule.num_tokens, schedule.top_k, x.shape[1])
-    out = slot_sum(y_pairs, topk_weights)
+    live = None if ex is None else ex.live_rows(schedule)
+    x_rows = to_rows(x, schedule, group, ex, per_token=True)
+    gate_up, h, y_rows = rows_fwd(x_rows, w_gate_up, w_down, ends, live)
+    y_pairs = to_pairs(y_rows, schedule, group, ex).view(schedule.num_tokens, schedule.top_k, x.shape[1])
+    del y_rows
+    shared_out, shared_saved = None, ()
     if shared_gate_up is not None:
-        out = out + shared_fwd(x, shared_gate_up, shared_down)
-    return out.to(x.dtype), (x_rows, gate_up, y_pairs)
+        shared_out, *shared_saved = shared_fwd(x, shared_gate_up, shared_down)
+    out = weighted_slot_sum(y_pairs, topk_weights, shared_out)
+    exchange_saved = () if ex is None else ex.tensors()
+    return out.to(x.dtype), (x_rows, gate_up, h, y_pairs, *shared_saved, *exchange_saved)
 
 
 def empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule: Schedule) -> tuple[torch.Tensor, ...]:
     """Tensors shaped like experts_fwd's `saved` (for torch.compile's fake implementation)."""
-    rows, hidden = schedule.num_rows, x.shape[1]
-    return (
+    rows, hidden, two_i = schedule.num_rows, x.shape[1], w_gate_up.shape[1]
+    saved = [
         x.new_empty(rows, hidden),
-        x.new_empty(rows, w_gate_up.shape[1]),
+        x.new_empty(rows, two_i),
+        x.new_empty(rows, two_i // 2),
         x.new_empty(schedule.num_tokens, schedule.top_k, hidden),
-    )
-
-
-def pair_weight_grads(d_out: torch.Tensor, y_pairs_TKH: torch.Tensor) -> torch.Tensor:
-    """d_topk_weights[t, j] = <d_out[t], y[t, j]> in fp32 (fp64 for fp64)."""
-    acc_dtype = torch.promote_types(d_out.dtype, torch.float32)
-    return (d_out.to(acc_dtype).unsqueeze(1) * y_pairs_TKH.to(acc_dtype)).sum(-1)
+    ]
+    if shared_gate_up is not None:
+        two_i_s = shared_gate_up.shape[0]
+        saved += [x.new_empty(schedule.num_tokens, two_i_s), x.new_empty(schedule.num_tokens, two_i_s // 2)]
+    if schedule.world_size > 1:
+        saved += [
+            torch.empty(schedule.num_tokens * schedule.top_k, dtype=torch.int64, device=x.device),
+            torch.empty(rows, dtype=torch.int64, device=x.device),
+            torch.empty(2, schedule.world_size, dtype=torch.int64, device="cpu"),
+        ]
+    return tuple(saved)
 
 
 def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule: Schedule, group, config, saved):
-    x_rows, gate_up, y_pairs = saved
+    x_rows, gate_up, h, y_pairs, *rest = saved
+    shared_saved = ()
+    if shared_gate_up is not None:
+        shared_saved, rest = rest[:2], rest[2:]
+    ex = None if _is_local(schedule, group) else _Exchange(*rest)  # the forward's: no second exchange, no host sync
     ends = schedule.expert_offsets[1:]
     d_out = d_out.to(x.dtype)
     d_topk_weights = pair_weight_grads(d_out, y_pairs).to(topk_weights.dtype)
-    weight_rows = to_rows(topk_weights.reshape(-1), schedule, group, per_token=False)
-    d_y_rows = weighted_rows(to_rows(d_out, schedule, group, per_token=True), weight_rows)
-    d_x_rows, d_w_gate_up, d_w_down = rows_bwd(d_y_rows, x_rows, gate_up, w_gate_up, w_down, ends)
-    d_x = slot_sum(to_pairs(d_x_rows, schedule, group).view(schedule.num_tokens, schedule.top_k, x.shape[1]), None)
-    d_shared_gate_up = d_shared_down = None
+    d_y_rows = to_rows(d_out, schedule, group, ex, per_token=True, pair_scale=topk_weights)
+    live = None if ex is None else ex.live_rows(schedule)
+    d_x_rows, d_w_gate_up, d_w_down = rows_bwd(d_y_rows, x_rows, gate_up, h, w_gate_up, w_down, ends, live)
+    del d_y_rows
+    d_x_pairs = to_pairs(d_x_rows, schedule, group, ex).view(schedule.num_tokens, schedule.top_k, x.shape[1])
+    del d_x_rows
+    d_shared_gate_up = d_shared_down = d_x_shared = None
     if shared_gate_up is not None:
-        d_x_shared, d_shared_gate_up, d_shared_down = shared_bwd(d_out, x, shared_gate_up, shared_down)
-        d_x = d_x + d_x_shared
+        d_x_shared, d_shared_gate_up, d_shared_down = shared_bwd(d_out, x, shared_gate_up, shared_down, *shared_saved)
+    d_x = slot_sum(d_x_pairs, d_x_shared)
     return d_x.to(x.dtype), d_topk_weights, d_w_gate_up, d_w_down, d_shared_gate_up, d_shared_down
