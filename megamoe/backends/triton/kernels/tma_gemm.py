@@ -41,6 +41,22 @@ def _tile_origin(tile, first_m, num_m, num_n, block_expert_ptr,
 
 
 @triton.jit
+def _k_loop(a_desc, w_desc, row, col, expert, K,
+            W_NK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] = a[row : row + BLOCK_M, :K] @ w[expert] over columns col : col + BLOCK_N,
+    K in order. W_NK: the weight is stored [E_l, N, K] (else [E_l, K, N])."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = a_desc.load([row, k0])
+        if W_NK:
+            b = w_desc.load([expert, col, k0]).reshape(BLOCK_N, BLOCK_K).T
+        else:
+            b = w_desc.load([expert, k0, col]).reshape(BLOCK_K, BLOCK_N)
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
 def gate_up_fwd_tma_kernel(
     x_desc, w_desc, h_desc, gu_desc, block_expert_ptr, block_range_ptr, H, I,
     STORE_GATE_UP: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -79,11 +95,7 @@ def down_fwd_tma_kernel(
     num_n = tl.cdiv(H, BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=FLATTEN):
         row, col, expert = _tile_origin(tile, first_m, num_m, num_n, block_expert_ptr, SPLIT, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            a = h_desc.load([row, k0])
-            b = w_desc.load([expert, col, k0]).reshape(BLOCK_N, BLOCK_K)
-            acc = tl.dot(a, b.T, acc)
+        acc = _k_loop(h_desc, w_desc, row, col, expert, I, True, BLOCK_M, BLOCK_N, BLOCK_K)
         y_desc.store([row, col], acc.to(y_desc.dtype))
 
 
@@ -99,11 +111,7 @@ def down_dgrad_tma_kernel(
     num_n = tl.cdiv(I, BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=FLATTEN):
         row, col, expert = _tile_origin(tile, first_m, num_m, num_n, block_expert_ptr, SPLIT, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            a = d_y_desc.load([row, k0])
-            b = w_desc.load([expert, k0, col]).reshape(BLOCK_K, BLOCK_N)
-            acc = tl.dot(a, b, acc)
+        acc = _k_loop(d_y_desc, w_desc, row, col, expert, H, False, BLOCK_M, BLOCK_N, BLOCK_K)
         g = gu_desc.load([row, 0, col]).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
         u = gu_desc.load([row, 1, col]).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
         sig = tl.sigmoid(g)
@@ -124,11 +132,7 @@ def gate_up_dgrad_tma_kernel(
     num_n = tl.cdiv(H, BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=FLATTEN):
         row, col, expert = _tile_origin(tile, first_m, num_m, num_n, block_expert_ptr, SPLIT, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, 2 * I, BLOCK_K):
-            a = d_gu_desc.load([row, k0])
-            b = w_desc.load([expert, k0, col]).reshape(BLOCK_K, BLOCK_N)
-            acc = tl.dot(a, b, acc)
+        acc = _k_loop(d_gu_desc, w_desc, row, col, expert, 2 * I, False, BLOCK_M, BLOCK_N, BLOCK_K)
         d_x_desc.store([row, col], acc.to(d_x_desc.dtype))
 
 
