@@ -197,6 +197,23 @@ def _schedule(topk_ids, x, w_gate_up, config: MoEConfig, group) -> Schedule:
 # torch.compile(fullgraph=True) traces models that use it. The forward op returns, after the output,
 # the backend's saved tensors and then the schedule's tensors, which the backward op reuses (no
 # second routing exchange). The config crosses the boundary field by field, backend and block_m resolved.
+# save_for_backward=False (chosen by `experts`: grad mode off, or no input requiring grad) is inference:
+# the backend keeps nothing for a backward and the op returns [out] alone.
+# The backward op gets a bitmask of the gradients autograd needs (ctx.needs_input_grad; bit i = GRAD_NAMES[i])
+# and returns only those, in GRAD_NAMES order; the backends skip the work of the others where they can.
+GRAD_NAMES = ("x", "topk_weights", "w_gate_up", "w_down", "shared_gate_up", "shared_down")
+ALL_GRADS = (1 << len(GRAD_NAMES)) - 1
+
+
+def needs_from_mask(mask: int) -> tuple[bool, ...]:
+    """The bitmask of the backward op -> the backends' needs_grad tuple (one bool per GRAD_NAMES entry)."""
+    return tuple(bool(mask >> i & 1) for i in range(len(GRAD_NAMES)))
+
+
+def mask_from_needs(needs) -> int:
+    return sum(1 << i for i, need in enumerate(needs) if need)
+
+
 @torch.library.custom_op("megamoe::experts_fwd", mutates_args=())
 def _experts_fwd(
     x: torch.Tensor,
@@ -215,21 +232,28 @@ def _experts_fwd(
     combine: str,
     comm_timeout_ms: int,
     group_name: str | None,
+    save_for_backward: bool,
 ) -> list[torch.Tensor]:
-    """Returns [out, *saved, *schedule tensors] (see the comment above)."""
+    """Returns [out, *saved, *schedule tensors] (see the comment above); [out] without save_for_backward."""
     config = _config(backend, capacity_factor, block_m, num_comm_sms, minibatch_tokens, dispatch, combine, comm_timeout_ms)
     group = _group(group_name)
     schedule = _schedule(topk_ids, x, w_gate_up, config, group)
     out, saved = _backend_module(config.backend).experts_fwd(
-        x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config
+        x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config,
+        save_for_backward=save_for_backward,
     )
+    if not save_for_backward:
+        return [out]
     return [out, *saved, *schedule_tensors(schedule)]
 
 
 @_experts_fwd.register_fake
 def _experts_fwd_fake(x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, *static):
-    config, group_name = _config(*static[:-1]), static[-1]
+    *config_values, group_name, save_for_backward = static
+    config = _config(*config_values)
     schedule = _schedule(topk_ids.to("meta"), x, w_gate_up, config, _group(group_name))
+    if not save_for_backward:
+        return [torch.empty_like(x)]
     saved = _backend_module(config.backend).empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule)
     return [torch.empty_like(x), *saved, *(torch.empty_like(t, device=x.device) for t in schedule_tensors(schedule))]
 
@@ -255,46 +279,74 @@ def _experts_bwd(
     combine: str,
     comm_timeout_ms: int,
     group_name: str | None,
+    needs_grad: int,
 ) -> list[torch.Tensor]:
-    """Returns [d_x, d_topk_weights, d_w_gate_up, d_w_down(, d_shared_gate_up, d_shared_down)]."""
+    """Returns the gradients that needs_grad asks for (bit i: GRAD_NAMES[i]), in GRAD_NAMES order, e.g.
+    [d_x, d_topk_weights, d_w_gate_up, d_w_down(, d_shared_gate_up, d_shared_down)] with every bit set."""
     config = _config(backend, capacity_factor, block_m, num_comm_sms, minibatch_tokens, dispatch, combine, comm_timeout_ms)
     group = _group(group_name)
     world_size, rank = (1, 0) if group is None else (torch.distributed.get_world_size(group), torch.distributed.get_rank(group))
     schedule = schedule_from_tensors(
         schedule_parts, num_experts=w_gate_up.shape[0] * world_size, world_size=world_size, rank=rank, block_m=block_m
     )
+    needs = _needs(needs_grad, shared_gate_up)
     grads = _backend_module(config.backend).experts_bwd(
-        d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config, tuple(saved)
+        d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config, tuple(saved),
+        needs_grad=needs,
     )
-    return [g for g in grads if g is not None]
+    # A backend may compute more than was asked (the EP kernels compute every gradient): only the asked-for go out.
+    return [g for g, need in zip(grads, needs) if need]
+
+
+def _needs(needs_grad: int, shared_gate_up) -> tuple[bool, ...]:
+    needs = needs_from_mask(needs_grad)
+    if shared_gate_up is None:  # no shared expert: no shared gradients, whatever the mask says
+        needs = needs[:4] + (False, False)
+    return needs
 
 
 @_experts_bwd.register_fake
 def _experts_bwd_fake(d_out, x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, saved, schedule_parts, *static):
-    grads = [torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w_gate_up), torch.empty_like(w_down)]
-    if shared_gate_up is not None:
-        grads += [torch.empty_like(shared_gate_up), torch.empty_like(shared_down)]
-    return grads
+    like = (x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down)
+    return [torch.empty_like(t) for t, need in zip(like, _needs(static[-1], shared_gate_up)) if need]
 
 
 _STATIC_ARGS = (*CONFIG_FIELDS, "group_name")
+# The forward op's inputs: 7 tensors, the static arguments, save_for_backward.
+_NUM_FWD_INPUTS = 7 + len(_STATIC_ARGS) + 1
+# Input index of each GRAD_NAMES entry in the forward op (topk_ids, index 1, has no gradient).
+_GRAD_INPUTS = (0, 2, 3, 4, 5, 6)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, *static = inputs
+    x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, *static, save_for_backward = inputs
+    # Without save_for_backward (inference) the op returned [out] alone and no backward can run.
     ctx.save_for_backward(x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, *output[1:])
     ctx.static = static
+    ctx.saved_for_backward = save_for_backward
 
 
 def _backward(ctx, grads):
+    if not ctx.saved_for_backward:
+        raise RuntimeError(
+            "megamoe: backward through a forward that ran without saving for it (grad mode off or no input "
+            "requiring grad when megamoe.experts was called)"
+        )
     x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, *rest = ctx.saved_tensors
-    split = len(rest) - len(SCHEDULE_TENSORS)
-    d_inputs = _experts_bwd(
-        grads[0].contiguous(), x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
-        rest[:split], rest[split:], *ctx.static,
+    needs = tuple(ctx.needs_input_grad[i] for i in _GRAD_INPUTS)
+    mask = mask_from_needs(needs)
+    d_all = [None] * len(GRAD_NAMES)
+    if mask:
+        split = len(rest) - len(SCHEDULE_TENSORS)
+        d_inputs = iter(_experts_bwd(
+            grads[0].contiguous(), x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
+            rest[:split], rest[split:], *ctx.static, mask,
+        ))
+        d_all = [next(d_inputs) if need else None for need in _needs(mask, shared_gate_up)]
+    d_x, d_topk_weights, d_w_gate_up, d_w_down, d_shared_gate_up, d_shared_down = d_all
+    return (d_x, None, d_topk_weights, d_w_gate_up, d_w_down, d_shared_gate_up, d_shared_down) + (None,) * (
+        _NUM_FWD_INPUTS - 7
     )
-    d_shared = tuple(d_inputs[4:]) if shared_gate_up is not None else (None, None)
-    return (d_inputs[0], None, *d_inputs[1:4], *d_shared) + (None,) * len(_STATIC_ARGS)
 
 
 _experts_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -325,6 +377,11 @@ def experts(
     config: MoEConfig (backend, capacity, ...). Under torch.autocast the floating inputs (but
         topk_weights) are cast to the autocast dtype, as a matmul would be.
     Returns out [T, H] in x's dtype (the autocast dtype under autocast).
+
+    Inference: under torch.no_grad() / torch.inference_mode(), or when no input requires grad, nothing is
+    kept for a backward (the same out, bit for bit). The backward computes only the gradients autograd
+    needs (frozen weights: no weight-grad GEMMs; x not requiring grad: no d_x), where the backend can
+    skip them (the EP paths skip only each rank's local work; see the backends' docstrings).
     """
     # A literal set of device types rather than torch.amp.is_autocast_available, which torch.compile
     # (torch 2.11) cannot trace.
@@ -366,4 +423,9 @@ def experts(
     contiguous = [t.contiguous() if t is not None else None for t in (x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down)]
     config = dataclasses.replace(config, backend=backend_name, block_m=block_m)
     group_name = None if group is None else group.group_name
-    return _experts_fwd(*contiguous, *(getattr(config, name) for name in CONFIG_FIELDS), group_name)[0]
+    # Inference (grad mode off, e.g. torch.no_grad() / torch.inference_mode(), or no input requiring grad):
+    # nothing is kept for a backward that cannot happen.
+    save_for_backward = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down)
+    )
+    return _experts_fwd(*contiguous, *(getattr(config, name) for name in CONFIG_FIELDS), group_name, save_for_backward)[0]

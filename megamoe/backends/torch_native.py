@@ -23,14 +23,31 @@ No host sync on the one-process path. With a group, the split sizes go to the ho
 Backend interface (shared with the triton backend):
     block_m_for(hidden, intermediate, dtype) -> int      rows per expert-segment block for build_schedule
     empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule) -> tuple  tensors shaped like `saved`
-    experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config)
-        -> (out [T, H], saved: tuple of tensors for the backward)
-    experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config, saved)
+    experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config,
+                *, save_for_backward=True)
+        -> (out [T, H], saved: tuple of tensors for the backward; () without save_for_backward)
+    experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config, saved,
+                *, needs_grad=ALL_GRADS)
         -> (d_x, d_topk_weights, d_w_gate_up, d_w_down, d_shared_gate_up | None, d_shared_down | None)
+    needs_grad: one bool per gradient, in that order; a backend may return None for a gradient not needed
+    (and skip its work), and may compute it anyway.
 
 saved = (x_rows [R, H], gate_up [R, 2I], h [R, I], y_pairs [T, k, H]), then with a shared expert
 (shared_gate_up_out [T, 2I_s], shared_h [T, I_s]), then with a group of W > 1 ranks the exchange
 (send_order [T*k] int64, recv_order [R] int64, splits [2, W] int64 on the CPU).
+
+Inference (save_for_backward=False, what megamoe.experts passes under torch.no_grad() /
+torch.inference_mode() or when no input requires grad): nothing is saved (saved = ()), and each
+intermediate is released as soon as its last reader is done (x_rows after the gate/up GEMM, gate_up after
+SwiGLU, h after the down GEMM), with or without a group.
+Gradients not needed (needs_grad): skipped with their work. On one process: d_topk_weights (the
+<d_out, y> reduction), d_w_down and d_w_gate_up (their grouped GEMMs, each on its own), d_x (the
+d_gate_up @ w_gate_up GEMM, the return of rows to pairs, the slot sum), the SwiGLU backward and the
+down-projection data grad when neither d_x nor d_w_gate_up needs them, the whole expert part (and the
+d_y gather) when none of d_x, d_w_gate_up, d_w_down is needed, and each shared-expert gradient. With a
+group, only what is local to this rank is skipped (d_topk_weights, the weight-grad GEMMs, the shared
+expert, the final slot sum of d_x): the d_y rows, d_x rows and both all_to_alls always run, because a
+peer's d_x and weight grads need them whatever this rank needs.
 """
 
 from __future__ import annotations
@@ -42,6 +59,8 @@ import torch
 from megamoe.schedule import Schedule, receive_rows
 
 GROUPED_MM_ALIGN = 16
+# needs_grad with every gradient asked for: (x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down).
+ALL_GRADS = (True,) * 6
 
 
 def block_m_for(hidden: int, intermediate: int, dtype: torch.dtype) -> int:
@@ -301,13 +320,29 @@ def rows_fwd(x_rows, w_gate_up, w_down, ends, live: int | None = None):
     return gate_up, h, grouped_mm(h, w_down.transpose(1, 2), ends)
 
 
-def rows_bwd(d_y_rows, x_rows, gate_up, h, w_gate_up, w_down, ends, live: int | None = None):
-    """Backward of rows_fwd: returns (d_x_rows [R, H], d_w_gate_up, d_w_down). h comes saved from the forward
-    (2 B per [R, I] element held; was recomputed here, an extra SwiGLU forward of 38 B per element)."""
-    d_w_down = grouped_mm(d_y_rows.t(), h, ends)
+def rows_infer(x_rows: list, w_gate_up, w_down, ends, live: int | None = None) -> torch.Tensor:
+    """rows_fwd's y_rows [R, H] (the same ops, the same bits) keeping nothing else: x_rows comes as a
+    one-element list that is emptied, so x_rows is released after the gate/up GEMM, gate_up after SwiGLU
+    and h after the down GEMM (the inference forward's peak: the rows of two of them, not all four)."""
+    gate_up = grouped_mm(x_rows.pop(), w_gate_up.transpose(1, 2), ends)
+    h = swiglu_fwd(gate_up, live)
+    del gate_up
+    return grouped_mm(h, w_down.transpose(1, 2), ends)
+
+
+def rows_bwd(d_y_rows, x_rows, gate_up, h, w_gate_up, w_down, ends, live: int | None = None,
+             *, need_x: bool = True, need_w_gate_up: bool = True, need_w_down: bool = True):
+    """Backward of rows_fwd: returns (d_x_rows [R, H], d_w_gate_up, d_w_down), None for each one not needed
+    (its GEMM skipped; the SwiGLU backward and the down-projection data grad run only for d_x or
+    d_w_gate_up). h comes saved from the forward (2 B per [R, I] element held; was recomputed here, an
+    extra SwiGLU forward of 38 B per element)."""
+    d_w_down = grouped_mm(d_y_rows.t(), h, ends) if need_w_down else None
+    if not (need_x or need_w_gate_up):
+        return None, None, d_w_down
     d_gate_up = swiglu_bwd(gate_up, grouped_mm(d_y_rows, w_down, ends), live)
-    d_w_gate_up = grouped_mm(d_gate_up.t(), x_rows, ends)
-    return grouped_mm(d_gate_up, w_gate_up, ends), d_w_gate_up, d_w_down
+    d_w_gate_up = grouped_mm(d_gate_up.t(), x_rows, ends) if need_w_gate_up else None
+    d_x_rows = grouped_mm(d_gate_up, w_gate_up, ends) if need_x else None
+    return d_x_rows, d_w_gate_up, d_w_down
 
 
 def shared_fwd(x, shared_gate_up, shared_down):
@@ -317,26 +352,37 @@ def shared_fwd(x, shared_gate_up, shared_down):
     return h @ shared_down.t(), pre, h
 
 
-def shared_bwd(d_out, x, shared_gate_up, shared_down, pre, h):
+def shared_bwd(d_out, x, shared_gate_up, shared_down, pre, h, *, need_x: bool = True,
+               need_gate_up: bool = True, need_down: bool = True):
     """Returns (d_x, d_shared_gate_up, d_shared_down) of the shared expert from the forward's pre and h
-    (was a recompute of x @ shared_gate_up.T: 2*T*H*2I_s FLOPs saved)."""
-    d_shared_down = d_out.t() @ h
+    (was a recompute of x @ shared_gate_up.T: 2*T*H*2I_s FLOPs saved); None for each one not needed."""
+    d_shared_down = d_out.t() @ h if need_down else None
+    if not (need_x or need_gate_up):
+        return None, None, d_shared_down
     d_pre = swiglu_bwd(pre, d_out @ shared_down)
-    return d_pre @ shared_gate_up, d_pre.t() @ x, d_shared_down
+    return d_pre @ shared_gate_up if need_x else None, d_pre.t() @ x if need_gate_up else None, d_shared_down
 
 
-def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule: Schedule, group, config=None):
+def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule: Schedule, group, config=None,
+                *, save_for_backward: bool = True):
     ex = None if _is_local(schedule, group) else _exchange(schedule)
     ends = schedule.expert_offsets[1:]
     live = None if ex is None else ex.live_rows(schedule)
     x_rows = to_rows(x, schedule, group, ex, per_token=True)
-    gate_up, h, y_rows = rows_fwd(x_rows, w_gate_up, w_down, ends, live)
+    if save_for_backward:
+        gate_up, h, y_rows = rows_fwd(x_rows, w_gate_up, w_down, ends, live)
+    else:
+        hold = [x_rows]
+        del x_rows
+        y_rows = rows_infer(hold, w_gate_up, w_down, ends, live)
     y_pairs = to_pairs(y_rows, schedule, group, ex).view(schedule.num_tokens, schedule.top_k, x.shape[1])
     del y_rows
     shared_out, shared_saved = None, ()
     if shared_gate_up is not None:
         shared_out, *shared_saved = shared_fwd(x, shared_gate_up, shared_down)
     out = weighted_slot_sum(y_pairs, topk_weights, shared_out)
+    if not save_for_backward:
+        return out.to(x.dtype), ()
     exchange_saved = () if ex is None else ex.tensors()
     return out.to(x.dtype), (x_rows, gate_up, h, y_pairs, *shared_saved, *exchange_saved)
 
@@ -362,23 +408,41 @@ def empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule: Schedule) -> tup
     return tuple(saved)
 
 
-def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule: Schedule, group, config, saved):
+def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule: Schedule, group, config,
+                saved, *, needs_grad=ALL_GRADS):
+    """The gradients (see the module docstring), None for those needs_grad does not ask for (their work
+    skipped: on one process all of it, with a group what is local to this rank)."""
+    need_x, need_weights, need_w_gate_up, need_w_down, need_shared_gate_up, need_shared_down = needs_grad
     x_rows, gate_up, h, y_pairs, *rest = saved
     shared_saved = ()
     if shared_gate_up is not None:
         shared_saved, rest = rest[:2], rest[2:]
-    ex = None if _is_local(schedule, group) else _Exchange(*rest)  # the forward's: no second exchange, no host sync
+    local = _is_local(schedule, group)
+    ex = None if local else _Exchange(*rest)  # the forward's: no second exchange, no host sync
     ends = schedule.expert_offsets[1:]
     d_out = d_out.to(x.dtype)
-    d_topk_weights = pair_weight_grads(d_out, y_pairs).to(topk_weights.dtype)
-    d_y_rows = to_rows(d_out, schedule, group, ex, per_token=True, pair_scale=topk_weights)
-    live = None if ex is None else ex.live_rows(schedule)
-    d_x_rows, d_w_gate_up, d_w_down = rows_bwd(d_y_rows, x_rows, gate_up, h, w_gate_up, w_down, ends, live)
-    del d_y_rows
-    d_x_pairs = to_pairs(d_x_rows, schedule, group, ex).view(schedule.num_tokens, schedule.top_k, x.shape[1])
-    del d_x_rows
+    d_topk_weights = pair_weight_grads(d_out, y_pairs).to(topk_weights.dtype) if need_weights else None
+    # With a group, the rows this rank computes are its peers' d_x and the weight grads need every rank's
+    # d_y rows: both exchanges (collectives) and the d_x rows run whatever this rank needs.
+    need_x_rows = need_x or not local
+    d_x = d_w_gate_up = d_w_down = None
+    if need_x_rows or need_w_gate_up or need_w_down:
+        d_y_rows = to_rows(d_out, schedule, group, ex, per_token=True, pair_scale=topk_weights)
+        live = None if ex is None else ex.live_rows(schedule)
+        d_x_rows, d_w_gate_up, d_w_down = rows_bwd(
+            d_y_rows, x_rows, gate_up, h, w_gate_up, w_down, ends, live,
+            need_x=need_x_rows, need_w_gate_up=need_w_gate_up, need_w_down=need_w_down,
+        )
+        del d_y_rows
+        if need_x_rows:
+            d_x_pairs = to_pairs(d_x_rows, schedule, group, ex).view(schedule.num_tokens, schedule.top_k, x.shape[1])
+            del d_x_rows
     d_shared_gate_up = d_shared_down = d_x_shared = None
     if shared_gate_up is not None:
-        d_x_shared, d_shared_gate_up, d_shared_down = shared_bwd(d_out, x, shared_gate_up, shared_down, *shared_saved)
-    d_x = slot_sum(d_x_pairs, d_x_shared)
-    return d_x.to(x.dtype), d_topk_weights, d_w_gate_up, d_w_down, d_shared_gate_up, d_shared_down
+        d_x_shared, d_shared_gate_up, d_shared_down = shared_bwd(
+            d_out, x, shared_gate_up, shared_down, *shared_saved,
+            need_x=need_x, need_gate_up=need_shared_gate_up, need_down=need_shared_down,
+        )
+    if need_x:
+        d_x = slot_sum(d_x_pairs, d_x_shared).to(x.dtype)
+    return d_x, d_topk_weights, d_w_gate_up, d_w_down, d_shared_gate_up, d_shared_down

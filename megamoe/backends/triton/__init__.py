@@ -17,13 +17,17 @@ def _path(schedule):
     return experts if schedule.world_size == 1 else ep
 
 
-def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group=None, config=None):
-    return _path(schedule).experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config)
+def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group=None, config=None,
+                *, save_for_backward=True):
+    return _path(schedule).experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group,
+                                       config, save_for_backward=save_for_backward)
 
 
-def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config, saved):
+def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config, saved,
+                *, needs_grad=experts.ALL_GRADS):
     return _path(schedule).experts_bwd(
-        d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config, saved
+        d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config, saved,
+        needs_grad=needs_grad,
     )
 
 

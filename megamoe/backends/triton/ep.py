@@ -21,6 +21,17 @@ runs the fused kernels; any other pair runs whole exchanges (comm/exchange.py, w
 around the one-GPU GEMMs. All give the same bits: every element is written by one program with the same
 values and reduction order, whatever num_comm_sms and minibatch_tokens are.
 
+Inference (experts_fwd(..., save_for_backward=False)): saved = (), so x_rows, h, gate_up and the pairs
+rows are released when the forward returns, and the fused path's slot sum reads the symmetric pairs
+buffer in place (no copy of [T*k, H] kept for a backward); the fused forward kernel still stores gate_up
+(not storing it would be a change to kernels/ep_fused.py). Gradients not needed (experts_bwd's
+needs_grad) skip only what is local to this rank and outside the fused kernel: d_topk_weights
+(combine_bwd), the shared expert's gradients, the final slot sum of d_x and, on the unfused paths, the
+two weight-grad kernels. The fused backward kernel computes d_x rows and both weight grads whatever is
+needed (skipping inside it would need kernel changes), and the exchanges always run: a peer's d_x and
+weight grads need this rank's rows whatever this rank needs. Gradients computed but not needed are
+returned anyway; megamoe.autograd drops them.
+
 Why no extra barrier is needed around the pushes: a pairs buffer we push into was last read by its
 owner's collect_pushed of the previous exchange, which precedes, on the owner's stream, a barrier that
 this exchange passed (the publish barriers, or those of a whole push dispatch); the owner reads it
@@ -137,7 +148,7 @@ def _fused(config, probe: str) -> bool:
 
 
 def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule: Schedule, group, config,
-                *, probe: str = "full"):
+                *, probe: str = "full", save_for_backward: bool = True):
     comm, compute = _check_probe(probe)
     fused = _fused(config, probe)
     ws = _workspace(x, schedule.num_tokens, schedule.top_k, schedule.num_rows, group, config)
@@ -160,7 +171,8 @@ def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
         h, gate_up = kernels.ep_forward(x_rows, w_gate_up, w_down, schedule.block_expert, blocks,
                                         _pull(ws.tokens, None, maps, schedule, config, x.device), _push(ws, maps),
                                         gate_up_config=cfg.gate_up_fwd, down_config=cfg.down_fwd)
-        y_pairs = collect_pushed(ws)
+        # Kept for the backward: a copy. Inference: the buffer itself, read only by the slot sum below.
+        y_pairs = collect_pushed(ws, keep=save_for_backward)
     else:
         if comm and pull:
             pull_rows(ws.tokens, maps, x_rows, by_token=True)
@@ -178,6 +190,8 @@ def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
         out = kernels.combine(y_pairs, topk_weights, _pair_index(schedule), shared_out, config=cfg.combine)
     else:
         out = torch.empty_like(x)
+    if not save_for_backward:
+        return out, ()
     return out, (x_rows, h, gate_up, y_pairs, shared_act)
 
 
@@ -194,7 +208,10 @@ def empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule: Schedule):
 
 
 def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule: Schedule, group, config,
-                saved, *, probe: str = "full"):
+                saved, *, probe: str = "full", needs_grad: tuple[bool, ...] = (True,) * 6):
+    """All six gradients (see experts.experts_bwd); needs_grad skips only this rank's local work (module
+    docstring): the fused kernel and the exchanges always run, so some gradients not asked for come back anyway."""
+    need_x, need_weights, need_w_gate_up, need_w_down, need_shared_gate_up, need_shared_down = needs_grad
     comm, compute = _check_probe(probe)
     fused = _fused(config, probe)
     x_rows, h, gate_up, y_pairs, shared_act = saved
@@ -207,11 +224,15 @@ def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, share
     d_out = d_out.to(x.dtype).contiguous()
     weights = topk_weights.float().contiguous()
 
-    d_x_shared = d_shared_gate_up = d_shared_down = None
+    d_x_shared = d_shared_gate_up = d_shared_down = d_topk_weights = None
     if compute:
-        d_topk_weights = kernels.combine_bwd(d_out, y_pairs, pair_index, config=cfg.combine)
+        if need_weights:
+            d_topk_weights = kernels.combine_bwd(d_out, y_pairs, pair_index, config=cfg.combine)
         if shared_gate_up is not None:
-            d_x_shared, d_shared_gate_up, d_shared_down = shared_bwd(d_out, x, shared_gate_up, shared_down, shared_act)
+            d_x_shared, d_shared_gate_up, d_shared_down = shared_bwd(
+                d_out, x, shared_gate_up, shared_down, shared_act,
+                need_x=need_x, need_gate_up=need_shared_gate_up, need_down=need_shared_down,
+            )
     else:
         d_topk_weights = torch.empty_like(weights)
     # d_y rows: each row's d_out times its pair's router weight (fp32 product rounded to the dtype).
@@ -236,9 +257,13 @@ def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, share
         if compute:
             d_gate_up = kernels.down_dgrad(d_y_rows, w_down, gate_up, schedule.block_expert, blocks, config=cfg.down_dgrad)
             d_x_rows = kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad)
-            # the weight grads need every row of an expert: kernels of their own here
-            d_w_down = kernels.dw_down(d_y_rows, h, schedule.expert_offsets, experts, config=cfg.dw_down)
-            d_w_gate_up = kernels.dw_gate_up(d_gate_up, x_rows, schedule.expert_offsets, experts, config=cfg.dw_gate_up)
+            # the weight grads need every row of an expert: kernels of their own here (local: skipped when not needed)
+            d_w_down = d_w_gate_up = None
+            if need_w_down:
+                d_w_down = kernels.dw_down(d_y_rows, h, schedule.expert_offsets, experts, config=cfg.dw_down)
+            if need_w_gate_up:
+                d_w_gate_up = kernels.dw_gate_up(d_gate_up, x_rows, schedule.expert_offsets, experts,
+                                                 config=cfg.dw_gate_up)
         else:
             d_x_rows = x.new_empty(rows, hidden)
             d_w_gate_up, d_w_down = torch.empty_like(w_gate_up), torch.empty_like(w_down)
@@ -249,5 +274,9 @@ def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, share
         d_x_pairs = combine(ws, d_x_rows, schedule, "push" if push else "pull")
     else:
         d_x_pairs = ws.pairs.local
-    d_x = kernels.combine(d_x_pairs, None, pair_index, d_x_shared, config=cfg.combine) if compute else torch.empty_like(x)
+    d_x = None
+    if not compute:
+        d_x = torch.empty_like(x)
+    elif need_x:
+        d_x = kernels.combine(d_x_pairs, None, pair_index, d_x_shared, config=cfg.combine)
     return d_x, d_topk_weights, d_w_gate_up, d_w_down, d_shared_gate_up, d_shared_down

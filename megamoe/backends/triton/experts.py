@@ -17,6 +17,16 @@ from x in the backward (0.26 ms at qwen3-30b-a3b) rather than kept (R*H*2 bytes:
 recompute mode (save_gate_up=False) h and gate_up are empty and the backward reruns gate_up_fwd on
 x_rows; without a shared expert the last entry is empty. Entries are always tensors so the tuple can
 cross torch.library custom ops.
+
+Inference (experts_fwd(..., save_for_backward=False), what megamoe.experts passes under torch.no_grad() /
+torch.inference_mode() or when no input requires grad): saved = (); gate_up is never stored (gate_up_fwd
+without store_gate_up, the recompute mode's kernel: same h, same bits), x_rows is released after the
+gate/up GEMM, h after the down GEMM and y_rows after the combine, so only out outlives the call.
+Gradients not needed (experts_bwd's needs_grad): d_topk_weights skips combine_bwd; d_w_down skips
+dw_down; d_w_gate_up skips dw_gate_up (and the re-gather of x_rows); d_x skips gate_up_dgrad and the
+final combine; down_dgrad (SwiGLU backward fused) runs only for d_x or d_w_gate_up; with none of d_x,
+d_w_gate_up, d_w_down the whole rows backward (and the d_y gather) is skipped; the shared expert's
+gradients are skipped one by one.
 """
 
 from __future__ import annotations
@@ -35,6 +45,8 @@ from megamoe.schedule import Schedule
 # Save the gate/up pre-activation (2 bytes * R * 2I) in the forward rather than recompute its GEMM
 # (a third of the forward FLOPs) in the backward: memory is the cheaper resource on H100/H200.
 SAVE_GATE_UP = True
+# needs_grad with every gradient asked for: (x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down).
+ALL_GRADS = (True,) * 6
 
 
 def configs_for(x: torch.Tensor, w_gate_up: torch.Tensor, schedule: Schedule) -> KernelConfigs:
@@ -93,15 +105,18 @@ def shared_fwd(x, shared_gate_up, shared_down):
     return h @ shared_down.t(), gate_up
 
 
-def shared_bwd(d_out, x, shared_gate_up, shared_down, gate_up):
+def shared_bwd(d_out, x, shared_gate_up, shared_down, gate_up, *, need_x: bool = True,
+               need_gate_up: bool = True, need_down: bool = True):
+    """(d_x, d_shared_gate_up, d_shared_down) of the shared expert, None for each one not needed."""
     g, u = gate_up.float().chunk(2, dim=-1)
     sig = torch.sigmoid(g)
     silu = g * sig
-    h = (silu * u).to(x.dtype)
-    d_shared_down = d_out.t() @ h
+    d_shared_down = d_out.t() @ (silu * u).to(x.dtype) if need_down else None
+    if not (need_x or need_gate_up):
+        return None, None, d_shared_down
     d_h = (d_out @ shared_down).float()
     d_gate_up = torch.cat([d_h * u * sig * (1.0 + g * (1.0 - sig)), d_h * silu], dim=-1).to(x.dtype)
-    return d_gate_up @ shared_gate_up, d_gate_up.t() @ x, d_shared_down
+    return d_gate_up @ shared_gate_up if need_x else None, d_gate_up.t() @ x if need_gate_up else None, d_shared_down
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -109,7 +124,7 @@ def shared_bwd(d_out, x, shared_gate_up, shared_down, gate_up):
 
 
 def rows_fwd(
-    x_rows: torch.Tensor,
+    x_rows: torch.Tensor | Callable[[], torch.Tensor],
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     schedule: Schedule,
@@ -119,17 +134,20 @@ def rows_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h [R, I], gate_up [R, 2I], y_rows [R, H]) from x_rows [R, H] (padding rows zero; rows past
     expert_offsets[E_l] are neither read nor written). Without save_gate_up, gate_up is [0, 2I].
+    x_rows: the rows, or a function producing them: then they are released right after the gate/up GEMM,
+    before the down GEMM allocates y_rows.
     """
     # NOTE: the block range stays on the device; every buffer and grid is sized from shapes alone,
     # so nothing here waits for the GPU.
     blocks = all_blocks(schedule)
     cfg = gemms.cfg
     h, gate_up = gemms.gate_up_fwd(
-        x_rows, w_gate_up, schedule.block_expert, blocks, store_gate_up=save_gate_up, config=cfg.gate_up_fwd,
+        x_rows() if callable(x_rows) else x_rows, w_gate_up, schedule.block_expert, blocks,
+        store_gate_up=save_gate_up, config=cfg.gate_up_fwd,
     )
     y_rows = gemms.down_fwd(h, w_down, schedule.block_expert, blocks, config=cfg.down_fwd)
     if gate_up is None:
-        gate_up = x_rows.new_empty(0, 2 * h.shape[1])
+        gate_up = h.new_empty(0, 2 * h.shape[1])
     return h, gate_up, y_rows
 
 
@@ -142,8 +160,13 @@ def rows_bwd(
     w_down: torch.Tensor,
     schedule: Schedule,
     gemms: Gemms,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(d_x_rows [R, H], d_w_gate_up [E_l, 2I, H], d_w_down [E_l, H, I]).
+    *,
+    need_x: bool = True,
+    need_w_gate_up: bool = True,
+    need_w_down: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(d_x_rows [R, H], d_w_gate_up [E_l, 2I, H], d_w_down [E_l, H, I]), None for each one not needed
+    (need_*: its kernel is not launched; down_dgrad runs only for d_x_rows or d_w_gate_up).
 
     d_y_rows [R, H]: the router-weighted upstream gradient of each row (zero for padding), released as
     soon as its last GEMM is done; x_rows: the rows, or a function producing them, called only when
@@ -153,16 +176,22 @@ def rows_bwd(
     rows = x_rows if callable(x_rows) else (lambda: x_rows)
     blocks = all_blocks(schedule)
     cfg = gemms.cfg
-    if gate_up.shape[0] == 0:
+    need_d_gate_up = need_x or need_w_gate_up
+    if gate_up.shape[0] == 0 and (need_d_gate_up or need_w_down):
         h, gate_up = gemms.gate_up_fwd(
-            rows(), w_gate_up, schedule.block_expert, blocks, store_gate_up=True, config=cfg.gate_up_fwd,
+            rows(), w_gate_up, schedule.block_expert, blocks, store_gate_up=need_d_gate_up, config=cfg.gate_up_fwd,
         )
     num_experts = w_gate_up.shape[0]
-    d_gate_up = gemms.down_dgrad(d_y_rows, w_down, gate_up, schedule.block_expert, blocks, config=cfg.down_dgrad)
-    d_w_down = gemms.dw_down(d_y_rows, h, schedule.expert_offsets, num_experts, config=cfg.dw_down)
+    d_gate_up = d_x_rows = d_w_gate_up = d_w_down = None
+    if need_d_gate_up:
+        d_gate_up = gemms.down_dgrad(d_y_rows, w_down, gate_up, schedule.block_expert, blocks, config=cfg.down_dgrad)
+    if need_w_down:
+        d_w_down = gemms.dw_down(d_y_rows, h, schedule.expert_offsets, num_experts, config=cfg.dw_down)
     del d_y_rows  # lowers the backward's peak memory (the caller holds no reference)
-    d_x_rows = gemms.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad)
-    d_w_gate_up = gemms.dw_gate_up(d_gate_up, rows(), schedule.expert_offsets, num_experts, config=cfg.dw_gate_up)
+    if need_x:
+        d_x_rows = gemms.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad)
+    if need_w_gate_up:
+        d_w_gate_up = gemms.dw_gate_up(d_gate_up, rows(), schedule.expert_offsets, num_experts, config=cfg.dw_gate_up)
     return d_x_rows, d_w_gate_up, d_w_down
 
 
@@ -182,8 +211,10 @@ def experts_fwd(
     config=None,
     *,
     save_gate_up: bool = SAVE_GATE_UP,
+    save_for_backward: bool = True,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """out [T, H] (x's dtype) and the tensors the backward needs (see the module docstring).
+    """out [T, H] (x's dtype) and the tensors the backward needs (see the module docstring); without
+    save_for_backward (inference), () and gate_up never stored.
 
     x [T, H]; topk_weights [T, k] fp32; w_gate_up [E_l, 2I, H]; w_down [E_l, H, I]; shared_gate_up
     [2I_s, H] and shared_down [H, I_s] or None; schedule built with block_m_for(H, I, x.dtype) (or any
@@ -193,15 +224,21 @@ def experts_fwd(
     gemms = gemms_for(x, w_gate_up, w_down, schedule)
     cfg = gemms.cfg
     x = x.contiguous()
-    x_rows = kernels.gather_rows(x, schedule.row_src, None, rows_in_use(schedule), div=schedule.top_k)
-    h, gate_up, y_rows = rows_fwd(x_rows, w_gate_up, w_down, schedule, gemms, save_gate_up=save_gate_up)
+    save_gate_up = save_gate_up and save_for_backward
+    # x_rows is not kept: gathered for the gate/up GEMM and released before the down GEMM allocates y_rows;
+    # the backward re-gathers it from x (saved anyway) just before dw_gate_up.
+    h, gate_up, y_rows = rows_fwd(
+        lambda: kernels.gather_rows(x, schedule.row_src, None, rows_in_use(schedule), div=schedule.top_k),
+        w_gate_up, w_down, schedule, gemms, save_gate_up=save_gate_up,
+    )
+    if not save_gate_up:
+        h = x.new_empty(0, h.shape[1])  # recompute mode (the backward reruns gate_up_fwd), or inference
     shared_out, shared_act = None, x.new_empty(0)
     if shared_gate_up is not None:
         shared_out, shared_act = shared_fwd(x, shared_gate_up, shared_down)
     out = kernels.combine(y_rows, topk_weights, schedule.dest_row, shared_out, config=cfg.combine)
-    if not save_gate_up:
-        h = x.new_empty(0, h.shape[1])
-    # x_rows is not kept: the backward re-gathers it from x (saved anyway) just before dw_gate_up.
+    if not save_for_backward:
+        return out, ()
     return out, (h, gate_up, y_rows, shared_act)
 
 
@@ -224,24 +261,36 @@ def experts_bwd(
     group,
     config,
     saved: tuple[torch.Tensor, ...],
-) -> tuple[torch.Tensor, ...]:
-    """(d_x, d_topk_weights [T, k] fp32, d_w_gate_up, d_w_down, d_shared_gate_up or None, d_shared_down or None)."""
+    *,
+    needs_grad: tuple[bool, ...] = ALL_GRADS,
+) -> tuple[torch.Tensor | None, ...]:
+    """(d_x, d_topk_weights [T, k] fp32, d_w_gate_up, d_w_down, d_shared_gate_up or None, d_shared_down or None);
+    needs_grad: one bool per gradient in that order; None (and its kernels skipped) for each one not needed."""
     _check_group(group, schedule, w_gate_up)
+    need_x, need_weights, need_w_gate_up, need_w_down, need_shared_gate_up, need_shared_down = needs_grad
     h, gate_up, y_rows, shared_act = saved
     gemms = gemms_for(x, w_gate_up, w_down, schedule)
     cfg = gemms.cfg
     d_out = d_out.to(x.dtype).contiguous()
-    d_topk_weights = kernels.combine_bwd(d_out, y_rows, schedule.dest_row, config=cfg.combine)
-    in_use = rows_in_use(schedule)
-    d_x_rows, d_w_gate_up, d_w_down = rows_bwd(
-        # The router weight of each row's pair, applied once here (fp32 product rounded to the dtype,
-        # as autograd of the reference rounds w * d_out), so no GEMM scales its operand in registers.
-        kernels.gather_rows(d_out, schedule.row_src, topk_weights.contiguous().view(-1), in_use, div=schedule.top_k),
-        lambda: kernels.gather_rows(x.contiguous(), schedule.row_src, None, in_use, div=schedule.top_k),
-        h, gate_up, w_gate_up, w_down, schedule, gemms,
-    )
+    d_x = d_topk_weights = d_x_rows = d_w_gate_up = d_w_down = None
+    if need_weights:
+        d_topk_weights = kernels.combine_bwd(d_out, y_rows, schedule.dest_row, config=cfg.combine)
+    if need_x or need_w_gate_up or need_w_down:
+        in_use = rows_in_use(schedule)
+        d_x_rows, d_w_gate_up, d_w_down = rows_bwd(
+            # The router weight of each row's pair, applied once here (fp32 product rounded to the dtype,
+            # as autograd of the reference rounds w * d_out), so no GEMM scales its operand in registers.
+            kernels.gather_rows(d_out, schedule.row_src, topk_weights.contiguous().view(-1), in_use, div=schedule.top_k),
+            lambda: kernels.gather_rows(x.contiguous(), schedule.row_src, None, in_use, div=schedule.top_k),
+            h, gate_up, w_gate_up, w_down, schedule, gemms,
+            need_x=need_x, need_w_gate_up=need_w_gate_up, need_w_down=need_w_down,
+        )
     d_x_shared = d_shared_gate_up = d_shared_down = None
     if shared_gate_up is not None:
-        d_x_shared, d_shared_gate_up, d_shared_down = shared_bwd(d_out, x, shared_gate_up, shared_down, shared_act)
-    d_x = kernels.combine(d_x_rows, None, schedule.dest_row, d_x_shared, config=cfg.combine)
+        d_x_shared, d_shared_gate_up, d_shared_down = shared_bwd(
+            d_out, x, shared_gate_up, shared_down, shared_act,
+            need_x=need_x, need_gate_up=need_shared_gate_up, need_down=need_shared_down,
+        )
+    if need_x:
+        d_x = kernels.combine(d_x_rows, None, schedule.dest_row, d_x_shared, config=cfg.combine)
     return d_x, d_topk_weights, d_w_gate_up, d_w_down, d_shared_gate_up, d_shared_down

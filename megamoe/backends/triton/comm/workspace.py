@@ -62,9 +62,12 @@ _WORKSPACES: dict[tuple, Workspace] = {}
 def _symmetric(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, group_name: str) -> _Buffer:
     from torch.distributed import _symmetric_memory as symm_mem
 
-    local = symm_mem.empty(*shape, dtype=dtype, device=device)
-    handle = symm_mem.rendezvous(local, group_name)
-    peer_ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+    # Normal tensors even when first used under torch.inference_mode(): the cached buffers are written in
+    # place (publish's copy_) by later training steps too, which inference tensors would refuse.
+    with torch.inference_mode(False):
+        local = symm_mem.empty(*shape, dtype=dtype, device=device)
+        handle = symm_mem.rendezvous(local, group_name)
+        peer_ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
     return _Buffer(local, handle, peer_ptrs)
 
 
