@@ -2,7 +2,7 @@
 process, the cores alternating (order reversed every other round) over 4 rounds of 10 iterations; median.
 
 Usage: python benchmarks/core_ab.py WORKLOAD[,WORKLOAD...] OUT.json   (a CUDA GPU of sm_90)
-The pointer core is selected by making configs.tma_kernel_configs answer None (experts.gemms_for then
+The pointer core is selected by making configs.tma_kernel_configs answer None (experts.one_gpu_configs then
 picks it), so both runs go through the same public path, megamoe.experts.
 """
 import json, statistics, sys, torch, megamoe

@@ -7,8 +7,8 @@ schedule's expert-major rows padded per expert to its block_m, and the same segm
 torch._grouped_mm (offsets = the schedule's expert_offsets). Each GEMM is timed as the fused path runs it
 (with its epilogue: SwiGLU after gate/up fwd, the SwiGLU backward after down dgrad) and as cuBLAS plus
 the torch ops that epilogue replaces. Variants:
-    "tma"          kernels/tma_gemm.py with the tile table's entry (what the one-GPU backend runs on Hopper)
-    "pointer"      kernels/grouped_gemm.py + weight_grad.py (pointer loads; the EP kernels' core)
+    "tma"          the TMA core (kernels/tma_gemm.py) with its tile table entry (the one-GPU path on Hopper)
+    "pointer"      the pointer-load core (kernels/grouped_gemm.py + weight_grad.py; the EP kernels' core)
     "cublas"       torch._grouped_mm + the torch ops the fused epilogue replaces
     "cublas-gemm"  torch._grouped_mm alone (the GEMMs with an epilogue only)
     "tma (tile)"   with --sweep: the TMA kernels with candidate tiles, flattened ("tma-flat") or not
@@ -27,7 +27,6 @@ import triton
 
 from megamoe.backends.triton import kernels
 from megamoe.backends.triton.configs import TileConfig, block_m_for, kernel_configs, tma_kernel_configs
-from megamoe.backends.triton.kernels import tma_gemm
 from megamoe.backends.triton.kernels._common import range_of
 from megamoe.bench.routing import route
 from megamoe.bench.workloads import WORKLOADS
@@ -92,35 +91,35 @@ def gemms(p, sweep: bool) -> dict:
     wgu_t, wd_t = wgu.transpose(1, 2), wd.transpose(1, 2)
 
     def tile(t, flatten):
-        return TileConfig(*t[:3], num_warps=t[3], num_stages=t[4], flatten=flatten)
+        return TileConfig(*t[:3], num_warps=t[3], num_stages=t[4], tma=True, flatten=flatten)
 
     table = {
         "gate_up_fwd": (2 * 2 * R * H * I, {
             "pointer": lambda: kernels.gate_up_fwd(x_rows, wgu, *blocks, store_gate_up=True, config=cfg.gate_up_fwd)[0],
             "cublas": lambda: swiglu_torch(torch._grouped_mm(x_rows, wgu_t, offs=offs)),
             "cublas-gemm": lambda: torch._grouped_mm(x_rows, wgu_t, offs=offs),
-        }, lambda c: lambda: tma_gemm.gate_up_fwd_tma(x_rows, wgu, *blocks, store_gate_up=True, config=c)[0]),
+        }, lambda c: lambda: kernels.gate_up_fwd(x_rows, wgu, *blocks, store_gate_up=True, config=c)[0]),
         "down_fwd": (2 * R * H * I, {
             "pointer": lambda: kernels.down_fwd(h, wd, *blocks, config=cfg.down_fwd),
             "cublas": lambda: torch._grouped_mm(h, wd_t, offs=offs),
-        }, lambda c: lambda: tma_gemm.down_fwd_tma(h, wd, *blocks, config=c)),
+        }, lambda c: lambda: kernels.down_fwd(h, wd, *blocks, config=c)),
         "down_dgrad": (2 * R * H * I, {
             "pointer": lambda: kernels.down_dgrad(d_y, wd, gate_up, *blocks, config=cfg.down_dgrad),
             "cublas": lambda: swiglu_bwd_torch(gate_up, torch._grouped_mm(d_y, wd, offs=offs)),
             "cublas-gemm": lambda: torch._grouped_mm(d_y, wd, offs=offs),
-        }, lambda c: lambda: tma_gemm.down_dgrad_tma(d_y, wd, gate_up, *blocks, config=c)),
+        }, lambda c: lambda: kernels.down_dgrad(d_y, wd, gate_up, *blocks, config=c)),
         "gate_up_dgrad": (2 * 2 * R * H * I, {
             "pointer": lambda: kernels.gate_up_dgrad(d_gu, wgu, *blocks, config=cfg.gate_up_dgrad),
             "cublas": lambda: torch._grouped_mm(d_gu, wgu, offs=offs),
-        }, lambda c: lambda: tma_gemm.gate_up_dgrad_tma(d_gu, wgu, *blocks, config=c)),
+        }, lambda c: lambda: kernels.gate_up_dgrad(d_gu, wgu, *blocks, config=c)),
         "dw_down": (2 * R * H * I, {
             "pointer": lambda: kernels.dw_down(d_y, h, s.expert_offsets, E, config=cfg.dw_down),
             "cublas": lambda: torch._grouped_mm(d_y.t(), h, offs=offs),
-        }, lambda c: lambda: tma_gemm.dw_down_tma(d_y, h, s.expert_offsets, E, config=c)),
+        }, lambda c: lambda: kernels.dw_down(d_y, h, s.expert_offsets, E, config=c)),
         "dw_gate_up": (2 * 2 * R * H * I, {
             "pointer": lambda: kernels.dw_gate_up(d_gu, x_rows, s.expert_offsets, E, config=cfg.dw_gate_up),
             "cublas": lambda: torch._grouped_mm(d_gu.t(), x_rows, offs=offs),
-        }, lambda c: lambda: tma_gemm.dw_gate_up_tma(d_gu, x_rows, s.expert_offsets, E, config=c)),
+        }, lambda c: lambda: kernels.dw_gate_up(d_gu, x_rows, s.expert_offsets, E, config=c)),
     }
     out = {}
     for name, (flops, variants, make_tma) in table.items():

@@ -3,7 +3,7 @@
 Usage: python benchmarks/kernel_breakdown.py [--workload NAME ...] [--json PATH]
 Prints, per kernel, ms and TFLOP/s (GEMMs) or GB/s (memory-bound kernels), and the fwd/bwd sums, so
 docs/perf-notes.md can say where the time goes. Balanced routing, bf16. The GEMMs run on the core the backend picks
-(experts.gemms_for: TMA on Hopper); benchmarks/gemm_bench.py compares the cores with cuBLAS and sweeps tiles.
+(experts.one_gpu_configs: TMA on Hopper); benchmarks/gemm_bench.py compares the cores with cuBLAS and sweeps tiles.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import triton
 
 from megamoe.backends.triton import kernels
 from megamoe.backends.triton.configs import block_m_for
-from megamoe.backends.triton.experts import gemms_for
+from megamoe.backends.triton.experts import one_gpu_configs
 from megamoe.backends.triton.kernels.schedule import place_routing
 from megamoe.bench.workloads import WORKLOADS
 from megamoe.schedule import build_schedule
@@ -37,17 +37,16 @@ def breakdown(name: str, tokens: int | None, experts_cap: int | None) -> list[di
     d_out = torch.randn(T, H, device=dev, generator=g).to(dt)
     bm = block_m_for(H, I, dt)
     s = build_schedule(ids, E, block_m=bm)
-    gemms = gemms_for(x, wgu, wd, s)  # the core the one-GPU backend runs here (TMA on Hopper)
-    cfg = gemms.cfg
+    cfg = one_gpu_configs(x, wgu, wd, s)  # the tiles (and core) the one-GPU backend runs here: TMA on Hopper
     in_use = s.expert_offsets[-1:]
     blocks = (s.block_expert, s.num_blocks)
     w_flat = tw.reshape(-1)
     x_rows = kernels.gather_rows(x, s.row_src, None, in_use, div=k)
     d_y = kernels.gather_rows(d_out, s.row_src, w_flat, in_use, div=k)
-    h, gate_up = gemms.gate_up_fwd(x_rows, wgu, *blocks, store_gate_up=True, config=cfg.gate_up_fwd)
-    y = gemms.down_fwd(h, wd, *blocks, config=cfg.down_fwd)
-    d_gu = gemms.down_dgrad(d_y, wd, gate_up, *blocks, config=cfg.down_dgrad)
-    d_x_rows = gemms.gate_up_dgrad(d_gu, wgu, *blocks, config=cfg.gate_up_dgrad)
+    h, gate_up = kernels.gate_up_fwd(x_rows, wgu, *blocks, store_gate_up=True, config=cfg.gate_up_fwd)
+    y = kernels.down_fwd(h, wd, *blocks, config=cfg.down_fwd)
+    d_gu = kernels.down_dgrad(d_y, wd, gate_up, *blocks, config=cfg.down_dgrad)
+    d_x_rows = kernels.gate_up_dgrad(d_gu, wgu, *blocks, config=cfg.gate_up_dgrad)
     pairs = T * k
     gemm = 2 * pairs * H * I  # one GEMM of the three (gate and up count as two)
     rows_bytes = 2 * 2 * pairs * H  # a gather reads and writes one [P, H] 16-bit row set (padding not counted)
@@ -57,15 +56,15 @@ def breakdown(name: str, tokens: int | None, experts_cap: int | None) -> list[di
         "schedule": (lambda: build_schedule(ids, E, block_m=bm, place_routing=place_routing), 0, 0, "fwd"),
         "schedule_torch": (lambda: build_schedule(ids, E, block_m=bm), 0, 0, "alt"),
         "gather_x": (lambda: kernels.gather_rows(x, s.row_src, None, in_use, div=k), 0, rows_bytes, "fwd"),
-        "gate_up_fwd": (lambda: gemms.gate_up_fwd(x_rows, wgu, *blocks, store_gate_up=True, config=cfg.gate_up_fwd), 2 * gemm, 0, "fwd"),
-        "down_fwd": (lambda: gemms.down_fwd(h, wd, *blocks, config=cfg.down_fwd), gemm, 0, "fwd"),
+        "gate_up_fwd": (lambda: kernels.gate_up_fwd(x_rows, wgu, *blocks, store_gate_up=True, config=cfg.gate_up_fwd), 2 * gemm, 0, "fwd"),
+        "down_fwd": (lambda: kernels.down_fwd(h, wd, *blocks, config=cfg.down_fwd), gemm, 0, "fwd"),
         "combine": (lambda: kernels.combine(y, tw, s.dest_row, None, config=cfg.combine), 0, combine_bytes, "fwd"),
         "combine_bwd": (lambda: kernels.combine_bwd(d_out, y, s.dest_row, config=cfg.combine), 0, combine_bytes, "bwd"),
         "gather_d_y": (lambda: kernels.gather_rows(d_out, s.row_src, w_flat, in_use, div=k), 0, rows_bytes, "bwd"),
-        "down_dgrad": (lambda: gemms.down_dgrad(d_y, wd, gate_up, *blocks, config=cfg.down_dgrad), gemm, 0, "bwd"),
-        "gate_up_dgrad": (lambda: gemms.gate_up_dgrad(d_gu, wgu, *blocks, config=cfg.gate_up_dgrad), 2 * gemm, 0, "bwd"),
-        "dw_down": (lambda: gemms.dw_down(d_y, h, s.expert_offsets, E, config=cfg.dw_down), gemm, 0, "bwd"),
-        "dw_gate_up": (lambda: gemms.dw_gate_up(d_gu, x_rows, s.expert_offsets, E, config=cfg.dw_gate_up), 2 * gemm, 0, "bwd"),
+        "down_dgrad": (lambda: kernels.down_dgrad(d_y, wd, gate_up, *blocks, config=cfg.down_dgrad), gemm, 0, "bwd"),
+        "gate_up_dgrad": (lambda: kernels.gate_up_dgrad(d_gu, wgu, *blocks, config=cfg.gate_up_dgrad), 2 * gemm, 0, "bwd"),
+        "dw_down": (lambda: kernels.dw_down(d_y, h, s.expert_offsets, E, config=cfg.dw_down), gemm, 0, "bwd"),
+        "dw_gate_up": (lambda: kernels.dw_gate_up(d_gu, x_rows, s.expert_offsets, E, config=cfg.dw_gate_up), 2 * gemm, 0, "bwd"),
         "combine_dx": (lambda: kernels.combine(d_x_rows, None, s.dest_row, None, config=cfg.combine), 0, combine_bytes, "bwd"),
     }
     records = []

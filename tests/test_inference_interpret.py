@@ -18,7 +18,6 @@ needs_grad, and the unfused path's weight-grad kernels skipped for frozen weight
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -45,7 +44,6 @@ def test_interpreter_suite():
 
 if INTERPRET:
     from megamoe.backends.triton import ep, kernels
-    from megamoe.backends.triton import experts as triton_experts
     from megamoe.backends.triton.experts import experts_bwd, experts_fwd
     from megamoe.config import MoEConfig
     from megamoe.schedule import build_schedule
@@ -86,15 +84,8 @@ class Counter:
 
 
 def spy_one_gpu(monkeypatch, counter: Counter) -> None:
-    """Every GEMM of experts.py's Gemms (whichever core gemms_for picks) and the gather/combine kernels."""
-    real_gemms_for = triton_experts.gemms_for
-
-    def gemms_for(*args, **kwargs):
-        gemms = real_gemms_for(*args, **kwargs)
-        return dataclasses.replace(gemms, **{n: counter.wrap(n, getattr(gemms, n)) for n in GEMMS})
-
-    monkeypatch.setattr(triton_experts, "gemms_for", gemms_for)
-    for name in ("gather_rows", "combine", "combine_bwd"):
+    """Every GEMM launcher experts.py calls (whichever core its tiles select) and the gather/combine kernels."""
+    for name in (*GEMMS, "gather_rows", "combine", "combine_bwd"):
         monkeypatch.setattr(kernels, name, counter.wrap(name, getattr(kernels, name)))
 
 

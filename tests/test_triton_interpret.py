@@ -20,6 +20,7 @@ programs inside the fused kernels, rows per ready flag), and match its own unfus
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -375,6 +376,12 @@ TMA_CASES = {
 }
 
 
+def _as_tma(table):
+    """A tile table with every GEMM entry switched to the TMA core (same tiles, same K order)."""
+    gemms = [f.name for f in dataclasses.fields(table) if f.name != "combine"]
+    return dataclasses.replace(table, **{n: dataclasses.replace(getattr(table, n), tma=True) for n in gemms})
+
+
 @interpreted
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
 @pytest.mark.parametrize("case", list(TMA_CASES), ids=list(TMA_CASES))
@@ -387,17 +394,16 @@ def test_tma_core_matches_pointer_core_bitwise(case, dtype, monkeypatch):
     d_out = torch.randn(T, H, generator=torch.Generator().manual_seed(7)).to(dtype)
     s = build_schedule(ids, E, block_m=32)
 
-    def run(core):
-        gemms = triton_experts.gemms_for(x, wgu, wd, s)
-        assert gemms.gate_up_fwd.__name__.endswith("_tma") == (core == "tma"), f"{core} core not selected"
+    def run(tma):
+        assert triton_experts.one_gpu_configs(x, wgu, wd, s).gate_up_fwd.tma == tma, f"tma={tma} core not selected"
         with poisoned_empty():
             out, saved = experts_fwd(x, weights, wgu, wd, sgu, sd, s, None)
             return (out, *experts_bwd(d_out, x, weights, wgu, wd, sgu, sd, s, None, None, saved))
 
-    pointer = run("pointer")
+    pointer = run(False)
     # The pointer core's own tiles, so that both cores sum every output in the same order.
-    monkeypatch.setattr(triton_experts, "tma_kernel_configs", kernel_configs)
-    tma = run("tma")
+    monkeypatch.setattr(triton_experts, "tma_kernel_configs", lambda *args: _as_tma(kernel_configs(*args)))
+    tma = run(True)
     names = ["out", "d_x", "d_topk_weights", "d_w_gate_up", "d_w_down", "d_shared_gate_up", "d_shared_down"]
     for name, a, b in zip(names, pointer, tma):
         if a is None:
@@ -409,19 +415,18 @@ def test_tma_core_matches_pointer_core_bitwise(case, dtype, monkeypatch):
 
 @interpreted
 def test_tma_core_refuses_unaligned_rows(monkeypatch):
-    """TMA needs 16-byte row strides: I = 20 fp16 (40 bytes) is refused by the launcher, and gemms_for
-    keeps the pointer core for such weights even where the TMA tiles would apply."""
+    """TMA needs 16-byte row strides: I = 20 fp16 (40 bytes) is refused by the launcher, and the one-GPU
+    path keeps the pointer core for such weights even where the TMA tiles would apply."""
     from megamoe.backends.triton import experts as triton_experts
     from megamoe.backends.triton.configs import kernel_configs
-    from megamoe.backends.triton.kernels import tma_gemm
 
     x, ids, _, wgu, wd, _, _ = make_problem(19, 40, 20, 4, 2, torch.float16)
     s = build_schedule(ids, 4, block_m=16)
     h = random_rows(s, 2, 20, torch.float16)
     with pytest.raises(ValueError, match="16-byte"):
-        tma_gemm.down_fwd_tma(h, wd, s.block_expert, s.num_blocks, config=SMALL)
-    monkeypatch.setattr(triton_experts, "tma_kernel_configs", kernel_configs)
-    assert triton_experts.gemms_for(x, wgu, wd, s).gate_up_fwd is kernels.gate_up_fwd
+        kernels.down_fwd(h, wd, s.block_expert, s.num_blocks, config=dataclasses.replace(SMALL, tma=True))
+    monkeypatch.setattr(triton_experts, "tma_kernel_configs", lambda *args: _as_tma(kernel_configs(*args)))
+    assert not triton_experts.one_gpu_configs(x, wgu, wd, s).gate_up_fwd.tma
 
 
 @interpreted

@@ -21,7 +21,7 @@ pytestmark = [
 
 if torch.cuda.is_available():
     from megamoe.backends.triton import block_m_for
-    from megamoe.backends.triton.experts import experts_bwd, experts_fwd, gemms_for
+    from megamoe.backends.triton.experts import experts_bwd, experts_fwd, one_gpu_configs
     from megamoe.reference import experts as reference_experts
     from megamoe.schedule import build_schedule
 
@@ -45,7 +45,7 @@ EDGES = {
     "T1-k1-E1-shared": (1, 2048, 768, 1, 1, 512, "balanced"),
     "T129-not-multiple-of-block-k3": (129, 2048, 768, 8, 3, 0, "balanced"),
     "odd-H2880-T77-k4": (77, 2880, 2880, 4, 4, 0, "skewed"),
-    # H not a multiple of 8: rows TMA cannot address, so the pointer-load core runs (gemms_for).
+    # H not a multiple of 8: rows TMA cannot address, so the pointer-load core runs (one_gpu_configs).
     "pointer-core-H2052-T100-k2": (100, 2052, 768, 8, 2, 0, "balanced"),
 }
 
@@ -186,8 +186,9 @@ def test_tma_core_runs_where_rows_are_16_byte_aligned():
     for T, H, I, E, k, shared, kind in [*WORKLOADS.values(), EDGES["pointer-core-H2052-T100-k2"]]:
         x, ids, _, wgu, wd, *_ = make_inputs(min(T, 8), H, I, E, k, shared, kind)
         s = build_schedule(ids, E, block_m=block_m_for(H, I, DTYPE))
-        core = gemms_for(x, wgu, wd, s).gate_up_fwd.__name__
-        assert core == ("gate_up_fwd" if H % 8 else "gate_up_fwd_tma"), f"H={H}, I={I}: ran {core}"
+        cfg = one_gpu_configs(x, wgu, wd, s)
+        assert all(getattr(cfg, n).tma == (H % 8 == 0) for n in ("gate_up_fwd", "down_fwd", "down_dgrad",
+                   "gate_up_dgrad", "dw_down", "dw_gate_up")), f"H={H}, I={I}: {cfg}"
 
 
 _NEVER_RAISED = """

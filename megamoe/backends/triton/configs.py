@@ -21,7 +21,8 @@ import torch
 class TileConfig:
     """One kernel's launch shape. block_m: rows (or output rows of a weight-grad tile); block_n: output
     columns; block_k: reduction step; group_m: row blocks swept together (L2 reuse of weight tiles);
-    flatten: Triton flattens the persistent tile loop with the K loop (kernels/tma_gemm.py only), so the
+    tma: the kernel of kernels/tma_gemm.py runs (operands and outputs by TMA copies) instead of the
+    pointer-load one; flatten (tma only): Triton flattens the persistent tile loop with the K loop, so the
     next tile's first copies are issued during this tile's epilogue."""
 
     block_m: int
@@ -30,6 +31,7 @@ class TileConfig:
     num_warps: int
     num_stages: int
     group_m: int = 8
+    tma: bool = False
     flatten: bool = False
 
     def with_block_m(self, block_m: int) -> "TileConfig":
@@ -77,12 +79,12 @@ _SM90 = KernelConfigs(
 # whose epilogue is short next to their K loop (down_fwd, the weight grads) and hurts the two-accumulator
 # gate/up tile (its epilogue then competes with the next tile's copies for shared memory).
 _SM90_TMA = KernelConfigs(
-    gate_up_fwd=TileConfig(128, 128, 64, num_warps=8, num_stages=3),
-    down_fwd=TileConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=True),
-    down_dgrad=TileConfig(128, 128, 64, num_warps=8, num_stages=4),
-    gate_up_dgrad=TileConfig(128, 256, 64, num_warps=8, num_stages=3),
-    dw_down=TileConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=True),
-    dw_gate_up=TileConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=True),
+    gate_up_fwd=TileConfig(128, 128, 64, num_warps=8, num_stages=3, tma=True),
+    down_fwd=TileConfig(128, 256, 64, num_warps=8, num_stages=3, tma=True, flatten=True),
+    down_dgrad=TileConfig(128, 128, 64, num_warps=8, num_stages=4, tma=True),
+    gate_up_dgrad=TileConfig(128, 256, 64, num_warps=8, num_stages=3, tma=True),
+    dw_down=TileConfig(128, 256, 64, num_warps=8, num_stages=3, tma=True, flatten=True),
+    dw_gate_up=TileConfig(128, 256, 64, num_warps=8, num_stages=3, tma=True, flatten=True),
     combine=_SM90.combine,
 )
 # down_dgrad's K loop runs over H: below this the flattened loop wins (qwen3-30b-a3b 480 TF/s against 436,

@@ -31,7 +31,6 @@ gradients are skipped one by one.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -54,29 +53,14 @@ def configs_for(x: torch.Tensor, w_gate_up: torch.Tensor, schedule: Schedule) ->
     return kernel_configs(x.shape[1], w_gate_up.shape[1] // 2, x.dtype, x.device, schedule.block_m)
 
 
-@dataclasses.dataclass(frozen=True)
-class Gemms:
-    """The six grouped GEMMs of the rows compute, with the tiles they run (one launcher signature per
-    GEMM, whichever core: kernels/grouped_gemm.py + weight_grad.py, or kernels/tma_gemm.py)."""
-
-    gate_up_fwd: Callable
-    down_fwd: Callable
-    down_dgrad: Callable
-    gate_up_dgrad: Callable
-    dw_down: Callable
-    dw_gate_up: Callable
-    cfg: KernelConfigs
-
-
-def gemms_for(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, schedule: Schedule) -> Gemms:
-    """The TMA core where it runs (a Hopper GPU, 16-bit operands TMA can address; tma_kernel_configs),
-    the pointer-load core elsewhere. Host metadata only: no sync."""
+def one_gpu_configs(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, schedule: Schedule) -> KernelConfigs:
+    """The tiles of the one-GPU path: the TMA core's where it runs (a Hopper GPU, 16-bit operands TMA can
+    address: configs.tma_kernel_configs and 16-byte aligned weights), the pointer-load core's elsewhere.
+    Host metadata only: no sync."""
     tma = tma_kernel_configs(x.shape[1], w_gate_up.shape[1] // 2, x.dtype, x.device, schedule.block_m)
     if tma is not None and tma_gemm.tma_addressable(w_gate_up, w_down):
-        return Gemms(tma_gemm.gate_up_fwd_tma, tma_gemm.down_fwd_tma, tma_gemm.down_dgrad_tma,
-                     tma_gemm.gate_up_dgrad_tma, tma_gemm.dw_down_tma, tma_gemm.dw_gate_up_tma, tma)
-    return Gemms(kernels.gate_up_fwd, kernels.down_fwd, kernels.down_dgrad, kernels.gate_up_dgrad,
-                 kernels.dw_down, kernels.dw_gate_up, configs_for(x, w_gate_up, schedule))
+        return tma
+    return configs_for(x, w_gate_up, schedule)
 
 
 def rows_in_use(schedule: Schedule) -> torch.Tensor:
@@ -128,7 +112,7 @@ def rows_fwd(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     schedule: Schedule,
-    gemms: Gemms,
+    cfg: KernelConfigs,
     *,
     save_gate_up: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -140,12 +124,11 @@ def rows_fwd(
     # NOTE: the block range stays on the device; every buffer and grid is sized from shapes alone,
     # so nothing here waits for the GPU.
     blocks = all_blocks(schedule)
-    cfg = gemms.cfg
-    h, gate_up = gemms.gate_up_fwd(
+    h, gate_up = kernels.gate_up_fwd(
         x_rows() if callable(x_rows) else x_rows, w_gate_up, schedule.block_expert, blocks,
         store_gate_up=save_gate_up, config=cfg.gate_up_fwd,
     )
-    y_rows = gemms.down_fwd(h, w_down, schedule.block_expert, blocks, config=cfg.down_fwd)
+    y_rows = kernels.down_fwd(h, w_down, schedule.block_expert, blocks, config=cfg.down_fwd)
     if gate_up is None:
         gate_up = h.new_empty(0, 2 * h.shape[1])
     return h, gate_up, y_rows
@@ -159,7 +142,7 @@ def rows_bwd(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     schedule: Schedule,
-    gemms: Gemms,
+    cfg: KernelConfigs,
     *,
     need_x: bool = True,
     need_w_gate_up: bool = True,
@@ -175,23 +158,22 @@ def rows_bwd(
     """
     rows = x_rows if callable(x_rows) else (lambda: x_rows)
     blocks = all_blocks(schedule)
-    cfg = gemms.cfg
     need_d_gate_up = need_x or need_w_gate_up
     if gate_up.shape[0] == 0 and (need_d_gate_up or need_w_down):
-        h, gate_up = gemms.gate_up_fwd(
+        h, gate_up = kernels.gate_up_fwd(
             rows(), w_gate_up, schedule.block_expert, blocks, store_gate_up=need_d_gate_up, config=cfg.gate_up_fwd,
         )
     num_experts = w_gate_up.shape[0]
     d_gate_up = d_x_rows = d_w_gate_up = d_w_down = None
     if need_d_gate_up:
-        d_gate_up = gemms.down_dgrad(d_y_rows, w_down, gate_up, schedule.block_expert, blocks, config=cfg.down_dgrad)
+        d_gate_up = kernels.down_dgrad(d_y_rows, w_down, gate_up, schedule.block_expert, blocks, config=cfg.down_dgrad)
     if need_w_down:
-        d_w_down = gemms.dw_down(d_y_rows, h, schedule.expert_offsets, num_experts, config=cfg.dw_down)
+        d_w_down = kernels.dw_down(d_y_rows, h, schedule.expert_offsets, num_experts, config=cfg.dw_down)
     del d_y_rows  # lowers the backward's peak memory (the caller holds no reference)
     if need_x:
-        d_x_rows = gemms.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad)
+        d_x_rows = kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad)
     if need_w_gate_up:
-        d_w_gate_up = gemms.dw_gate_up(d_gate_up, rows(), schedule.expert_offsets, num_experts, config=cfg.dw_gate_up)
+        d_w_gate_up = kernels.dw_gate_up(d_gate_up, rows(), schedule.expert_offsets, num_experts, config=cfg.dw_gate_up)
     return d_x_rows, d_w_gate_up, d_w_down
 
 
@@ -221,15 +203,14 @@ def experts_fwd(
     power of two >= 16). Sync-free: every size here comes from shapes, counts are read on the device.
     """
     _check_group(group, schedule, w_gate_up)
-    gemms = gemms_for(x, w_gate_up, w_down, schedule)
-    cfg = gemms.cfg
+    cfg = one_gpu_configs(x, w_gate_up, w_down, schedule)
     x = x.contiguous()
     save_gate_up = save_gate_up and save_for_backward
     # x_rows is not kept: gathered for the gate/up GEMM and released before the down GEMM allocates y_rows;
     # the backward re-gathers it from x (saved anyway) just before dw_gate_up.
     h, gate_up, y_rows = rows_fwd(
         lambda: kernels.gather_rows(x, schedule.row_src, None, rows_in_use(schedule), div=schedule.top_k),
-        w_gate_up, w_down, schedule, gemms, save_gate_up=save_gate_up,
+        w_gate_up, w_down, schedule, cfg, save_gate_up=save_gate_up,
     )
     if not save_gate_up:
         h = x.new_empty(0, h.shape[1])  # recompute mode (the backward reruns gate_up_fwd), or inference
@@ -269,8 +250,7 @@ def experts_bwd(
     _check_group(group, schedule, w_gate_up)
     need_x, need_weights, need_w_gate_up, need_w_down, need_shared_gate_up, need_shared_down = needs_grad
     h, gate_up, y_rows, shared_act = saved
-    gemms = gemms_for(x, w_gate_up, w_down, schedule)
-    cfg = gemms.cfg
+    cfg = one_gpu_configs(x, w_gate_up, w_down, schedule)
     d_out = d_out.to(x.dtype).contiguous()
     d_x = d_topk_weights = d_x_rows = d_w_gate_up = d_w_down = None
     if need_weights:
@@ -282,7 +262,7 @@ def experts_bwd(
             # as autograd of the reference rounds w * d_out), so no GEMM scales its operand in registers.
             kernels.gather_rows(d_out, schedule.row_src, topk_weights.contiguous().view(-1), in_use, div=schedule.top_k),
             lambda: kernels.gather_rows(x.contiguous(), schedule.row_src, None, in_use, div=schedule.top_k),
-            h, gate_up, w_gate_up, w_down, schedule, gemms,
+            h, gate_up, w_gate_up, w_down, schedule, cfg,
             need_x=need_x, need_w_gate_up=need_w_gate_up, need_w_down=need_w_down,
         )
     d_x_shared = d_shared_gate_up = d_shared_down = None

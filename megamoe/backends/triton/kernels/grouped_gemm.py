@@ -31,6 +31,7 @@ from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import (
     check, check_matrix, check_rows, check_weight, load_range, persistent_grid, tile_coords,
 )
+from megamoe.backends.triton.kernels import tma_gemm
 from megamoe.backends.triton.kernels.comm_tiles import push_pointers
 
 
@@ -298,6 +299,7 @@ def _meta(config: TileConfig, k_dim: int, split: int) -> dict:
 
 
 # Shared by every launcher below:
+#   config: the tile; with config.tma the kernel of tma_gemm.py runs (operands TMA can address, checked).
 #   blocks: int32 [2] on the device, the schedule blocks (first, end) to compute (or int32 [1]: the
 #       count, first = 0; schedule.num_blocks covers every row in use). Rows outside are left unwritten.
 
@@ -322,7 +324,13 @@ def gate_up_fwd(
     check_weight(w_gate_up_E2IH, x_rows_RH, (w_gate_up_E2IH.shape[0], 2 * inter, hidden), "w_gate_up")
     split, blocks = check_rows(rows, block_expert, blocks, config.block_m)
     h = torch.empty(rows, inter, dtype=x_rows_RH.dtype, device=x_rows_RH.device)
-    gate_up = torch.empty(rows, 2 * inter, dtype=h.dtype, device=h.device) if store_gate_up else h.new_empty(0, 2 * inter)
+    if config.tma:
+        # Without store_gate_up the TMA kernel never writes gate_up, but takes a descriptor of one block.
+        gate_up = h.new_empty(rows if store_gate_up else config.block_m, 2 * inter)
+        tma_gemm.launch_gate_up_fwd(x_rows_RH, w_gate_up_E2IH, h, gate_up, block_expert, blocks, split, config,
+                                    store_gate_up)
+        return h, (gate_up if store_gate_up else None)
+    gate_up = h.new_empty(rows, 2 * inter) if store_gate_up else h.new_empty(0, 2 * inter)
     max_tiles = rows // config.block_m * triton.cdiv(inter, config.block_n)
     gate_up_fwd_kernel[persistent_grid(h.device, max_tiles)](
         x_rows_RH, w_gate_up_E2IH, block_expert, blocks, h, gate_up,
@@ -349,6 +357,9 @@ def down_fwd(
     check_weight(w_down_EHI, h_RI, (w_down_EHI.shape[0], hidden, inter), "w_down")
     split, blocks = check_rows(rows, block_expert, blocks, config.block_m)
     y_rows = torch.empty(rows, hidden, dtype=h_RI.dtype, device=h_RI.device)
+    if config.tma:
+        tma_gemm.launch_down_fwd(h_RI, w_down_EHI, y_rows, block_expert, blocks, split, config)
+        return y_rows
     max_tiles = rows // config.block_m * triton.cdiv(hidden, config.block_n)
     down_fwd_kernel[persistent_grid(h_RI.device, max_tiles)](
         h_RI, w_down_EHI, block_expert, blocks, y_rows,
@@ -380,6 +391,9 @@ def down_dgrad(
     check_matrix(gate_up_R2I, rows, 2 * inter, "gate_up")
     split, blocks = check_rows(rows, block_expert, blocks, config.block_m)
     d_gate_up = torch.empty(rows, 2 * inter, dtype=d_y_rows_RH.dtype, device=d_y_rows_RH.device)
+    if config.tma:
+        tma_gemm.launch_down_dgrad(d_y_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up, block_expert, blocks, split, config)
+        return d_gate_up
     max_tiles = rows // config.block_m * triton.cdiv(inter, config.block_n)
     down_dgrad_kernel[persistent_grid(d_y_rows_RH.device, max_tiles)](
         d_y_rows_RH, w_down_EHI, gate_up_R2I, block_expert, blocks, d_gate_up,
@@ -405,6 +419,9 @@ def gate_up_dgrad(
     check_weight(w_gate_up_E2IH, d_gate_up_R2I, (w_gate_up_E2IH.shape[0], inter2, hidden), "w_gate_up")
     split, blocks = check_rows(rows, block_expert, blocks, config.block_m)
     d_x_rows = torch.empty(rows, hidden, dtype=d_gate_up_R2I.dtype, device=d_gate_up_R2I.device)
+    if config.tma:
+        tma_gemm.launch_gate_up_dgrad(d_gate_up_R2I, w_gate_up_E2IH, d_x_rows, block_expert, blocks, split, config)
+        return d_x_rows
     max_tiles = rows // config.block_m * triton.cdiv(hidden, config.block_n)
     gate_up_dgrad_kernel[persistent_grid(d_gate_up_R2I.device, max_tiles)](
         d_gate_up_R2I, w_gate_up_E2IH, block_expert, blocks, d_x_rows,

@@ -1,5 +1,8 @@
 """Row-block grouped GEMMs with operands loaded by the Tensor Memory Accelerator (Hopper and newer).
 
+The launchers of grouped_gemm.py and weight_grad.py run these kernels when their tile config has `tma`
+(configs.tma_kernel_configs: the one-GPU path on Hopper for 16-bit rows TMA can address).
+
 The same four GEMMs and the same tile space as grouped_gemm.py (row block m of BLOCK_M schedule rows,
 all of one expert, x column block n; persistent grid over the device block range; one tile per output
 element, fixed K order, so results are bitwise reproducible), but every operand tile is a TMA copy
@@ -24,10 +27,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe.backends.triton.configs import TileConfig
-from megamoe.backends.triton.kernels._common import (
-    check, check_expert_offsets, check_matrix, check_row_operands, check_rows, check_weight, load_range,
-    persistent_grid, tile_coords,
-)
+from megamoe.backends.triton.kernels._common import check, load_range, persistent_grid, tile_coords
 
 
 @triton.jit
@@ -158,8 +158,8 @@ def dw_tma_kernel(
 
 
 # ----------------------------------------------------------------------------------------------------
-# Launchers: the signatures and contracts of grouped_gemm.py's and weight_grad.py's (blocks: the device
-# block range; rows outside it are left unwritten), for operands TMA can address (tma_addressable).
+# Launches, called by the launchers of grouped_gemm.py and weight_grad.py (which validate and allocate)
+# when the tile config says `tma`. Here: descriptors, the TMA addressing check, the grid.
 
 
 def tma_addressable(*tensors: torch.Tensor) -> bool:
@@ -167,6 +167,10 @@ def tma_addressable(*tensors: torch.Tensor) -> bool:
     H and I multiples of 8). Host metadata only; never synchronises."""
     return all(t.data_ptr() % 16 == 0 and all(s == 1 or s * t.element_size() % 16 == 0 for s in t.stride())
                for t in tensors)
+
+
+def _check_tma(*tensors: torch.Tensor) -> None:
+    check(tma_addressable(*tensors), "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8 in bf16)")
 
 
 def _rows_desc(t_RK: torch.Tensor, block_m: int, block_k: int) -> TensorDescriptor:
@@ -179,129 +183,69 @@ def _pairs_desc(t_R2I: torch.Tensor, block_m: int, block_n: int) -> TensorDescri
     return TensorDescriptor(t_R2I, [rows, 2, inter2 // 2], [inter2, inter2 // 2, 1], [block_m, 1, block_n])
 
 
-def _meta(config: TileConfig, split: int) -> dict:
-    return dict(SPLIT=split, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                GROUP_M=config.group_m, FLATTEN=config.flatten, num_warps=config.num_warps,
-                num_stages=config.num_stages)
-
-
-def _check_tma(*tensors: torch.Tensor) -> None:
-    check(tma_addressable(*tensors), "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8 in bf16)")
-
-
-def gate_up_fwd_tma(
-    x_rows_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_expert: torch.Tensor, blocks: torch.Tensor,
-    *, store_gate_up: bool, config: TileConfig,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """h [R, I] = SwiGLU of the rows' gate/up projections; gate_up [R, 2I] too if store_gate_up."""
-    check_matrix(x_rows_RH, None, None, "x_rows")
-    rows, hidden = x_rows_RH.shape
-    check(w_gate_up_E2IH.dim() == 3 and w_gate_up_E2IH.shape[1] % 2 == 0, "w_gate_up must be [E_l, 2I, H]")
-    inter = w_gate_up_E2IH.shape[1] // 2
-    check_weight(w_gate_up_E2IH, x_rows_RH, (w_gate_up_E2IH.shape[0], 2 * inter, hidden), "w_gate_up")
-    split, blocks = check_rows(rows, block_expert, blocks, config.block_m)
-    h = torch.empty(rows, inter, dtype=x_rows_RH.dtype, device=x_rows_RH.device)
-    # Without store_gate_up the kernel never touches gu_desc; it still needs a descriptor of the right type.
-    gate_up = torch.empty(rows if store_gate_up else config.block_m, 2 * inter, dtype=h.dtype, device=h.device)
-    _check_tma(x_rows_RH, w_gate_up_E2IH, h, gate_up)
+def _row_block_launch(kernel, rows_RK: torch.Tensor, out_cols: int, split: int, config: TileConfig, descriptors: list,
+                      *args, **extra):
+    """Launch a row-block GEMM kernel over the worst-case tiles: rows_RK's rows x out_cols columns."""
     c = config
-    gate_up_fwd_tma_kernel[persistent_grid(h.device, rows // c.block_m * triton.cdiv(inter, c.block_n))](
-        _rows_desc(x_rows_RH, c.block_m, c.block_k), TensorDescriptor.from_tensor(w_gate_up_E2IH, [1, c.block_n, c.block_k]),
-        _rows_desc(h, c.block_m, c.block_n), _pairs_desc(gate_up, c.block_m, c.block_n),
-        block_expert, blocks, hidden, inter, STORE_GATE_UP=store_gate_up, **_meta(c, split),
+    kernel[persistent_grid(rows_RK.device, rows_RK.shape[0] // c.block_m * triton.cdiv(out_cols, c.block_n))](
+        *descriptors, *args, SPLIT=split, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        GROUP_M=c.group_m, FLATTEN=c.flatten, num_warps=c.num_warps, num_stages=c.num_stages, **extra,
     )
-    return h, (gate_up if store_gate_up else None)
 
 
-def down_fwd_tma(
-    h_RI: torch.Tensor, w_down_EHI: torch.Tensor, block_expert: torch.Tensor, blocks: torch.Tensor, *, config: TileConfig,
-) -> torch.Tensor:
-    """y_rows [R, H] = h[r] @ w_down[e]^T."""
-    check_matrix(h_RI, None, None, "h")
-    rows, inter = h_RI.shape
-    check(w_down_EHI.dim() == 3, "w_down must be [E_l, H, I]")
-    hidden = w_down_EHI.shape[1]
-    check_weight(w_down_EHI, h_RI, (w_down_EHI.shape[0], hidden, inter), "w_down")
-    split, blocks = check_rows(rows, block_expert, blocks, config.block_m)
-    y_rows = torch.empty(rows, hidden, dtype=h_RI.dtype, device=h_RI.device)
-    _check_tma(h_RI, w_down_EHI, y_rows)
+def launch_gate_up_fwd(x_rows_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, block_expert, blocks, split, config, store_gate_up):
+    """gate_up_R2I: written if store_gate_up; otherwise any [*, 2I] tensor (the kernel needs a descriptor)."""
+    _check_tma(x_rows_RH, w_gate_up_E2IH, h_RI, gate_up_R2I)
     c = config
-    down_fwd_tma_kernel[persistent_grid(h_RI.device, rows // c.block_m * triton.cdiv(hidden, c.block_n))](
-        _rows_desc(h_RI, c.block_m, c.block_k), TensorDescriptor.from_tensor(w_down_EHI, [1, c.block_n, c.block_k]),
-        _rows_desc(y_rows, c.block_m, c.block_n), block_expert, blocks, hidden, inter, **_meta(c, split),
+    _row_block_launch(
+        gate_up_fwd_tma_kernel, x_rows_RH, h_RI.shape[1], split, c,
+        [_rows_desc(x_rows_RH, c.block_m, c.block_k), TensorDescriptor.from_tensor(w_gate_up_E2IH, [1, c.block_n, c.block_k]),
+         _rows_desc(h_RI, c.block_m, c.block_n), _pairs_desc(gate_up_R2I, c.block_m, c.block_n)],
+        block_expert, blocks, x_rows_RH.shape[1], h_RI.shape[1], STORE_GATE_UP=store_gate_up,
     )
-    return y_rows
 
 
-def down_dgrad_tma(
-    d_y_rows_RH: torch.Tensor, w_down_EHI: torch.Tensor, gate_up_R2I: torch.Tensor, block_expert: torch.Tensor,
-    blocks: torch.Tensor, *, config: TileConfig,
-) -> torch.Tensor:
-    """d_gate_up [R, 2I]: SwiGLU backward of d_h = d_y_rows[r] @ w_down[e] (as grouped_gemm.down_dgrad)."""
-    check_matrix(d_y_rows_RH, None, None, "d_y_rows")
-    rows, hidden = d_y_rows_RH.shape
-    check(w_down_EHI.dim() == 3 and w_down_EHI.shape[1] == hidden, "w_down must be [E_l, H, I]")
-    inter = w_down_EHI.shape[2]
-    check_weight(w_down_EHI, d_y_rows_RH, (w_down_EHI.shape[0], hidden, inter), "w_down")
-    check_matrix(gate_up_R2I, rows, 2 * inter, "gate_up")
-    split, blocks = check_rows(rows, block_expert, blocks, config.block_m)
-    d_gate_up = torch.empty(rows, 2 * inter, dtype=d_y_rows_RH.dtype, device=d_y_rows_RH.device)
-    _check_tma(d_y_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up)
+def launch_down_fwd(h_RI, w_down_EHI, y_rows_RH, block_expert, blocks, split, config):
+    _check_tma(h_RI, w_down_EHI, y_rows_RH)
     c = config
-    down_dgrad_tma_kernel[persistent_grid(d_gate_up.device, rows // c.block_m * triton.cdiv(inter, c.block_n))](
-        _rows_desc(d_y_rows_RH, c.block_m, c.block_k), TensorDescriptor.from_tensor(w_down_EHI, [1, c.block_k, c.block_n]),
-        _pairs_desc(gate_up_R2I, c.block_m, c.block_n), _pairs_desc(d_gate_up, c.block_m, c.block_n),
-        block_expert, blocks, hidden, inter, **_meta(c, split),
+    _row_block_launch(
+        down_fwd_tma_kernel, h_RI, y_rows_RH.shape[1], split, c,
+        [_rows_desc(h_RI, c.block_m, c.block_k), TensorDescriptor.from_tensor(w_down_EHI, [1, c.block_n, c.block_k]),
+         _rows_desc(y_rows_RH, c.block_m, c.block_n)],
+        block_expert, blocks, y_rows_RH.shape[1], h_RI.shape[1],
     )
-    return d_gate_up
 
 
-def gate_up_dgrad_tma(
-    d_gate_up_R2I: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_expert: torch.Tensor, blocks: torch.Tensor,
-    *, config: TileConfig,
-) -> torch.Tensor:
-    """d_x_rows [R, H] = d_gate_up[r] @ w_gate_up[e]."""
-    check_matrix(d_gate_up_R2I, None, None, "d_gate_up")
-    rows, inter2 = d_gate_up_R2I.shape
-    check(w_gate_up_E2IH.dim() == 3 and w_gate_up_E2IH.shape[1] == inter2, "w_gate_up must be [E_l, 2I, H]")
-    hidden = w_gate_up_E2IH.shape[2]
-    check_weight(w_gate_up_E2IH, d_gate_up_R2I, (w_gate_up_E2IH.shape[0], inter2, hidden), "w_gate_up")
-    split, blocks = check_rows(rows, block_expert, blocks, config.block_m)
-    d_x_rows = torch.empty(rows, hidden, dtype=d_gate_up_R2I.dtype, device=d_gate_up_R2I.device)
-    _check_tma(d_gate_up_R2I, w_gate_up_E2IH, d_x_rows)
+def launch_down_dgrad(d_y_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, block_expert, blocks, split, config):
+    _check_tma(d_y_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I)
     c = config
-    gate_up_dgrad_tma_kernel[persistent_grid(d_x_rows.device, rows // c.block_m * triton.cdiv(hidden, c.block_n))](
-        _rows_desc(d_gate_up_R2I, c.block_m, c.block_k), TensorDescriptor.from_tensor(w_gate_up_E2IH, [1, c.block_k, c.block_n]),
-        _rows_desc(d_x_rows, c.block_m, c.block_n), block_expert, blocks, hidden, inter2 // 2, **_meta(c, split),
+    _row_block_launch(
+        down_dgrad_tma_kernel, d_y_rows_RH, gate_up_R2I.shape[1] // 2, split, c,
+        [_rows_desc(d_y_rows_RH, c.block_m, c.block_k), TensorDescriptor.from_tensor(w_down_EHI, [1, c.block_k, c.block_n]),
+         _pairs_desc(gate_up_R2I, c.block_m, c.block_n), _pairs_desc(d_gate_up_R2I, c.block_m, c.block_n)],
+        block_expert, blocks, d_y_rows_RH.shape[1], gate_up_R2I.shape[1] // 2,
     )
-    return d_x_rows
 
 
-def _dw(a_RM: torch.Tensor, b_RN: torch.Tensor, expert_offsets: torch.Tensor, num_experts: int, config: TileConfig):
-    """dw [E_l, M, N] = a^T b per expert, in a's dtype."""
-    check(num_experts >= 1, f"num_experts must be >= 1, got {num_experts}")
-    check_expert_offsets(expert_offsets, a_RM.shape[0], num_experts, config.block_k)
-    m_dim, n_dim = a_RM.shape[1], b_RN.shape[1]
+def launch_gate_up_dgrad(d_gate_up_R2I, w_gate_up_E2IH, d_x_rows_RH, block_expert, blocks, split, config):
+    _check_tma(d_gate_up_R2I, w_gate_up_E2IH, d_x_rows_RH)
     c = config
-    out = torch.empty(num_experts, m_dim, n_dim, dtype=a_RM.dtype, device=a_RM.device)
-    _check_tma(a_RM, b_RN, out)
-    max_tiles = num_experts * triton.cdiv(m_dim, c.block_m) * triton.cdiv(n_dim, c.block_n)
-    dw_tma_kernel[persistent_grid(a_RM.device, max_tiles)](
+    _row_block_launch(
+        gate_up_dgrad_tma_kernel, d_gate_up_R2I, d_x_rows_RH.shape[1], split, c,
+        [_rows_desc(d_gate_up_R2I, c.block_m, c.block_k), TensorDescriptor.from_tensor(w_gate_up_E2IH, [1, c.block_k, c.block_n]),
+         _rows_desc(d_x_rows_RH, c.block_m, c.block_n)],
+        block_expert, blocks, d_x_rows_RH.shape[1], d_gate_up_R2I.shape[1] // 2,
+    )
+
+
+def launch_dw(a_RM, b_RN, dw_EMN, expert_offsets, config, grid):
+    """dw [E_l, M, N] = a^T b per expert (both weight grads)."""
+    _check_tma(a_RM, b_RN, dw_EMN)
+    c = config
+    dw_tma_kernel[grid](
         TensorDescriptor.from_tensor(a_RM, [c.block_k, c.block_m]), TensorDescriptor.from_tensor(b_RN, [c.block_k, c.block_n]),
-        TensorDescriptor.from_tensor(out, [1, c.block_m, c.block_n]), expert_offsets, m_dim, n_dim, num_experts,
+        TensorDescriptor.from_tensor(dw_EMN, [1, c.block_m, c.block_n]), expert_offsets,
+        a_RM.shape[1], b_RN.shape[1], dw_EMN.shape[0],
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, FLATTEN=c.flatten,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
-    return out
-
-
-def dw_down_tma(d_y_rows_RH, h_RI, expert_offsets, num_experts, *, config: TileConfig) -> torch.Tensor:
-    """d_w_down [E_l, H, I] = d_y_rows^T h per expert (as weight_grad.dw_down)."""
-    check_row_operands(d_y_rows_RH, h_RI, ("d_y_rows", "h"))
-    return _dw(d_y_rows_RH, h_RI, expert_offsets, num_experts, config)
-
-
-def dw_gate_up_tma(d_gate_up_R2I, x_rows_RH, expert_offsets, num_experts, *, config: TileConfig) -> torch.Tensor:
-    """d_w_gate_up [E_l, 2I, H] = d_gate_up^T x_rows per expert (as weight_grad.dw_gate_up)."""
-    check_row_operands(d_gate_up_R2I, x_rows_RH, ("d_gate_up", "x_rows"))
-    return _dw(d_gate_up_R2I, x_rows_RH, expert_offsets, num_experts, config)

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from megamoe.backends.triton.configs import TileConfig
+from megamoe.backends.triton.kernels import tma_gemm
 from megamoe.backends.triton.kernels._common import (
     check, check_expert_offsets, check_row_operands, persistent_grid, tile_coords,
 )
@@ -95,6 +96,9 @@ def _launch(kernel, a, b, m_dim, n_dim, kernel_dims, expert_offsets, num_experts
     check_expert_offsets(expert_offsets, a.shape[0], num_experts, config.block_k)
     out = torch.empty(num_experts, m_dim, n_dim, dtype=a.dtype, device=a.device)
     max_tiles = num_experts * triton.cdiv(m_dim, config.block_m) * triton.cdiv(n_dim, config.block_n)
+    if config.tma:  # tma_gemm.py's kernel (operands TMA can address, checked there)
+        tma_gemm.launch_dw(a, b, out, expert_offsets, config, persistent_grid(a.device, max_tiles))
+        return out
     kernel[persistent_grid(a.device, max_tiles)](
         a, b, expert_offsets, out,
         *kernel_dims, num_experts,
