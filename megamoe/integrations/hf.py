@@ -1,22 +1,67 @@
-"""Run Hugging Face transformers MoE blocks through megamoe.experts, keeping each model's own router.
+"""Run Hugging Face transformers MoE models' routed experts through megamoe.experts, keeping each model's
+own router, shared experts, parameters and checkpoint format.
 
-    model = AutoModelForCausalLM.from_config(cfg)        # or from_pretrained(...)
-    patch_model(model)                                   # experts (and shared experts) -> megamoe.experts
-    ...train...
-    unpatch_model(model); model.save_pretrained(path)    # a plain transformers checkpoint
+Two ways in, one adapter underneath (`check_experts` decides whether a module's math is megamoe's, one
+function calls megamoe.experts on the module's own parameters):
 
-How transformers (v5) lays these families out, and what patching does with each. In every family the
-routed experts are one `<Family>Experts` module holding two fused 3-D parameters, exactly megamoe's layout:
+1. transformers' experts interface (transformers >= 5). Importing this module registers
+   `experts_implementation="megamoe"` in `transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS`, beside
+   "eager", "grouped_mm" and "batched_mm"; `register()` does it explicitly (idempotent):
 
-    gate_up_proj [E, 2I, H]  (gate rows first, then up rows)   = megamoe w_gate_up [E_local, 2I, H]
-    down_proj    [E, H, I]                                      = megamoe w_down    [E_local, H, I]
+       import megamoe.integrations.hf                  # or: from megamoe.integrations import hf; hf.register()
+       model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="megamoe")
+       model = AutoModelForCausalLM.from_config(cfg, experts_implementation="megamoe")
+       model.set_experts_implementation("megamoe")      # switch a loaded model ("grouped_mm"/"eager" switch back)
+       ...train...; model.save_pretrained(path)         # nothing to undo: a plain transformers checkpoint
 
-so the parameters are passed to megamoe.experts as they are: no copy, no repack, the model's own
-parameters are the ones trained and saved. The router (`block.gate`) is never touched: its forward,
-its parameters and buffers (DeepSeek-V3's sigmoid scores, `e_score_correction_bias`, grouped top-k and
-`routed_scaling_factor`; the softmax top-k, `norm_topk_prob` of the others) and its output
-`router_logits`, which transformers records with a hook on the router module for the auxiliary
-load-balancing loss, all stay exactly as the model defines them.
+   Every family whose experts class carries transformers' `@use_experts_implementation` goes through it:
+   transformers calls the registered function as `fn(experts, hidden_states [T, H], top_k_index [T, k],
+   top_k_weights [T, k])` in place of the experts module's forward, and only there, so the router, any
+   shared expert (DeepSeek-V3, Qwen2-MoE, GLM-4-MoE, ...), auxiliary losses and everything else stay the
+   model's own code. The function runs megamoe.experts on the module's parameters as they are (no copy).
+   transformers gives no hook when an implementation is *set* (it checks only that the name is registered),
+   so each experts module is validated on its first forward through megamoe; `check_model(model)` does
+   the same for a whole model up front. The check of the standard layout is attribute lookups only, so
+   torch.compile(fullgraph=True) traces a first call; a custom activation or gate function is checked on a
+   probe tensor, which fullgraph cannot trace: call check_model before compiling such a model.
+
+2. `patch_model(model, group=...)` for the five families of BLOCK_SPECS (below): the same adapter, bound
+   as the experts' forward, plus megamoe's own expert parallelism (each rank keeps its slice of the expert
+   weights) and DeepSeek-V3's shared expert fused into the same megamoe.experts call.
+
+What megamoe computes, and what it refuses. megamoe.experts computes, per token and selected expert e,
+down_e(silu(gate_e x) * up_e x) with gate_up_proj [E, 2I, H] (gate rows first, then up rows) and
+down_proj [E, H, I]: transformers 5's default experts layout, read in place. An experts module whose
+decorator flags or functions say otherwise raises `UnsupportedExpertsError` (a ValueError and a
+NotImplementedError) naming the experts class, its model_type and every such feature; a different
+result is never returned (benchmarks/hf_families_table.py lists every family of the installed transformers,
+tests/test_hf_families.py checks each against "eager"):
+
+    flag / function                     refused because
+    has_bias=True                       megamoe's projections have no bias
+    has_gate=False                      ungated experts (up_proj -> act -> down_proj)
+    is_concatenated=False               gate/up rows interleaved, not [gate; up]
+    is_transposed=True                  weights [E, H, 2I] / [E, I, H]; a transposed view would be made
+                                        contiguous (copied, and its gradient copied back) on every forward:
+                                        refused rather than silently paying a full weight copy per step
+    has_post_expert_norm=True           a norm after each expert's output
+    _apply_gate not silu(gate) * up     a custom gate (gpt-oss's clamped SwiGLU, swiglu_limit clamps,
+                                        softcaps): checked on a probe with large magnitudes
+    act_fn not SiLU                     e.g. hidden_act="gelu_pytorch_tanh" (Gemma 4)
+    DTensor parameters                  outside transformers' parallel styles, which hand the experts
+                                        their local shards
+
+transformers' own parallelism (DistributedConfig; tests/test_hf_ep.py, 2 gloo ranks):
+- experts_implementation="megamoe" runs under its expert-parallel styles "all_to_all" and "all_reduce"
+  (the experts get local expert ids, with a sentinel id for routes to other ranks, weight 0: those run on
+  expert 0 with weight 0, no contribution and no gradient, as transformers' batched_mm does) and under its
+  tensor-parallel experts (each rank's gate/up and down shards; transformers sums the partial outputs);
+- ep_implementation="megamoe", registered in transformers.distributed.expert_parallel's
+  EPImplementationInterface where it exists: each rank's tokens, with global expert ids, go to one
+  megamoe.experts call over the EP group, which exchanges them itself (tp_size=1, same number of tokens
+  on every rank).
+
+patch_model: how transformers (v5) lays out the five families of BLOCK_SPECS, and what patching does:
 
     family       block (router -> experts)           shared expert              what patching replaces
     qwen3_moe    Qwen3MoeSparseMoeBlock              none                       experts.forward
@@ -31,28 +76,29 @@ load-balancing loss, all stay exactly as the model defines them.
                                                                                 one megamoe.experts call for
                                                                                 routed + shared experts
 
-Only the routed experts' forward is swapped where that is enough, so everything else in the block (e.g.
-Mixtral's training-time jitter noise) stays the model's own code. DeepSeek-V3 needs its block's forward
-swapped too, to hand the shared expert to the same megamoe.experts call; that forward is the block's own
-three lines (router on the flattened tokens, experts, + shared) with the last two fused.
+The router (`block.gate`) is never touched: its forward, its parameters and buffers (DeepSeek-V3's
+sigmoid scores, `e_score_correction_bias`, grouped top-k and `routed_scaling_factor`; the softmax top-k,
+`norm_topk_prob` of the others) and its output `router_logits`, which transformers records with a hook on
+the router module for the auxiliary load-balancing loss, all stay exactly as the model defines them.
+DeepSeek-V3's block forward is swapped to hand the shared expert to the same megamoe.experts call; that
+forward is the block's own three lines (router on the flattened tokens, experts, + shared) with the last
+two fused. The one repack: DeepSeek-V3's shared expert is an MLP of three nn.Linear (gate_proj [I_s, H],
+up_proj [I_s, H], down_proj [H, I_s]); megamoe wants gate and up as one [2I_s, H] matrix, so every forward
+concatenates the two weights (torch.cat: one copy of 2*I_s*H elements per layer, differentiable). The
+model keeps its own nn.Linear parameters, the ones the optimizer updates and save_pretrained writes.
 
-The one repack: DeepSeek-V3's shared expert is an MLP of three nn.Linear (gate_proj [I_s, H],
-up_proj [I_s, H], down_proj [H, I_s]). megamoe wants gate and up as one [2I_s, H] matrix, so every
-forward concatenates the two weights (torch.cat: one copy of 2*I_s*H elements per layer, differentiable).
-The model keeps its own nn.Linear parameters, which are the ones the optimizer updates and
-save_pretrained writes; there is no second copy to keep in sync.
-
-Expert parallelism: with `group`, rank r keeps only global experts [r*E_l, (r+1)*E_l) (E_l = E / W):
-patching replaces `gate_up_proj`/`down_proj` by new parameters holding that slice (a copy, so the full
-tensors can be freed). Build the optimizer after patching, exclude these parameters from data-parallel
-gradient averaging (they are not replicas; see examples/train_moe.py), and call unpatch_model (a
-collective: it all-gathers the full expert weights) before saving. The router and the shared experts
-stay replicated.
+Expert parallelism with patch_model(group=...): rank r keeps only global experts [r*E_l, (r+1)*E_l)
+(E_l = E / W): patching replaces `gate_up_proj`/`down_proj` by new parameters holding that slice (a copy,
+so the full tensors can be freed). Build the optimizer after patching, exclude these parameters from
+data-parallel gradient averaging (they are not replicas; see examples/train_moe.py), and call
+unpatch_model (a collective: it all-gathers the full expert weights) before saving. The router and the
+shared experts stay replicated.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -61,9 +107,32 @@ from torch import nn
 import megamoe
 from megamoe.config import MoEConfig
 
-__all__ = ["BLOCK_SPECS", "MoEBlockSpec", "is_patched", "patch_model", "unpatch_model"]
+__all__ = [
+    "BLOCK_SPECS",
+    "EXPERTS_IMPLEMENTATION",
+    "MoEBlockSpec",
+    "UnsupportedExpertsError",
+    "check_experts",
+    "check_model",
+    "experts_modules",
+    "is_patched",
+    "is_registered",
+    "megamoe_experts_forward",
+    "patch_model",
+    "register",
+    "unpatch_model",
+    "unsupported_reason",
+    "unsupported_reasons",
+]
 
+EXPERTS_IMPLEMENTATION = "megamoe"  # the name registered in transformers' experts interface
 _PATCH_ATTR = "_megamoe_patch"
+_CHECKED_ATTR = "_megamoe_checked"  # set on an experts module once check_experts accepted it
+_interface_config: MoEConfig | None = None  # the MoEConfig of calls through transformers' interface
+
+
+class UnsupportedExpertsError(ValueError, NotImplementedError):
+    """An experts module whose math megamoe.experts does not compute (refused, never approximated)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +154,7 @@ class MoEBlockSpec:
     shared: str | None = None
 
 
-# Block class name -> layout. One entry per family; the code below is shared by all of them.
+# Block class name -> layout, for patch_model. One entry per family; the code below is shared by all of them.
 BLOCK_SPECS: dict[str, MoEBlockSpec] = {
     "Qwen3MoeSparseMoeBlock": MoEBlockSpec("qwen3_moe"),
     # Its shared expert is scaled per token by sigmoid(shared_expert_gate(x)); left to the model.
@@ -104,33 +173,193 @@ class _Patch:
     local_slice: tuple[int, int] | None  # (first global expert, number of local experts) when sharded
 
 
-def _is_silu(act) -> bool:
-    probe = torch.linspace(-4.0, 4.0, 17)
-    return torch.equal(act(probe), F.silu(probe))
+# --------------------------------------------------------------------------------------------- validation
+
+# Probe values for activations and gate functions: small, medium and large magnitudes of both signs, so
+# clamps (gpt-oss's limit 7, swiglu_limit), softcaps and scaled sigmoids all show.
+_PROBE_VALUES = (0.0, 0.25, 0.5, 1.0, 2.0, 3.0, 4.5, 6.0, 7.5, 9.0, 12.0, 20.0, 50.0, 200.0, 1000.0)
 
 
-def _check_experts(name: str, experts: nn.Module) -> None:
-    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
-    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)) or gate_up.dim() != 3:
-        raise ValueError(
-            f"{name}: expected fused 3-D parameters gate_up_proj [E, 2I, H] and down_proj [E, H, I], the layout of "
-            "transformers >= 5 (older versions keep a ModuleList of per-expert MLPs, which is not supported)"
-        )
-    num_experts, two_i, hidden = gate_up.shape
-    if tuple(down.shape) != (num_experts, hidden, two_i // 2):
-        raise ValueError(
-            f"{name}: gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not "
-            "[E, 2I, H] and [E, H, I]"
-        )
-    # transformers' experts decorator describes the layout; megamoe supports the plain one only.
-    layout = {"is_transposed": False, "is_concatenated": True, "has_bias": False, "has_gate": True}
-    for flag, wanted in layout.items():
-        if getattr(experts, flag, wanted) != wanted:
-            raise ValueError(f"{name}: megamoe needs {flag}={wanted}, the model's experts have {flag}={not wanted}")
+def _probe(device) -> torch.Tensor:
+    values = torch.tensor(_PROBE_VALUES, dtype=torch.float32)
+    values = torch.cat([values, -values[1:]])
+    return values.to("cpu" if torch.device(device).type == "meta" else device)
+
+
+def _silu_types() -> tuple[type, ...]:
+    types: tuple[type, ...] = (nn.SiLU,)
+    try:
+        from transformers.activations import SiLUActivation
+
+        types += (SiLUActivation,)
+    except ImportError:
+        pass
+    return types
+
+
+def _is_silu(act, device="cpu") -> bool:
+    """act computes silu: F.silu itself, an exact nn.SiLU / transformers SiLUActivation (no subclass, which
+    could override forward), or anything equal to F.silu on the probe values."""
+    if act is F.silu or type(act) in _silu_types():
+        return True
+    if not callable(act):
+        return False
+    x = _probe(device)
+    try:
+        with torch.no_grad():
+            return torch.equal(act(x), F.silu(x))
+    except Exception:  # a probe it cannot take (device, dtype): not provably silu
+        return False
+
+
+def _default_apply_gate():
+    try:
+        from transformers.integrations.moe import _default_apply_gate as default
+    except ImportError:
+        return None
+    return default
+
+
+def _has_default_gate(experts: nn.Module) -> bool:
+    """No _apply_gate (not a transformers-decorated module), or transformers' default act_fn(gate) * up.
+    Plain attribute lookups (no tensor work), so torch.compile traces it on a first call."""
+    override = vars(experts).get("_apply_gate")
+    if override is not None:
+        function = getattr(override, "__func__", override)
+    else:
+        function = getattr(type(experts), "_apply_gate", None)
+    if function is None:
+        return True
+    default = _default_apply_gate()
+    return default is not None and function is default
+
+
+def _is_silu_gate(experts: nn.Module, device) -> bool:
+    """A custom experts._apply_gate(gate_up [S, 2I]) computes silu(gate) * up (gate = the first I columns)
+    on the probe values, e.g. one that computes it in fp32."""
+    gate = _probe(device)
+    up = torch.flip(gate, dims=[0]) + 0.5
+    gate, up = gate.repeat(2).unsqueeze(0), up.repeat(2).unsqueeze(0)  # [1, I] each, I = 2 * len(probe)
+    try:
+        with torch.no_grad():
+            out = experts._apply_gate(torch.cat([gate, up], dim=-1))
+            return out.shape == gate.shape and torch.allclose(out.float(), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    except Exception:  # a probe it cannot take: not provably silu(gate) * up
+        return False
+
+
+def _activation_setting(experts: nn.Module) -> str:
+    config = getattr(experts, "config", None)
+    for key in ("hidden_act", "hidden_activation", "mlp_hidden_act"):
+        value = getattr(config, key, None)
+        if isinstance(value, str):
+            return f" (config.{key}={value!r})"
+    return ""
+
+
+def _is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(t, DTensor)
+
+
+def unsupported_reasons(experts: nn.Module, *, allow_dtensor: bool = False) -> list[str]:
+    """Every reason megamoe.experts cannot compute this experts module's forward (empty: it can), each
+    "<feature>: <why>" (see the module docstring). Reads flags and shapes; may run the module's activation
+    or custom gate function on a 30-value probe. allow_dtensor: accept DTensor weights (transformers'
+    parallel styles hand the forward its local shards)."""
+    reasons = []
     if getattr(experts, "has_post_expert_norm", False):
-        raise ValueError(f"{name}: experts with a post-expert norm are not supported")
-    if not _is_silu(experts.act_fn):
-        raise ValueError(f"{name}: megamoe computes silu(gate) * up; the experts use {experts.act_fn!r}")
+        reasons.append("a norm after each expert (has_post_expert_norm=True) is not supported: megamoe's experts end "
+                       "at down_proj")
+    if getattr(experts, "has_bias", False):
+        reasons.append("biased projections (has_bias=True) are not supported: megamoe's projections have no bias")
+    if not getattr(experts, "has_gate", True):
+        reasons.append("ungated experts (has_gate=False, up_proj -> act -> down_proj) are not supported: megamoe "
+                       "computes silu(gate) * up")
+    if not getattr(experts, "is_concatenated", True):
+        reasons.append("interleaved gate/up rows (is_concatenated=False) are not supported: megamoe needs "
+                       "gate_up_proj [E, 2I, H] with all gate rows first, then all up rows")
+    if getattr(experts, "is_transposed", False):
+        reasons.append(
+            "transposed weights (is_transposed=True, gate_up_proj [E, H, 2I] and down_proj [E, I, H]) are not "
+            "supported: megamoe reads [E, 2I, H] and [E, H, I] in place, and a transposed view would be copied "
+            "(and its gradient copied back) on every forward"
+        )
+    if reasons:
+        layout_ok = False
+    else:
+        gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+        layout_ok = isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3
+        if not layout_ok:
+            reasons.append(
+                "no fused 3-D gate_up_proj [E, 2I, H] and down_proj [E, H, I]: that is the layout of transformers "
+                ">= 5 (older versions keep a ModuleList of per-expert MLPs, which is not supported)"
+            )
+        elif not allow_dtensor and (_is_dtensor(gate_up) or _is_dtensor(down)):
+            reasons.append("DTensor expert weights are not supported: call it where transformers' parallel styles "
+                           "hand the experts their local shards")
+        elif gate_up.shape[1] % 2 or tuple(down.shape) != (gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2):
+            reasons.append(f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not "
+                           "[E, 2I, H] and [E, H, I]: shapes")
+    if getattr(experts, "has_gate", True):  # the gate function matters only for gated experts
+        gate_up = getattr(experts, "gate_up_proj", None)
+        device = gate_up.device if isinstance(gate_up, torch.Tensor) else "cpu"
+        if _has_default_gate(experts):  # act_fn(gate) * up, or (not a transformers-decorated module) its own act_fn
+            act = getattr(experts, "act_fn", None)
+            if not _is_silu(act, device):
+                reasons.append(f"activation {act!r}{_activation_setting(experts)} is not silu: megamoe computes "
+                               "silu(gate) * up")
+        elif not _is_silu_gate(experts, device):
+            reasons.append(f"custom gate function {type(experts).__name__}._apply_gate is not silu(gate) * up: e.g. a "
+                           "clamped, scaled or softcapped SwiGLU (checked on a probe up to |x| = 1000)")
+    return reasons
+
+
+def unsupported_reason(experts: nn.Module, *, allow_dtensor: bool = False) -> str | None:
+    """unsupported_reasons joined with "; ", or None if megamoe.experts can compute this experts module."""
+    return "; ".join(unsupported_reasons(experts, allow_dtensor=allow_dtensor)) or None
+
+
+def _describe(experts: nn.Module) -> str:
+    model_type = getattr(getattr(experts, "config", None), "model_type", None)
+    return type(experts).__name__ + (f" (model_type={model_type!r})" if model_type else "")
+
+
+def check_experts(experts: nn.Module, name: str | None = None, *, allow_dtensor: bool = False) -> None:
+    """Raise UnsupportedExpertsError (a ValueError and NotImplementedError) naming the model family and
+    the feature if megamoe.experts cannot compute this experts module; return None if it can."""
+    reason = unsupported_reason(experts, allow_dtensor=allow_dtensor)
+    if reason is not None:
+        where = f"{name}: " if name else ""
+        raise UnsupportedExpertsError(
+            f"{where}megamoe cannot run {_describe(experts)}: {reason}. Use experts_implementation='grouped_mm' "
+            "or 'eager' for this model."
+        )
+
+
+def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every experts module under `model` that transformers' experts interface
+    dispatches (the modules `@use_experts_implementation` decorated)."""
+    return [(name, m) for name, m in model.named_modules() if hasattr(m, "has_gate") and hasattr(m, "is_transposed")]
+
+
+def check_model(model: nn.Module) -> nn.Module:
+    """Validate every experts module of `model` for experts_implementation="megamoe" now rather than at
+    its first forward (e.g. before torch.compile(fullgraph=True)); returns `model`. Raises
+    UnsupportedExpertsError on the first module megamoe cannot run, ValueError if there is none."""
+    found = experts_modules(model)
+    if not found:
+        raise ValueError(
+            f"{type(model).__name__} has no experts module of transformers' experts interface "
+            "(@use_experts_implementation)"
+        )
+    for name, experts in found:
+        check_experts(experts, name)
+        setattr(experts, _CHECKED_ATTR, True)
+    return model
 
 
 def _check_shared(name: str, shared: nn.Module) -> None:
@@ -142,8 +371,23 @@ def _check_shared(name: str, shared: nn.Module) -> None:
         raise ValueError(f"{name}: megamoe's shared expert computes silu(gate) * up; it uses {shared.act_fn!r}")
 
 
-def _routed_experts(experts: nn.Module, x_TH, topk_ids_TK, topk_weights_TK, shared: nn.Module | None):
-    patch: _Patch = getattr(experts, _PATCH_ATTR)
+# --------------------------------------------------------------------------------------------- the adapter
+
+
+def _run_experts(experts: nn.Module, x_TH, topk_ids_TK, topk_weights_TK, *, group, config,
+                 shared: nn.Module | None = None, sentinels: bool = False):
+    """megamoe.experts on the experts module's own parameters (and optionally an ungated shared expert).
+
+    sentinels: topk_ids are local expert ids from transformers' expert parallelism, where an id outside
+    [0, E_local) marks a route to another rank (its weight already 0): run on expert 0 with weight 0."""
+    shape = x_TH.shape
+    if x_TH.dim() != 2:  # transformers flattens tokens before its experts; accept [..., H] all the same
+        x_TH, topk_ids_TK = x_TH.reshape(-1, shape[-1]), topk_ids_TK.reshape(-1, topk_ids_TK.shape[-1])
+        topk_weights_TK = topk_weights_TK.reshape(topk_ids_TK.shape)
+    if sentinels:
+        off_rank = (topk_ids_TK < 0) | (topk_ids_TK >= experts.gate_up_proj.shape[0])
+        topk_ids_TK = topk_ids_TK.masked_fill(off_rank, 0)
+        topk_weights_TK = topk_weights_TK.masked_fill(off_rank, 0.0)
     shared_kwargs = {}
     if shared is not None:
         shared_kwargs = {
@@ -156,25 +400,124 @@ def _routed_experts(experts: nn.Module, x_TH, topk_ids_TK, topk_weights_TK, shar
     # F.linear would; the result goes back to the residual stream's dtype, as the model's experts return it.
     # Routers return weights in the model dtype (Qwen, OLMoE) or fp32 (Mixtral, DeepSeek-V3); megamoe
     # combines in fp32 either way.
-    return megamoe.experts(
+    out_TH = megamoe.experts(
         x_TH, topk_ids_TK, topk_weights_TK.float(), experts.gate_up_proj, experts.down_proj,
-        group=patch.group, config=patch.config, **shared_kwargs,
+        group=group, config=config, **shared_kwargs,
     ).to(x_TH.dtype)
+    # No view of the result when nothing was reshaped (FSDP2 warns about modules returning views).
+    return out_TH if out_TH.shape == shape else out_TH.reshape(shape)
 
 
-def _experts_forward(experts: nn.Module, hidden_states, top_k_index, top_k_weights):
-    """Replaces `<Family>Experts.forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])`."""
-    return _routed_experts(experts, hidden_states, top_k_index, top_k_weights, shared=None)
+def megamoe_experts_forward(self: nn.Module, hidden_states, top_k_index, top_k_weights):
+    """The function registered as experts_implementation="megamoe": transformers calls it in place of an
+    experts module's forward, `fn(experts, hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])
+    -> [T, H]`, the sum over the k selected experts of weight * expert(x). The first call on a module
+    validates it (check_experts) and raises UnsupportedExpertsError if megamoe cannot compute it. A module
+    patched by patch_model uses its patch's group and config; otherwise the config given to register()."""
+    if not getattr(self, _CHECKED_ATTR, False):
+        check_experts(self)
+        setattr(self, _CHECKED_ATTR, True)
+    patch: _Patch | None = getattr(self, _PATCH_ATTR, None)
+    if patch is not None:
+        return _run_experts(self, hidden_states, top_k_index, top_k_weights, group=patch.group, config=patch.config)
+    # transformers' own expert parallelism (ep_implementation "all_to_all" / "all_reduce") hands over local
+    # ids with sentinels for other ranks' experts; it marks the modules whose experts it split.
+    return _run_experts(self, hidden_states, top_k_index, top_k_weights, group=None, config=_interface_config,
+                        sentinels=getattr(self, "_is_expert_parallel", False))
+
+
+# --------------------------------------------------------------------------------------------- registration
+
+
+def register(config: MoEConfig | None = None) -> None:
+    """Register experts_implementation="megamoe" in transformers' experts interface (idempotent; importing
+    this module already did, with config=None), so that from_pretrained / from_config(...,
+    experts_implementation="megamoe") and model.set_experts_implementation("megamoe") accept it.
+
+    config: the megamoe.MoEConfig of every call through the interface (None: megamoe's default,
+        backend "auto"); each call of register() sets it. Raises ImportError without transformers >= 5.
+    """
+    global _interface_config
+    if config is not None and not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a megamoe.MoEConfig or None, got {type(config).__name__}")
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError as error:
+        raise ImportError(
+            "experts_implementation='megamoe' needs transformers >= 5 "
+            "(transformers.integrations.moe.ExpertsInterface); patch_model works without it"
+        ) from error
+    _interface_config = config
+    ExpertsInterface.register(EXPERTS_IMPLEMENTATION, megamoe_experts_forward)
+    _register_ep_implementation()
+
+
+_ep_implementation_class = None
+
+
+def _register_ep_implementation() -> None:
+    """ep_implementation="megamoe" in transformers' EPImplementationInterface, where this version has one."""
+    global _ep_implementation_class
+    try:
+        from transformers.distributed.expert_parallel import EPImplementation, EPImplementationInterface
+    except ImportError:  # transformers without its native expert parallelism (or torch without distributed)
+        return
+    if _ep_implementation_class is None:
+
+        class MegaMoEEP(EPImplementation):
+            """ep_implementation="megamoe" (DistributedConfig(ep_size=N, ep_implementation="megamoe")): each rank
+            hands its own tokens, with *global* expert ids, to one megamoe.experts call over the EP group, which
+            exchanges them, runs this rank's experts (the module's local expert weights, in place) and brings
+            the results back (on Hopper GPUs of one host: the fused Triton path, the exchange inside its
+            kernels; elsewhere the portable path with torch.distributed). Needs ranks holding different batches
+            (tp_size == 1) of the same number of tokens on every rank of the EP group, as megamoe.experts does
+            with a group; the experts are validated like experts_implementation="megamoe"'s, whatever
+            experts_implementation says."""
+
+            def __init__(self, experts, ep_mesh, tp_mesh):
+                super().__init__(experts, ep_mesh, tp_mesh)
+                if self.shares_batch or tp_mesh.size() > 1:
+                    raise ValueError(
+                        'ep_implementation="megamoe" needs every rank of the expert-parallel group to hold its own '
+                        "batch (tp_size=1); with tensor parallelism use ep_implementation='all_to_all' or "
+                        "'all_reduce' with experts_implementation='megamoe'"
+                    )
+                check_experts(experts, allow_dtensor=True)  # its weights are DTensors until the forward
+                self.experts = experts
+                self.group = ep_mesh.get_group()
+
+            def __call__(self, hidden_states, top_k_index, top_k_weights):
+                # Runs inside transformers' local-parameters context: gate_up_proj / down_proj are this rank's
+                # [E_local, 2I, H] / [E_local, H, I] shards (rank r: global experts [r*E_local, (r+1)*E_local)).
+                return _run_experts(self.experts, hidden_states, top_k_index, top_k_weights, group=self.group,
+                                    config=_interface_config)
+
+        _ep_implementation_class = MegaMoEEP
+    EPImplementationInterface.register(EXPERTS_IMPLEMENTATION, _ep_implementation_class)
+
+
+def is_registered() -> bool:
+    """Whether transformers' experts interface maps "megamoe" to this module's function."""
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:
+        return False
+    return ALL_EXPERTS_FUNCTIONS.get(EXPERTS_IMPLEMENTATION) is megamoe_experts_forward
+
+
+# --------------------------------------------------------------------------------------------- patch_model
 
 
 def _block_forward_with_shared(block: nn.Module, hidden_states):
     """Replaces the block forward `gate -> experts + shared(x)` of blocks with an ungated shared expert."""
-    spec: MoEBlockSpec = getattr(block, _PATCH_ATTR).spec
+    patch: _Patch = getattr(block, _PATCH_ATTR)
+    spec = patch.spec
     shape = hidden_states.shape
     x_TH = hidden_states.reshape(-1, shape[-1])
     _, topk_weights_TK, topk_ids_TK = getattr(block, spec.router)(x_TH)
-    out_TH = _routed_experts(
-        getattr(block, spec.experts), x_TH, topk_ids_TK, topk_weights_TK, shared=getattr(block, spec.shared)
+    out_TH = _run_experts(
+        getattr(block, spec.experts), x_TH, topk_ids_TK, topk_weights_TK, group=patch.group, config=patch.config,
+        shared=getattr(block, spec.shared),
     )
     return out_TH.reshape(shape)
 
@@ -218,6 +561,10 @@ def _unshard(experts: nn.Module, group) -> None:
 def patch_model(model: nn.Module, *, group=None, config: MoEConfig | None = None) -> nn.Module:
     """Route every supported MoE block of `model` through megamoe.experts (in place; returns `model`).
 
+    Without `group`, `experts_implementation="megamoe"` (module docstring) does the same for every
+    family of transformers' experts interface and needs no unpatching; patch_model adds megamoe's own
+    expert parallelism and DeepSeek-V3's fused shared expert, for the families of BLOCK_SPECS.
+
     model: a transformers model (any head) of a family in BLOCK_SPECS: Qwen3-MoE, Qwen2-MoE, Mixtral,
         OLMoE, DeepSeek-V3. Routers are kept exactly; routed experts (and DeepSeek-V3's shared experts)
         run in megamoe.experts on the model's own parameters (see the module docstring for the layout
@@ -226,8 +573,9 @@ def patch_model(model: nn.Module, *, group=None, config: MoEConfig | None = None
         experts module's parameters (rank r: global experts [r*E_l, (r+1)*E_l)); build the optimizer
         after patching.
     config: the megamoe.MoEConfig passed to every megamoe.experts call (None: the default).
-    Raises ValueError if the model has no supported block, is already patched, or a block's experts do
-    not have megamoe's layout (bias, transposed or interleaved weights, an activation other than silu).
+    Raises ValueError if the model has no supported block or is already patched, and
+    UnsupportedExpertsError (a ValueError) if a block's experts do not have megamoe's layout (bias,
+    transposed or interleaved weights, an activation other than silu).
     """
     if config is not None and not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a megamoe.MoEConfig or None, got {type(config).__name__}")
@@ -240,7 +588,7 @@ def patch_model(model: nn.Module, *, group=None, config: MoEConfig | None = None
         raise ValueError(f"{type(model).__name__} is already patched by megamoe; call unpatch_model first")
     # Check every block before changing any, so a failure leaves the model untouched.
     for name, block, spec in blocks:
-        _check_experts(f"{name}.{spec.experts} ({spec.family})", getattr(block, spec.experts))
+        check_experts(getattr(block, spec.experts), f"{name}.{spec.experts} ({spec.family})")
         if spec.shared is not None:
             _check_shared(f"{name}.{spec.shared} ({spec.family})", getattr(block, spec.shared))
     for _, block, spec in blocks:
@@ -248,7 +596,8 @@ def patch_model(model: nn.Module, *, group=None, config: MoEConfig | None = None
         local_slice = _shard(experts, group) if group is not None else None
         patch = _Patch(spec=spec, group=group, config=config, local_slice=local_slice)
         setattr(experts, _PATCH_ATTR, patch)
-        _bind(experts, _experts_forward)
+        setattr(experts, _CHECKED_ATTR, True)
+        _bind(experts, megamoe_experts_forward)
         if spec.shared is not None:
             setattr(block, _PATCH_ATTR, patch)
             _bind(block, _block_forward_with_shared)
@@ -275,5 +624,13 @@ def unpatch_model(model: nn.Module) -> nn.Module:
 
 
 def is_patched(model: nn.Module) -> bool:
-    """Whether any MoE block of `model` currently runs through megamoe."""
+    """Whether any MoE block of `model` currently runs through patch_model."""
     return any(hasattr(getattr(block, spec.experts), _PATCH_ATTR) for _, block, spec in _moe_blocks(model))
+
+
+try:  # experts_implementation="megamoe" as soon as this module is imported, where transformers >= 5 is
+    register()
+except ImportError:  # no transformers (or < 5): patch_model still works; register() says what is missing
+    pass
+except Exception as error:  # noqa: BLE001 - a broken transformers install must not break `import megamoe`
+    warnings.warn(f"megamoe.integrations.hf: experts_implementation='megamoe' not registered: {error!r}", stacklevel=2)
