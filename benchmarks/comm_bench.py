@@ -51,7 +51,7 @@ def main() -> None:
     ids = torch.rand(T, E, device="cuda", generator=g).topk(k, dim=-1).indices
     x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
     s = build_schedule(ids, E, group=group, block_m=128)
-    ws = get_workspace(group, device="cuda", num_tokens=T, hidden_size=H, topk=k, num_rows=s.num_rows, dtype=torch.bfloat16)
+    ws = get_workspace(group, device="cuda", num_tokens=T, hidden_size=H, top_k=k, num_rows=s.num_rows, dtype=torch.bfloat16)
     rows = dispatch(ws, x, s, "pull")
     pairs_per_rank = T * k
     src_rank = torch.where(s.row_src >= 0, s.row_src // pairs_per_rank, rank)

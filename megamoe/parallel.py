@@ -52,7 +52,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megamoe.integrations.hf import _PATCH_ATTR as _HF_PATCH_ATTR  # marks the modules patch_model patched
+# The mark patch_model leaves on the modules it patched: from a module of its own, not from integrations.hf,
+# so that `import megamoe` (which imports this module) never loads the Hugging Face adapter or transformers.
+from megamoe.integrations._patch_attr import PATCH_ATTR as _HF_PATCH_ATTR
 from megamoe.layer import MoELayer
 
 __all__ = ["ddp_ignore_experts", "expert_parameters", "non_expert_parameters", "reduce_expert_grads"]

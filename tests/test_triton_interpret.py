@@ -468,7 +468,7 @@ class _NoBarrier:
         del channel, timeout_ms
 
 
-def fake_workspace(group, *, device, num_tokens, hidden_size, topk, num_rows, dtype, timeout_ms):
+def fake_workspace(group, *, device, num_tokens, hidden_size, top_k, num_rows, dtype, comm_timeout_ms):
     """comm/workspace.py's Workspace for a group of one, on plain CPU tensors: each buffer's peer table
     holds its own address (the interpreter dereferences it as host memory), barriers do nothing."""
     del group, device
@@ -478,9 +478,9 @@ def fake_workspace(group, *, device, num_tokens, hidden_size, topk, num_rows, dt
         return _Buffer(local, _NoBarrier(), torch.tensor([local.data_ptr()], dtype=torch.int64))
 
     return Workspace(
-        group_name="fake", rank=0, world_size=1, timeout_ms=timeout_ms,
-        tokens=buf((num_tokens, hidden_size), dtype), weights=buf((num_tokens, topk), torch.float32),
-        ids=buf((num_tokens, topk), torch.int32), pairs=buf((num_tokens * topk, hidden_size), dtype),
+        group_name="fake", rank=0, world_size=1, comm_timeout_ms=comm_timeout_ms,
+        tokens=buf((num_tokens, hidden_size), dtype), weights=buf((num_tokens, top_k), torch.float32),
+        ids=buf((num_tokens, top_k), torch.int32), pairs=buf((num_tokens * top_k, hidden_size), dtype),
         rows_in=buf((num_rows, hidden_size), dtype), rows_out=buf((num_rows, hidden_size), dtype),
     )
 

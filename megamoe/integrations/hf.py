@@ -106,6 +106,7 @@ from torch import nn
 
 import megamoe
 from megamoe.config import MoEConfig
+from megamoe.integrations._patch_attr import PATCH_ATTR as _PATCH_ATTR  # read by megamoe.parallel too
 
 __all__ = [
     "BLOCK_SPECS",
@@ -126,7 +127,6 @@ __all__ = [
 ]
 
 EXPERTS_IMPLEMENTATION = "megamoe"  # the name registered in transformers' experts interface
-_PATCH_ATTR = "_megamoe_patch"
 _CHECKED_ATTR = "_megamoe_checked"  # set on an experts module once check_experts accepted it
 _interface_config: MoEConfig | None = None  # the MoEConfig of calls through transformers' interface
 

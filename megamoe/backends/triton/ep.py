@@ -74,7 +74,7 @@ def _direction(config, operation: str) -> str:
 def _workspace(x: torch.Tensor, num_tokens: int, top_k: int, num_rows: int, group, config):
     return get_workspace(
         group, device=x.device, num_tokens=num_tokens, hidden_size=x.shape[1],
-        topk=top_k, num_rows=num_rows, dtype=x.dtype, timeout_ms=config.comm_timeout_ms,
+        top_k=top_k, num_rows=num_rows, dtype=x.dtype, comm_timeout_ms=config.comm_timeout_ms,
     )
 
 

@@ -3,7 +3,7 @@
 Buffers live in PyTorch symmetric memory (`torch.distributed._symmetric_memory`), so every rank can
 read and write its peers' copies over NVLink through their mapped addresses. NVLink multicast is never
 used. Synchronisation between ranks is the symmetric-memory barrier, a device-side wait on signal pads
-with a timeout: a peer that never arrives becomes a device error after `timeout_ms`, not a hang.
+with a timeout: a peer that never arrives becomes a device error after `comm_timeout_ms`, not a hang.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+
+from megamoe.config import check_positive_int
 
 DEFAULT_TIMEOUT_MS = 30_000
 
@@ -22,9 +24,6 @@ class _Buffer:
     local: torch.Tensor
     handle: object
     peer_ptrs: torch.Tensor  # [W] int64 base addresses of every rank's copy (mapped here)
-
-    def peer(self, rank: int) -> torch.Tensor:
-        return self.handle.get_buffer(rank, tuple(self.local.shape), self.local.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +42,7 @@ class Workspace:
     group_name: str
     rank: int
     world_size: int
-    timeout_ms: int
+    comm_timeout_ms: int
     tokens: _Buffer
     weights: _Buffer
     ids: _Buffer
@@ -52,8 +51,8 @@ class Workspace:
     rows_out: _Buffer
 
     def barrier(self) -> None:
-        """All ranks reach this point (in stream order) before any continues; bounded by timeout_ms."""
-        self.ids.handle.barrier(channel=0, timeout_ms=self.timeout_ms)
+        """All ranks reach this point (in stream order) before any continues; bounded by comm_timeout_ms."""
+        self.ids.handle.barrier(channel=0, timeout_ms=self.comm_timeout_ms)
 
 
 _WORKSPACES: dict[tuple, Workspace] = {}
@@ -77,33 +76,32 @@ def get_workspace(
     device: torch.device | str,
     num_tokens: int,
     hidden_size: int,
-    topk: int,
+    top_k: int,
     num_rows: int,
     dtype: torch.dtype = torch.bfloat16,
-    timeout_ms: int = DEFAULT_TIMEOUT_MS,
+    comm_timeout_ms: int = DEFAULT_TIMEOUT_MS,
 ) -> Workspace:
     """The workspace for this group and shape, allocated on first use (a collective: every rank of the
     group must call it with the same arguments) and cached until clear_workspaces()."""
     import torch.distributed as dist
 
     device = torch.device(device)
-    for name, value in (("num_tokens", num_tokens), ("hidden_size", hidden_size), ("topk", topk), ("num_rows", num_rows)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"get_workspace: {name} must be a positive int, got {value!r}")
+    for name, value in (("num_tokens", num_tokens), ("hidden_size", hidden_size), ("top_k", top_k), ("num_rows", num_rows)):
+        check_positive_int(f"get_workspace: {name}", value)
     if device.type != "cuda":
         raise ValueError(f"get_workspace: symmetric memory needs a CUDA device, got {device}")
-    key = (group.group_name, device, num_tokens, hidden_size, topk, num_rows, dtype, timeout_ms)
+    key = (group.group_name, device, num_tokens, hidden_size, top_k, num_rows, dtype, comm_timeout_ms)
     if key not in _WORKSPACES:
         name = group.group_name
         _WORKSPACES[key] = Workspace(
             group_name=name,
             rank=dist.get_rank(group),
             world_size=dist.get_world_size(group),
-            timeout_ms=timeout_ms,
+            comm_timeout_ms=comm_timeout_ms,
             tokens=_symmetric((num_tokens, hidden_size), dtype, device, name),
-            weights=_symmetric((num_tokens, topk), torch.float32, device, name),
-            ids=_symmetric((num_tokens, topk), torch.int32, device, name),
-            pairs=_symmetric((num_tokens * topk, hidden_size), dtype, device, name),
+            weights=_symmetric((num_tokens, top_k), torch.float32, device, name),
+            ids=_symmetric((num_tokens, top_k), torch.int32, device, name),
+            pairs=_symmetric((num_tokens * top_k, hidden_size), dtype, device, name),
             rows_in=_symmetric((num_rows, hidden_size), dtype, device, name),
             rows_out=_symmetric((num_rows, hidden_size), dtype, device, name),
         )
