@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
+import struct
 
 import torch
 
 from megamoe import reference
-from megamoe.config import DEFAULT_CONFIG, MoEConfig, check_group
+from megamoe.config import BACKENDS as BACKEND_NAMES
+from megamoe.config import COMM_DIRECTIONS, DEFAULT_CONFIG, MoEConfig, check_group
 from megamoe.schedule import (
     SCHEDULE_TENSORS,
     Schedule,
@@ -168,6 +171,196 @@ def _group(group_name: str | None):
     return _resolve_process_group(group_name)
 
 
+# ----------------------------------------------------------------------------------------------------
+# Ranks of an expert-parallel group must agree on every size the collectives depend on. Disagreeing ranks
+# used to abort (gloo: size mismatch), hang until the process-group timeout (one rank with T=0) or index
+# out of range with routing gathered from a peer; a bad expert id on one rank left its peers blocked in
+# the routing gather. check_ranks_agree turns all of these into a ValueError on every rank.
+
+_SAME_TK = "every rank of the group must pass the same T and k (pad the batch to a common T)"
+_SAME_CALL = "every rank of the group must call megamoe.experts with the same shapes, dtype and MoEConfig"
+
+
+def _float_bits(value: float | None) -> int:
+    return -1 if value is None else struct.unpack("<q", struct.pack("<d", float(value)))[0]
+
+
+def _from_float_bits(bits: int) -> str:
+    return "None" if bits == -1 else repr(struct.unpack("<d", struct.pack("<q", bits))[0])
+
+
+def _direction_name(code: int) -> str:
+    return "unused" if code == -1 else repr(COMM_DIRECTIONS[code])
+
+
+# The fields of a rank's signature, in payload order: (label, hint on a mismatch, int -> what the user wrote).
+AGREE_FIELDS = (
+    ("T (tokens per rank)", _SAME_TK, str),
+    ("k (experts per token)", _SAME_TK, str),
+    ("E_local (experts per rank, w_gate_up.shape[0])", "every rank must hold num_experts / group size experts", str),
+    ("H (hidden size)", _SAME_CALL, str),
+    ("I (expert intermediate size)", _SAME_CALL, str),
+    ("dtype", _SAME_CALL, lambda code: str(FLOAT_DTYPES[code]).removeprefix("torch.")),
+    ("block_m (as resolved)", _SAME_CALL, str),
+    ("MoEConfig.capacity_factor", _SAME_CALL, _from_float_bits),
+    ("backend (as resolved: 'auto' picks per rank)", _SAME_CALL, lambda code: repr(BACKEND_NAMES[code])),
+    ("MoEConfig.dispatch (as resolved)", _SAME_CALL, _direction_name),
+    ("MoEConfig.combine (as resolved)", _SAME_CALL, _direction_name),
+)
+_STATUS_LEN = 3  # after the signature: (this rank's ids have an out-of-range id, the first such id, its flat index)
+# The fused path's checked (group name, signature) pairs, and the groups with one (see check_ranks_agree).
+_AGREED: set[tuple] = set()
+_AGREED_GROUPS: set[str] = set()
+
+
+def _resolved_direction(config: MoEConfig, operation: str) -> str:
+    chosen = getattr(config, operation)
+    if chosen == "auto" and "triton" in BACKENDS:
+        chosen = BACKENDS["triton"].ep.AUTO_DIRECTIONS[operation]
+    return chosen
+
+
+def rank_signature(x, topk_ids, w_gate_up, w_down, config: MoEConfig) -> tuple[int, ...]:
+    """This rank's (T, k, E_local, H, I, dtype, block_m, capacity_factor, backend, dispatch, combine), as
+    ints (AGREE_FIELDS); config has backend and block_m resolved."""
+    directions = (-1, -1)  # only the fused path's exchanges depend on them
+    if config.backend == "triton":
+        directions = tuple(COMM_DIRECTIONS.index(_resolved_direction(config, op)) for op in ("dispatch", "combine"))
+    return (
+        x.shape[0], topk_ids.shape[1], w_gate_up.shape[0], x.shape[1], w_down.shape[2], FLOAT_DTYPES.index(x.dtype),
+        config.block_m, _float_bits(config.capacity_factor), BACKEND_NAMES.index(config.backend), *directions,
+    )
+
+
+def _ids_status(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 [3] on topk_ids' device, device ops only: (1 if an id is outside [0, E) else 0, the first such
+    id, its flat index)."""
+    if topk_ids.numel() == 0:
+        return torch.zeros(_STATUS_LEN, dtype=torch.int64, device=topk_ids.device)
+    flat = topk_ids.reshape(-1)
+    bad = (flat < 0) | (flat >= num_experts)
+    first = bad.to(torch.int32).argmax().view(1)  # the first bad one (argmax returns the first maximum)
+    value = flat.index_select(0, first)  # not flat[first]: no host round trip for the index
+    return torch.cat([bad.any().view(1).to(torch.int64), value.to(torch.int64), first.to(torch.int64)])
+
+
+def _by_value(values: list[int], describe) -> str:
+    """'rank 0 has 5, rank 1 has 0' (ranks with one value grouped: 'ranks 0, 1, 2 have 5')."""
+    groups: dict[int, list[int]] = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(value, []).append(rank)
+    return ", ".join(
+        f"rank {ranks[0]} has {describe(value)}" if len(ranks) == 1
+        else f"ranks {', '.join(map(str, ranks))} have {describe(value)}"
+        for value, ranks in groups.items()
+    )
+
+
+def _raise_on_disagreement(rows: list[list[int]], rank: int, num_experts: int, top_k: int) -> None:
+    """ValueError (the same verdict on every rank) if the gathered signatures differ or a rank's ids are bad."""
+    num_fields = len(AGREE_FIELDS)
+    problems = []
+    for field, (label, hint, describe) in enumerate(AGREE_FIELDS):
+        values = [row[field] for row in rows]
+        if len(set(values)) > 1:
+            problems.append((f"ranks disagree on {label}: {_by_value(values, describe)}", hint))
+    if problems:
+        hints = list(dict.fromkeys(hint for _, hint in problems))
+        found = "; ".join(problem for problem, _ in problems)
+        raise ValueError(f"megamoe.experts with an expert-parallel group: {found}; {'; '.join(hints)}")
+    failed = [(r, row[num_fields + 1], row[num_fields + 2]) for r, row in enumerate(rows) if row[num_fields]]
+    if not failed:
+        return
+
+    def ranks(rs: list[int]) -> str:
+        return f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
+
+    mine = [f for f in failed if f[0] == rank]
+    source, value, index = mine[0] if mine else failed[0]
+    token, slot = divmod(index, top_k)
+    others = [r for r, _, _ in failed if r != source]
+    if mine:
+        also = f"; {ranks(others)} of the group passed out-of-range ids too" if others else ""
+        raise ValueError(
+            f"topk_ids must hold expert ids in [0, {num_experts}), found {value} (token {token}, slot {slot}); "
+            f"every rank of the expert-parallel group raises{also}"
+        )
+    also = f" ({ranks(others)} too)" if others else ""
+    raise ValueError(
+        f"rank {source} of the expert-parallel group passed topk_ids with expert id {value} (its token {token}, "
+        f"slot {slot}), outside [0, {num_experts}){also}: every rank of the group raises here instead of entering "
+        "the exchange"
+    )
+
+
+def check_ranks_agree(group, x, topk_ids, w_gate_up, w_down, config: MoEConfig) -> None:
+    """Fail fast, with the same ValueError on every rank, when the ranks of an expert-parallel group disagree
+    on (T, k, E_local, H, I, dtype, block_m, capacity_factor, backend, dispatch, combine) (AGREE_FIELDS) or
+    a rank's topk_ids hold an expert id outside [0, E): every rank all-gathers its signature and the state of
+    its ids (a small int64 tensor on x's device: the CPU with gloo, the GPU with NCCL) and compares.
+
+    When it runs (config has backend and block_m resolved):
+    - The torch path: on every call, before the routing gather, so that a rank that changes its T alone
+      (say T=0 on a last, short batch) or passes a bad id fails with the others instead of the collectives
+      going out of step (one tiny collective per call; the path already syncs the host every forward).
+    - The fused (triton) path: once per (group, signature). Later calls of a checked signature pay nothing,
+      no collective and no host sync, so a captured CUDA graph never runs it: the first call of a shape is
+      the warm-up, which also allocates the symmetric-memory workspace. Bad ids on later calls fail a device
+      assert (build_schedule's check of the gathered routing). A rank whose signature is new while its
+      peers' are checked waits at most MoEConfig.comm_timeout_ms for them, then raises (the peers, in the
+      fused exchange, time out after comm_timeout_ms too); the very first check on a group waits for the
+      process-group timeout instead (ranks may be far apart while warming up).
+    """
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    signature = rank_signature(x, topk_ids, w_gate_up, w_down, config)
+    every_call = config.backend != "triton"
+    group_name = group.group_name
+    if not every_call and (group_name, signature) in _AGREED:
+        return
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "megamoe.experts with an expert-parallel group checks that the ranks agree on the shapes (a collective "
+            "and a host sync) on every call of the torch path and on the first call of each shape of the fused "
+            "path, which cannot run during CUDA-graph capture: run the fused path once with these shapes before "
+            "capturing (the warm-up); the torch path with a group cannot be captured"
+        )
+    num_experts = w_gate_up.shape[0] * world
+    mine = torch.tensor(signature, dtype=torch.int64, device=x.device)
+    payload = torch.cat([mine, _ids_status(topk_ids, num_experts)])
+    gathered = payload.new_empty(world * payload.numel())
+    # all_gather_single is the newer name (torch >= 2.13) of all_gather_into_tensor.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    work = gather(gathered, payload, group=group, async_op=True)
+    if every_call or group_name not in _AGREED_GROUPS:
+        work.wait()  # bounded by the process-group timeout, as every collective of the torch path is
+    else:
+        try:
+            work.wait(timeout=datetime.timedelta(milliseconds=config.comm_timeout_ms))
+        except RuntimeError as e:
+            shown = ", ".join(
+                f"{label.split(' (')[0]}={describe(value)}"
+                for (label, _, describe), value in zip(AGREE_FIELDS, signature)
+            )
+            raise RuntimeError(
+                f"megamoe.experts: the peers of the expert-parallel group did not join the check of this call's "
+                f"shapes within MoEConfig.comm_timeout_ms={config.comm_timeout_ms}. This rank calls with shapes it "
+                f"has not used before ({shown}); its peers, skipping the check, use shapes they have: the ranks "
+                f"disagree ({_SAME_CALL}), or a peer is late by more than comm_timeout_ms ({e})"
+            ) from e
+    # NOTE: host sync — the verdict is needed on the host before the routing gather, whose size it checks.
+    # Acceptable: on the fused path once per (group, shapes), like the workspace allocation (the warm-up);
+    # on the torch path once per call, next to the split sizes it already copies to the host.
+    rows = gathered.view(world, -1).tolist()
+    _raise_on_disagreement(rows, dist.get_rank(group), num_experts, topk_ids.shape[1])
+    if not every_call:
+        _AGREED.add((group_name, signature))
+        _AGREED_GROUPS.add(group_name)
+
+
 # MoEConfig crosses the custom-op boundary as its fields, in declaration order (ops take scalars).
 CONFIG_FIELDS = tuple(field.name for field in dataclasses.fields(MoEConfig))
 
@@ -237,6 +430,10 @@ def _experts_fwd(
     """Returns [out, *saved, *schedule tensors] (see the comment above); [out] without save_for_backward."""
     config = _config(backend, capacity_factor, block_m, num_comm_sms, minibatch_tokens, dispatch, combine, comm_timeout_ms)
     group = _group(group_name)
+    if group is not None:
+        # Here, in the op, rather than in `experts`: the op runs eagerly under torch.compile (its fake
+        # implementation is what is traced), so the check runs in compiled models too.
+        check_ranks_agree(group, x, topk_ids, w_gate_up, w_down, config)
     schedule = _schedule(topk_ids, x, w_gate_up, config, group)
     out, saved = _backend_module(config.backend).experts_fwd(
         x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config,

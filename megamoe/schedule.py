@@ -138,6 +138,41 @@ def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, *, check_range: boo
         torch._assert_async(in_range, f"megamoe: topk_ids must hold expert ids in [0, {num_experts})")
 
 
+def check_gathered_ids(ids: torch.Tensor, num_experts: int, *, num_tokens: int, rank: int) -> torch.Tensor:
+    """Range-check the routing gathered from every rank of a group ([W*T, k], rank s's at rows [s*T, (s+1)*T)),
+    which build_schedule's placement indexes tensors of E experts with.
+
+    On the CPU a bad id is a ValueError at once, on every rank (each holds the same gathered routing),
+    naming the rank that passed it. On accelerators (no host sync): a device assert that fails at the
+    caller's next synchronisation, and the ids are clamped into [0, E) so that nothing reads out of bounds
+    before it does (the schedule of a failed assert is never used). Returns the ids to place.
+    """
+    if ids.numel() == 0:
+        return ids
+    bad = (ids < 0) | (ids >= num_experts)
+    if ids.device.type == "cpu":
+        if bool(bad.any()):
+            first = int(bad.reshape(-1).to(torch.uint8).argmax())
+            top_k = ids.shape[1]
+            row, slot = divmod(first, top_k)
+            source, token = divmod(row, max(num_tokens, 1))
+            value = int(ids.reshape(-1)[first])
+            if source == rank:
+                raise ValueError(
+                    f"topk_ids must hold expert ids in [0, {num_experts}), found {value} (token {token}, slot {slot})"
+                )
+            raise ValueError(
+                f"rank {source} of the expert-parallel group passed topk_ids with expert id {value} (its token "
+                f"{token}, slot {slot}), outside [0, {num_experts}): every rank of the group raises here"
+            )
+        return ids
+    # NOTE: no host sync; a bad id of any rank fails the device assert at the caller's next synchronisation.
+    torch._assert_async(
+        ~bad.any(), f"megamoe: the topk_ids of a rank of the expert-parallel group hold an expert id outside [0, {num_experts})"
+    )
+    return ids.clamp(0, num_experts - 1)
+
+
 def build_schedule(
     topk_ids: torch.Tensor,
     num_experts: int,
@@ -153,7 +188,10 @@ def build_schedule(
     topk_ids: [T, k] int32/int64 global expert ids of this rank's tokens.
     num_experts: E, the global number of experts (divisible by the group size).
     group: expert-parallel process group (None: one process owns all experts). With a group, every
-        rank must pass the same T and k; routing is all-gathered and each rank derives the same schedule.
+        rank must pass the same T and k (not checked here: megamoe.experts checks it, see
+        autograd.check_ranks_agree); routing is all-gathered and each rank derives the same schedule. The
+        ids' range is checked on the gathered routing (check_gathered_ids), so a bad id of any rank fails
+        every rank.
     block_m: overrides config.block_m (backends pass their tile size); default 128. Like
         MoEConfig.block_m: None or a power of two in [1, 1024].
     gather_routing: with a group, how to all-gather routing: a callable taking this rank's int32
@@ -166,8 +204,11 @@ def build_schedule(
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a megamoe.MoEConfig or None, got {type(config).__name__}")
     check_block_m("build_schedule: block_m", block_m)
-    check_topk_ids(topk_ids, num_experts)
     world_size, rank = _group_info(group)
+    # With a group the range is checked on the gathered routing (every rank's ids, below): a bad id of one
+    # rank then fails every rank at the same point, instead of one rank raising while its peers block in
+    # the gather.
+    check_topk_ids(topk_ids, num_experts, check_range=world_size == 1)
     if num_experts % world_size != 0:
         raise ValueError(
             f"num_experts ({num_experts}) must be divisible by the expert-parallel group size ({world_size})"
@@ -190,6 +231,8 @@ def build_schedule(
         # all_gather_single is the newer name (torch >= 2.13) of all_gather_into_tensor.
         (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, ids, group=group)
         ids = gathered
+    if world_size > 1 and device.type != "meta":
+        ids = check_gathered_ids(ids, num_experts, num_tokens=num_tokens, rank=rank)
     flat = ids.reshape(-1).to(torch.int64)  # [W*T*k], index = flat source index
     placed = (place_routing or place_routing_torch)(
         flat, num_experts=num_experts, world_size=world_size, rank=rank, block_m=block_m, num_rows=rows

@@ -18,7 +18,9 @@ Precision (bf16/fp16 inputs; fp32 and fp64 run the same ops in their own dtype):
   summed in fp32 over products rounded once to the input dtype.
 Deterministic: no atomics, no index_add_/scatter_add_; every scatter (index_copy_) has unique targets.
 No host sync on the one-process path. With a group, the split sizes go to the host once per forward
-(see the NOTE in _exchange); the backward reuses that exchange (saved with the activations).
+(see the NOTE in _exchange); the backward reuses that exchange (saved with the activations). Before it,
+megamoe.autograd.check_ranks_agree reads the ranks' agreement check on the host (one tiny collective per
+forward).
 
 Backend interface (shared with the triton backend):
     block_m_for(hidden, intermediate, dtype) -> int      rows per expert-segment block for build_schedule
