@@ -33,7 +33,8 @@ TABLE_LABELS = {"torch": "portable"}  # megamoe's portable path, not torch's own
 TOKEN_SEED = 10_000  # + rank: every rank routes its own tokens
 RECORD_FIELDS = (
     "workload", "backend", "pass", "routing", "ep", "tokens", "experts_per_gpu", "ms", "tflops", "mfu",
-    "ceiling_tflops", "peak_mem_bytes", "gpu", "torch", "triton", "commit",
+    "ceiling_tflops", "peak_mem_bytes", "peak_mem_above_inputs_bytes", "workspace_bytes", "gpu", "torch", "triton",
+    "commit",
 )  # every record's fields (docs/design.md)
 
 
@@ -65,8 +66,23 @@ def triton_version() -> str | None:
     return triton.__version__
 
 
+def _workspace_bytes(group) -> int | None:
+    """This rank's symmetric-memory workspace (the fused EP path's), which the caching allocator's peak does
+    not count; None where there is none (no group, or Triton not installed)."""
+    if group is None:
+        return None
+    try:
+        from megamoe.backends.triton.comm.workspace import workspace_bytes
+    except ImportError:
+        return None
+    return workspace_bytes(group)
+
+
 def time_pass(w, backend, pass_name, weights, token_sets, *, iters, warmup, ceiling, device, group) -> dict:
-    """ms, tflops, mfu and peak_mem_bytes of one backend and pass, rotating through token_sets."""
+    """ms, tflops, mfu and memory of one backend and pass, rotating through token_sets. Memory (GPUs, max over
+    ranks): peak_mem_bytes, the caching allocator's peak; peak_mem_above_inputs_bytes, that peak less what the
+    weights and input sets already held when the pass started (activations, gradients, temporaries);
+    workspace_bytes, the EP symmetric-memory workspace held after the pass (not in either peak)."""
     fn = experts_fn(backend)
     run = forward_TH if pass_name == "fwd" else forward_backward
 
@@ -77,12 +93,17 @@ def time_pass(w, backend, pass_name, weights, token_sets, *, iters, warmup, ceil
     if on_gpu:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+        inputs_bytes = torch.cuda.memory_allocated(device)
     ms = median_ms(step, iters=iters, warmup=warmup, device=device, group=group)
     tflops = layer_flops(w, token_sets[0].x_TH.shape[0], pass_name) / ms / 1e9
-    peak = None
+    memory = {"peak_mem_bytes": None, "peak_mem_above_inputs_bytes": None, "workspace_bytes": None}
     if on_gpu:
-        peak = int(reduce_over_ranks([torch.cuda.max_memory_allocated(device)], dist.ReduceOp.MAX, device, group)[0])
-    return {"ms": ms, "tflops": tflops, "mfu": tflops / ceiling if ceiling else None, "peak_mem_bytes": peak}
+        peak = torch.cuda.max_memory_allocated(device)
+        workspace = _workspace_bytes(group)
+        values = reduce_over_ranks([peak, peak - inputs_bytes, workspace or 0], dist.ReduceOp.MAX, device, group)
+        memory = {"peak_mem_bytes": int(values[0]), "peak_mem_above_inputs_bytes": int(values[1]),
+                  "workspace_bytes": None if workspace is None else int(values[2])}
+    return {"ms": ms, "tflops": tflops, "mfu": tflops / ceiling if ceiling else None, **memory}
 
 
 def run_bench(
@@ -166,6 +187,7 @@ def run_bench(
                         "workload": name, "backend": backend, "pass": pass_name, "routing": routing_name,
                         "ep": world_size, "tokens": num_tokens, "experts_per_gpu": n_local, "ms": None,
                         "tflops": None, "mfu": None, "ceiling_tflops": ceiling, "peak_mem_bytes": None,
+                        "peak_mem_above_inputs_bytes": None, "workspace_bytes": None,
                         **facts, "status": status, "detail": detail, "load": load,
                     }
                     if status == "ok":
@@ -221,7 +243,7 @@ def format_table(rows: list[dict], on_gpu: bool) -> str:
         (r["workload"], r["routing"], r["pass"]): r["ms"] for r in rows if r["backend"] == BASELINE and r["ms"]
     }
     header = ["workload", "E/GPU", "routing", "max/mean load", "backend", "pass", "ms", "TFLOP/s"]
-    header += ["MFU", "peak mem"] if on_gpu else []
+    header += ["MFU", "peak mem", "above inputs", "EP workspace"] if on_gpu else []
     header += [f"vs {BASELINE}"]
     lines = [header]
     for r in rows:
@@ -231,7 +253,11 @@ def format_table(rows: list[dict], on_gpu: bool) -> str:
             lines.append(line + [r["status"]] + ["-"] * (len(header) - len(line) - 1))
             continue
         line += [f"{r['ms']:.3f}", f"{r['tflops']:.2f}"]
-        line += [f"{r['mfu']:.1%}", f"{r['peak_mem_bytes'] / 2**30:.2f} GiB"] if on_gpu else []
+        if on_gpu:
+            workspace = r["workspace_bytes"]
+            line += [f"{r['mfu']:.1%}", f"{r['peak_mem_bytes'] / 2**30:.2f} GiB",
+                     f"{r['peak_mem_above_inputs_bytes'] / 2**30:.2f} GiB",
+                     "-" if workspace is None else f"{workspace / 2**30:.2f} GiB"]
         base = baseline_ms.get((r["workload"], r["routing"], r["pass"]))
         line += [f"{base / r['ms']:.2f}x" if base else "-"]
         lines.append(line)

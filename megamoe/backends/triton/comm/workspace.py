@@ -50,6 +50,12 @@ class Workspace:
     rows_in: _Buffer
     rows_out: _Buffer
 
+    @property
+    def nbytes(self) -> int:
+        """This rank's symmetric memory in these buffers (not counted by torch.cuda.max_memory_allocated)."""
+        buffers = (self.tokens, self.weights, self.ids, self.pairs, self.rows_in, self.rows_out)
+        return sum(b.local.numel() * b.local.element_size() for b in buffers)
+
     def barrier(self) -> None:
         """All ranks reach this point (in stream order) before any continues; bounded by comm_timeout_ms."""
         self.ids.handle.barrier(channel=0, timeout_ms=self.comm_timeout_ms)
@@ -106,6 +112,13 @@ def get_workspace(
             rows_out=_symmetric((num_rows, hidden_size), dtype, device, name),
         )
     return _WORKSPACES[key]
+
+
+def workspace_bytes(group) -> int:
+    """This rank's symmetric memory held by the cached workspaces of group (0 for None or none cached)."""
+    if group is None:
+        return 0
+    return sum(ws.nbytes for ws in _WORKSPACES.values() if ws.group_name == group.group_name)
 
 
 def clear_workspaces() -> None:
