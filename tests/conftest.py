@@ -10,7 +10,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import os
 import socket
+import subprocess
+import sys
 import time
 import zlib
 
@@ -263,3 +266,15 @@ def run_gloo_workers(worker, world: int, args: tuple, out_dir, timeout_s: float,
                 proc.kill()
             pytest.fail(f"gloo workers ({what}) did not finish within {timeout_s}s")
     return [torch.load(f"{out_dir}/rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def run_interpreted(test_file: str) -> None:
+    """Run test_file's tests in a TRITON_INTERPRET=1 subprocess (Triton reads the variable when a kernel is
+    defined, so it must be set before megamoe's kernels are imported) and fail with its output if any fails."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(test_file)],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, f"interpreted tests failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"

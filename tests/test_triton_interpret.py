@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import poisoned_empty
+from conftest import poisoned_empty, run_interpreted
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # The interpreter itself trips a NumPy deprecation on every scalar index; not ours to fix.
@@ -37,13 +35,7 @@ interpreted = pytest.mark.skipif(not INTERPRET, reason="runs in test_interpreter
 
 @pytest.mark.skipif(INTERPRET, reason="already interpreted")
 def test_interpreter_suite():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-        env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, f"interpreted tests failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
+    run_interpreted(__file__)
 
 
 if INTERPRET:
