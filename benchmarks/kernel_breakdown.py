@@ -16,7 +16,7 @@ import triton
 
 from megamoe.backends.triton import kernels
 from megamoe.backends.triton.configs import block_m_for
-from megamoe.backends.triton.experts import one_gpu_configs
+from megamoe.backends.triton.experts import one_gpu_configs, router_grad
 from megamoe.backends.triton.kernels.schedule import place_routing
 from megamoe.bench.workloads import WORKLOADS
 from megamoe.schedule import build_schedule
@@ -40,12 +40,16 @@ def breakdown(name: str, tokens: int | None, experts_cap: int | None) -> list[di
     cfg = one_gpu_configs(x, wgu, wd, s)  # the tiles (and core) the one-GPU backend runs here: TMA on Hopper
     in_use = s.expert_offsets[-1:]
     blocks = (s.block_expert, s.num_blocks)
-    w_flat = tw.reshape(-1)
     x_rows = kernels.gather_rows(x, s.row_src, None, in_use, div=k)
-    d_y = kernels.gather_rows(d_out, s.row_src, w_flat, in_use, div=k)
+    d_out_rows = kernels.gather_rows(d_out, s.row_src, None, in_use, div=k)
     h, gate_up = kernels.gate_up_fwd(x_rows, wgu, *blocks, store_gate_up=True, config=cfg.gate_up_fwd)
     y = kernels.down_fwd(h, wd, *blocks, config=cfg.down_fwd)
-    d_gu = kernels.down_dgrad(d_y, wd, gate_up, *blocks, config=cfg.down_dgrad)
+
+    def down_dgrad():
+        return kernels.down_dgrad_router(d_out_rows, wd, gate_up, s.row_src, tw, *blocks, store_h_w=True,
+                                         config=cfg.down_dgrad)
+
+    d_gu, h_w, d_w_part = down_dgrad()
     d_x_rows = kernels.gate_up_dgrad(d_gu, wgu, *blocks, config=cfg.gate_up_dgrad)
     pairs = T * k
     gemm = 2 * pairs * H * I  # one GEMM of the three (gate and up count as two)
@@ -59,11 +63,12 @@ def breakdown(name: str, tokens: int | None, experts_cap: int | None) -> list[di
         "gate_up_fwd": (lambda: kernels.gate_up_fwd(x_rows, wgu, *blocks, store_gate_up=True, config=cfg.gate_up_fwd), 2 * gemm, 0, "fwd"),
         "down_fwd": (lambda: kernels.down_fwd(h, wd, *blocks, config=cfg.down_fwd), gemm, 0, "fwd"),
         "combine": (lambda: kernels.combine(y, tw, s.dest_row, None, config=cfg.combine), 0, combine_bytes, "fwd"),
-        "combine_bwd": (lambda: kernels.combine_bwd(d_out, y, s.dest_row, config=cfg.combine), 0, combine_bytes, "bwd"),
-        "gather_d_y": (lambda: kernels.gather_rows(d_out, s.row_src, w_flat, in_use, div=k), 0, rows_bytes, "bwd"),
-        "down_dgrad": (lambda: kernels.down_dgrad(d_y, wd, gate_up, *blocks, config=cfg.down_dgrad), gemm, 0, "bwd"),
+        "gather_d_out": (lambda: kernels.gather_rows(d_out, s.row_src, None, in_use, div=k), 0, rows_bytes, "bwd"),
+        "down_dgrad": (down_dgrad, gemm, 0, "bwd"),
+        "router_grad": (lambda: router_grad(d_w_part, s.dest_row), 0, 0, "bwd"),
         "gate_up_dgrad": (lambda: kernels.gate_up_dgrad(d_gu, wgu, *blocks, config=cfg.gate_up_dgrad), 2 * gemm, 0, "bwd"),
-        "dw_down": (lambda: kernels.dw_down(d_y, h, s.expert_offsets, E, config=cfg.dw_down), gemm, 0, "bwd"),
+        "dw_down": (lambda: kernels.dw_down(d_out_rows, h_w, s.expert_offsets, E, config=cfg.dw_down), gemm, 0, "bwd"),
+        "gather_x_again": (lambda: kernels.gather_rows(x, s.row_src, None, in_use, div=k), 0, rows_bytes, "bwd"),
         "dw_gate_up": (lambda: kernels.dw_gate_up(d_gu, x_rows, s.expert_offsets, E, config=cfg.dw_gate_up), 2 * gemm, 0, "bwd"),
         "combine_dx": (lambda: kernels.combine(d_x_rows, None, s.dest_row, None, config=cfg.combine), 0, combine_bytes, "bwd"),
     }

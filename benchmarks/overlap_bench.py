@@ -11,9 +11,10 @@ ranks (megamoe.bench.measure):
            rows, runs both GEMMs (gate/up and down; backward: down-dgrad and gate/up-dgrad) and pushes
            the second GEMM's rows from its epilogue; the backward's kernel runs the weight grads too
   compute  the one-GPU GEMM kernels (same tiles) with no communication at all, on every SM (wrong
-           results, timing only): the best the layer could do if communication were free
+           results, timing only): the best the layer could do if communication were free (ep_probes.py)
   comm     the exchanges alone (barriers, publishes, whole pulls/pushes, the final copies), no compute
-  serial   no overlap: whole exchanges around plain GEMMs on every SM
+           (ep_probes.py)
+  serial   no overlap: whole exchanges around plain GEMMs on every SM (the layer with overlap=False)
 --probes times a subset (hidden/exposed need fused, compute and comm).
 hidden = compute + comm - fused (the communication time that ran under compute), reported as a
 fraction of comm; exposed = fused - compute (it includes what the SMs given to communication cost the
@@ -23,6 +24,7 @@ GEMMs). Gate before timing: fused and serial give bitwise equal outputs and grad
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 
@@ -37,8 +39,16 @@ from megamoe.bench.workloads import WORKLOADS
 from megamoe.config import MoEConfig
 from megamoe.schedule import build_schedule
 
-PROBES = ("fused", "compute", "comm", "serial")
-_PROBE = {"fused": "full", "compute": "compute", "comm": "comm", "serial": "serial"}
+from ep_probes import comm_bwd, comm_fwd, compute_bwd, compute_fwd  # benchmarks/ is the script's directory
+
+# What each probe runs: (forward, backward), called as ep.experts_fwd / ep.experts_bwd are.
+PASSES = {
+    "fused": (ep.experts_fwd, ep.experts_bwd),
+    "compute": (compute_fwd, compute_bwd),
+    "comm": (comm_fwd, comm_bwd),
+    "serial": (functools.partial(ep.experts_fwd, overlap=False), functools.partial(ep.experts_bwd, overlap=False)),
+}
+PROBES = tuple(PASSES)
 
 
 def _problem(name: str, tokens: int, routing: str, group, config: MoEConfig, rank: int):
@@ -65,12 +75,12 @@ def _problem(name: str, tokens: int, routing: str, group, config: MoEConfig, ran
 
 
 def _run(p, schedule, group, config, probe: str, backward: bool):
-    out, saved = ep.experts_fwd(p["x"], p["topk_weights"], p["w_gate_up"], p["w_down"], None, None, schedule, group,
-                                config, probe=probe)
+    fwd, bwd = PASSES[probe]
+    out, saved = fwd(p["x"], p["topk_weights"], p["w_gate_up"], p["w_down"], None, None, schedule, group, config)
     if not backward:
         return [out]
-    grads = ep.experts_bwd(p["d_out"], p["x"], p["topk_weights"], p["w_gate_up"], p["w_down"], None, None, schedule,
-                           group, config, saved, probe=probe)
+    grads = bwd(p["d_out"], p["x"], p["topk_weights"], p["w_gate_up"], p["w_down"], None, None, schedule, group,
+                config, saved)
     return [out, *(g for g in grads if g is not None)]
 
 
@@ -103,7 +113,7 @@ def main() -> None:
         tokens = args.tokens or w.tokens_per_gpu
         p, schedule = _problem(name, tokens, args.routing, group, config, rank)
         # Correctness gate: the overlapped layer and the serial one agree bitwise (outputs and grads).
-        fused, serial = (_run(p, schedule, group, config, probe, True) for probe in ("full", "serial"))
+        fused, serial = (_run(p, schedule, group, config, probe, True) for probe in ("fused", "serial"))
         same = torch.tensor([all(torch.equal(a, b) for a, b in zip(fused, serial))], device=device, dtype=torch.int32)
         dist.all_reduce(same, op=dist.ReduceOp.MIN)
         if not same.item():
@@ -113,7 +123,7 @@ def main() -> None:
             ms = {}
             for what in probes:
                 ms[what] = median_ms(
-                    lambda i, what=what, p=p, s=schedule: _run(p, s, group, config, _PROBE[what], pass_name == "fwd+bwd"),
+                    lambda i, what=what, p=p, s=schedule: _run(p, s, group, config, what, pass_name == "fwd+bwd"),
                     iters=args.iters, warmup=args.warmup, device=device, group=group,
                 )
             ms = {what: ms.get(what, float("nan")) for what in PROBES}  # NaN (null in the JSON): not timed

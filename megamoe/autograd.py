@@ -53,7 +53,10 @@ def triton_runs_on(device: torch.device) -> bool:
 
 def resolve_backend(config: MoEConfig, x: torch.Tensor, group) -> str:
     """The backend that runs: "auto" means triton for bf16/fp16 on CUDA GPUs of compute capability >= 9.0
-    (with a group, one that fits on this host, whose peers symmetric memory maps over NVLink), torch elsewhere."""
+    (with a group, one whose ranks all run on this host: symmetric memory maps peers over NVLink), torch elsewhere."""
+    # Asked on every rank whatever its config says: the group's first call gathers the ranks' hosts, a
+    # collective, so a rank with another backend or dtype (check_ranks_agree reports it) must not skip it.
+    one_host = _on_one_host(None if group is None else group.group_name, x.device)
     if config.backend != "auto":
         if config.backend not in BACKENDS and config.backend != "reference":
             raise ValueError(f"MoEConfig.backend={config.backend!r} is not available here (needs Triton)")
@@ -66,19 +69,58 @@ def resolve_backend(config: MoEConfig, x: torch.Tensor, group) -> str:
                 f"MoEConfig.backend='triton' needs a CUDA GPU of compute capability >= 9.0, but the tensors are on "
                 f"{where}; use backend='auto' or 'torch'"
             )
+        if config.backend == "triton" and not one_host:
+            hosts = group_hosts(group.group_name, x.device)
+            raise ValueError(
+                f"MoEConfig.backend='triton' runs expert parallelism through symmetric memory over NVLink, which needs "
+                f"every rank of the group on one host, but this group spans {len(set(hosts))} hosts "
+                f"({_by_value(list(hosts), lambda host: f'host {host!r}')}); use backend='torch' (or 'auto', which "
+                "picks it for a group spanning hosts)"
+            )
         return config.backend
-    if triton_runs_on(x.device) and x.dtype in (torch.bfloat16, torch.float16) and _on_one_host(group):
+    if triton_runs_on(x.device) and x.dtype in (torch.bfloat16, torch.float16) and one_host:
         return "triton"
     return "torch"
 
 
 @torch.compiler.assume_constant_result
-def _on_one_host(group) -> bool:
-    """No group, or a group no larger than this host's GPU count (torchrun on one node). A host-side
-    query only; a group spread over hosts needs the portable path (no NVLink between them)."""
-    if group is None:
-        return True
-    return torch.distributed.get_world_size(group) <= torch.cuda.device_count()
+def _on_one_host(group_name: str | None, device: torch.device) -> bool:
+    """No group, or one whose ranks all run on this host (group_hosts); a group spread over hosts needs the
+    portable path (no NVLink between them). Takes the group's name: torch.compile runs this eagerly at
+    trace time, where the group itself is an opaque stand-in that a collective cannot use."""
+    return group_name is None or len(set(group_hosts(group_name, device))) == 1
+
+
+def _host_id() -> str:
+    """This process's host as NCCL tells hosts apart: the hostname and the kernel's boot id (two machines
+    that share a hostname differ; the boot id is absent where /proc is)."""
+    import socket
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f"{socket.gethostname()}/{f.read().strip()[:8]}"
+    except OSError:
+        return socket.gethostname()
+
+
+_GROUP_HOSTS: dict[str, tuple[str, ...]] = {}  # group name -> each rank's _host_id, in group rank order
+
+
+def group_hosts(group_name: str, device: torch.device) -> tuple[str, ...]:
+    """Each rank's host (_host_id) in group rank order, gathered at the group's first use, then cached by
+    group name (as the symmetric-memory workspaces are). device: where the gather runs with NCCL (x's)."""
+    if group_name not in _GROUP_HOSTS:
+        import contextlib
+
+        group = _group(group_name)
+        hosts = [None] * torch.distributed.get_world_size(group)
+        # NOTE: host sync — a collective whose result the host reads, once per group and process. Acceptable:
+        # it runs at the group's first call, as the symmetric-memory workspace's rendezvous does (that call
+        # is the warm-up; under torch.compile it runs at trace time), and never again for that group.
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            torch.distributed.all_gather_object(hosts, _host_id(), group=group)
+        _GROUP_HOSTS[group_name] = tuple(hosts)
+    return _GROUP_HOSTS[group_name]
 
 
 def _backend_module(name: str):
@@ -424,11 +466,14 @@ def _experts_fwd(
     dispatch: str,
     combine: str,
     comm_timeout_ms: int,
+    recompute: bool,
     group_name: str | None,
     save_for_backward: bool,
 ) -> list[torch.Tensor]:
     """Returns [out, *saved, *schedule tensors] (see the comment above); [out] without save_for_backward."""
-    config = _config(backend, capacity_factor, block_m, num_comm_sms, minibatch_tokens, dispatch, combine, comm_timeout_ms)
+    config = _config(
+        backend, capacity_factor, block_m, num_comm_sms, minibatch_tokens, dispatch, combine, comm_timeout_ms, recompute
+    )
     group = _group(group_name)
     if group is not None:
         # Here, in the op, rather than in `experts`: the op runs eagerly under torch.compile (its fake
@@ -475,12 +520,15 @@ def _experts_bwd(
     dispatch: str,
     combine: str,
     comm_timeout_ms: int,
+    recompute: bool,
     group_name: str | None,
     needs_grad: int,
 ) -> list[torch.Tensor]:
     """Returns the gradients that needs_grad asks for (bit i: GRAD_NAMES[i]), in GRAD_NAMES order, e.g.
     [d_x, d_topk_weights, d_w_gate_up, d_w_down(, d_shared_gate_up, d_shared_down)] with every bit set."""
-    config = _config(backend, capacity_factor, block_m, num_comm_sms, minibatch_tokens, dispatch, combine, comm_timeout_ms)
+    config = _config(
+        backend, capacity_factor, block_m, num_comm_sms, minibatch_tokens, dispatch, combine, comm_timeout_ms, recompute
+    )
     group = _group(group_name)
     world_size, rank = (1, 0) if group is None else (torch.distributed.get_world_size(group), torch.distributed.get_rank(group))
     schedule = schedule_from_tensors(

@@ -60,7 +60,7 @@ class MoEConfig:
     """Knobs of the MoE layer. Every field is validated; defaults give the dropless, deterministic path.
 
     backend: "auto" picks "triton" on CUDA GPUs of compute capability >= 9.0 (in bf16/fp16; with an
-        expert-parallel group, when the group fits on this host: symmetric memory over NVLink) and
+        expert-parallel group, when every rank of the group runs on this host: symmetric memory over NVLink) and
         "torch" elsewhere; "reference" runs the plain-PyTorch math (no schedule, no EP); "torch" the
         portable path.
     capacity_factor: None (default) sizes every buffer for the worst case, so no token can ever be
@@ -85,6 +85,9 @@ class MoEConfig:
             other choices run whole exchanges around the GEMMs).
     comm_timeout_ms: how long a GPU waits for a peer of the expert-parallel group at a synchronisation
         point before failing with an error (a peer that never arrives must not hang the job).
+    recompute: False (default) keeps the gate/up pre-activation of every routed row for the backward
+        (2 * 2I bytes per row in bf16); True keeps nothing per routed row and the backward reruns the
+        gate/up GEMM from x (a third of the forward's FLOPs) instead. Results are the same, bit for bit.
     """
 
     backend: str = "auto"
@@ -95,6 +98,7 @@ class MoEConfig:
     dispatch: str = "auto"
     combine: str = "auto"
     comm_timeout_ms: int = 30_000
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -117,6 +121,8 @@ class MoEConfig:
             value = getattr(self, name)
             if value not in COMM_DIRECTIONS:
                 raise ValueError(f"MoEConfig.{name} must be one of {COMM_DIRECTIONS}, got {value!r}")
+        if not isinstance(self.recompute, bool):
+            raise TypeError(f"MoEConfig.recompute must be a bool, got {type(self.recompute).__name__} {self.recompute!r}")
 
     @classmethod
     def from_env(cls, **overrides) -> "MoEConfig":

@@ -12,7 +12,9 @@ import torch
 
 import megamoe
 from megamoe.__main__ import main
-from megamoe.bench.gate import gate_backends
+from megamoe.bench import gate, run
+from megamoe.bench.gate import gate_backends, rel_err
+from megamoe.bench.problem import cast, forward_backward, make_tokens, make_weights
 from megamoe.bench.routing import expert_load_E, route
 from megamoe.bench.run import RECORD_FIELDS
 from megamoe.bench.workloads import WORKLOADS, choose_experts_per_gpu, footprint_bytes, layer_flops
@@ -82,20 +84,98 @@ def test_skewed_routing_overloads_some_experts():
     assert load_E.max() / load_E.mean() > 8, f"load: {load_E.tolist()}"
 
 
+def _cpu_problem(dtype, num_tokens=64, routing="skewed"):
+    """cpu-small's weights (all 8 experts) and one routed input set, as run_bench makes them."""
+    w = WORKLOADS["cpu-small"]
+    weights = make_weights(w, range(8), dtype, torch.device("cpu"))
+    tokens = make_tokens(w, num_tokens, 8, routing, dtype, torch.Generator().manual_seed(0))
+    return w, weights, tokens
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward, the gradient scaled: a backend whose forward is right and one gradient wrong."""
+
+    @staticmethod
+    def forward(ctx, t, scale):
+        ctx.scale = scale
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gate_passes_torch_and_fails_a_wrong_backend(dtype, monkeypatch):
-    w, cpu = WORKLOADS["cpu-small"], torch.device("cpu")
-    gates = gate_backends(w, ["torchtitan", "torch", "triton"], "skewed", 8, 64, dtype, cpu, group=None)
+    w, weights, tokens = _cpu_problem(dtype)
+    gates = gate_backends(w, ["torchtitan", "torch", "triton"], weights, tokens, group=None)
     assert gates["torchtitan"] == ("ok", "")
     assert gates["torch"] == ("ok", "")
     assert gates["triton"][0] == "unavailable"
 
     experts = megamoe.experts
     monkeypatch.setattr(megamoe, "experts", lambda *args, **kwargs: experts(*args, **kwargs) * 1.02)
-    gates = gate_backends(w, ["torchtitan", "torch"], "skewed", 8, 64, dtype, cpu, group=None)
+    gates = gate_backends(w, ["torchtitan", "torch"], weights, tokens, group=None)
     status, detail = gates["torch"]
     assert status == "FAILED" and "out: rel err" in detail, detail
     assert gates["torchtitan"] == ("ok", ""), "the TorchTitan baseline does not run megamoe.experts"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gate_fails_one_wrong_gradient(dtype, monkeypatch):
+    """Every gradient is gated, not only the output: d_w_down 2% off (the forward exact) fails, naming it alone."""
+    w, weights, tokens = _cpu_problem(dtype)
+    experts = megamoe.experts
+
+    def wrong_d_w_down(x, ids, tw, w_gate_up, w_down, **kwargs):
+        return experts(x, ids, tw, w_gate_up, _ScaleGrad.apply(w_down, 1.02), **kwargs)
+
+    monkeypatch.setattr(megamoe, "experts", wrong_d_w_down)
+    status, detail = gate_backends(w, ["torch"], weights, tokens, group=None)["torch"]
+    assert status == "FAILED" and detail.startswith("d_w_down: rel err") and ";" not in detail, detail
+
+
+def test_streamed_reference_is_the_reference():
+    """The gate's reference, streamed expert by expert: in fp64 it is megamoe.reference.experts in fp64 (to
+    rounding); its fp32 ground truth (what GPUs run) is within 1e-6 of it; its bf16 budgets are the old
+    gate's, 2x the error of megamoe.reference.experts run in bf16 (+ the floor), d_x to its summation order."""
+    w, weights, tokens = _cpu_problem(torch.bfloat16)
+    ref64 = forward_backward(megamoe.reference.experts, *cast(weights, tokens, torch.float64))
+    ref_bf16 = forward_backward(megamoe.reference.experts, *cast(weights, tokens, torch.bfloat16))
+    streamed = gate.reference(w, weights, tokens, None)
+    streamed32 = gate.reference(w, weights, tokens, None, truth_dtype=torch.float32)
+    assert list(streamed.truth) == list(ref64), "every output and gradient of forward_backward"
+    for name, want in ref64.items():
+        assert streamed.truth[name].dtype == torch.float64 and streamed32.truth[name].dtype == torch.float32, name
+        assert rel_err(streamed.truth[name], want) < 1e-12, name
+        assert rel_err(streamed32.truth[name], want) < 1e-6, name
+        budget = 2 * rel_err(ref_bf16[name], want) + gate.NOISE_FLOOR
+        assert 0.8 * budget < streamed.budget[name] < 1.25 * budget, (name, streamed.budget[name], budget)
+    fp32 = gate.reference(w, *_cpu_problem(torch.float32)[1:], None)
+    assert set(fp32.budget.values()) == {gate.FP32_REL_TOL}
+
+
+def test_run_gates_the_timed_problem(monkeypatch, capsys):
+    """run_bench gates the tensors it times (all T tokens, every expert), not a smaller stand-in."""
+    gated, timed = [], []
+
+    def spy_gate(w, backends, weights, tokens, group):
+        gated.append((weights, tokens))
+        return gate_backends(w, backends, weights, tokens, group)
+
+    def spy_time(w, backend, pass_name, weights, token_sets, **kwargs):
+        timed.append((weights, token_sets[0]))
+        return {"ms": 1.0, "tflops": 1.0, "mfu": None, "peak_mem_bytes": None, "peak_mem_above_inputs_bytes": None,
+                "workspace_bytes": None}
+
+    monkeypatch.setattr(run, "gate_backends", spy_gate)
+    monkeypatch.setattr(run, "time_pass", spy_time)
+    code = run.run_bench(workloads=["cpu-small"], backends=["torch"], routing="skewed", tokens=48, iters=1, warmup=0,
+                         dtype=None, experts_per_gpu=None, json_path=None)
+    assert code == 0, capsys.readouterr().out
+    (weights, tokens), = gated
+    assert tokens.x_TH.shape == (48, 256) and weights.w_gate_up_E2IH.shape == (8, 256, 256)
+    assert all(w is weights and t is tokens for w, t in timed) and len(timed) == 4  # 2 backends x 2 passes
 
 
 def _bench(tmp_path: Path, launcher: list[str]) -> list[dict]:

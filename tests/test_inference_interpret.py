@@ -10,8 +10,8 @@ dtypes fp32 and fp16 (the interpreter cannot run bf16 tl.dot). Checked on the on
 (backends/triton/experts.py), called directly on CPU tensors:
 - experts_fwd(save_for_backward=False): the same out, bit for bit, nothing saved, gate_up not stored;
 - experts_bwd(needs_grad=...): the gradients asked for are bitwise those of the full backward, the others
-  None, and the kernels of the others are not launched (counted, or made to raise), in save and
-  recompute (save_gate_up=False) modes;
+  None, and the kernels of the others are not launched (counted, or made to raise), in the default and
+  MoEConfig.recompute modes;
 and on the expert-parallel driver (ep.py) on a one-rank group: the same bits in inference and with any
 needs_grad, and the unfused path's weight-grad kernels skipped for frozen weights.
 """
@@ -52,7 +52,7 @@ PARTIAL = {
     "only-topk_weights": {"topk_weights"},
     "only-w_down": {"w_down", "shared_down"},
 }
-GEMMS = ["gate_up_fwd", "down_fwd", "down_dgrad", "gate_up_dgrad", "dw_down", "dw_gate_up"]
+GEMMS = ["gate_up_fwd", "down_fwd", "down_dgrad", "down_dgrad_router", "gate_up_dgrad", "dw_down", "dw_gate_up"]
 
 
 class Counter:
@@ -88,9 +88,9 @@ def setup(case, dtype):
     return (x, weights, wgu, wd, sgu, sd), d_out, build_schedule(ids, E, block_m=block_m)
 
 
-def full_run(inputs, d_out, s, **fwd_kwargs):
-    out, saved = experts_fwd(*inputs, s, None, **fwd_kwargs)
-    return out, experts_bwd(d_out, inputs[0], *inputs[1:], s, None, None, saved)
+def full_run(inputs, d_out, s, config=None):
+    out, saved = experts_fwd(*inputs, s, None, config)
+    return out, experts_bwd(d_out, inputs[0], *inputs[1:], s, None, config, saved)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -121,24 +121,27 @@ def test_inference_forward_same_bits_nothing_saved(case, dtype, monkeypatch):
 
 
 @interpreted
-@pytest.mark.parametrize("save_gate_up", [True, False], ids=["save", "recompute"])
+@pytest.mark.parametrize("recompute", [False, True], ids=["save", "recompute"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
 @pytest.mark.parametrize("needed", list(PARTIAL))
-def test_partial_backward(needed, dtype, save_gate_up, monkeypatch):
+def test_partial_backward(needed, dtype, recompute, monkeypatch):
     trainable = PARTIAL[needed]
     inputs, d_out, s = setup("T37-H48-I40-E5-k3-shared", dtype)
+    config = MoEConfig(recompute=recompute)
     needs = tuple(n in trainable for n in NAMES)
     need_x, need_w, need_gu, need_d = needs[:4]
+    rows_part = need_x or need_w or need_gu or need_d
     with poisoned_empty():
-        want_out, want = full_run(inputs, d_out, s, save_gate_up=save_gate_up)
-        out, saved = experts_fwd(*inputs, s, None, save_gate_up=save_gate_up)
-        # A kernel whose gradient is not needed raises if launched.
+        want_out, want = full_run(inputs, d_out, s, config)
+        out, saved = experts_fwd(*inputs, s, None, config)
+        # A kernel whose gradient is not needed raises if launched; the expert-parallel kernels never run here.
         fail = {n for n, need in [("dw_down", need_d), ("dw_gate_up", need_gu), ("gate_up_dgrad", need_x),
-                                  ("down_dgrad", need_x or need_gu), ("combine_bwd", need_w), ("combine", need_x)]
+                                  ("down_dgrad_router", rows_part), ("combine", need_x), ("down_dgrad", False),
+                                  ("combine_bwd", False)]
                 if not need}
         counter = Counter(fail)
         spy_one_gpu(monkeypatch, counter)
-        got = experts_bwd(d_out, inputs[0], *inputs[1:], s, None, None, saved, needs_grad=needs)
+        got = experts_bwd(d_out, inputs[0], *inputs[1:], s, None, config, saved, needs_grad=needs)
     assert torch.equal(out, want_out)
     for name, g, w in zip(NAMES, got, want):
         if name in trainable:
@@ -146,15 +149,14 @@ def test_partial_backward(needed, dtype, save_gate_up, monkeypatch):
             assert torch.equal(g, w), f"d_{name}: differs from the full backward (max diff {(g.double() - w.double()).abs().max():.3e})"
         else:
             assert g is None, f"d_{name} not asked for, yet computed"
-    rows_part = need_x or need_gu or need_d
     assert counter.count("dw_down") == need_d and counter.count("dw_gate_up") == need_gu
     assert counter.count("gate_up_dgrad") == need_x and counter.count("combine") == need_x
-    assert counter.count("down_dgrad") == (need_x or need_gu)
-    assert counter.count("combine_bwd") == need_w
-    # the d_y gather for the rows backward, and a re-gather of x_rows for dw_gate_up and one for the recompute
-    regathers = need_gu + (not save_gate_up and rows_part)
-    assert counter.count("gather_rows") == rows_part + regathers
-    assert counter.count("gate_up_fwd") == (rows_part and not save_gate_up)
+    assert counter.count("down_dgrad_router") == rows_part
+    # h_w (d_w_down's operand) is stored only for d_w_down
+    assert [c["store_h_w"] for c in counter.calls.get("down_dgrad_router", [])] == [need_d] * rows_part
+    # the d_out gather, one of x for dw_gate_up, and (recompute) one of x for the gate/up GEMM
+    assert counter.count("gather_rows") == rows_part + need_gu + (recompute and rows_part)
+    assert counter.count("gate_up_fwd") == (rows_part and recompute)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -47,10 +47,11 @@ GEMM_KERNELS = {
     # name: (kernel, the tile-table field it runs with (the fused kernels: the deeper pipeline), constexprs)
     "gate_up_fwd": (kernels.gate_up_fwd_kernel, "gate_up_fwd", {}),
     "down_fwd": (kernels.down_fwd_kernel, "down_fwd", {}),
-    "down_dgrad": (kernels.down_dgrad_kernel, "down_dgrad", {}),
+    "down_dgrad": (kernels.down_dgrad_kernel, "down_dgrad", {"ROUTER": False, "STORE_H_W": False}),
+    "down_dgrad-router": (kernels.down_dgrad_kernel, "down_dgrad", {"ROUTER": True, "STORE_H_W": True}),
     "gate_up_dgrad": (kernels.gate_up_dgrad_kernel, "gate_up_dgrad", {}),
-    "dw_down": (kernels.dw_down_kernel, "dw_down", {}),
-    "dw_gate_up": (kernels.dw_gate_up_kernel, "dw_gate_up", {}),
+    "dw_down": (kernels.dw_kernel, "dw_down", {}),
+    "dw_gate_up": (kernels.dw_kernel, "dw_gate_up", {}),
     "ep_fwd": (kernels.ep_fwd_kernel, "gate_up_fwd", _fused("gate_up_fwd", "down_fwd")),
     "ep_bwd": (kernels.ep_bwd_kernel, "dw_down", _fused(
         "down_dgrad", "gate_up_dgrad", W_BLOCK_M=_SM90.dw_down.block_m, W_BLOCK_N=_SM90.dw_down.block_n,
@@ -64,7 +65,7 @@ GEMM_KERNELS = {
 # docs/perf-notes.md).
 SPILL_BUDGET = {"ep_bwd": 20}
 # GEMMs whose K loop reads contiguous rows only: Triton must pipeline them (async copies, async wgmma).
-PIPELINED = {"gate_up_fwd", "down_fwd", "down_dgrad", "gate_up_dgrad", "dw_down", "dw_gate_up",
+PIPELINED = {"gate_up_fwd", "down_fwd", "down_dgrad", "down_dgrad-router", "gate_up_dgrad", "dw_down", "dw_gate_up",
              "ep_fwd", "ep_bwd"}
 OTHER_KERNELS = {
     "combine": kernels.combine_kernel,
@@ -74,7 +75,7 @@ OTHER_KERNELS = {
 # Pointer arguments that are not activations/weights (bf16).
 _POINTER_TYPES = {
     "row_src_ptr": "*i32", "block_expert_ptr": "*i32", "num_blocks_ptr": "*i32", "block_range_ptr": "*i32",
-    "expert_offsets_ptr": "*i32",
+    "expert_offsets_ptr": "*i32", "weights_ptr": "*fp32", "d_w_part_ptr": "*fp32",
     "index_ptr": "*i32", "rows_in_use_ptr": "*i32", "scale_ptr": "*fp32",
     "w_ptr": "*bf16", "d_w_ptr": "*fp32",
     "pull_table_ptr": "*i64", "pull_weight_table_ptr": "*i64", "push_table_ptr": "*i64",
@@ -115,7 +116,7 @@ def _gemm_constexprs(fn, cfg: TileConfig, extra: dict) -> dict:
 # Integer arguments that are multiples of 16 at every benchmarked workload (H, I); Triton's launcher
 # specialises such arguments (and 16-byte aligned pointers) the same way at run time, which is what
 # lets the K loop use 16-byte cp.async copies and be software-pipelined.
-_DIVISIBLE_INTS = {"H", "I"}
+_DIVISIBLE_INTS = {"H", "I", "M", "N"}
 
 
 def _attrs(fn, signature: dict) -> dict:
@@ -191,7 +192,7 @@ def test_gemm_kernel_sm90_uses_wgmma_without_spills(name, table):
         # Every stage holds one A tile and the B tile(s): the shared footprint says how many stages Triton built.
         b_tiles = 2 if fn is kernels.gate_up_fwd_kernel else 1
         stage = 2 * cfg.block_k * (cfg.block_m + b_tiles * cfg.block_n)
-        if fn in (kernels.dw_down_kernel, kernels.dw_gate_up_kernel):  # tiles: [rows x block_m], [rows x block_n]
+        if fn is kernels.dw_kernel:  # tiles: [rows x block_m], [rows x block_n]
             stage = 2 * cfg.block_k * (cfg.block_m + cfg.block_n)
         assert compiled.metadata.shared >= cfg.num_stages * stage, (
             f"{name}[{table}]: {compiled.metadata.shared} B of shared memory < {cfg.num_stages} stages x {stage} B"
@@ -205,7 +206,8 @@ def _tma_descriptors(name: str, cfg: TileConfig) -> dict:
     return {
         "gate_up_fwd": {"x_desc": [m, k], "w_desc": [1, n, k], "h_desc": [m, n], "gu_desc": [m, 1, n]},
         "down_fwd": {"h_desc": [m, k], "w_desc": [1, n, k], "y_desc": [m, n]},
-        "down_dgrad": {"d_y_desc": [m, k], "w_desc": [1, k, n], "gu_desc": [m, 1, n], "d_gu_desc": [m, 1, n]},
+        "down_dgrad": {"d_y_desc": [m, k], "w_desc": [1, k, n], "gu_desc": [m, 1, n // 2], "d_gu_desc": [m, 1, n // 2],
+                       "h_w_desc": [m, n // 2]},
         "gate_up_dgrad": {"d_gu_desc": [m, k], "w_desc": [1, k, n], "d_x_desc": [m, n]},
         "dw_down": {"a_desc": [k, m], "b_desc": [k, n], "dw_desc": [1, m, n]},
         "dw_gate_up": {"a_desc": [k, m], "b_desc": [k, n], "dw_desc": [1, m, n]},
@@ -217,6 +219,8 @@ TMA_KERNELS = {
     "down_dgrad": tma_gemm.down_dgrad_tma_kernel, "gate_up_dgrad": tma_gemm.gate_up_dgrad_tma_kernel,
     "dw_down": tma_gemm.dw_tma_kernel, "dw_gate_up": tma_gemm.dw_tma_kernel,
 }
+# The constexprs the one-GPU path runs each with (experts.py): down_dgrad with the router epilogue.
+TMA_CONSTEXPRS = {"gate_up_fwd": {"STORE_GATE_UP": True}, "down_dgrad": {"ROUTER": True, "STORE_H_W": True}}
 # Every entry of the TMA table, plus the flattened down_dgrad that small H selects.
 TMA_ENTRIES = {name: getattr(_SM90_TMA, name) for name in TMA_KERNELS}
 TMA_ENTRIES["down_dgrad-flat"] = dataclasses.replace(_SM90_TMA.down_dgrad, flatten=True)
@@ -227,11 +231,9 @@ def _compile_tma(name: str, cfg: TileConfig, arch: int):
     fn = TMA_KERNELS[kernel_name]
     descriptors = _tma_descriptors(kernel_name, cfg)
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                      FLATTEN=cfg.flatten)
+                      FLATTEN=cfg.flatten, **TMA_CONSTEXPRS.get(kernel_name, {}))
     if "SPLIT" in fn.arg_names:
         constexprs["SPLIT"] = 1
-    if "STORE_GATE_UP" in fn.arg_names:
-        constexprs["STORE_GATE_UP"] = True
     signature = {}
     for name_ in fn.arg_names:
         if name_ in constexprs:
@@ -239,7 +241,7 @@ def _compile_tma(name: str, cfg: TileConfig, arch: int):
         elif name_ in descriptors:
             signature[name_] = f"tensordesc<bf16[{','.join(map(str, descriptors[name_]))}]>"
         elif name_.endswith("_ptr"):
-            signature[name_] = "*i32"
+            signature[name_] = {"weights_ptr": "*fp32", "d_w_part_ptr": "*fp32"}.get(name_, "*i32")
         else:
             signature[name_] = "i32"
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=_attrs(fn, signature))

@@ -40,12 +40,20 @@ def _swiglu_weights(hidden: int, intermediate: int, dtype, device, seed: int) ->
     return gate_up.to(dtype), down.to(dtype)
 
 
+def expert_weights(
+    w: Workload, expert: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up [2I, H], down [H, I]) of routed expert `expert` (a global id): the same values on every rank, so
+    the bench's gate regenerates the experts of other ranks instead of gathering them."""
+    return _swiglu_weights(w.hidden, w.intermediate, dtype, device, seed=expert + 1)
+
+
 def make_weights(w: Workload, expert_ids: range, dtype: torch.dtype, device: torch.device) -> Weights:
     """Weights of the experts expert_ids (global ids), plus the shared expert if the workload has one."""
     w_gate_up_E2IH = torch.empty(len(expert_ids), 2 * w.intermediate, w.hidden, dtype=dtype, device=device)
     w_down_EHI = torch.empty(len(expert_ids), w.hidden, w.intermediate, dtype=dtype, device=device)
     for i, e in enumerate(expert_ids):  # filled in place: no second copy of the weights
-        w_gate_up_E2IH[i], w_down_EHI[i] = _swiglu_weights(w.hidden, w.intermediate, dtype, device, seed=e + 1)
+        w_gate_up_E2IH[i], w_down_EHI[i] = expert_weights(w, e, dtype, device)
     shared = (None, None)
     if w.shared_intermediate:
         shared = _swiglu_weights(w.hidden, w.shared_intermediate, dtype, device, seed=SHARED_SEED)

@@ -177,8 +177,9 @@ def run_bench(
             load_E = expert_load_E(token_sets[0].topk_ids_TK, num_experts).tolist()
             load_E = reduce_over_ranks(load_E, dist.ReduceOp.SUM, device, group)
             load = max(load_E) / (sum(load_E) / num_experts)
-            # Gate every backend before timing any, so the gate's tensors are gone from the peak memory.
-            gates = gate_backends(w, backends, routing_name, n_local, num_tokens, dtype, device, group)
+            # Gate every backend on the timed problem itself (the first input set) before timing any, so the
+            # gate's tensors are gone from the peak memory.
+            gates = gate_backends(w, backends, weights, token_sets[0], group)
             for backend in backends:
                 status, detail = gates[backend]
                 for pass_name in PASSES:

@@ -1,7 +1,7 @@
 """The fused Triton backend (same interface as megamoe.backends.torch_native).
 
 One GPU (schedule.world_size == 1): experts.py gathers token rows expert-contiguous once and runs the
-fused grouped GEMMs on contiguous rows (`rows_fwd` / `rows_bwd`). Expert parallelism: ep.py,
+fused grouped GEMMs on contiguous rows. Expert parallelism: ep.py,
 symmetric-memory dispatch/combine inside one persistent kernel per direction built from the same GEMM
 tiles (kernels/ep_fused.py; the slot sums are the one-GPU kernels), and the routing
 exchange that build_schedule uses (`routing_exchange`).

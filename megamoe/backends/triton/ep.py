@@ -17,9 +17,11 @@ No host synchronisation: every buffer has its worst-case (or declared-capacity) 
 read on the device, so a forward+backward can be captured in a CUDA graph.
 
 MoEConfig.dispatch / combine: "pull" dispatch with "push" combine (the "auto" choices, docs/perf-notes.md)
-runs the fused kernels; any other pair runs whole exchanges (comm/exchange.py, with their own barriers)
-around the one-GPU GEMMs. All give the same bits: every element is written by one program with the same
-values and reduction order, whatever num_comm_sms and minibatch_tokens are.
+runs the fused kernels; any other pair, or overlap=False, runs whole exchanges (comm/exchange.py, with
+their own barriers) around the one-GPU GEMMs: the unfused layer, the fused one's bitwise reference. All
+give the same bits: every element is written by one program with the same values and reduction order,
+whatever num_comm_sms and minibatch_tokens are. (The probes that time the GEMMs without the exchanges and
+the exchanges without the GEMMs are benchmarks/ep_probes.py.)
 
 Inference (experts_fwd(..., save_for_backward=False)): saved = (), so x_rows, h, gate_up and the pairs
 rows are released when the forward returns, and the fused path's slot sum reads the symmetric pairs
@@ -60,10 +62,6 @@ AUTO_DIRECTIONS = {"dispatch": "pull", "combine": "push"}
 # (docs/perf-notes.md, "EP v7"): qwen3-30b-a3b 16 / 24 / 32 / 48 -> 9.50 / 9.44 / 9.41 / 9.48 ms,
 # qwen3-235b-a22b 32.78 / 32.76 / 32.57 / 32.69 ms: flat within 1%, 32 the best of both.
 DEFAULT_COMM_SMS = 32
-# Benchmark-only probes (benchmarks/overlap_bench.py): "full" is the layer; "compute" skips every copy
-# and barrier (GEMMs on every SM; results wrong, timing only); "comm" runs only the exchanges, whole
-# (results wrong); "serial" is the layer without overlap (whole exchanges around plain GEMMs).
-PROBES = ("full", "compute", "comm", "serial")
 
 
 def _direction(config, operation: str) -> str:
@@ -130,42 +128,35 @@ def _push(ws: Workspace, maps: ReceiveMaps) -> kernels.RowPush:
     return kernels.RowPush(ws.pairs.peer_ptrs, maps.src_rank, maps.src_pair)
 
 
-def _check_probe(probe: str) -> tuple[bool, bool]:
-    """(run the communication, run the compute)."""
-    if probe not in PROBES:
-        raise ValueError(f"probe must be one of {PROBES}, got {probe!r}")
-    return probe != "compute", probe != "comm"
-
-
 # ----------------------------------------------------------------------------------------------------
 # Forward and backward
 
 
-def _fused(config, probe: str) -> bool:
+def _fused(config, overlap: bool) -> bool:
     """Whether the layer runs the fused kernels: pull dispatch and push combine (the "auto" directions),
-    outside the benchmark probes. Other directions run whole exchanges around the one-GPU GEMMs."""
-    return probe == "full" and _direction(config, "dispatch") == "pull" and _direction(config, "combine") == "push"
+    unless overlap=False. Otherwise whole exchanges run around the one-GPU GEMMs (the same bits)."""
+    return overlap and _direction(config, "dispatch") == "pull" and _direction(config, "combine") == "push"
 
 
 def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule: Schedule, group, config,
-                *, probe: str = "full", save_for_backward: bool = True):
-    comm, compute = _check_probe(probe)
-    fused = _fused(config, probe)
+                *, overlap: bool = True, save_for_backward: bool = True):
+    """overlap=False: whole exchanges around the one-GPU GEMMs whatever the directions, the unfused layer
+    (the fused one's bitwise reference, and its time without overlap in benchmarks/overlap_bench.py)."""
+    fused = _fused(config, overlap)
     ws = _workspace(x, schedule.num_tokens, schedule.top_k, schedule.num_rows, group, config)
     cfg = configs_for(x, w_gate_up, schedule)
     x = x.contiguous()
-    rows, hidden, inter = schedule.num_rows, x.shape[1], w_down.shape[2]
+    rows, hidden = schedule.num_rows, x.shape[1]
     pull, push = _direction(config, "dispatch") == "pull", _direction(config, "combine") == "push"
     maps, blocks = receive_maps(schedule), all_blocks(schedule)
 
     shared_out, shared_act = None, x.new_empty(0)
-    if shared_gate_up is not None and compute:
+    if shared_gate_up is not None:
         shared_out, shared_act = shared_fwd(x, shared_gate_up, shared_down)
-    if comm and not pull:  # push dispatch: the token owners write the receive rows (a whole exchange)
+    if not pull:  # push dispatch: the token owners write the receive rows (a whole exchange)
         x_rows = dispatch(ws, x, schedule, "push")
     else:  # filled by the pull (fused kernel or pull_rows) below
         x_rows = x.new_empty(rows, hidden)
-    if comm and pull:
         publish(ws, [(ws.tokens, x)])
     if fused:
         h, gate_up = kernels.ep_forward(x_rows, w_gate_up, w_down, schedule.block_expert, blocks,
@@ -174,22 +165,13 @@ def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
         # Kept for the backward: a copy. Inference: the buffer itself, read only by the slot sum below.
         y_pairs = collect_pushed(ws, keep=save_for_backward)
     else:
-        if comm and pull:
+        if pull:
             pull_rows(ws.tokens, maps, x_rows, by_token=True)
-        if compute:
-            h, gate_up = kernels.gate_up_fwd(x_rows, w_gate_up, schedule.block_expert, blocks, store_gate_up=True,
-                                             config=cfg.gate_up_fwd)
-            y_rows = kernels.down_fwd(h, w_down, schedule.block_expert, blocks, config=cfg.down_fwd)
-        else:
-            h, gate_up, y_rows = x.new_empty(rows, inter), x.new_empty(rows, 2 * inter), x.new_empty(rows, hidden)
-        if comm:
-            y_pairs = combine(ws, y_rows, schedule, "push" if push else "pull")
-        else:
-            y_pairs = ws.pairs.local  # probe "compute": whatever is there (timing only)
-    if compute:
-        out = kernels.combine(y_pairs, topk_weights, _pair_index(schedule), shared_out, config=cfg.combine)
-    else:
-        out = torch.empty_like(x)
+        h, gate_up = kernels.gate_up_fwd(x_rows, w_gate_up, schedule.block_expert, blocks, store_gate_up=True,
+                                         config=cfg.gate_up_fwd)
+        y_rows = kernels.down_fwd(h, w_down, schedule.block_expert, blocks, config=cfg.down_fwd)
+        y_pairs = combine(ws, y_rows, schedule, "push" if push else "pull")
+    out = kernels.combine(y_pairs, topk_weights, _pair_index(schedule), shared_out, config=cfg.combine)
     if not save_for_backward:
         return out, ()
     return out, (x_rows, h, gate_up, y_pairs, shared_act)
@@ -208,12 +190,12 @@ def empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule: Schedule):
 
 
 def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule: Schedule, group, config,
-                saved, *, probe: str = "full", needs_grad: tuple[bool, ...] = (True,) * 6):
+                saved, *, overlap: bool = True, needs_grad: tuple[bool, ...] = (True,) * 6):
     """All six gradients (see experts.experts_bwd); needs_grad skips only this rank's local work (module
-    docstring): the fused kernel and the exchanges always run, so some gradients not asked for come back anyway."""
+    docstring): the fused kernel and the exchanges always run, so some gradients not asked for come back anyway.
+    overlap=False: whole exchanges around the one-GPU GEMMs, as in experts_fwd."""
     need_x, need_weights, need_w_gate_up, need_w_down, need_shared_gate_up, need_shared_down = needs_grad
-    comm, compute = _check_probe(probe)
-    fused = _fused(config, probe)
+    fused = _fused(config, overlap)
     x_rows, h, gate_up, y_pairs, shared_act = saved
     ws = _workspace(x, schedule.num_tokens, schedule.top_k, schedule.num_rows, group, config)
     cfg = configs_for(x, w_gate_up, schedule)
@@ -225,19 +207,16 @@ def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, share
     weights = topk_weights.float().contiguous()
 
     d_x_shared = d_shared_gate_up = d_shared_down = d_topk_weights = None
-    if compute:
-        if need_weights:
-            d_topk_weights = kernels.combine_bwd(d_out, y_pairs, pair_index, config=cfg.combine)
-        if shared_gate_up is not None:
-            d_x_shared, d_shared_gate_up, d_shared_down = shared_bwd(
-                d_out, x, shared_gate_up, shared_down, shared_act,
-                need_x=need_x, need_gate_up=need_shared_gate_up, need_down=need_shared_down,
-            )
-    else:
-        d_topk_weights = torch.empty_like(weights)
+    if need_weights:
+        d_topk_weights = kernels.combine_bwd(d_out, y_pairs, pair_index, config=cfg.combine)
+    if shared_gate_up is not None:
+        d_x_shared, d_shared_gate_up, d_shared_down = shared_bwd(
+            d_out, x, shared_gate_up, shared_down, shared_act,
+            need_x=need_x, need_gate_up=need_shared_gate_up, need_down=need_shared_down,
+        )
     # d_y rows: each row's d_out times its pair's router weight (fp32 product rounded to the dtype).
     d_y_rows = x.new_empty(rows, hidden)
-    if comm and pull:
+    if pull:
         publish(ws, [(ws.tokens, d_out), (ws.weights, weights)])
     if fused:
         d_w_gate_up, d_w_down = kernels.ep_backward(
@@ -246,37 +225,29 @@ def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, share
             down_dgrad_config=cfg.down_dgrad, gate_up_dgrad_config=cfg.gate_up_dgrad,
             dw_down_config=cfg.dw_down, dw_gate_up_config=cfg.dw_gate_up)
     else:
-        if comm and pull:
+        if pull:
             d_out_rows, weight_rows = x.new_empty(rows, hidden), weights.new_empty(rows)
             pull_rows(ws.tokens, maps, d_out_rows, by_token=True)
             pull_rows(ws.weights, maps, weight_rows, by_token=False)
             kernels.gather_rows(d_out_rows, None, weight_rows, in_use, out=d_y_rows)
-        elif comm:
+        else:
             weight_rows = dispatch_pair_weights(ws, weights, schedule)
             kernels.gather_rows(dispatch(ws, d_out, schedule, "push"), None, weight_rows, in_use, out=d_y_rows)
-        if compute:
-            d_gate_up = kernels.down_dgrad(d_y_rows, w_down, gate_up, schedule.block_expert, blocks, config=cfg.down_dgrad)
-            d_x_rows = kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad)
-            # the weight grads need every row of an expert: kernels of their own here (local: skipped when not needed)
-            d_w_down = d_w_gate_up = None
-            if need_w_down:
-                d_w_down = kernels.dw_down(d_y_rows, h, schedule.expert_offsets, experts, config=cfg.dw_down)
-            if need_w_gate_up:
-                d_w_gate_up = kernels.dw_gate_up(d_gate_up, x_rows, schedule.expert_offsets, experts,
-                                                 config=cfg.dw_gate_up)
-        else:
-            d_x_rows = x.new_empty(rows, hidden)
-            d_w_gate_up, d_w_down = torch.empty_like(w_gate_up), torch.empty_like(w_down)
+        d_gate_up = kernels.down_dgrad(d_y_rows, w_down, gate_up, schedule.block_expert, blocks, config=cfg.down_dgrad)
+        d_x_rows = kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad)
+        # the weight grads need every row of an expert: kernels of their own here (local: skipped when not needed)
+        d_w_down = d_w_gate_up = None
+        if need_w_down:
+            d_w_down = kernels.dw_down(d_y_rows, h, schedule.expert_offsets, experts, config=cfg.dw_down)
+        if need_w_gate_up:
+            d_w_gate_up = kernels.dw_gate_up(d_gate_up, x_rows, schedule.expert_offsets, experts,
+                                             config=cfg.dw_gate_up)
 
     if fused:
         d_x_pairs = collect_pushed(ws, keep=False)  # read once, by the slot sum below
-    elif comm:
-        d_x_pairs = combine(ws, d_x_rows, schedule, "push" if push else "pull")
     else:
-        d_x_pairs = ws.pairs.local
+        d_x_pairs = combine(ws, d_x_rows, schedule, "push" if push else "pull")
     d_x = None
-    if not compute:
-        d_x = torch.empty_like(x)
-    elif need_x:
+    if need_x:
         d_x = kernels.combine(d_x_pairs, None, pair_index, d_x_shared, config=cfg.combine)
     return d_x, d_topk_weights, d_w_gate_up, d_w_down, d_shared_gate_up, d_shared_down

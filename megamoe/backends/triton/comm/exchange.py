@@ -16,9 +16,10 @@ buffers; `pull_pairs`: the token owner reads each pair's result row from its exp
 `collect_pushed` (barrier, then this rank's pairs buffer, copied or not). The row steps never
 synchronise with peers: every barrier is in publish / collect_pushed (and the exchanges' own).
 ep.py runs publish and collect_pushed around its fused kernels, which pull and push themselves
-(kernels/ep_fused.py); on its unfused paths (the probes "serial" and "comm", and directions other
-than pull dispatch with push combine) it calls publish and pull_rows itself for a pull dispatch and
-runs whole exchanges for the rest (push dispatch, either combine: push_rows inside combine).
+(kernels/ep_fused.py); on its unfused paths (overlap=False, and directions other than pull dispatch
+with push combine; benchmarks/ep_probes.py's "comm" probe likewise) it calls publish and pull_rows itself
+for a pull dispatch and runs whole exchanges for the rest (push dispatch, either combine: push_rows
+inside combine).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from megamoe.backends.triton.kernels.gather import gather_rows, gather_rows_kern
 from megamoe.backends.triton.kernels.grouped_gemm import (
     down_dgrad,
     down_dgrad_kernel,
+    down_dgrad_router,
     down_fwd,
     down_fwd_kernel,
     gate_up_dgrad,
@@ -14,13 +15,13 @@ from megamoe.backends.triton.kernels.grouped_gemm import (
     gate_up_fwd,
     gate_up_fwd_kernel,
 )
-from megamoe.backends.triton.kernels.weight_grad import dw_down, dw_down_kernel, dw_gate_up, dw_gate_up_kernel
+from megamoe.backends.triton.kernels.weight_grad import dw_down, dw_gate_up, dw_kernel
 
 __all__ = [
     "combine", "combine_bwd", "combine_bwd_kernel", "combine_kernel",
     "gather_rows", "gather_rows_kernel",
     "RowPull", "RowPush", "ep_forward", "ep_fwd_kernel", "ep_backward", "ep_bwd_kernel",
-    "down_dgrad", "down_dgrad_kernel", "down_fwd", "down_fwd_kernel",
+    "down_dgrad", "down_dgrad_kernel", "down_dgrad_router", "down_fwd", "down_fwd_kernel",
     "gate_up_dgrad", "gate_up_dgrad_kernel", "gate_up_fwd", "gate_up_fwd_kernel",
-    "dw_down", "dw_down_kernel", "dw_gate_up", "dw_gate_up_kernel",
+    "dw_down", "dw_gate_up", "dw_kernel",
 ]

@@ -71,6 +71,57 @@ def tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 # ----------------------------------------------------------------------------------------------------
+# The SwiGLU epilogues, shared by both GEMM cores (grouped_gemm.py, tma_gemm.py).
+
+
+@triton.jit
+def swiglu(g, u):
+    """h = silu(g) * u in fp32, from g and u in the activations' dtype: the forward's h (gate_up_fwd) and the
+    backward's recompute of it from the saved gate_up (router_epilogue) run this one function on the same
+    values, so they agree bit for bit."""
+    g = g.to(tl.float32)
+    return g * tl.sigmoid(g) * u.to(tl.float32)
+
+
+@triton.jit
+def swiglu_bwd(d_h, g, u):
+    """(d_g, d_u) in fp32 of h = silu(g) * u, for the upstream gradient d_h (fp32) and g, u as saved."""
+    g = g.to(tl.float32)
+    u = u.to(tl.float32)
+    sig = tl.sigmoid(g)
+    return d_h * u * sig * (1.0 + g * (1.0 - sig)), d_h * g * sig
+
+
+@triton.jit
+def pair_weights(row_src_ptr, weights_ptr, rows):
+    """fp32 router weight of each receive row: its pair's weight, weights.flat[row_src[r]]; 0 on padding."""
+    pair = tl.load(row_src_ptr + rows)
+    return tl.load(weights_ptr + pair, mask=pair >= 0, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def column_halves(acc):
+    """acc [M, N] -> (acc[:, :N/2], acc[:, N/2:]): an epilogue run on each half holds half the values in registers."""
+    m: tl.constexpr = acc.shape[0]
+    n: tl.constexpr = acc.shape[1]
+    return acc.reshape(m, 2, n // 2).permute(0, 2, 1).split()
+
+
+@triton.jit
+def router_epilogue(acc, g, u, weight):
+    """The router weight's part of the down GEMM's backward, for a tile of unweighted d_out rows:
+    acc [M, N] = d_out[t] @ w_down[e] over the tile's columns, weight [M] the rows' router weights (0 on
+    padding rows). Returns (d_h = weight * acc, h_w = weight * h, d_w_part [M] = sum over the columns of
+    acc * h), with h = swiglu(g, u) rounded to the dtype: the forward's h, recomputed.
+
+    The router weight's gradient <d_out[t], y_rows[r]> equals <d_out[t] @ w_down[e], h[r]>: the sum of
+    d_w_part over the column blocks, which needs neither y_rows nor h kept from the forward. h_w feeds
+    d_w_down = d_out_rows^T h_w."""
+    h = swiglu(g, u).to(g.dtype).to(tl.float32)
+    return acc * weight[:, None], h * weight[:, None], tl.sum(acc * h, axis=1)
+
+
+# ----------------------------------------------------------------------------------------------------
 # Launch-time checks of the GEMM operands (grouped_gemm.py, weight_grad.py, tma_gemm.py).
 
 

@@ -5,7 +5,9 @@ j = 0..k-1 in order with an fp32 accumulator (the reference's order), and the sh
 added last. index[t, j] is the row holding pair (t, j): on one GPU the receive row (schedule.dest_row,
 rows = y_rows [R, H]); with expert parallelism t * k + j in the exchanged pairs buffer [T * k, H].
 -1 (a pair cut by a declared capacity) counts as zero. With HAS_WEIGHTS off the same kernel sums the
-d_x rows in the backward.
+d_x rows in the backward. The router weights come in fp32 or in the rows' dtype (megamoe.experts takes
+either) and are widened to fp32 in registers, so a 16-bit router costs no cast kernel and fp32 weights
+keep their bits.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def combine_kernel(
         row = tl.where(routed, row, 0).to(tl.int64)
         y = tl.load(y_ptr + row[:, None] * H + h[None, :], mask=routed[:, None] & h_ok, other=0.0)
         if HAS_WEIGHTS:
-            weight = tl.load(w_ptr + pair, mask=routed, other=0.0)
+            weight = tl.load(w_ptr + pair, mask=routed, other=0.0).to(tl.float32)
             acc += weight[:, None] * y.to(tl.float32)
         else:
             acc += y.to(tl.float32)
@@ -90,13 +92,16 @@ def combine(
     """out [T, H] = sum_j weights[t, j] * rows[index[t, j]] (+ shared[t], last); weights None means 1.
 
     rows [N, H] (y_rows / d_x_rows [R, H] on one GPU, the pairs buffer [T * k, H] with EP); weights
-    [T, k] fp32 or None; index [T, k] int32, the row of each pair (-1: none, counts as zero; every other
-    value must be < N); shared [T, H] or None. config.block_m tokens x config.block_n columns per program.
+    [T, k] fp32 or the rows' dtype, or None; index [T, k] int32, the row of each pair (-1: none, counts as
+    zero; every other value must be < N); shared [T, H] or None. config.block_m tokens x config.block_n
+    columns per program.
     """
     num_tokens, top_k, hidden = _check_index(index_TK, rows_NH)
     if weights_TK is not None:
-        check(weights_TK.dtype == torch.float32 and tuple(weights_TK.shape) == (num_tokens, top_k) and weights_TK.is_contiguous(),
-              "weights must be a contiguous float32 [T, k] tensor")
+        check(weights_TK.dtype in (torch.float32, rows_NH.dtype) and tuple(weights_TK.shape) == (num_tokens, top_k)
+              and weights_TK.is_contiguous(),
+              f"weights must be a contiguous float32 (or the rows' {rows_NH.dtype}) [{num_tokens}, {top_k}] tensor, "
+              f"got {weights_TK.dtype} {tuple(weights_TK.shape)}")
     if shared_TH is not None:
         check(tuple(shared_TH.shape) == (num_tokens, hidden) and shared_TH.is_contiguous(), "shared must be a contiguous [T, H] tensor")
     out = torch.empty(num_tokens, hidden, dtype=out_dtype or rows_NH.dtype, device=rows_NH.device)

@@ -166,8 +166,9 @@ def ep_bwd_kernel(
                 pid_m, pid_n = tile_coords(index, stage_rows, a_n, GROUP_M)
                 pid_m += first_m + m0
                 wait_ready(work_ptr, pid_m // SPLIT // group_blocks, timeout_ns)
-                down_dgrad_tile(pid_m, pid_n, d_y_rows_ptr, w_down_ptr, gate_up_ptr, block_expert_ptr, d_gate_up_ptr, H, I,
-                                A_EVEN_K, SPLIT, BLOCK_M, A_BLOCK_N, A_BLOCK_K, A_STAGES)
+                down_dgrad_tile(pid_m, pid_n, d_y_rows_ptr, w_down_ptr, gate_up_ptr, block_expert_ptr, d_gate_up_ptr,
+                                block_expert_ptr, d_gate_up_ptr, d_gate_up_ptr, d_gate_up_ptr, H, I,
+                                A_EVEN_K, SPLIT, BLOCK_M, A_BLOCK_N, A_BLOCK_K, A_STAGES, False, False)
                 signal_done(work_ptr + done_offset + pid_m)
         task = claim_task(work_ptr, 1)
     # Tasks are claimed in order: a program gets here with the first task past the A/B list.

@@ -29,7 +29,8 @@ import triton.language as tl
 
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import (
-    check, check_matrix, check_rows, check_weight, load_range, persistent_grid, tile_coords,
+    check, check_matrix, check_rows, check_weight, column_halves, load_range, pair_weights, persistent_grid, router_epilogue, swiglu, swiglu_bwd,
+    tile_coords,
 )
 from megamoe.backends.triton.kernels import tma_gemm
 from megamoe.backends.triton.kernels.comm_tiles import push_pointers
@@ -64,7 +65,9 @@ def gate_up_fwd_tile(
     """h[r, n] = silu(g) * u with g = x_rows[r] . w_gate_up[e, n], u = x_rows[r] . w_gate_up[e, I + n].
 
     Two accumulators (gate columns and the matching up columns) so the SwiGLU is the epilogue and the
-    pre-activation never round-trips memory unless STORE_GATE_UP keeps it for the backward.
+    pre-activation never round-trips memory unless STORE_GATE_UP keeps it for the backward. h is computed
+    from g and u rounded to the dtype (swiglu), so the backward recomputes it from the saved gate_up bit
+    for bit.
     """
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -97,12 +100,13 @@ def gate_up_fwd_tile(
         wg_ptrs += BLOCK_K
         wu_ptrs += BLOCK_K
     out_mask = (cols < I)[None, :]
+    g = acc_g.to(h_ptr.dtype.element_ty)
+    u = acc_u.to(h_ptr.dtype.element_ty)
     if STORE_GATE_UP:
         gu_ptrs = gate_up_ptr + rows[:, None] * (2 * I) + cols[None, :]
-        tl.store(gu_ptrs, acc_g.to(gate_up_ptr.dtype.element_ty), mask=out_mask)
-        tl.store(gu_ptrs + I, acc_u.to(gate_up_ptr.dtype.element_ty), mask=out_mask)
-    h = acc_g * tl.sigmoid(acc_g) * acc_u
-    tl.store(h_ptr + rows[:, None] * I + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(gu_ptrs, g, mask=out_mask)
+        tl.store(gu_ptrs + I, u, mask=out_mask)
+    tl.store(h_ptr + rows[:, None] * I + cols[None, :], swiglu(g, u).to(h_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -138,12 +142,16 @@ def down_fwd_tile(
 
 @triton.jit
 def down_dgrad_tile(
-    pid_m, pid_n, d_y_ptr, w_ptr, gate_up_ptr, block_expert_ptr, d_gate_up_ptr, H, I,
+    pid_m, pid_n, d_y_ptr, w_ptr, gate_up_ptr, block_expert_ptr, d_gate_up_ptr,
+    row_src_ptr, weights_ptr, h_w_ptr, d_w_part_ptr, H, I,
     EVEN_K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_K: tl.constexpr, STAGES: tl.constexpr, ROUTER: tl.constexpr, STORE_H_W: tl.constexpr,
 ):
-    """d_h[r] = d_y_rows[r] @ w_down[e] (the router weight is already in d_y_rows), then the SwiGLU
-    backward in the epilogue from the saved g, u: d_gate_up[r] = [d_h * u * silu'(g), d_h * silu(g)]."""
+    """acc = d_y_rows[r] @ w_down[e], then the SwiGLU backward in the epilogue from the saved g, u:
+    d_gate_up[r] = [d_h * u * silu'(g), d_h * silu(g)].
+
+    Without ROUTER the router weight is already in d_y_rows and d_h = acc. With ROUTER d_y_rows are the
+    unweighted d_out rows and the epilogue does what needs the router weight (router_epilogue)."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -165,15 +173,36 @@ def down_dgrad_tile(
         acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * I
+    # The epilogue runs on the two column halves in turn (on a whole tile, g, u and h spill registers).
+    acc0, acc1 = column_halves(acc)
+    d_w_part = _down_dgrad_half(acc0, rows, pid_n * BLOCK_N, gate_up_ptr, d_gate_up_ptr, row_src_ptr, weights_ptr,
+                                h_w_ptr, I, ROUTER, STORE_H_W)
+    d_w_part += _down_dgrad_half(acc1, rows, pid_n * BLOCK_N + BLOCK_N // 2, gate_up_ptr, d_gate_up_ptr, row_src_ptr,
+                                 weights_ptr, h_w_ptr, I, ROUTER, STORE_H_W)
+    if ROUTER:
+        tl.store(d_w_part_ptr + rows * tl.cdiv(I, BLOCK_N) + pid_n, d_w_part)
+
+
+@triton.jit
+def _down_dgrad_half(acc, rows, first_col, gate_up_ptr, d_gate_up_ptr, row_src_ptr, weights_ptr, h_w_ptr, I,
+                     ROUTER: tl.constexpr, STORE_H_W: tl.constexpr):
+    """down_dgrad_tile's epilogue on acc's columns from first_col: stores d_gate_up (and h_w); returns the
+    router-weight gradient's partial sum over these columns (ROUTER), else 0."""
+    cols = first_col + tl.arange(0, acc.shape[1])
+    col_ok = (cols < I)[None, :]
     gu_ptrs = gate_up_ptr + rows[:, None] * (2 * I) + cols[None, :]
-    g = tl.load(gu_ptrs, mask=col_ok, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptrs + I, mask=col_ok, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(g)
-    d_u = acc * g * sig
-    d_g = acc * u * sig * (1.0 + g * (1.0 - sig))
+    g = tl.load(gu_ptrs, mask=col_ok, other=0.0)
+    u = tl.load(gu_ptrs + I, mask=col_ok, other=0.0)
+    d_w_part = tl.zeros((acc.shape[0],), dtype=tl.float32)
+    if ROUTER:
+        acc, h_w, d_w_part = router_epilogue(acc, g, u, pair_weights(row_src_ptr, weights_ptr, rows))
+        if STORE_H_W:
+            tl.store(h_w_ptr + rows[:, None] * I + cols[None, :], h_w.to(h_w_ptr.dtype.element_ty), mask=col_ok)
+    d_g, d_u = swiglu_bwd(acc, g, u)
     dgu_ptrs = d_gate_up_ptr + rows[:, None] * (2 * I) + cols[None, :]
     tl.store(dgu_ptrs, d_g.to(d_gate_up_ptr.dtype.element_ty), mask=col_ok)
     tl.store(dgu_ptrs + I, d_u.to(d_gate_up_ptr.dtype.element_ty), mask=col_ok)
+    return d_w_part
 
 
 @triton.jit
@@ -249,9 +278,10 @@ def down_fwd_kernel(
 @triton.jit
 def down_dgrad_kernel(
     d_y_ptr, w_ptr, gate_up_ptr, block_expert_ptr, block_range_ptr, d_gate_up_ptr,
-    H, I,
+    row_src_ptr, weights_ptr, h_w_ptr, d_w_part_ptr, H, I,
     EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
+    ROUTER: tl.constexpr, STORE_H_W: tl.constexpr,
 ):
     """down_dgrad_tile over the block range."""
     first_m, end_m = load_range(block_range_ptr, SPLIT)
@@ -259,8 +289,9 @@ def down_dgrad_kernel(
     num_n = tl.cdiv(I, BLOCK_N)
     for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
         pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-        down_dgrad_tile(first_m + pid_m, pid_n, d_y_ptr, w_ptr, gate_up_ptr, block_expert_ptr, d_gate_up_ptr, H, I,
-                        EVEN_K, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+        down_dgrad_tile(first_m + pid_m, pid_n, d_y_ptr, w_ptr, gate_up_ptr, block_expert_ptr, d_gate_up_ptr,
+                        row_src_ptr, weights_ptr, h_w_ptr, d_w_part_ptr, H, I,
+                        EVEN_K, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, ROUTER, STORE_H_W)
 
 
 @triton.jit
@@ -380,27 +411,68 @@ def down_dgrad(
 ) -> torch.Tensor:
     """d_gate_up [R, 2I] (d_y_rows' dtype): SwiGLU backward of d_h = d_y_rows[r] @ w_down[e].
 
-    d_y_rows [R, H]: the weighted upstream gradient of each row (zero for padding); gate_up [R, 2I]
-    the saved pre-activation (zero for padding, as gate_up_fwd writes it).
+    d_y_rows [R, H]: the weighted upstream gradient of each row (zero for padding; the expert-parallel
+    path's rows); gate_up [R, 2I] the saved pre-activation (zero for padding, as gate_up_fwd writes it).
     """
-    check_matrix(d_y_rows_RH, None, None, "d_y_rows")
-    rows, hidden = d_y_rows_RH.shape
+    return _down_dgrad(d_y_rows_RH, w_down_EHI, gate_up_R2I, None, block_expert, blocks, False, config)[0]
+
+
+def down_dgrad_router(
+    d_out_rows_RH: torch.Tensor,
+    w_down_EHI: torch.Tensor,
+    gate_up_R2I: torch.Tensor,
+    row_src: torch.Tensor,
+    weights_TK: torch.Tensor,
+    block_expert: torch.Tensor,
+    blocks: torch.Tensor,
+    *,
+    store_h_w: bool,
+    config: TileConfig,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """down_dgrad for unweighted rows, with the router weight applied in the epilogue (router_epilogue):
+    (d_gate_up [R, 2I], h_w [R, I] = w * h or None without store_h_w, d_w_part fp32
+    [R, cdiv(I, config.block_n)]: row r's router-weight gradient, summed in order over its columns, is
+    d_w_part[r].sum()). Rows outside the block range are left unwritten.
+
+    d_out_rows [R, H]: each row's d_out row, unweighted (zero for padding); row_src int32 [R]: the pair of
+    each row (-1: padding), whose router weight weights.flat[pair] (fp32 or the activations' dtype) is w;
+    gate_up as in down_dgrad.
+    """
+    rows = d_out_rows_RH.shape[0]
+    check(row_src.dtype == torch.int32 and tuple(row_src.shape) == (rows,) and row_src.is_contiguous(),
+          f"row_src must be a contiguous int32 [{rows}] tensor, got {row_src.dtype} {tuple(row_src.shape)}")
+    check(weights_TK.is_floating_point() and weights_TK.is_contiguous(), "weights must be a contiguous float tensor")
+    return _down_dgrad(d_out_rows_RH, w_down_EHI, gate_up_R2I, (row_src, weights_TK), block_expert, blocks, store_h_w,
+                       config)
+
+
+def _down_dgrad(d_rows_RH, w_down_EHI, gate_up_R2I, router, block_expert, blocks, store_h_w, config):
+    """router: None (weighted rows) or (row_src, weights) (down_dgrad_router)."""
+    check_matrix(d_rows_RH, None, None, "d_y_rows")
+    rows, hidden = d_rows_RH.shape
     check(w_down_EHI.dim() == 3 and w_down_EHI.shape[1] == hidden, "w_down must be [E_l, H, I]")
     inter = w_down_EHI.shape[2]
-    check_weight(w_down_EHI, d_y_rows_RH, (w_down_EHI.shape[0], hidden, inter), "w_down")
+    check_weight(w_down_EHI, d_rows_RH, (w_down_EHI.shape[0], hidden, inter), "w_down")
     check_matrix(gate_up_R2I, rows, 2 * inter, "gate_up")
     split, blocks = check_rows(rows, block_expert, blocks, config.block_m)
-    d_gate_up = torch.empty(rows, 2 * inter, dtype=d_y_rows_RH.dtype, device=d_y_rows_RH.device)
+    d_gate_up = torch.empty(rows, 2 * inter, dtype=d_rows_RH.dtype, device=d_rows_RH.device)
+    # Unused outputs still take a pointer (a TMA descriptor: of one tile's rows).
+    h_w = d_gate_up.new_empty(rows if store_h_w else config.block_m, inter)
+    d_w_part = torch.empty(rows if router else 1, triton.cdiv(inter, config.block_n), dtype=torch.float32,
+                           device=d_rows_RH.device)
+    row_src, weights = router if router else (block_expert, d_w_part)
     if config.tma:
-        tma_gemm.launch_down_dgrad(d_y_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up, block_expert, blocks, split, config)
-        return d_gate_up
-    max_tiles = rows // config.block_m * triton.cdiv(inter, config.block_n)
-    down_dgrad_kernel[persistent_grid(d_y_rows_RH.device, max_tiles)](
-        d_y_rows_RH, w_down_EHI, gate_up_R2I, block_expert, blocks, d_gate_up,
-        hidden, inter,
-        **_meta(config, hidden, split),
-    )
-    return d_gate_up
+        tma_gemm.launch_down_dgrad(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up, row_src, weights, h_w, d_w_part,
+                                   block_expert, blocks, split, config, router=router is not None, store_h_w=store_h_w)
+    else:
+        max_tiles = rows // config.block_m * triton.cdiv(inter, config.block_n)
+        down_dgrad_kernel[persistent_grid(d_rows_RH.device, max_tiles)](
+            d_rows_RH, w_down_EHI, gate_up_R2I, block_expert, blocks, d_gate_up, row_src, weights, h_w, d_w_part,
+            hidden, inter,
+            ROUTER=router is not None, STORE_H_W=store_h_w,
+            **_meta(config, hidden, split),
+        )
+    return d_gate_up, (h_w if store_h_w else None), d_w_part
 
 
 def gate_up_dgrad(

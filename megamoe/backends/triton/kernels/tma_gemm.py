@@ -27,7 +27,9 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe.backends.triton.configs import TileConfig
-from megamoe.backends.triton.kernels._common import check, load_range, persistent_grid, tile_coords
+from megamoe.backends.triton.kernels._common import (
+    check, column_halves, load_range, pair_weights, persistent_grid, router_epilogue, swiglu, swiglu_bwd, tile_coords,
+)
 
 
 @triton.jit
@@ -62,7 +64,8 @@ def gate_up_fwd_tma_kernel(
     STORE_GATE_UP: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
 ):
-    """h[r, n] = silu(x_rows[r] . gate[e, n]) * (x_rows[r] . up[e, n]); gate_up too if STORE_GATE_UP."""
+    """h[r, n] = silu(g) * u, g = x_rows[r] . gate[e, n], u = x_rows[r] . up[e, n] (both rounded to the dtype
+    first, as grouped_gemm.gate_up_fwd_tile); gate_up too if STORE_GATE_UP."""
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
     num_n = tl.cdiv(I, BLOCK_N)
@@ -76,11 +79,12 @@ def gate_up_fwd_tma_kernel(
             bu = w_desc.load([expert, I + col, k0]).reshape(BLOCK_N, BLOCK_K)
             acc_g = tl.dot(a, bg.T, acc_g)
             acc_u = tl.dot(a, bu.T, acc_u)
-        dtype = h_desc.dtype
+        g = acc_g.to(h_desc.dtype)
+        u = acc_u.to(h_desc.dtype)
         if STORE_GATE_UP:
-            gu_desc.store([row, 0, col], acc_g.to(dtype).reshape(BLOCK_M, 1, BLOCK_N))
-            gu_desc.store([row, 1, col], acc_u.to(dtype).reshape(BLOCK_M, 1, BLOCK_N))
-        h_desc.store([row, col], (acc_g * tl.sigmoid(acc_g) * acc_u).to(dtype))
+            gu_desc.store([row, 0, col], g.reshape(BLOCK_M, 1, BLOCK_N))
+            gu_desc.store([row, 1, col], u.reshape(BLOCK_M, 1, BLOCK_N))
+        h_desc.store([row, col], swiglu(g, u).to(h_desc.dtype))
 
 
 @triton.jit
@@ -100,24 +104,49 @@ def down_fwd_tma_kernel(
 
 
 @triton.jit
+def _down_dgrad_half(acc, gu_desc, d_gu_desc, h_w_desc, row_src_ptr, weights_ptr, row, col,
+                     ROUTER: tl.constexpr, STORE_H_W: tl.constexpr):
+    """down_dgrad's epilogue on BLOCK_N / 2 columns from col: stores d_gate_up (and h_w); returns the
+    router-weight gradient's partial sum over these columns (ROUTER), else 0."""
+    block_m: tl.constexpr = acc.shape[0]
+    block_n: tl.constexpr = acc.shape[1]
+    g = gu_desc.load([row, 0, col]).reshape(block_m, block_n)
+    u = gu_desc.load([row, 1, col]).reshape(block_m, block_n)
+    d_w_part = tl.zeros((block_m,), dtype=tl.float32)
+    if ROUTER:
+        acc, h_w, d_w_part = router_epilogue(acc, g, u, pair_weights(row_src_ptr, weights_ptr, row + tl.arange(0, block_m)))
+        if STORE_H_W:
+            h_w_desc.store([row, col], h_w.to(h_w_desc.dtype))
+    d_g, d_u = swiglu_bwd(acc, g, u)
+    d_gu_desc.store([row, 0, col], d_g.to(d_gu_desc.dtype).reshape(block_m, 1, block_n))
+    d_gu_desc.store([row, 1, col], d_u.to(d_gu_desc.dtype).reshape(block_m, 1, block_n))
+    return d_w_part
+
+
+@triton.jit
 def down_dgrad_tma_kernel(
-    d_y_desc, w_desc, gu_desc, d_gu_desc, block_expert_ptr, block_range_ptr, H, I,
-    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
+    d_y_desc, w_desc, gu_desc, d_gu_desc, row_src_ptr, weights_ptr, h_w_desc, d_w_part_ptr, block_expert_ptr,
+    block_range_ptr, H, I,
+    ROUTER: tl.constexpr, STORE_H_W: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
 ):
-    """d_h[r] = d_y_rows[r] @ w_down[e]; d_gate_up[r] = [d_h * u * silu'(g), d_h * silu(g)]."""
+    """acc = d_y_rows[r] @ w_down[e]; d_gate_up[r] = [d_h * u * silu'(g), d_h * silu(g)] with d_h = acc, or
+    with ROUTER (unweighted d_out rows) the router weight applied here (grouped_gemm.down_dgrad_tile). The
+    epilogue runs on the two column halves in turn (the gate/up/h tiles of a whole one spill registers);
+    gu/d_gu/h_w descriptors have BLOCK_N / 2 columns."""
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
     num_n = tl.cdiv(I, BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=FLATTEN):
         row, col, expert = _tile_origin(tile, first_m, num_m, num_n, block_expert_ptr, SPLIT, BLOCK_M, BLOCK_N, GROUP_M)
         acc = _k_loop(d_y_desc, w_desc, row, col, expert, H, False, BLOCK_M, BLOCK_N, BLOCK_K)
-        g = gu_desc.load([row, 0, col]).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
-        u = gu_desc.load([row, 1, col]).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
-        sig = tl.sigmoid(g)
-        dtype = d_gu_desc.dtype
-        d_gu_desc.store([row, 0, col], (acc * u * sig * (1.0 + g * (1.0 - sig))).to(dtype).reshape(BLOCK_M, 1, BLOCK_N))
-        d_gu_desc.store([row, 1, col], (acc * g * sig).to(dtype).reshape(BLOCK_M, 1, BLOCK_N))
+        acc0, acc1 = column_halves(acc)
+        d_w_part = _down_dgrad_half(acc0, gu_desc, d_gu_desc, h_w_desc, row_src_ptr, weights_ptr, row, col,
+                                    ROUTER, STORE_H_W)
+        d_w_part += _down_dgrad_half(acc1, gu_desc, d_gu_desc, h_w_desc, row_src_ptr, weights_ptr, row,
+                                     col + BLOCK_N // 2, ROUTER, STORE_H_W)
+        if ROUTER:
+            tl.store(d_w_part_ptr + (row + tl.arange(0, BLOCK_M)) * num_n + col // BLOCK_N, d_w_part)
 
 
 @triton.jit
@@ -216,14 +245,17 @@ def launch_down_fwd(h_RI, w_down_EHI, y_rows_RH, block_expert, blocks, split, co
     )
 
 
-def launch_down_dgrad(d_y_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, block_expert, blocks, split, config):
-    _check_tma(d_y_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I)
+def launch_down_dgrad(d_y_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, row_src, weights, h_w_RI, d_w_part, block_expert,
+                      blocks, split, config, *, router, store_h_w):
+    """row_src, weights, h_w, d_w_part: see grouped_gemm.down_dgrad_router (placeholders without router)."""
+    _check_tma(d_y_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, h_w_RI)
     c = config
     _row_block_launch(
         down_dgrad_tma_kernel, d_y_rows_RH, gate_up_R2I.shape[1] // 2, split, c,
         [_rows_desc(d_y_rows_RH, c.block_m, c.block_k), TensorDescriptor.from_tensor(w_down_EHI, [1, c.block_k, c.block_n]),
-         _pairs_desc(gate_up_R2I, c.block_m, c.block_n), _pairs_desc(d_gate_up_R2I, c.block_m, c.block_n)],
-        block_expert, blocks, d_y_rows_RH.shape[1], gate_up_R2I.shape[1] // 2,
+         _pairs_desc(gate_up_R2I, c.block_m, c.block_n // 2), _pairs_desc(d_gate_up_R2I, c.block_m, c.block_n // 2),
+         row_src, weights, _rows_desc(h_w_RI, c.block_m, c.block_n // 2), d_w_part],
+        block_expert, blocks, d_y_rows_RH.shape[1], gate_up_R2I.shape[1] // 2, ROUTER=router, STORE_H_W=store_h_w,
     )
 
 

@@ -57,51 +57,31 @@ def dw_tile(
 
 
 @triton.jit
-def _rows_t_dot_rows(
-    a_ptr, b_ptr, M, N, expert_offsets_ptr, dw_ptr, num_experts,
+def dw_kernel(
+    a_ptr, b_ptr, expert_offsets_ptr, dw_ptr, M, N, num_experts,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
 ):
-    """Every dw_tile of every expert, expert-major, on the persistent grid."""
+    """Every dw_tile of every expert, expert-major, on the persistent grid: d_w_down (a = d_out rows, b = h_w;
+    m over H, n over I) and d_w_gate_up (a = d_gate_up, b = x_rows; m over 2I, n over H)."""
     per_expert = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     for tile in range(tl.program_id(0), num_experts * per_expert, tl.num_programs(0)):
         dw_tile(tile // per_expert, tile % per_expert, a_ptr, b_ptr, M, N, expert_offsets_ptr, dw_ptr,
                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)
 
 
-@triton.jit
-def dw_down_kernel(
-    d_y_ptr, h_ptr, expert_offsets_ptr, dw_ptr,
-    H, I, num_experts,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
-):
-    """d_w_down[e, m, n] = sum over rows r of e of d_y_rows[r, m] * h[r, n]; m over H, n over I."""
-    _rows_t_dot_rows(d_y_ptr, h_ptr, H, I, expert_offsets_ptr, dw_ptr, num_experts,
-                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)
-
-
-@triton.jit
-def dw_gate_up_kernel(
-    d_gate_up_ptr, x_ptr, expert_offsets_ptr, dw_ptr,
-    H, I, num_experts,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
-):
-    """d_w_gate_up[e, m, n] = sum over rows r of e of d_gate_up[r, m] * x_rows[r, n]; m over 2I, n over H."""
-    _rows_t_dot_rows(d_gate_up_ptr, x_ptr, 2 * I, H, expert_offsets_ptr, dw_ptr, num_experts,
-                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)
-
-
-def _launch(kernel, a, b, m_dim, n_dim, kernel_dims, expert_offsets, num_experts, config):
-    """dw [E_l, m_dim, n_dim] in a's dtype: every tile of every expert, on the persistent grid."""
+def _launch(a, b, expert_offsets, num_experts, config):
+    """dw [E_l, M, N] = a^T b per expert, in a's dtype: every tile of every expert, on the persistent grid."""
     check(num_experts >= 1, f"num_experts must be >= 1, got {num_experts}")
     check_expert_offsets(expert_offsets, a.shape[0], num_experts, config.block_k)
+    m_dim, n_dim = a.shape[1], b.shape[1]
     out = torch.empty(num_experts, m_dim, n_dim, dtype=a.dtype, device=a.device)
     max_tiles = num_experts * triton.cdiv(m_dim, config.block_m) * triton.cdiv(n_dim, config.block_n)
+    grid = persistent_grid(a.device, max_tiles)
     if config.tma:  # tma_gemm.py's kernel (operands TMA can address, checked there)
-        tma_gemm.launch_dw(a, b, out, expert_offsets, config, persistent_grid(a.device, max_tiles))
+        tma_gemm.launch_dw(a, b, out, expert_offsets, config, grid)
         return out
-    kernel[persistent_grid(a.device, max_tiles)](
-        a, b, expert_offsets, out,
-        *kernel_dims, num_experts,
+    dw_kernel[grid](
+        a, b, expert_offsets, out, m_dim, n_dim, num_experts,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
         STAGES=config.num_stages, num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -118,12 +98,12 @@ def dw_down(
 ) -> torch.Tensor:
     """d_w_down [E_l, H, I] = d_y_rows^T h per expert, in the rows' dtype.
 
-    d_y_rows [R, H] (weighted upstream gradient, zero for padding), h [R, I] (zero for padding);
-    expert_offsets int32 [E_l + 1]. config.block_k is the row step and must divide block_m.
+    d_y_rows [R, H] and h [R, I], zero for padding, the router weight in one of them (one GPU: the d_out
+    rows and h_w = w * h; expert parallel: w * d_out rows and h); expert_offsets int32 [E_l + 1].
+    config.block_k is the row step and must divide block_m.
     """
     check_row_operands(d_y_rows_RH, h_RI, ("d_y_rows", "h"))
-    hidden, inter = d_y_rows_RH.shape[1], h_RI.shape[1]
-    return _launch(dw_down_kernel, d_y_rows_RH, h_RI, hidden, inter, (hidden, inter), expert_offsets, num_experts, config)
+    return _launch(d_y_rows_RH, h_RI, expert_offsets, num_experts, config)
 
 
 def dw_gate_up(
@@ -139,7 +119,5 @@ def dw_gate_up(
     d_gate_up [R, 2I], x_rows [R, H], both zero for padding; expert_offsets int32 [E_l + 1].
     """
     check_row_operands(d_gate_up_R2I, x_rows_RH, ("d_gate_up", "x_rows"))
-    inter2, hidden = d_gate_up_R2I.shape[1], x_rows_RH.shape[1]
-    check(inter2 % 2 == 0, f"d_gate_up must have 2I columns, got {inter2}")
-    return _launch(dw_gate_up_kernel, d_gate_up_R2I, x_rows_RH, inter2, hidden, (hidden, inter2 // 2),
-                   expert_offsets, num_experts, config)
+    check(d_gate_up_R2I.shape[1] % 2 == 0, f"d_gate_up must have 2I columns, got {d_gate_up_R2I.shape[1]}")
+    return _launch(d_gate_up_R2I, x_rows_RH, expert_offsets, num_experts, config)

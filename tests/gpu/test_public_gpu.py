@@ -1,0 +1,167 @@
+"""The public API on one GPU, as users call it, against the fp64 reference: megamoe.experts with the default
+config (backend "auto": the fused Triton path through its custom ops, with the Triton placement kernels)
+and megamoe.MoELayer.
+
+Run on a CUDA machine: pytest -m gpu tests/gpu/test_public_gpu.py  (skipped without a GPU on which "auto"
+picks the Triton path).
+
+Per benchmarked workload (megamoe.bench.workloads.GPU_WORKLOADS: its H, I, k and shared expert, so the real
+tile-table entries run) with T = 512 tokens and at most 16 experts (so that the fp64 reference of every
+expert fits), weights and routing made as the bench makes them (megamoe.bench.problem, balanced and skewed
+routing of megamoe.bench.routing): the output and every gradient (x, topk_weights, w_gate_up, w_down and
+the shared expert's) within the error budget of docs/design.md (tests/gpu/test_triton_gpu.py's form of it),
+and a second run with the same bits. Also through the public path: topk_weights in bf16, and the empty
+batch; and MoELayer (router included) forward and backward at a small size.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import megamoe
+from megamoe.autograd import resolve_backend
+from megamoe.bench.problem import Tokens, cast, forward_backward, make_tokens, make_weights
+from megamoe.bench.routing import ROUTINGS
+from megamoe.bench.workloads import GPU_WORKLOADS, WORKLOADS
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DTYPE = torch.bfloat16
+NUM_TOKENS = 512
+MAX_EXPERTS = 16
+
+
+@pytest.fixture(autouse=True)
+def auto_is_triton():
+    x = torch.empty(1, 1, device="cuda", dtype=DTYPE)
+    if resolve_backend(megamoe.MoEConfig(), x, None) != "triton":
+        pytest.skip('backend "auto" does not pick the Triton path on this GPU')
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+
+
+def error_budget(ref_err: float, numel: int) -> float:
+    """The error budget (docs/design.md) as tests/gpu/test_triton_gpu.py states it: 2x the bf16 reference's
+    relative error plus a noise floor, one bf16 ulp / sqrt(n) added to the reference's error first (on a few
+    elements that error is itself a random draw, possibly far below typical)."""
+    return 2 * (ref_err + 2.0**-8 / numel**0.5) + 1e-5
+
+
+def assert_within_budget(ours: dict, ref64: dict, ref_low: dict) -> None:
+    assert list(ours) == list(ref64), f"results {list(ours)} != the reference's {list(ref64)}"
+    for name, want in ref64.items():
+        got = ours[name]
+        assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+        assert torch.isfinite(got).all(), f"{name}: {(~torch.isfinite(got)).sum().item()} non-finite values"
+        err, ref_err = relative_error(got, want), relative_error(ref_low[name], want)
+        budget = error_budget(ref_err, want.numel())
+        assert err <= budget, f"{name}: relative error {err:.3e} > budget {budget:.3e} (bf16 reference's {ref_err:.3e})"
+
+
+def assert_same_bits(first: dict, second: dict) -> None:
+    for name, a in first.items():
+        assert torch.equal(a, second[name]), f"{name}: a second run differs bitwise"
+
+
+def bench_problem(name: str, routing: str, num_tokens: int = NUM_TOKENS):
+    w = WORKLOADS[name]
+    num_experts = min(w.num_experts, MAX_EXPERTS)
+    weights = make_weights(w, range(num_experts), DTYPE, torch.device("cuda"))
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    return weights, make_tokens(w, num_tokens, num_experts, routing, DTYPE, generator)
+
+
+def check_public_experts(weights, tokens) -> None:
+    ours = forward_backward(megamoe.experts, weights, tokens)
+    again = forward_backward(megamoe.experts, weights, tokens)
+    ref64 = forward_backward(megamoe.reference.experts, *cast(weights, tokens, torch.float64))
+    ref_low = forward_backward(megamoe.reference.experts, *cast(weights, tokens, DTYPE))
+    for name, leaf in (("out", tokens.x_TH), ("d_x", tokens.x_TH), ("d_topk_weights", tokens.topk_weights_TK)):
+        assert ours[name].dtype == leaf.dtype, f"{name}: {ours[name].dtype}, expected {leaf.dtype}"
+    assert_within_budget(ours, ref64, ref_low)
+    assert_same_bits(ours, again)
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("name", GPU_WORKLOADS)
+def test_experts_matches_reference(name, routing):
+    check_public_experts(*bench_problem(name, routing))
+
+
+def test_experts_bf16_topk_weights():
+    """topk_weights in x's dtype (accepted by megamoe.experts): within the budget of the reference run with the
+    same bf16 weights, and d_topk_weights in bf16."""
+    weights, tokens = bench_problem("qwen3-30b-a3b", "skewed")
+    tokens = Tokens(tokens.x_TH, tokens.topk_ids_TK, tokens.topk_weights_TK.detach().to(DTYPE).requires_grad_(),
+                    tokens.d_out_TH)
+    ours = forward_backward(megamoe.experts, weights, tokens)
+    assert ours["d_topk_weights"].dtype == DTYPE
+    low = forward_backward(megamoe.reference.experts, weights, tokens)
+    ref64 = forward_backward(megamoe.reference.experts, *cast(weights, tokens, torch.float64))
+    assert_within_budget(ours, ref64, low)
+    assert_same_bits(ours, forward_backward(megamoe.experts, weights, tokens))
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3"])  # without and with a shared expert
+def test_experts_empty_batch(name):
+    """T = 0 (a rank with no tokens this step): an empty output and d_x, exact-zero weight gradients; and
+    under torch.no_grad() (inference)."""
+    weights, tokens = bench_problem(name, "balanced", num_tokens=0)
+    ours = forward_backward(megamoe.experts, weights, tokens)
+    assert ours["out"].shape == (0, tokens.x_TH.shape[1]) and ours["d_x"].shape == tokens.x_TH.shape
+    assert ours["d_topk_weights"].shape == tokens.topk_weights_TK.shape
+    for grad in ("d_w_gate_up", "d_w_down", "d_shared_gate_up", "d_shared_down"):
+        if grad in ours:
+            assert not ours[grad].any(), f"{grad}: not zero on an empty batch"
+    with torch.no_grad():
+        out = megamoe.experts(tokens.x_TH, tokens.topk_ids_TK, tokens.topk_weights_TK, weights.w_gate_up_E2IH,
+                              weights.w_down_EHI, shared_gate_up=weights.shared_gate_up_2IH,
+                              shared_down=weights.shared_down_HI)
+    assert out.shape == (0, tokens.x_TH.shape[1])
+
+
+# ----------------------------------------------------------------------------------------------------
+# MoELayer
+
+
+def layer_reference(layer: megamoe.MoELayer, x: torch.Tensor, topk_ids: torch.Tensor, d_out: torch.Tensor,
+                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The layer's math in dtype with its routing choice (topk_ids) fixed: softmax router scores in fp32 (fp64
+    for fp64), the k chosen renormalised, then megamoe.reference.experts; out and the gradient of <out, d_out>
+    with respect to x and every parameter."""
+    params = {name: p.detach().to(dtype).requires_grad_() for name, p in layer.named_parameters()}
+    x = x.detach().to(dtype).requires_grad_()
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    scores = torch.softmax((x @ params["router.weight"].t()).to(acc), -1)
+    topk_weights = scores.gather(1, topk_ids)
+    topk_weights = topk_weights / topk_weights.sum(-1, keepdim=True)
+    out = megamoe.reference.experts(x, topk_ids, topk_weights, params["w_gate_up"], params["w_down"],
+                                    shared_gate_up=params.get("shared_gate_up"), shared_down=params.get("shared_down"))
+    grads = torch.autograd.grad(out, [x, *params.values()], d_out.to(dtype))
+    return {"out": out.detach(), **{f"d_{name}": g for name, g in zip(["x", *params], grads)}}
+
+
+def layer_run(layer: megamoe.MoELayer, x: torch.Tensor, d_out: torch.Tensor) -> dict[str, torch.Tensor]:
+    x = x.detach().clone().requires_grad_()
+    out = layer(x)
+    names = [name for name, _ in layer.named_parameters()]
+    grads = torch.autograd.grad(out, [x, *layer.parameters()], d_out)
+    return {"out": out.detach(), **{f"d_{name}": g for name, g in zip(["x", *names], grads)}}
+
+
+def test_layer_matches_reference():
+    """MoELayer (router, routed experts, shared expert) in bf16: out and the gradient of x and of every parameter,
+    the router's included, against the layer's math in fp64 on the same routing; a second run has the same bits."""
+    torch.manual_seed(0)
+    layer = megamoe.MoELayer(512, 256, 16, 4, shared_intermediate_size=128, device="cuda", dtype=DTYPE)
+    x = torch.randn(300, 512, device="cuda", dtype=DTYPE)
+    d_out = torch.randn_like(x)
+    topk_ids = layer.route(x)[0]
+    ours = layer_run(layer, x, d_out)
+    assert torch.equal(layer.route(x)[0], topk_ids), "the router chose other experts than in the layer's run"
+    assert_within_budget(ours, layer_reference(layer, x, topk_ids, d_out, torch.float64),
+                         layer_reference(layer, x, topk_ids, d_out, DTYPE))
+    assert_same_bits(ours, layer_run(layer, x, d_out))
