@@ -569,6 +569,10 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, *output[1:])
     ctx.static = static
     ctx.saved_for_backward = save_for_backward
+    # Only out is differentiable; the saved and schedule outputs get no gradient, and none is made up as
+    # zeros (by default autograd would allocate a zero gradient for each, e.g. [R, 2I] for gate_up).
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grads):

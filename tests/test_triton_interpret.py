@@ -356,6 +356,22 @@ def test_recompute_matches_save_bitwise():
         assert torch.equal(a, b), f"{name}: recompute differs from save"
 
 
+@interpreted
+def test_backward_releases_gate_up_and_a_second_backward_recomputes_it():
+    """The backward frees the saved gate_up's memory once it has read it (autograd would hold it to the end);
+    a second backward through the same forward (retain_graph=True) recomputes it and gives the same bits."""
+    x, ids, weights, wgu, wd, sgu, sd = make_problem(37, 48, 40, 5, 3, torch.float16, shared=16)
+    d_out = torch.randn(37, 48).half()
+    s = build_schedule(ids, 5, block_m=16)
+    _, saved = experts_fwd(x, weights, wgu, wd, sgu, sd, s, None, None)
+    assert saved[0].untyped_storage().nbytes() == s.num_rows * 2 * 40 * 2
+    first = experts_bwd(d_out, x, weights, wgu, wd, sgu, sd, s, None, None, saved)
+    assert saved[0].untyped_storage().nbytes() == 0, "gate_up's memory still held after the backward"
+    second = experts_bwd(d_out, x, weights, wgu, wd, sgu, sd, s, None, None, saved)
+    for name, a, b in zip(["d_x", "d_topk_weights", "d_w_gate_up", "d_w_down", "d_sgu", "d_sd"], first, second):
+        assert torch.equal(a, b), f"{name}: the second backward differs from the first"
+
+
 # ----------------------------------------------------------------------------------------------------
 # The TMA core (kernels/tma_gemm.py): the same GEMMs with descriptor copies. On a GPU it runs where
 # tma_kernel_configs allows; here it is forced, and must give the pointer core's bits (same tiles, same K

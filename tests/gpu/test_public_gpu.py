@@ -123,6 +123,30 @@ def test_experts_empty_batch(name):
     assert out.shape == (0, tokens.x_TH.shape[1])
 
 
+def test_fwd_bwd_peak_memory_is_the_counted_one():
+    """Peak memory above the inputs of one fwd+bwd through megamoe.experts (qwen3-30b-a3b's H, I, k; 16
+    experts, 4096 tokens) is at most what the fused path's design counts at its largest moment, dw_gate_up:
+    the weight gradients, x_rows [R, H], d_gate_up [R, 2I], out and d_x [T, H], plus 2% for the schedule.
+    Fails if the saved gate_up is held to the end of the backward or autograd makes up zero gradients for
+    the op's non-differentiable outputs (each another [R, 2I])."""
+    from megamoe.backends.triton import block_m_for
+    from megamoe.schedule import receive_rows
+
+    name, num_tokens = "qwen3-30b-a3b", 4096
+    weights, tokens = bench_problem(name, "balanced", num_tokens=num_tokens)
+    forward_backward(megamoe.experts, weights, tokens)  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    inputs = torch.cuda.memory_allocated()
+    forward_backward(megamoe.experts, weights, tokens)
+    peak = torch.cuda.max_memory_allocated() - inputs
+    w, num_experts, two = WORKLOADS[name], weights.w_down_EHI.shape[0], DTYPE.itemsize
+    rows = receive_rows(num_tokens, w.top_k, num_experts, 1, block_m_for(w.hidden, w.intermediate, DTYPE), None)
+    counted = two * (3 * num_experts * w.intermediate * w.hidden + rows * (w.hidden + 2 * w.intermediate)
+                     + 2 * num_tokens * w.hidden)
+    assert peak <= 1.02 * counted, f"peak {peak / 2**20:.1f} MiB above the inputs > counted {counted / 2**20:.1f} MiB"
+
+
 # ----------------------------------------------------------------------------------------------------
 # MoELayer
 

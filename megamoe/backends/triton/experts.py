@@ -21,8 +21,10 @@ backward needs besides x and the schedule: h is recomputed from gate_up in down_
 <d_out[t], y_rows[r]> is computed as <d_out[t] @ w_down[e], h[r]> there, so y_rows is not kept either.
 With MoEConfig.recompute gate_up is empty [0, 2I] and the backward reruns gate_up_fwd on x_rows (same
 kernel, same bits). Without a shared expert the last entry is empty. Entries are always tensors so the
-tuple can cross torch.library custom ops. The backward's order keeps at most three [R, *] tensors live
-besides gate_up (d_out_rows, d_gate_up, h_w; then d_gate_up and d_x_rows, then d_gate_up and x_rows).
+tuple can cross torch.library custom ops. gate_up's memory is released once down_dgrad_router has read it
+(autograd would hold it to the end of the backward; a second backward through the same forward recomputes
+it), so the backward's order keeps at most three [R, *] tensors live (gate_up, d_out_rows, d_gate_up and
+h_w during down_dgrad_router; then d_gate_up and d_x_rows, then d_gate_up and x_rows).
 Gathering x inside dw_gate_up's loads instead (no x_rows at all) was measured and lost: 323-349 TF/s
 against 589 on the copy (docs/perf-notes.md).
 
@@ -175,6 +177,13 @@ def router_grad(d_w_part: torch.Tensor, dest_row: torch.Tensor) -> torch.Tensor:
     return torch.where(routed, per_row[dest_row.clamp(min=0).long()], 0.0)
 
 
+def _release(saved: torch.Tensor) -> None:
+    """Free a saved tensor's memory now, although autograd holds the tensor until the backward returns: its
+    storage is resized to 0 (stream-ordered, as any free: kernels already queued still read it). A second
+    backward through the same forward (retain_graph=True) finds it empty and recomputes it, bit for bit."""
+    saved.untyped_storage().resize_(0)
+
+
 def experts_bwd(
     d_out: torch.Tensor,
     x: torch.Tensor,
@@ -213,14 +222,17 @@ def experts_bwd(
         )
     elif need_x or need_weights or need_w_gate_up or need_w_down:
         blocks, num_experts = all_blocks(schedule), w_gate_up.shape[0]
-        if gate_up.shape[0] == 0:  # MoEConfig.recompute
+        kept = gate_up.shape[0] > 0 and gate_up.untyped_storage().nbytes() > 0
+        if not kept:  # MoEConfig.recompute, or a second backward through this forward (see _release)
             gate_up = _gate_up(x, w_gate_up, w_down, schedule, cfg, store_gate_up=True)[1]
         d_out_rows = kernels.gather_rows(d_out, schedule.row_src, None, rows_in_use(schedule), div=schedule.top_k)
         d_gate_up, h_w, d_w_part = kernels.down_dgrad_router(
             d_out_rows, w_down, gate_up, schedule.row_src, topk_weights.contiguous(), schedule.block_expert, blocks,
             store_h_w=need_w_down, config=cfg.down_dgrad,
         )
-        del gate_up  # in recompute mode, its only reference
+        if kept:
+            _release(gate_up)
+        del gate_up
         if need_w_down:
             d_w_down = kernels.dw_down(d_out_rows, h_w, schedule.expert_offsets, num_experts, config=cfg.dw_down)
         del d_out_rows, h_w
