@@ -4,8 +4,10 @@ Usage: python benchmarks/readme_table.py RESULT.json [RESULT.json ...] [--readme
 Rewrites the block between `<!-- perf-table:start -->` and `<!-- perf-table:end -->`: one row per
 (gpu, ep, workload, routing, pass) with the ms and TFLOP/s of the TorchTitan baseline ("torchtitan",
 megamoe.bench.baselines), megamoe's portable torch path and the triton path, triton's MFU, their peak
-memory, and triton's speed-up over the TorchTitan baseline measured in the same run ("-" where a result
-file has no record of that backend, e.g. files from before the baseline existed).
+memory (and in brackets the part above the weights and inputs, where the file has it), the fused EP path's
+symmetric-memory workspace (not in the peak), and triton's speed-up over the TorchTitan baseline measured in
+the same run ("-" where a result file has no record of that backend or field, e.g. files from before the
+baseline or the field existed).
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ def table(records: list[dict]) -> str:
     lines = [
         "| GPU | EP | workload | experts/GPU | tokens/GPU | routing | pass | torchtitan ms (TFLOP/s) "
         "| portable torch ms (TFLOP/s) | triton ms (TFLOP/s) | triton MFU "
-        "| peak mem torchtitan / torch / triton (GiB) | triton vs torchtitan | source |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| peak mem torchtitan / torch / triton, GiB (above inputs) | triton EP workspace, GiB | triton vs torchtitan "
+        "| source |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     order = {name: i for i, name in enumerate(WORKLOADS)}
     for key in sorted(rows, key=lambda k: (k[0], k[1], order.get(k[2], len(order)), k[5] != "balanced", k[6])):
@@ -53,14 +56,20 @@ def table(records: list[dict]) -> str:
             return f"{r['ms']:.2f} ({r['tflops']:.0f})" if r else NA
 
         def mem(r):
-            return f"{r['peak_mem_bytes'] / 2**30:.1f}" if r and r.get("peak_mem_bytes") else NA
+            if not (r and r.get("peak_mem_bytes")):
+                return NA
+            above = r.get("peak_mem_above_inputs_bytes")
+            return f"{r['peak_mem_bytes'] / 2**30:.1f}" + (f" ({above / 2**30:.2f})" if above is not None else "")
+
+        workspace = triton_r.get("workspace_bytes") if triton_r else None
+        workspace = f"{workspace / 2**30:.2f}" if workspace is not None else NA
 
         mfu = f"{100 * triton_r['mfu']:.0f}%" if triton_r and triton_r.get("mfu") else NA
         speedup = f"{titan_r['ms'] / triton_r['ms']:.2f}x" if titan_r and triton_r else NA
         lines.append(
             f"| {gpu} | {ep} | {workload} | {experts} | {tokens} | {routing} | {pass_name} | {cell(titan_r)} | "
             f"{cell(torch_r)} | {cell(triton_r)} | {mfu} | {mem(titan_r)} / {mem(torch_r)} / {mem(triton_r)} | "
-            f"{speedup} | {source} |"
+            f"{workspace} | {speedup} | {source} |"
         )
     return "\n".join(lines)
 

@@ -1,12 +1,14 @@
 """fwd+bwd time and peak memory above the inputs of the one-GPU triton backend, default (gate_up kept for the
 backward) against MoEConfig(recompute=True) (nothing kept per routed row; the backward reruns the gate/up
 GEMM), in one process, the modes alternating (order reversed every other round) over 4 rounds of 10
-iterations; median time, peak over all iterations of a mode.
+iterations; median time, peak over all iterations of a mode, and what a forward leaves allocated for its
+backward (out included): the memory each layer of a model holds from its forward to its backward, which is
+what recompute trades for time (a single layer's fwd+bwd peak is the backward's, the same in both modes).
 
 Usage: python benchmarks/recompute_bench.py WORKLOAD[,WORKLOAD...] OUT.json   (a CUDA GPU)
 """
 import json, statistics, sys, torch, megamoe
-from megamoe.bench.problem import make_weights, make_tokens, forward_backward
+from megamoe.bench.problem import make_weights, make_tokens, forward_backward, forward_TH
 from megamoe.bench.workloads import WORKLOADS, layer_flops
 
 MODES = {"default": megamoe.MoEConfig(backend="triton"), "recompute": megamoe.MoEConfig(backend="triton", recompute=True)}
@@ -32,13 +34,20 @@ for name in sys.argv[1].split(","):
             torch.cuda.synchronize()
             times[mode] += [a.elapsed_time(b) for a, b in ev]
             peaks[mode] = max(peaks[mode], torch.cuda.max_memory_allocated(dev) - inputs)
+    kept = {}
+    for mode, cfg in MODES.items():
+        torch.cuda.synchronize(); before = torch.cuda.memory_allocated(dev)
+        out_TH = forward_TH(megamoe.experts, weights, toks[0], config=cfg)
+        torch.cuda.synchronize(); kept[mode] = torch.cuda.memory_allocated(dev) - before
+        del out_TH
     for mode, t in times.items():
         ms = statistics.median(t)
         rec = dict(workload=name, routing="balanced", mode=mode, ms=ms, tflops=layer_flops(w, T, "fwd+bwd") / ms / 1e9,
-                   peak_mem_above_inputs_bytes=peaks[mode], experts=E, tokens=T)
+                   peak_mem_above_inputs_bytes=peaks[mode], kept_for_backward_bytes=kept[mode], experts=E, tokens=T)
         out.append(rec); print(json.dumps(rec), flush=True)
     del weights, toks; torch.cuda.empty_cache()
 json.dump(out, open(sys.argv[2], "w"), indent=1)
 for r in out:
     print(f"{r['workload']:16} {r['mode']:10} {r['ms']:7.2f} ms {r['tflops']:5.0f} TF/s "
-          f"{r['peak_mem_above_inputs_bytes'] / 2**30:6.2f} GiB above inputs")
+          f"{r['peak_mem_above_inputs_bytes'] / 2**30:6.2f} GiB above inputs, "
+          f"{r['kept_for_backward_bytes'] / 2**30:6.2f} GiB kept from the forward to the backward")

@@ -260,12 +260,19 @@ def test_readme_table_against_torchtitan_and_old_files():
                 "routing": "balanced", "pass": "fwd", "backend": backend, "ms": ms, "tflops": 100 / ms,
                 "mfu": 0.5, "peak_mem_bytes": 2**30, "source": source}
 
+    def with_memory(r, above, workspace=None):
+        return dict(r, peak_mem_above_inputs_bytes=above, workspace_bytes=workspace)
+
     table = _readme_table_module().table([
-        record("torchtitan", 6.0, "new.json"), record("torch", 5.0, "new.json"), record("triton", 2.0, "new.json"),
+        with_memory(record("torchtitan", 6.0, "new.json"), 2**29),
+        with_memory(record("torch", 5.0, "new.json"), 2**28),
+        with_memory(record("triton", 2.0, "new.json"), 2**27, workspace=2**30),
         record("torch", 5.0, "old.json"), record("triton", 2.5, "old.json"),
     ])
     header, _, new, old = table.splitlines()
     assert "| torchtitan ms (TFLOP/s) | portable torch ms (TFLOP/s) | triton ms (TFLOP/s) |" in header
-    assert "| peak mem torchtitan / torch / triton (GiB) | triton vs torchtitan | source |" in header
-    assert "| 6.00 (17) | 5.00 (20) | 2.00 (50) | 50% | 1.0 / 1.0 / 1.0 | 3.00x | new.json |" in new
-    assert "| - | 5.00 (20) | 2.50 (40) | 50% | - / 1.0 / 1.0 | - | old.json |" in old
+    assert ("| peak mem torchtitan / torch / triton, GiB (above inputs) | triton EP workspace, GiB "
+            "| triton vs torchtitan | source |") in header
+    assert ("| 6.00 (17) | 5.00 (20) | 2.00 (50) | 50% | 1.0 (0.50) / 1.0 (0.25) / 1.0 (0.12) | 1.00 | 3.00x "
+            "| new.json |") in new
+    assert "| - | 5.00 (20) | 2.50 (40) | 50% | - / 1.0 / 1.0 | - | - | old.json |" in old

@@ -1,0 +1,65 @@
+"""GPU time per kernel of one fwd+bwd of the fused one-GPU path, from torch.profiler (CUPTI): what each
+kernel costs on the GPU inside the layer, launch gaps excluded (kernel_breakdown.py times each step alone,
+gaps included) and the GPU's idle time between kernels (the largest gaps with the kernels around them).
+Balanced routing, bf16, the workload's tokens; the mean over ITERS back-to-back iterations.
+
+Usage: python benchmarks/profile_layer.py WORKLOAD[,WORKLOAD...] OUT.json   (a CUDA GPU)
+"""
+import collections
+import json
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import megamoe
+from megamoe.bench.problem import forward_backward, make_tokens, make_weights
+from megamoe.bench.workloads import WORKLOADS
+
+ITERS = 5
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    config = megamoe.MoEConfig(backend="triton")
+    out = []
+    for name in sys.argv[1].split(","):
+        w = WORKLOADS[name]
+        num_experts = w.one_gpu_experts or w.num_experts
+        weights = make_weights(w, range(num_experts), torch.bfloat16, device)
+        tokens = make_tokens(w, w.tokens_per_gpu, num_experts, "balanced", torch.bfloat16,
+                             torch.Generator(device=device).manual_seed(1))
+        for _ in range(3):
+            forward_backward(megamoe.experts, weights, tokens, config=config)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(ITERS):
+                forward_backward(megamoe.experts, weights, tokens, config=config)
+            torch.cuda.synchronize()
+        per_kernel = collections.defaultdict(lambda: [0.0, 0])
+        on_gpu = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                        key=lambda e: e.time_range.start)
+        for event in on_gpu:
+            per_kernel[event.name][0] += event.device_time / ITERS
+            per_kernel[event.name][1] += 1
+        gaps = sorted(({"us": b.time_range.start - a.time_range.end, "after": a.name[:60], "before": b.name[:60]}
+                       for a, b in zip(on_gpu, on_gpu[1:])), key=lambda g: -g["us"])
+        idle = sum(max(g["us"], 0) for g in gaps) / ITERS
+        kernels = sorted(({"kernel": k, "us": v[0], "launches": v[1] // ITERS} for k, v in per_kernel.items()),
+                         key=lambda r: -r["us"])
+        total = sum(r["us"] for r in kernels)
+        out.append({"workload": name, "gpu_us_per_iteration": total, "idle_us_per_iteration": idle,
+                    "kernels": kernels, "largest_gaps": gaps[:20]})
+        print(f"\n{name}: {total:.0f} us of kernels and {idle:.0f} us idle between them per fwd+bwd")
+        for r in kernels:
+            print(f"  {r['us']:8.1f} us  x{r['launches']:<3} {r['kernel'][:100]}")
+        for g in gaps[:12]:
+            print(f"  gap {g['us']:7.1f} us after {g['after']} before {g['before']}")
+        del weights, tokens
+        torch.cuda.empty_cache()
+    with open(sys.argv[2], "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
