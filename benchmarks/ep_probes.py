@@ -15,9 +15,10 @@ passed on the same way: (out, saved) from a forward, a tuple of tensors from a b
 
 from __future__ import annotations
 
+from megamoe.backends.swiglu import shared_bwd, shared_fwd
 from megamoe.backends.triton import ep, kernels
 from megamoe.backends.triton.comm import exchange
-from megamoe.backends.triton.experts import all_blocks, configs_for, rows_in_use, shared_bwd, shared_fwd
+from megamoe.backends.triton.experts import all_blocks, configs_for, rows_in_use
 
 
 def _setup(x, w_gate_up, schedule, group, config):
@@ -29,28 +30,24 @@ def _setup(x, w_gate_up, schedule, group, config):
 
 def compute_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config):
     ws, cfg, _, blocks = _setup(x, w_gate_up, schedule, group, config)
-    shared_out, shared_act = None, x.new_empty(0)
-    if shared_gate_up is not None:
-        shared_out, shared_act = shared_fwd(x, shared_gate_up, shared_down)
+    shared_out, shared_saved = shared_fwd(x, shared_gate_up, shared_down)
     x_rows = x.new_empty(schedule.num_rows, x.shape[1])
     h, gate_up = kernels.gate_up_fwd(x_rows, w_gate_up, schedule.block_expert, blocks, store_gate_up=True,
                                      config=cfg.gate_up_fwd)
     kernels.down_fwd(h, w_down, schedule.block_expert, blocks, config=cfg.down_fwd)
     y_pairs = ws.pairs.local
     out = kernels.combine(y_pairs, topk_weights, ep._pair_index(schedule), shared_out, config=cfg.combine)
-    return out, (x_rows, h, gate_up, y_pairs, shared_act)
+    return out, (x_rows, h, gate_up, y_pairs, *shared_saved)
 
 
 def compute_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config,
                 saved):
-    x_rows, h, gate_up, y_pairs, shared_act = saved
+    x_rows, h, gate_up, y_pairs, *shared_saved = saved
     ws, cfg, _, blocks = _setup(x, w_gate_up, schedule, group, config)
     pair_index, experts = ep._pair_index(schedule), w_down.shape[0]
     d_out = d_out.to(x.dtype).contiguous()
     d_topk_weights = kernels.combine_bwd(d_out, y_pairs, pair_index, config=cfg.combine)
-    d_x_shared = d_shared_gate_up = d_shared_down = None
-    if shared_gate_up is not None:
-        d_x_shared, d_shared_gate_up, d_shared_down = shared_bwd(d_out, x, shared_gate_up, shared_down, shared_act)
+    d_x_shared, d_shared_gate_up, d_shared_down = shared_bwd(d_out, x, shared_gate_up, shared_down, shared_saved)
     d_y_rows = x.new_empty(schedule.num_rows, x.shape[1])
     d_gate_up = kernels.down_dgrad(d_y_rows, w_down, gate_up, schedule.block_expert, blocks, config=cfg.down_dgrad)
     kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad)

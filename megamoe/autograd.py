@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -217,7 +218,8 @@ def _group(group_name: str | None):
 # Ranks of an expert-parallel group must agree on every size the collectives depend on. Disagreeing ranks
 # used to abort (gloo: size mismatch), hang until the process-group timeout (one rank with T=0) or index
 # out of range with routing gathered from a peer; a bad expert id on one rank left its peers blocked in
-# the routing gather. check_ranks_agree turns all of these into a ValueError on every rank.
+# the routing gather. check_ranks_agree turns all of these into a ValueError on every rank; a rank that
+# rejects its own arguments joins its exchange anyway (announce_rejection), so its peers raise at once.
 
 _SAME_TK = "every rank of the group must pass the same T and k (pad the batch to a common T)"
 _SAME_CALL = "every rank of the group must call megamoe.experts with the same shapes, dtype and MoEConfig"
@@ -249,10 +251,17 @@ AGREE_FIELDS = (
     ("MoEConfig.dispatch (as resolved)", _SAME_CALL, _direction_name),
     ("MoEConfig.combine (as resolved)", _SAME_CALL, _direction_name),
 )
-_STATUS_LEN = 3  # after the signature: (this rank's ids have an out-of-range id, the first such id, its flat index)
-# The fused path's checked (group name, signature) pairs, and the groups with one (see check_ranks_agree).
+# After the signature, a rank's status: (code, value, index). Its ids in range: (0, 0, 0); _ID_OUT_OF_RANGE:
+# (1, the first id outside [0, E), its flat index); _REJECTED: the rank rejected its own arguments before
+# the exchange, (2, the index of its error's type in REJECTION_TYPES, 0), and its signature is all -1.
+_STATUS_LEN = 3
+_ID_OUT_OF_RANGE, _REJECTED = 1, 2
+REJECTION_TYPES = (ValueError, TypeError)
+# The fused path's checked (group name, signature) pairs (see check_ranks_agree).
 _AGREED: set[tuple] = set()
-_AGREED_GROUPS: set[str] = set()
+# The groups whose ranks have met in an agreement exchange once (any path): later exchanges on them wait at
+# most MoEConfig.comm_timeout_ms, the first one the process-group timeout (the warm-up).
+_MET_GROUPS: set[str] = set()
 
 
 def _resolved_direction(config: MoEConfig, operation: str) -> str:
@@ -298,9 +307,25 @@ def _by_value(values: list[int], describe) -> str:
     )
 
 
+def _ranks(rs: list[int]) -> str:
+    return f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
+
+
 def _raise_on_disagreement(rows: list[list[int]], rank: int, num_experts: int, top_k: int) -> None:
-    """ValueError (the same verdict on every rank) if the gathered signatures differ or a rank's ids are bad."""
+    """ValueError (the same verdict on every rank) if a rank rejected its arguments, the gathered signatures
+    differ or a rank's ids are bad. Not called on a rank that rejected its arguments (it raises its own error)."""
     num_fields = len(AGREE_FIELDS)
+    rejected = {r: REJECTION_TYPES[row[num_fields + 1]].__name__ for r, row in enumerate(rows)
+                if row[num_fields] == _REJECTED}
+    if rejected:
+        one = len(rejected) == 1
+        errors = ", ".join(f"rank {r} a {name}" for r, name in rejected.items())
+        raise ValueError(
+            f"megamoe.experts: {_ranks(list(rejected))} of the expert-parallel group "
+            f"rejected {'its' if one else 'their'} arguments before the exchange ({errors}; "
+            f"{'that' if one else 'each'} rank's own error names the argument and what is allowed): every rank of "
+            f"the group raises here instead of waiting for {'it' if one else 'them'}"
+        )
     problems = []
     for field, (label, hint, describe) in enumerate(AGREE_FIELDS):
         values = [row[field] for row in rows]
@@ -310,24 +335,21 @@ def _raise_on_disagreement(rows: list[list[int]], rank: int, num_experts: int, t
         hints = list(dict.fromkeys(hint for _, hint in problems))
         found = "; ".join(problem for problem, _ in problems)
         raise ValueError(f"megamoe.experts with an expert-parallel group: {found}; {'; '.join(hints)}")
-    failed = [(r, row[num_fields + 1], row[num_fields + 2]) for r, row in enumerate(rows) if row[num_fields]]
+    failed = [(r, row[num_fields + 1], row[num_fields + 2]) for r, row in enumerate(rows)
+              if row[num_fields] == _ID_OUT_OF_RANGE]
     if not failed:
         return
-
-    def ranks(rs: list[int]) -> str:
-        return f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
-
     mine = [f for f in failed if f[0] == rank]
     source, value, index = mine[0] if mine else failed[0]
     token, slot = divmod(index, top_k)
     others = [r for r, _, _ in failed if r != source]
     if mine:
-        also = f"; {ranks(others)} of the group passed out-of-range ids too" if others else ""
+        also = f"; {_ranks(others)} of the group passed out-of-range ids too" if others else ""
         raise ValueError(
             f"topk_ids must hold expert ids in [0, {num_experts}), found {value} (token {token}, slot {slot}); "
             f"every rank of the expert-parallel group raises{also}"
         )
-    also = f" ({ranks(others)} too)" if others else ""
+    also = f" ({_ranks(others)} too)" if others else ""
     raise ValueError(
         f"rank {source} of the expert-parallel group passed topk_ids with expert id {value} (its token {token}, "
         f"slot {slot}), outside [0, {num_experts}){also}: every rank of the group raises here instead of entering "
@@ -337,9 +359,10 @@ def _raise_on_disagreement(rows: list[list[int]], rank: int, num_experts: int, t
 
 def check_ranks_agree(group, x, topk_ids, w_gate_up, w_down, config: MoEConfig) -> None:
     """Fail fast, with the same ValueError on every rank, when the ranks of an expert-parallel group disagree
-    on (T, k, E_local, H, I, dtype, block_m, capacity_factor, backend, dispatch, combine) (AGREE_FIELDS) or
-    a rank's topk_ids hold an expert id outside [0, E): every rank all-gathers its signature and the state of
-    its ids (a small int64 tensor on x's device: the CPU with gloo, the GPU with NCCL) and compares.
+    on (T, k, E_local, H, I, dtype, block_m, capacity_factor, backend, dispatch, combine) (AGREE_FIELDS), a
+    rank's topk_ids hold an expert id outside [0, E), or a rank rejected its own arguments
+    (announce_rejection): every rank all-gathers its signature and status (a small int64 tensor on x's
+    device: the CPU with gloo, the GPU with NCCL) and compares.
 
     When it runs (config has backend and block_m resolved):
     - The torch path: on every call, before the routing gather, so that a rank that changes its T alone
@@ -348,10 +371,13 @@ def check_ranks_agree(group, x, topk_ids, w_gate_up, w_down, config: MoEConfig) 
     - The fused (triton) path: once per (group, signature). Later calls of a checked signature pay nothing,
       no collective and no host sync, so a captured CUDA graph never runs it: the first call of a shape is
       the warm-up, which also allocates the symmetric-memory workspace. Bad ids on later calls fail a device
-      assert (build_schedule's check of the gathered routing). A rank whose signature is new while its
-      peers' are checked waits at most MoEConfig.comm_timeout_ms for them, then raises (the peers, in the
-      fused exchange, time out after comm_timeout_ms too); the very first check on a group waits for the
-      process-group timeout instead (ranks may be far apart while warming up).
+      assert (build_schedule's check of the gathered routing).
+    How long it waits for the peers: the group's first exchange (on either path) waits for the process-group
+    timeout (ranks may be far apart while warming up); every later one at most MoEConfig.comm_timeout_ms,
+    then raises a RuntimeError. So a peer that stopped before the call (failed outside megamoe, or is late
+    by more than comm_timeout_ms) fails the others after comm_timeout_ms, as the fused exchange's bounded
+    waits do, and so does a rank whose fused-path signature is new while its peers' are checked (they skip
+    the check).
     """
     import torch.distributed as dist
 
@@ -372,27 +398,21 @@ def check_ranks_agree(group, x, topk_ids, w_gate_up, w_down, config: MoEConfig) 
         )
     num_experts = w_gate_up.shape[0] * world
     mine = torch.tensor(signature, dtype=torch.int64, device=x.device)
-    payload = torch.cat([mine, _ids_status(topk_ids, num_experts)])
-    gathered = payload.new_empty(world * payload.numel())
-    # all_gather_single is the newer name (torch >= 2.13) of all_gather_into_tensor.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    work = gather(gathered, payload, group=group, async_op=True)
-    if every_call or group_name not in _AGREED_GROUPS:
-        work.wait()  # bounded by the process-group timeout, as every collective of the torch path is
-    else:
-        try:
-            work.wait(timeout=datetime.timedelta(milliseconds=config.comm_timeout_ms))
-        except RuntimeError as e:
-            shown = ", ".join(
-                f"{label.split(' (')[0]}={describe(value)}"
-                for (label, _, describe), value in zip(AGREE_FIELDS, signature)
-            )
-            raise RuntimeError(
-                f"megamoe.experts: the peers of the expert-parallel group did not join the check of this call's "
-                f"shapes within MoEConfig.comm_timeout_ms={config.comm_timeout_ms}. This rank calls with shapes it "
-                f"has not used before ({shown}); its peers, skipping the check, use shapes they have: the ranks "
-                f"disagree ({_SAME_CALL}), or a peer is late by more than comm_timeout_ms ({e})"
-            ) from e
+    try:
+        gathered = _exchange_status(group, torch.cat([mine, _ids_status(topk_ids, num_experts)]), config.comm_timeout_ms)
+    except TimeoutError as e:
+        shown = ", ".join(
+            f"{label.split(' (')[0]}={describe(value)}" for (label, _, describe), value in zip(AGREE_FIELDS, signature)
+        )
+        fused = (
+            "; or this rank calls with shapes it has not used before while its peers, skipping the check (the "
+            f"fused path checks each shape once), use shapes they have: the ranks disagree ({_SAME_CALL})"
+        )
+        raise RuntimeError(
+            f"megamoe.experts: the peers of the expert-parallel group did not join the check of this call's shapes "
+            f"({shown}) within MoEConfig.comm_timeout_ms={config.comm_timeout_ms}: a peer stopped or failed before "
+            f"this call, or is late by more than comm_timeout_ms{'' if every_call else fused} ({e.__cause__})"
+        ) from e
     # NOTE: host sync — the verdict is needed on the host before the routing gather, whose size it checks.
     # Acceptable: on the fused path once per (group, shapes), like the workspace allocation (the warm-up);
     # on the torch path once per call, next to the split sizes it already copies to the host.
@@ -400,7 +420,59 @@ def check_ranks_agree(group, x, topk_ids, w_gate_up, w_down, config: MoEConfig) 
     _raise_on_disagreement(rows, dist.get_rank(group), num_experts, topk_ids.shape[1])
     if not every_call:
         _AGREED.add((group_name, signature))
-        _AGREED_GROUPS.add(group_name)
+
+
+def _exchange_status(group, payload: torch.Tensor, comm_timeout_ms: int) -> torch.Tensor:
+    """All-gather each rank's [len(AGREE_FIELDS) + _STATUS_LEN] int64 payload, [W * that] in rank order. The
+    group's first exchange waits for the process-group timeout, later ones at most comm_timeout_ms (then a
+    TimeoutError whose __cause__ is the process group's error; the gather stays pending)."""
+    import torch.distributed as dist
+
+    gathered = payload.new_empty(dist.get_world_size(group) * payload.numel())
+    # all_gather_single is the newer name (torch >= 2.13) of all_gather_into_tensor.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    work = gather(gathered, payload, group=group, async_op=True)
+    if group.group_name not in _MET_GROUPS:
+        work.wait()  # bounded by the process-group timeout
+    else:
+        # NOTE: host sync — a wait with a timeout blocks the host until the gather completes (NCCL too).
+        # Acceptable: check_ranks_agree reads the result on the host right after (its NOTE), and
+        # announce_rejection runs only on a rank that is raising.
+        try:
+            work.wait(timeout=datetime.timedelta(milliseconds=comm_timeout_ms))
+        except RuntimeError as e:
+            raise TimeoutError(f"no agreement exchange within {comm_timeout_ms} ms") from e
+    _MET_GROUPS.add(group.group_name)
+    return gathered
+
+
+def announce_rejection(group, error: Exception, tensors, config) -> None:
+    """A rank of an expert-parallel group (of more than one rank) whose own arguments were rejected (error, a
+    REJECTION_TYPES instance) joins the agreement exchange anyway, saying so, so that its peers raise at once
+    (check_ranks_agree names this rank) instead of waiting for it. The caller raises error afterwards,
+    whatever happens here.
+
+    The exchange runs where the peers run theirs: after the group's host gather (group_hosts, at each
+    group's first call, which resolve_backend runs on every rank), on the device of the first tensor among
+    `tensors` (callers put the weights first: they stay on the rank's device whatever else is wrong). Not
+    under torch.compile (the checks run at trace time, where a collective cannot), nor when no argument is
+    a tensor; then the peers give up as for a rank that never arrives (check_ranks_agree). Waits as long as
+    check_ranks_agree does (config's comm_timeout_ms, the default config's when config is the rejected
+    argument): peers on the fused path whose signature is checked never join it.
+    """
+    import torch.distributed as dist
+
+    device = next((t.device for t in tensors if isinstance(t, torch.Tensor)), None)
+    if torch.compiler.is_compiling() or device is None or dist.get_world_size(group) == 1:
+        return
+    group_hosts(group.group_name, device)
+    kind = next(i for i, error_type in enumerate(REJECTION_TYPES) if isinstance(error, error_type))
+    payload = torch.tensor([-1] * len(AGREE_FIELDS) + [_REJECTED, kind, 0], dtype=torch.int64, device=device)
+    timeout_ms = (config if isinstance(config, MoEConfig) else DEFAULT_CONFIG).comm_timeout_ms
+    # The peers that never join (or a process-group timeout on the group's first exchange) change nothing:
+    # this rank's own error is the one to raise.
+    with contextlib.suppress(TimeoutError, RuntimeError):
+        _exchange_status(group, payload, timeout_ms)
 
 
 # MoEConfig crosses the custom-op boundary as its fields, in declaration order (ops take scalars).
@@ -648,21 +720,26 @@ def experts(
         with torch.autocast(x.device.type, enabled=False):
             return experts(x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up=shared_gate_up,
                            shared_down=shared_down, group=group, config=config)
-    config = DEFAULT_CONFIG if config is None else config
-    if not isinstance(config, MoEConfig):
-        raise TypeError(f"config must be a megamoe.MoEConfig or None, got {type(config).__name__}")
     check_group("group", group)
     world_size = 1
     if group is not None:
         import torch.distributed as dist
 
         world_size = dist.get_world_size(group)
-    _check_tensor("topk_ids", topk_ids, 2)
-    validate(x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, world_size)
-    backend_name = resolve_backend(config, x, group)
-    if backend_name == "reference":
-        if world_size > 1:
+    try:
+        config = DEFAULT_CONFIG if config is None else config
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"config must be a megamoe.MoEConfig or None, got {type(config).__name__}")
+        _check_tensor("topk_ids", topk_ids, 2)
+        validate(x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, world_size)
+        backend_name = resolve_backend(config, x, group)
+        if backend_name == "reference" and world_size > 1:
             raise ValueError("MoEConfig.backend='reference' computes all experts in one process; it takes no group")
+    except REJECTION_TYPES as error:
+        if group is not None:  # the peers are on their way to the agreement exchange: tell them, then raise
+            announce_rejection(group, error, (w_gate_up, w_down, x, topk_ids, topk_weights), config)
+        raise
+    if backend_name == "reference":
         check_topk_ids(topk_ids, w_gate_up.shape[0])
         return reference.experts(
             x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up=shared_gate_up, shared_down=shared_down

@@ -83,8 +83,10 @@ class MoEConfig:
         dispatch / combine: the direction of each communication operation, "pull", "push" or
             "auto" (pull dispatch, push combine: the directions that run inside the fused kernels;
             other choices run whole exchanges around the GEMMs).
-    comm_timeout_ms: how long a GPU waits for a peer of the expert-parallel group at a synchronisation
-        point before failing with an error (a peer that never arrives must not hang the job).
+    comm_timeout_ms: how long a rank waits for a peer of the expert-parallel group before failing with an
+        error (a peer that never arrives must not hang the job): a GPU at each synchronisation point of the
+        fused path, and the host in the ranks' agreement check (megamoe.autograd.check_ranks_agree, on
+        every call of the torch path, on a new shape of the fused path) after the group's first one.
     recompute: False (default) keeps the gate/up pre-activation of every routed row for the backward
         (2 * 2I bytes per row in bf16); True keeps nothing per routed row and the backward reruns the
         gate/up GEMM from x (a third of the forward's FLOPs) instead. Results are the same, bit for bit.

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from megamoe.autograd import experts
+from megamoe.autograd import announce_rejection, experts
 from megamoe.config import MoEConfig, check_group, check_positive_int
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -110,7 +110,10 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.hidden_size:
-            raise ValueError(f"x must be [..., H={self.hidden_size}], got shape {tuple(x.shape)}")
+            error = ValueError(f"x must be [..., H={self.hidden_size}], got shape {tuple(x.shape)}")
+            if self.group is not None:  # the peers are on their way to megamoe.experts' agreement exchange
+                announce_rejection(self.group, error, (self.w_gate_up,), self.config)
+            raise error
         x_TH = x.reshape(-1, self.hidden_size)
         topk_ids, topk_weights, probs = self.route(x_TH)
         # Integer scatter-add: exact and order-independent, no host sync.

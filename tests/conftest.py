@@ -249,6 +249,25 @@ def init_gloo(rank: int, world: int, port: int) -> None:
                             timeout=datetime.timedelta(seconds=60))
 
 
+def leave_gloo(rank: int, world: int) -> None:
+    """End a spawned gloo worker once every rank has saved its results: no destroy_process_group and no
+    collective (a worker may leave a collective pending by design, and gloo's threads torn down at exit
+    aborted a worker now and then: "terminate called without an active exception"); the store (served by
+    rank 0) says when every rank is done, rank 0 leaves last, and the process exits without teardown."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    store.add("saved", 1)
+    while store.add("saved", 0) < world:
+        time.sleep(0.05)
+    if rank != 0:
+        store.add("left", 1)
+    else:
+        while store.add("left", 0) < world - 1:
+            time.sleep(0.05)
+    os._exit(0)
+
+
 def run_gloo_workers(worker, world: int, args: tuple, out_dir, timeout_s: float, what: str) -> list:
     """Spawn `world` processes running worker(rank, world, port, *args) on a free local port and return
     each rank's results, which the worker saves to out_dir/rank{r}.pt. Past timeout_s the processes are
@@ -268,6 +287,22 @@ def run_gloo_workers(worker, world: int, args: tuple, out_dir, timeout_s: float,
     return [torch.load(f"{out_dir}/rank{r}.pt", weights_only=False) for r in range(world)]
 
 
+# ----------------------------------------------------------------------------------------------------
+# Triton interpreter suites (tests/test_*_interpret.py). Each begins with
+#
+#     pytestmark = INTERPRETER_WARNINGS
+#     test_interpreter_suite = interpreter_suite(__file__)
+#
+# and marks its own tests @interpreted; it imports megamoe's Triton modules under `if INTERPRET:` only.
+
+# Whether this process runs Triton's interpreter (set before any kernel is defined: run_interpreted).
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# A test that needs the interpreter: skipped in a plain process, where its file's test_interpreter_suite runs it.
+interpreted = pytest.mark.skipif(not INTERPRET, reason="runs in test_interpreter_suite's TRITON_INTERPRET=1 subprocess")
+# The interpreter itself trips a NumPy deprecation on every scalar index; not ours to fix.
+INTERPRETER_WARNINGS = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+
 def run_interpreted(test_file: str) -> None:
     """Run test_file's tests in a TRITON_INTERPRET=1 subprocess (Triton reads the variable when a kernel is
     defined, so it must be set before megamoe's kernels are imported) and fail with its output if any fails."""
@@ -278,3 +313,25 @@ def run_interpreted(test_file: str) -> None:
         env=env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, f"interpreted tests failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
+
+
+def interpreter_suite(test_file: str):
+    """test_file's test_interpreter_suite: in a plain process it runs the file's @interpreted tests in a
+    TRITON_INTERPRET=1 subprocess (run_interpreted); in that subprocess it is skipped."""
+
+    @pytest.mark.skipif(INTERPRET, reason="already interpreted")
+    def test_interpreter_suite():
+        run_interpreted(test_file)
+
+    return test_interpreter_suite
+
+
+def triton_tile(cfg):
+    """The Triton TMA kernel's version of a tile-table entry that runs a Gluon kernel (TileConfig.gluon): the same
+    tile and K step, hence the same bits, with the 8 warps the Triton kernels run and at most 3 stages (the
+    two-accumulator gate_up_fwd tile fits no more in shared memory)."""
+    import dataclasses
+
+    if not cfg.gluon:
+        return cfg
+    return dataclasses.replace(cfg, gluon=False, pingpong=False, num_warps=8, num_stages=min(cfg.num_stages, 3))

@@ -178,6 +178,16 @@ def test_run_gates_the_timed_problem(monkeypatch, capsys):
     assert all(w is weights and t is tokens for w, t in timed) and len(timed) == 4  # 2 backends x 2 passes
 
 
+def test_peak_memory_includes_the_ep_workspace():
+    """The symmetric-memory workspace lies outside the caching allocator: both peaks add it, and it is also
+    reported alone (None where no workspace can exist: no group, or no Triton)."""
+    cpu = torch.device("cpu")
+    assert run.memory_record(10, 4, 3, cpu, None) == {
+        "peak_mem_bytes": 13, "peak_mem_above_inputs_bytes": 9, "workspace_bytes": 3}
+    assert run.memory_record(10, 4, None, cpu, None) == {
+        "peak_mem_bytes": 10, "peak_mem_above_inputs_bytes": 6, "workspace_bytes": None}
+
+
 def _bench(tmp_path: Path, launcher: list[str]) -> list[dict]:
     path = tmp_path / "results.json"
     done = subprocess.run(

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from megamoe import MoELayer
 from megamoe.parallel import ddp_ignore_experts, expert_parameters, non_expert_parameters, reduce_expert_grads
-from conftest import assert_close_tight, init_gloo, rel_err, run_gloo_workers
+from conftest import assert_close_tight, init_gloo, leave_gloo, rel_err, run_gloo_workers
 
 T, H, I, I_SHARED, K = 6, 8, 4, 4, 2  # tokens per rank, hidden, expert and shared intermediate, top-k
 EXPERTS_PER_RANK = 2  # of the EP group
@@ -140,7 +140,7 @@ def _worker(rank: int, world: int, port: int, dp: int, in_path: str, out_dir: st
             results[recipe] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
             break  # a failed collective leaves the ranks out of step: later recipes would hang
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    leave_gloo(rank, world)
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS), ids=str)

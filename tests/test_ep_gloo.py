@@ -7,6 +7,7 @@ the reference of the same *global* problem (rank r owns tokens [r*T, (r+1)*T) an
 
 from __future__ import annotations
 
+import importlib
 import os
 import traceback
 
@@ -89,6 +90,7 @@ def make_scenarios(world: int) -> dict:
             d_out=torch.randn(world * T, H, generator=gen, dtype=torch.float64),
         )
     sc["errors"] = dict(kind="errors", num_experts=2 * world)
+    sc["empty-batch"] = dict(kind="empty_batch", num_experts=2 * world)
     return sc
 
 
@@ -175,7 +177,52 @@ def _run_errors(sc, rank, world, group):
     }
 
 
-RUNNERS = {"schedule": _run_schedule, "experts": _run_experts, "layer": _run_layer, "errors": _run_errors}
+# The backends of the empty-batch scenario; "triton" is its expert-parallel driver (backends/triton/ep.py),
+# forced on CPU where "auto" would never pick it: at T = 0 it must neither launch a kernel nor touch
+# symmetric memory, so it runs here.
+EMPTY_BATCH_BACKENDS = ["torch", "triton"]
+SHARED_I = 4
+
+
+def _run_empty_batch(sc, rank, world, group):
+    """T = 0 on every rank (a step without tokens): forward + backward and a no_grad forward per backend,
+    {backend: {"out", "no_grad_out", "d_<name>"...} or {"error": ...}}; None where Triton is not installed."""
+    autograd = importlib.import_module("megamoe.autograd")
+    gen = torch.Generator().manual_seed(rank)
+    num_local = sc["num_experts"] // world
+    leaves = dict(x=torch.randn(0, H, generator=gen), topk_weights=torch.rand(0, K, generator=gen),
+                  w_gate_up=torch.randn(num_local, 2 * I, H, generator=gen), w_down=torch.randn(num_local, H, I, generator=gen),
+                  shared_gate_up=torch.randn(2 * SHARED_I, H, generator=gen), shared_down=torch.randn(H, SHARED_I, generator=gen))
+    ids = torch.empty(0, K, dtype=torch.int64)
+
+    def call(params):
+        return megamoe.experts(params["x"], ids, params["topk_weights"], params["w_gate_up"], params["w_down"],
+                               shared_gate_up=params["shared_gate_up"], shared_down=params["shared_down"], group=group)
+
+    results = {}
+    real_resolve = autograd.resolve_backend
+    for backend in EMPTY_BATCH_BACKENDS:
+        if backend not in autograd.BACKENDS:
+            results[backend] = None
+            continue
+        autograd.resolve_backend = lambda config, x, group, _backend=backend: _backend
+        try:
+            params = {n: t.clone().requires_grad_() for n, t in leaves.items()}
+            out = call(params)
+            grads = torch.autograd.grad(out, list(params.values()), torch.ones_like(out))
+            with torch.no_grad():
+                no_grad_out = call(leaves)
+            results[backend] = {"out": out.detach(), "no_grad_out": no_grad_out,
+                                **{f"d_{n}": g for n, g in zip(params, grads)}}
+        except Exception as e:  # noqa: BLE001 - reported by the parent's test of this backend
+            results[backend] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        finally:
+            autograd.resolve_backend = real_resolve
+    return results
+
+
+RUNNERS = {"schedule": _run_schedule, "experts": _run_experts, "layer": _run_layer, "errors": _run_errors,
+           "empty_batch": _run_empty_batch}
 
 
 def _worker(rank: int, world: int, port: int, in_path: str, out_dir: str) -> None:
@@ -348,3 +395,24 @@ def test_errors_under_a_group(ep, case, exc, words):
         assert message.startswith(exc + ":"), f"rank {rank}: expected {exc}, got {message}"
         for word in words:
             assert word in message, f"rank {rank}: message does not mention {word!r}: {message}"
+
+
+@pytest.mark.parametrize("backend", EMPTY_BATCH_BACKENDS)
+def test_empty_batch_on_every_rank(ep, backend):
+    """T = 0 on every rank (the ranks agree on T, so a step without tokens has none anywhere): on every rank
+    an empty out (also under no_grad), d_x [0, H], d_topk_weights [0, k] and exact-zero weight gradients.
+    The fused path's driver used to fail here, asking for a symmetric workspace of 0 token rows."""
+    world, scenarios, results = ep
+    num_local = scenarios["empty-batch"]["num_experts"] // world
+    shapes = {"out": (0, H), "no_grad_out": (0, H), "d_x": (0, H), "d_topk_weights": (0, K),
+              "d_w_gate_up": (num_local, 2 * I, H), "d_w_down": (num_local, H, I),
+              "d_shared_gate_up": (2 * SHARED_I, H), "d_shared_down": (H, SHARED_I)}
+    for rank in range(world):
+        res = _result(results, rank, "empty-batch")[backend]
+        if res is None:
+            pytest.skip(f"the {backend} backend is not installed")
+        if "error" in res:
+            pytest.fail(f"rank {rank}: {backend} raised {res['error']}\n{res['traceback']}")
+        assert res.keys() == shapes.keys(), f"rank {rank}: {sorted(res)}"
+        for name, shape in shapes.items():
+            assert_equal(f"rank {rank}: {name}", res[name], torch.zeros(shape))

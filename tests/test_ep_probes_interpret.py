@@ -19,21 +19,14 @@ from __future__ import annotations
 
 import collections
 import importlib.util
-import os
 import pathlib
 
 import pytest
 import torch
-from conftest import run_interpreted
+from conftest import INTERPRET, INTERPRETER_WARNINGS, interpreted, interpreter_suite
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
-interpreted = pytest.mark.skipif(not INTERPRET, reason="runs in test_interpreter_suite's TRITON_INTERPRET=1 subprocess")
-
-
-@pytest.mark.skipif(INTERPRET, reason="already interpreted")
-def test_interpreter_suite():
-    run_interpreted(__file__)
+pytestmark = INTERPRETER_WARNINGS
+test_interpreter_suite = interpreter_suite(__file__)
 
 
 if INTERPRET:

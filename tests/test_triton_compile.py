@@ -29,6 +29,7 @@ from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from megamoe.backends.triton import kernels  # noqa: E402
 from megamoe.backends.triton.configs import _SM90, _SM90_TMA, TileConfig  # noqa: E402
 from megamoe.backends.triton.kernels import tma_gemm  # noqa: E402
+from conftest import triton_tile  # noqa: E402
 
 
 def _fused(a: str, b: str, **extra) -> dict:
@@ -205,33 +206,40 @@ def _tma_descriptors(name: str, cfg: TileConfig) -> dict:
     m, n, k = cfg.block_m, cfg.block_n, cfg.block_k
     return {
         "gate_up_fwd": {"x_desc": [m, k], "w_desc": [1, n, k], "h_desc": [m, n], "gu_desc": [m, 1, n]},
-        "down_fwd": {"h_desc": [m, k], "w_desc": [1, n, k], "y_desc": [m, n]},
+        "down_fwd": {"a_desc": [m, k], "w_desc": [1, n, k], "out_desc": [m, n]},
         "down_dgrad": {"d_y_desc": [m, k], "w_desc": [1, k, n], "gu_desc": [m, 1, n // 2], "d_gu_desc": [m, 1, n // 2],
                        "h_w_desc": [m, n // 2]},
-        "gate_up_dgrad": {"d_gu_desc": [m, k], "w_desc": [1, k, n], "d_x_desc": [m, n]},
+        "gate_up_dgrad": {"a_desc": [m, k], "w_desc": [1, k, n], "out_desc": [m, n]},
         "dw_down": {"a_desc": [k, m], "b_desc": [k, n], "dw_desc": [1, m, n]},
         "dw_gate_up": {"a_desc": [k, m], "b_desc": [k, n], "dw_desc": [1, m, n]},
     }[name]
 
 
 TMA_KERNELS = {
-    "gate_up_fwd": tma_gemm.gate_up_fwd_tma_kernel, "down_fwd": tma_gemm.down_fwd_tma_kernel,
-    "down_dgrad": tma_gemm.down_dgrad_tma_kernel, "gate_up_dgrad": tma_gemm.gate_up_dgrad_tma_kernel,
+    "gate_up_fwd": tma_gemm.gate_up_fwd_tma_kernel, "down_fwd": tma_gemm.row_gemm_tma_kernel,
+    "down_dgrad": tma_gemm.down_dgrad_tma_kernel, "gate_up_dgrad": tma_gemm.row_gemm_tma_kernel,
     "dw_down": tma_gemm.dw_tma_kernel, "dw_gate_up": tma_gemm.dw_tma_kernel,
 }
-# The constexprs the one-GPU path runs each with (experts.py): down_dgrad with the router epilogue.
-TMA_CONSTEXPRS = {"gate_up_fwd": {"STORE_GATE_UP": True}, "down_dgrad": {"ROUTER": True, "STORE_H_W": True}}
-# Every entry of the TMA table, plus the flattened down_dgrad that small H selects.
-TMA_ENTRIES = {name: getattr(_SM90_TMA, name) for name in TMA_KERNELS}
-TMA_ENTRIES["down_dgrad-flat"] = dataclasses.replace(_SM90_TMA.down_dgrad, flatten=True)
+# The constexprs the one-GPU path runs each with (experts.py): down_dgrad with the router epilogue; down_fwd
+# and gate_up_dgrad are one kernel, over weights stored [E_l, N, K] and [E_l, K, N].
+TMA_CONSTEXPRS = {"gate_up_fwd": {"STORE_GATE_UP": True, "GATHER": False}, "down_dgrad": {"ROUTER": True, "STORE_H_W": True},
+                  "down_fwd": {"W_NK": True}, "gate_up_dgrad": {"W_NK": False}}
+# Every entry of the TMA table, plus gate_up_fwd gathering x in its loads. Entries that run a Gluon kernel
+# (checked by tests/test_gluon_*_compile.py) are compiled here as the Triton TMA kernel of the same tile
+# (conftest.triton_tile): the bitwise reference of the Gluon kernel on the GPU (tests/gpu/test_triton_gpu.py)
+# and the TMA core the interpreter suites run.
+TMA_ENTRIES = {name: triton_tile(getattr(_SM90_TMA, name)) for name in TMA_KERNELS}
+TMA_ENTRIES["gate_up_fwd-gather"] = TMA_ENTRIES["gate_up_fwd"]
 
 
 def _compile_tma(name: str, cfg: TileConfig, arch: int):
-    kernel_name = name.removesuffix("-flat")
+    kernel_name = name.removesuffix("-flat").removesuffix("-gather")
     fn = TMA_KERNELS[kernel_name]
     descriptors = _tma_descriptors(kernel_name, cfg)
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                       FLATTEN=cfg.flatten, **TMA_CONSTEXPRS.get(kernel_name, {}))
+    if name.endswith("-gather"):
+        constexprs["GATHER"] = True
     if "SPLIT" in fn.arg_names:
         constexprs["SPLIT"] = 1
     signature = {}
@@ -241,7 +249,7 @@ def _compile_tma(name: str, cfg: TileConfig, arch: int):
         elif name_ in descriptors:
             signature[name_] = f"tensordesc<bf16[{','.join(map(str, descriptors[name_]))}]>"
         elif name_.endswith("_ptr"):
-            signature[name_] = {"weights_ptr": "*fp32", "d_w_part_ptr": "*fp32"}.get(name_, "*i32")
+            signature[name_] = {"weights_ptr": "*fp32", "d_w_part_ptr": "*fp32", "x_ptr": "*bf16"}.get(name_, "*i32")
         else:
             signature[name_] = "i32"
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=_attrs(fn, signature))
@@ -258,12 +266,14 @@ def test_tma_kernel_sm90_uses_tma_and_wgmma_without_spills(name):
     pipe = _pipeline_report(compiled)
     print(f"tma {name} {cfg}: {report['registers']} registers, shared {compiled.metadata.shared} B, {pipe}")
     assert "wgmma.mma_async" in ptx, f"tma {name}: no wgmma in the sm_90a PTX"
-    assert pipe["bulk"] and not pipe["cp_async"], f"tma {name}: operands not copied by TMA alone ({pipe})"
+    # gate_up_fwd-gather: the gathered x rows by cp.async (pointer loads, pipelined), the weights by TMA.
+    gathers = name.endswith("-gather")
+    assert pipe["bulk"] and pipe["cp_async"] == gathers, f"tma {name}: operands not copied as expected ({pipe})"
     assert pipe["async_wgmma"], f"tma {name}: wgmma is not kept in flight across K steps"
     assert report["spill_stores"] == 0 and report["spill_loads"] == 0, f"tma {name} spills:\n{report['log']}"
     assert "C7510" not in report["log"], f"tma {name}: wgmma serialised by ptxas:\n{report['log']}"
     assert compiled.metadata.shared <= 232448, f"tma {name} needs {compiled.metadata.shared} B of shared memory"
-    b_tiles = 2 if name == "gate_up_fwd" else 1
+    b_tiles = 2 if name.startswith("gate_up_fwd") else 1
     stage = 2 * cfg.block_k * (cfg.block_m + b_tiles * cfg.block_n)
     assert compiled.metadata.shared >= cfg.num_stages * stage, (
         f"tma {name}: {compiled.metadata.shared} B of shared memory < {cfg.num_stages} stages x {stage} B"

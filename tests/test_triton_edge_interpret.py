@@ -15,6 +15,8 @@ bf16 too). Checked:
   Triton backend forced ("auto" picks the torch path on CPU) against megamoe.reference: fp16
   topk_weights within the error budget, d_topk_weights in topk_weights' dtype (what the backward op's
   fake implementation promises torch.compile); T = 0: an empty out and d_x, exact-zero weight gradients;
+- the expert-parallel driver (ep.py) on a one-rank group, fused and unfused: d_topk_weights in fp16
+  topk_weights' dtype; T = 0 (on every rank) the same empty results without touching the workspace;
 - the Triton placement kernels at T = 0 give the torch placement.
 """
 
@@ -22,38 +24,35 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import os
 
 import pytest
 import torch
 from conftest import (
-    Problem, assert_close_budget, assert_equal, make_problem, poisoned_empty, run_experts, run_interpreted,
-    run_reference,
+    INTERPRET, INTERPRETER_WARNINGS, Problem, assert_close_budget, assert_equal, interpreted, interpreter_suite,
+    make_problem, poisoned_empty, run_experts, run_reference,
 )
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
-interpreted = pytest.mark.skipif(not INTERPRET, reason="runs in test_interpreter_suite's TRITON_INTERPRET=1 subprocess")
-
-
-@pytest.mark.skipif(INTERPRET, reason="already interpreted")
-def test_interpreter_suite():
-    run_interpreted(__file__)
+pytestmark = INTERPRETER_WARNINGS
+test_interpreter_suite = interpreter_suite(__file__)
 
 
 if INTERPRET:
     import megamoe
-    from megamoe.backends.triton import kernels
+    from megamoe.backends.triton import ep, kernels
     from megamoe.backends.triton.configs import TileConfig
     from megamoe.backends.triton.experts import experts_bwd, experts_fwd
     from megamoe.backends.triton.kernels.schedule import place_routing
+    from megamoe.config import MoEConfig
     from megamoe.schedule import build_schedule, place_routing_torch, receive_rows
+    from test_triton_interpret import fake_workspace
 
 DTYPES = [torch.float32, torch.float16]
 NAMES = ["x", "topk_weights", "w_gate_up", "w_down", "shared_gate_up", "shared_down"]
 COMBINE = TileConfig(4, 16, 1, num_warps=4, num_stages=1) if INTERPRET else None
 # (T, H, I, E, k, shared I): several row blocks of block_m = 16 and of the combine's tiles.
 SHAPE = (23, 32, 24, 5, 3, 16)
+# ep.py's two paths (MoEConfig fields): the fused kernels, and whole exchanges around the one-GPU GEMMs.
+EP_PATHS = {"fused": dict(dispatch="pull", combine="push"), "unfused": dict(dispatch="push", combine="pull")}
 
 
 def problem(seed: int, num_tokens: int, dtype: torch.dtype, weights_dtype: torch.dtype | None = None,
@@ -69,13 +68,15 @@ def problem(seed: int, num_tokens: int, dtype: torch.dtype, weights_dtype: torch
     return p64, p64.cast(dtype, weights_dtype)
 
 
-def backend_run(p: Problem, block_m: int = 16) -> dict[str, torch.Tensor]:
-    """experts_fwd + experts_bwd of the one-GPU driver, every gradient asked for; {"out", "d_<name>"}."""
+def backend_run(p: Problem, block_m: int = 16, ep_config=None) -> dict[str, torch.Tensor]:
+    """experts_fwd + experts_bwd, every gradient asked for; {"out", "d_<name>"}: of the one-GPU driver, or
+    with ep_config (a MoEConfig) of ep.py on a one-rank group (with the workspace ep.get_workspace gives)."""
     schedule = build_schedule(p.topk_ids, p.w_gate_up.shape[0], block_m=block_m)
     inputs = (p.x, p.topk_weights, p.w_gate_up, p.w_down, p.shared_gate_up, p.shared_down)
+    fwd, bwd = (experts_fwd, experts_bwd) if ep_config is None else (ep.experts_fwd, ep.experts_bwd)
     with poisoned_empty():
-        out, saved = experts_fwd(*inputs, schedule, None)
-        grads = experts_bwd(p.d_out, p.x, *inputs[1:], schedule, None, None, saved)
+        out, saved = fwd(*inputs, schedule, None, ep_config)
+        grads = bwd(p.d_out, p.x, *inputs[1:], schedule, None, ep_config, saved)
     return {"out": out, **{f"d_{name}": g for name, g in zip(NAMES, grads) if g is not None}}
 
 
@@ -170,6 +171,20 @@ def test_experts_bwd_d_topk_weights_in_their_dtype():
 
 
 @interpreted
+@pytest.mark.parametrize("path", list(EP_PATHS))
+def test_ep_bwd_d_topk_weights_in_their_dtype(path, monkeypatch):
+    """ep.py (one rank, CPU workspace) with fp16 topk_weights: d_topk_weights in fp16 as on one GPU, the bits
+    of the fp32 weights' gradient rounded once (the gradient <d_out, y> does not depend on the weights)."""
+    monkeypatch.setattr(ep, "get_workspace", fake_workspace)
+    _, low = problem(16, SHAPE[0], torch.float16, torch.float16)
+    config = MoEConfig(**EP_PATHS[path])
+    got = backend_run(low, ep_config=config)["d_topk_weights"]
+    wide = dataclasses.replace(low, topk_weights=low.topk_weights.float())
+    want = backend_run(wide, ep_config=config)["d_topk_weights"]
+    assert_equal("d_topk_weights (fp16 topk_weights against the same in fp32, rounded)", got, want.half())
+
+
+@interpreted
 def test_public_experts_fp16_topk_weights(triton_backend):
     """megamoe.experts (custom ops, autograd) on the Triton backend, block_m its own (128)."""
     p64, low = problem(13, SHAPE[0], torch.float16, torch.float16)
@@ -198,6 +213,28 @@ def assert_empty_batch_results(got: dict[str, torch.Tensor], p: Problem) -> None
 def test_experts_empty_batch(dtype, shared):
     _, p = problem(14, 0, dtype, shared=shared)
     assert_empty_batch_results(backend_run(p), p)
+
+
+def no_workspace(*args, **kwargs):
+    raise AssertionError("the empty batch looked up the symmetric workspace")
+
+
+@interpreted
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "noshared"])
+@pytest.mark.parametrize("path", list(EP_PATHS))
+def test_ep_empty_batch(path, shared, monkeypatch):
+    """ep.py with T = 0 (on every rank: the ranks agree on T), training and inference: the empty batch's
+    results, and nothing exchanged: the workspace is never looked up (tests/test_ep_gloo.py runs it through
+    megamoe.experts on 2 and 4 ranks)."""
+    monkeypatch.setattr(ep, "get_workspace", no_workspace)
+    _, p = problem(17, 0, torch.float16, shared=shared)
+    config = MoEConfig(**EP_PATHS[path])
+    assert_empty_batch_results(backend_run(p, ep_config=config), p)
+    schedule = build_schedule(p.topk_ids, p.w_gate_up.shape[0], block_m=16)
+    out, saved = ep.experts_fwd(p.x, p.topk_weights, p.w_gate_up, p.w_down, p.shared_gate_up, p.shared_down, schedule,
+                                None, config, save_for_backward=False)
+    assert_equal("out (inference)", out, p.x.new_empty(0, p.x.shape[1]))
+    assert saved == (), f"inference saved {len(saved)} tensors"
 
 
 @interpreted

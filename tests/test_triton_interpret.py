@@ -21,21 +21,13 @@ programs inside the fused kernels, rows per ready flag), and match its own unfus
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
-from conftest import poisoned_empty, run_interpreted
+from conftest import INTERPRET, INTERPRETER_WARNINGS, interpreted, interpreter_suite, poisoned_empty
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# The interpreter itself trips a NumPy deprecation on every scalar index; not ours to fix.
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
-interpreted = pytest.mark.skipif(not INTERPRET, reason="runs in test_interpreter_suite's TRITON_INTERPRET=1 subprocess")
-
-
-@pytest.mark.skipif(INTERPRET, reason="already interpreted")
-def test_interpreter_suite():
-    run_interpreted(__file__)
+pytestmark = INTERPRETER_WARNINGS
+test_interpreter_suite = interpreter_suite(__file__)
 
 
 if INTERPRET:
@@ -372,6 +364,25 @@ def test_backward_releases_gate_up_and_a_second_backward_recomputes_it():
         assert torch.equal(a, b), f"{name}: the second backward differs from the first"
 
 
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+def test_shared_expert_gradients_are_the_torch_paths(dtype):
+    """The shared expert is one implementation for every backend (backends/swiglu.py): its gradients from the
+    one-GPU Triton driver are the torch path's, bit for bit (ep.py's are experts.py's: test_ep_matches_one_gpu)."""
+    from megamoe.backends import torch_native
+    from megamoe.backends.triton import experts as triton_experts
+
+    x, ids, weights, wgu, wd, sgu, sd = make_problem(37, 48, 40, 5, 3, dtype, shared=24)
+    d_out = torch.randn(37, 48, generator=torch.Generator().manual_seed(7)).to(dtype)
+    s = build_schedule(ids, 5, block_m=16)
+    shared_grads = {}
+    for backend in (triton_experts, torch_native):
+        _, saved = backend.experts_fwd(x, weights, wgu, wd, sgu, sd, s, None, None)
+        shared_grads[backend] = backend.experts_bwd(d_out, x, weights, wgu, wd, sgu, sd, s, None, None, saved)[4:]
+    for name, a, b in zip(["d_shared_gate_up", "d_shared_down"], shared_grads[triton_experts], shared_grads[torch_native]):
+        assert torch.equal(a, b), f"{name}: the Triton path differs from the torch path (max {(a - b).abs().max():.3e})"
+
+
 # ----------------------------------------------------------------------------------------------------
 # The TMA core (kernels/tma_gemm.py): the same GEMMs with descriptor copies. On a GPU it runs where
 # tma_kernel_configs allows; here it is forced, and must give the pointer core's bits (same tiles, same K
@@ -413,13 +424,20 @@ def test_tma_core_matches_pointer_core_bitwise(case, dtype, monkeypatch):
     # The pointer core's own tiles, so that both cores sum every output in the same order.
     monkeypatch.setattr(triton_experts, "tma_kernel_configs", lambda *args: _as_tma(kernel_configs(*args)))
     tma = run(True)
+
+    def gathering(table):  # gate_up_fwd gathering x in its loads (no gather pass)
+        return dataclasses.replace(table, gate_up_fwd=dataclasses.replace(table.gate_up_fwd, gather=True))
+
+    monkeypatch.setattr(triton_experts, "tma_kernel_configs", lambda *args: gathering(_as_tma(kernel_configs(*args))))
+    tma_gathering = run(True)
     names = ["out", "d_x", "d_topk_weights", "d_w_gate_up", "d_w_down", "d_shared_gate_up", "d_shared_down"]
-    for name, a, b in zip(names, pointer, tma):
-        if a is None:
-            assert b is None, f"{name}: expected None"
-            continue
-        assert not torch.isnan(b).any(), f"{name}: NaN from the TMA core"
-        assert torch.equal(a, b), f"{name}: TMA core differs from the pointer core (max {(a - b).abs().max():.3e})"
+    for core, results in (("TMA core", tma), ("TMA core gathering x in gate_up_fwd", tma_gathering)):
+        for name, a, b in zip(names, pointer, results):
+            if a is None:
+                assert b is None, f"{name}: expected None"
+                continue
+            assert not torch.isnan(b).any(), f"{name}: NaN from the {core}"
+            assert torch.equal(a, b), f"{name}: {core} differs from the pointer core (max {(a - b).abs().max():.3e})"
 
 
 @interpreted

@@ -1,4 +1,5 @@
-"""megamoe.get_workspace / clear_workspaces: the public entry points of the EP workspace (CPU checks)."""
+"""megamoe.get_workspace / clear_workspaces: the public entry points of the EP workspace, and its sizing and
+caching (CPU checks)."""
 
 import inspect
 
@@ -60,3 +61,129 @@ def test_workspace_bytes_counts_this_groups_buffers(monkeypatch):
     assert ws_module.workspace_bytes(types.SimpleNamespace(group_name="g0")) == want
     assert ws_module.workspace_bytes(None) == 0
     assert ws_module.workspace_bytes(types.SimpleNamespace(group_name="g2")) == 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# One workspace per (group, device, hidden size, dtype), sized for the largest shapes asked for: the sizing
+# and caching logic, with CPU tensors standing in for symmetric memory (the real one needs GPUs).
+
+
+@pytest.fixture
+def cpu_symmetric(monkeypatch):
+    """get_workspace on CPU tensors: _symmetric returns NaN/-7-filled CPU buffers (each peer table holds the
+    buffer's own address, as a group of one) and counts its calls; rank 0 of 2 ranks; empty cache."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    from megamoe.backends.triton.comm import workspace as ws_module
+
+    calls = []
+
+    def symmetric(shape, dtype, device, group_name):
+        calls.append((shape, dtype, group_name))
+        local = torch.full(shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype)
+        return ws_module._Buffer(local, types.SimpleNamespace(), torch.tensor([local.data_ptr()]))
+
+    monkeypatch.setattr(ws_module, "_symmetric", symmetric)
+    monkeypatch.setattr(ws_module, "_WORKSPACES", {})
+    monkeypatch.setattr(dist, "get_rank", lambda group: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group: 2)
+    return ws_module, calls, types.SimpleNamespace(group_name="g0")
+
+
+def _get(ws_module, group, num_tokens, top_k, num_rows, hidden_size=8, dtype=None, comm_timeout_ms=1000):
+    import torch
+
+    return ws_module.get_workspace(group, device="cuda", num_tokens=num_tokens, hidden_size=hidden_size, top_k=top_k,
+                                   num_rows=num_rows, dtype=dtype or torch.bfloat16, comm_timeout_ms=comm_timeout_ms)
+
+
+def _shapes(ws) -> dict:
+    names = ("tokens", "weights", "ids", "pairs", "rows_in", "rows_out")
+    return {name: tuple(getattr(ws, name).local.shape) for name in names}
+
+
+def test_smaller_shapes_reuse_the_workspace(cpu_symmetric):
+    """A call with a smaller T (or k, or R) allocates nothing: views of the leading elements, shaped for the
+    call, at the same addresses, with the same peer tables and handles."""
+    import torch
+
+    from megamoe.backends.triton.comm.workspace import ROUTING_HEADER, WorkspaceSizes
+
+    ws_module, calls, group = cpu_symmetric
+    big = _get(ws_module, group, num_tokens=16, top_k=4, num_rows=96)
+    allocated = len(calls)
+    assert allocated == 6, calls
+    small = _get(ws_module, group, num_tokens=5, top_k=2, num_rows=32, comm_timeout_ms=250)
+    assert len(calls) == allocated, "a smaller call allocated"
+    assert _shapes(small) == dict(tokens=(5, 8), weights=(5, 2), ids=(ROUTING_HEADER + 10,), pairs=(10, 8),
+                                  rows_in=(32, 8), rows_out=(32, 8))
+    assert small.sizes == WorkspaceSizes(tokens=5, pairs=10, rows=32)
+    assert small.comm_timeout_ms == 250 and big.comm_timeout_ms == 1000
+    for name in ("tokens", "weights", "ids", "pairs", "rows_in", "rows_out"):
+        a, b = getattr(big, name), getattr(small, name)
+        assert b.local.data_ptr() == a.local.data_ptr(), f"{name}: not a view of the workspace's first elements"
+        assert b.peer_ptrs is a.peer_ptrs and b.handle is a.handle, name
+    assert ws_module.workspace_bytes(group) == WorkspaceSizes(16, 64, 96).nbytes(8, torch.bfloat16)
+
+
+def test_a_larger_shape_grows_the_one_workspace(cpu_symmetric):
+    """A call that does not fit allocates one workspace sized for it and every earlier call (each size the
+    largest seen), replacing the smaller one: the group holds one workspace, whatever the sequence of T."""
+    import torch
+
+    from megamoe.backends.triton.comm.workspace import WorkspaceSizes
+
+    ws_module, calls, group = cpu_symmetric
+    for num_tokens, top_k, num_rows in [(8, 2, 64), (16, 1, 32), (4, 8, 48), (8, 2, 80), (3, 1, 16)]:
+        _get(ws_module, group, num_tokens, top_k, num_rows)
+    want = WorkspaceSizes(tokens=16, pairs=32, rows=80)
+    held = list(ws_module._WORKSPACES.values())
+    assert len(held) == 1 and held[0].sizes == want, [ws.sizes for ws in held]
+    assert len(calls) == 6 * 4, "allocated on the first call and on the three that did not fit, not on the last"
+    assert ws_module.workspace_bytes(group) == want.nbytes(8, torch.bfloat16)
+    expected = (16 * 8 + 32 * 8 + 2 * 80 * 8) * 2 + 4 * 32 + 4 * (3 + 32)
+    assert want.nbytes(8, torch.bfloat16) == expected
+
+
+def test_a_declared_maximum_is_never_exceeded(cpu_symmetric):
+    """get_workspace with the largest shapes first (the declared maximum): later calls never allocate."""
+    ws_module, calls, group = cpu_symmetric
+    _get(ws_module, group, num_tokens=64, top_k=8, num_rows=1024)
+    allocated = len(calls)
+    for num_tokens in range(1, 65, 7):
+        _get(ws_module, group, num_tokens, top_k=8, num_rows=16 * num_tokens)
+    assert len(calls) == allocated
+
+
+def test_one_workspace_per_group_hidden_size_and_dtype(cpu_symmetric):
+    import types
+
+    import torch
+
+    ws_module, _, group = cpu_symmetric
+    other_group = types.SimpleNamespace(group_name="g1")
+    _get(ws_module, group, 4, 2, 16)
+    _get(ws_module, group, 4, 2, 16, comm_timeout_ms=5)  # the timeout is the view's, not the workspace's
+    assert len(ws_module._WORKSPACES) == 1
+    _get(ws_module, group, 4, 2, 16, hidden_size=16)
+    _get(ws_module, group, 4, 2, 16, dtype=torch.float16)
+    _get(ws_module, other_group, 4, 2, 16)
+    assert len(ws_module._WORKSPACES) == 4
+    assert ws_module.workspace_bytes(other_group) == ws_module.WorkspaceSizes(4, 8, 16).nbytes(8, torch.bfloat16)
+
+
+def test_no_receive_rows_for_the_default_directions(cpu_symmetric):
+    """num_rows=0 (ep.py's pull dispatch with push combine, which use neither rows_in nor rows_out): four
+    symmetric buffers, empty receive rows; a later call with receive rows (push dispatch, pull combine)
+    grows the workspace."""
+    import torch
+
+    ws_module, calls, group = cpu_symmetric
+    ws = _get(ws_module, group, num_tokens=4, top_k=2, num_rows=0)
+    assert len(calls) == 4 and ws.rows_in.local.shape == ws.rows_out.local.shape == (0, 8)
+    assert ws_module.workspace_bytes(group) == ws_module.WorkspaceSizes(4, 8, 0).nbytes(8, torch.bfloat16)
+    grown = _get(ws_module, group, num_tokens=4, top_k=2, num_rows=32)
+    assert len(calls) == 4 + 6 and grown.rows_in.local.shape == (32, 8)

@@ -8,7 +8,8 @@ out by hand, in eager ops chosen for the bytes they move, so that every reductio
 Precision (bf16/fp16 inputs; fp32 and fp64 run the same ops in their own dtype):
 - GEMMs run in the input dtype (fp32 accumulation inside); SwiGLU and its backward run in the input dtype
   with fp32 math inside each op, one rounding per op: exactly the ops of PyTorch's own F.silu(g) * u and
-  its autograd (the error-budget reference), never an fp32 copy of [R, 2I].
+  its autograd (the error-budget reference), never an fp32 copy of [R, 2I] (backends/swiglu.py, which
+  also holds the shared expert that every backend runs).
 - Forward slot sum: out[t] = sum_j w[t, j] * y[t, j] + shared[t], products and sums in fp32 (fp64 for
   fp64), j = 0..k-1 in order, one chain of in-place fp32 ops (the documented math, the same fp32 ops as
   before).
@@ -34,9 +35,9 @@ Backend interface (shared with the triton backend):
     needs_grad: one bool per gradient, in that order; a backend may return None for a gradient not needed
     (and skip its work), and may compute it anyway.
 
-saved = (x_rows [R, H], gate_up [R, 2I], h [R, I], y_pairs [T, k, H]), then with a shared expert
-(shared_gate_up_out [T, 2I_s], shared_h [T, I_s]), then with a group of W > 1 ranks the exchange
-(send_order [T*k] int64, recv_order [R] int64, splits [2, W] int64 on the CPU).
+saved = (x_rows [R, H], gate_up [R, 2I], h [R, I], y_pairs [T, k, H]), then with a group of W > 1 ranks
+the exchange (send_order [T*k] int64, recv_order [R] int64, splits [2, W] int64 on the CPU), then the
+shared expert's saved tensors (swiglu.shared_fwd's; none without a shared expert).
 
 Inference (save_for_backward=False, what megamoe.experts passes under torch.no_grad() /
 torch.inference_mode() or when no input requires grad): nothing is saved (saved = ()), and each
@@ -58,6 +59,7 @@ import dataclasses
 
 import torch
 
+from megamoe.backends.swiglu import empty_shared_saved, shared_bwd, shared_fwd, swiglu_bwd, swiglu_fwd
 from megamoe.schedule import Schedule, receive_rows
 
 GROUPED_MM_ALIGN = 16
@@ -104,30 +106,6 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Te
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """The accumulation precision of dtype: fp32, or fp64 for fp64."""
     return torch.promote_types(dtype, torch.float32)
-
-
-def swiglu_fwd(gate_up: torch.Tensor, live: int | None = None) -> torch.Tensor:
-    """h = silu(gate) * up in gate_up's dtype (fp32 math inside each op, one rounding per op, as PyTorch's
-    F.silu(g) * u): two passes over [R, I], 10 B per element in bf16 (was an fp32 copy of [R, 2I] and fp32
-    temporaries, 38 B). Only the first `live` rows are computed (the rest of h is left unwritten)."""
-    gate, up = gate_up[:live].chunk(2, dim=-1)
-    h = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-    torch.ops.aten.silu.out(gate, out=h[:live]).mul_(up)
-    return h
-
-
-def swiglu_bwd(gate_up: torch.Tensor, d_h: torch.Tensor, live: int | None = None) -> torch.Tensor:
-    """d_gate_up [R, 2I] of swiglu_fwd, written in place into one buffer (no fp32 copies, no cat): the ops
-    of PyTorch's autograd of F.silu(g) * u, 22 B per element of [R, I] in bf16 (was 142). d_h is consumed
-    (overwritten). Only the first `live` rows are computed (the rest of d_gate_up is left unwritten)."""
-    gate, up = gate_up[:live].chunk(2, dim=-1)
-    d_gate_up = torch.empty_like(gate_up)
-    d_gate, d_up = d_gate_up[:live].chunk(2, dim=-1)
-    d_h = d_h[:live]
-    torch.ops.aten.silu.out(gate, out=d_up)  # s = silu(gate), recomputed straight into d_up's half
-    d_up.mul_(d_h)  # d_up = d_h * s
-    torch.ops.aten.silu_backward.grad_input(d_h.mul_(up), gate, grad_input=d_gate)  # silu'(gate) * (d_h * up)
-    return d_gate_up
 
 
 @dataclasses.dataclass
@@ -347,24 +325,6 @@ def rows_bwd(d_y_rows, x_rows, gate_up, h, w_gate_up, w_down, ends, live: int | 
     return d_x_rows, d_w_gate_up, d_w_down
 
 
-def shared_fwd(x, shared_gate_up, shared_down):
-    """The shared expert: returns (out [T, H], pre [T, 2I_s], h [T, I_s]); pre and h are kept for the backward."""
-    pre = x @ shared_gate_up.t()
-    h = swiglu_fwd(pre)
-    return h @ shared_down.t(), pre, h
-
-
-def shared_bwd(d_out, x, shared_gate_up, shared_down, pre, h, *, need_x: bool = True,
-               need_gate_up: bool = True, need_down: bool = True):
-    """Returns (d_x, d_shared_gate_up, d_shared_down) of the shared expert from the forward's pre and h
-    (was a recompute of x @ shared_gate_up.T: 2*T*H*2I_s FLOPs saved); None for each one not needed."""
-    d_shared_down = d_out.t() @ h if need_down else None
-    if not (need_x or need_gate_up):
-        return None, None, d_shared_down
-    d_pre = swiglu_bwd(pre, d_out @ shared_down)
-    return d_pre @ shared_gate_up if need_x else None, d_pre.t() @ x if need_gate_up else None, d_shared_down
-
-
 def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule: Schedule, group, config=None,
                 *, save_for_backward: bool = True):
     ex = None if _is_local(schedule, group) else _exchange(schedule)
@@ -379,14 +339,12 @@ def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
         y_rows = rows_infer(hold, w_gate_up, w_down, ends, live)
     y_pairs = to_pairs(y_rows, schedule, group, ex).view(schedule.num_tokens, schedule.top_k, x.shape[1])
     del y_rows
-    shared_out, shared_saved = None, ()
-    if shared_gate_up is not None:
-        shared_out, *shared_saved = shared_fwd(x, shared_gate_up, shared_down)
+    shared_out, shared_saved = shared_fwd(x, shared_gate_up, shared_down)
     out = weighted_slot_sum(y_pairs, topk_weights, shared_out)
     if not save_for_backward:
         return out.to(x.dtype), ()
     exchange_saved = () if ex is None else ex.tensors()
-    return out.to(x.dtype), (x_rows, gate_up, h, y_pairs, *shared_saved, *exchange_saved)
+    return out.to(x.dtype), (x_rows, gate_up, h, y_pairs, *exchange_saved, *shared_saved)
 
 
 def empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule: Schedule) -> tuple[torch.Tensor, ...]:
@@ -398,16 +356,13 @@ def empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule: Schedule) -> tup
         x.new_empty(rows, two_i // 2),
         x.new_empty(schedule.num_tokens, schedule.top_k, hidden),
     ]
-    if shared_gate_up is not None:
-        two_i_s = shared_gate_up.shape[0]
-        saved += [x.new_empty(schedule.num_tokens, two_i_s), x.new_empty(schedule.num_tokens, two_i_s // 2)]
     if schedule.world_size > 1:
         saved += [
             torch.empty(schedule.num_tokens * schedule.top_k, dtype=torch.int64, device=x.device),
             torch.empty(rows, dtype=torch.int64, device=x.device),
             torch.empty(2, schedule.world_size, dtype=torch.int64, device="cpu"),
         ]
-    return tuple(saved)
+    return (*saved, *empty_shared_saved(x, shared_gate_up))
 
 
 def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule: Schedule, group, config,
@@ -416,11 +371,10 @@ def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, share
     skipped: on one process all of it, with a group what is local to this rank)."""
     need_x, need_weights, need_w_gate_up, need_w_down, need_shared_gate_up, need_shared_down = needs_grad
     x_rows, gate_up, h, y_pairs, *rest = saved
-    shared_saved = ()
-    if shared_gate_up is not None:
-        shared_saved, rest = rest[:2], rest[2:]
     local = _is_local(schedule, group)
-    ex = None if local else _Exchange(*rest)  # the forward's: no second exchange, no host sync
+    num_exchange = 0 if local else len(dataclasses.fields(_Exchange))
+    ex = None if local else _Exchange(*rest[:num_exchange])  # the forward's: no second exchange, no host sync
+    shared_saved = rest[num_exchange:]
     ends = schedule.expert_offsets[1:]
     d_out = d_out.to(x.dtype)
     d_topk_weights = pair_weight_grads(d_out, y_pairs).to(topk_weights.dtype) if need_weights else None
@@ -439,12 +393,10 @@ def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, share
         if need_x_rows:
             d_x_pairs = to_pairs(d_x_rows, schedule, group, ex).view(schedule.num_tokens, schedule.top_k, x.shape[1])
             del d_x_rows
-    d_shared_gate_up = d_shared_down = d_x_shared = None
-    if shared_gate_up is not None:
-        d_x_shared, d_shared_gate_up, d_shared_down = shared_bwd(
-            d_out, x, shared_gate_up, shared_down, *shared_saved,
-            need_x=need_x, need_gate_up=need_shared_gate_up, need_down=need_shared_down,
-        )
+    d_x_shared, d_shared_gate_up, d_shared_down = shared_bwd(
+        d_out, x, shared_gate_up, shared_down, shared_saved,
+        need_x=need_x, need_gate_up=need_shared_gate_up, need_down=need_shared_down,
+    )
     if need_x:
         d_x = slot_sum(d_x_pairs, d_x_shared).to(x.dtype)
     return d_x, d_topk_weights, d_w_gate_up, d_w_down, d_shared_gate_up, d_shared_down

@@ -66,23 +66,35 @@ def triton_version() -> str | None:
     return triton.__version__
 
 
-def _workspace_bytes(group) -> int | None:
-    """This rank's symmetric-memory workspace (the fused EP path's), which the caching allocator's peak does
-    not count; None where there is none (no group, or Triton not installed)."""
+def _workspace_api(group):
+    """The Triton backend's workspace module where a pass can hold a workspace (a group, Triton installed),
+    else None."""
     if group is None:
         return None
     try:
-        from megamoe.backends.triton.comm.workspace import workspace_bytes
+        from megamoe.backends.triton.comm import workspace
     except ImportError:
         return None
-    return workspace_bytes(group)
+    return workspace
+
+
+def memory_record(peak: int, inputs_bytes: int, workspace: int | None, device: torch.device, group) -> dict:
+    """A pass's memory fields from this rank's allocator peak, what the inputs held before it and the EP
+    workspace held after it (None: none can exist), each the max over ranks. The symmetric-memory
+    workspace lies outside the caching allocator, whose peak does not see it; it is allocated at the first
+    call (the warm-up), before anything else of the pass, and held to the end, so both peaks add it."""
+    held = workspace or 0
+    values = reduce_over_ranks([peak + held, peak + held - inputs_bytes, held], dist.ReduceOp.MAX, device, group)
+    return {"peak_mem_bytes": int(values[0]), "peak_mem_above_inputs_bytes": int(values[1]),
+            "workspace_bytes": None if workspace is None else int(values[2])}
 
 
 def time_pass(w, backend, pass_name, weights, token_sets, *, iters, warmup, ceiling, device, group) -> dict:
     """ms, tflops, mfu and memory of one backend and pass, rotating through token_sets. Memory (GPUs, max over
-    ranks): peak_mem_bytes, the caching allocator's peak; peak_mem_above_inputs_bytes, that peak less what the
-    weights and input sets already held when the pass started (activations, gradients, temporaries);
-    workspace_bytes, the EP symmetric-memory workspace held after the pass (not in either peak)."""
+    ranks, memory_record): peak_mem_bytes, the caching allocator's peak plus the EP symmetric-memory
+    workspace; peak_mem_above_inputs_bytes, that less what the weights and input sets already held when the
+    pass started (activations, gradients, temporaries, workspace); workspace_bytes, the workspace alone (the
+    pass's own: the cached ones are dropped before it, so one of an earlier workload is not counted)."""
     fn = experts_fn(backend)
     run = forward_TH if pass_name == "fwd" else forward_backward
 
@@ -90,19 +102,20 @@ def time_pass(w, backend, pass_name, weights, token_sets, *, iters, warmup, ceil
         run(fn, weights, token_sets[i % len(token_sets)], group=group)
 
     on_gpu = device.type == "cuda"
+    workspace_api = _workspace_api(group)
     if on_gpu:
         torch.cuda.synchronize(device)
+        if workspace_api is not None:
+            # Every rank here, after the last pass's reduction of its times (its kernels are done).
+            workspace_api.clear_workspaces()
         torch.cuda.reset_peak_memory_stats(device)
         inputs_bytes = torch.cuda.memory_allocated(device)
     ms = median_ms(step, iters=iters, warmup=warmup, device=device, group=group)
     tflops = layer_flops(w, token_sets[0].x_TH.shape[0], pass_name) / ms / 1e9
     memory = {"peak_mem_bytes": None, "peak_mem_above_inputs_bytes": None, "workspace_bytes": None}
     if on_gpu:
-        peak = torch.cuda.max_memory_allocated(device)
-        workspace = _workspace_bytes(group)
-        values = reduce_over_ranks([peak, peak - inputs_bytes, workspace or 0], dist.ReduceOp.MAX, device, group)
-        memory = {"peak_mem_bytes": int(values[0]), "peak_mem_above_inputs_bytes": int(values[1]),
-                  "workspace_bytes": None if workspace is None else int(values[2])}
+        workspace = None if workspace_api is None else workspace_api.workspace_bytes(group)
+        memory = memory_record(torch.cuda.max_memory_allocated(device), inputs_bytes, workspace, device, group)
     return {"ms": ms, "tflops": tflops, "mfu": tflops / ceiling if ceiling else None, **memory}
 
 

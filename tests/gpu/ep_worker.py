@@ -4,7 +4,9 @@ Every rank builds the same global problem (same seed), runs its shard through me
 group, and compares its outputs and gradients with the fp64 reference of the global problem (error
 budget as docs/design.md) — for every backend and direction, bitwise across runs, directions and EP overlap
 settings (num_comm_sms, minibatch_tokens), under a CUDA graph, with skewed routing and an empty rank. Exits non-zero on the first failure.
-Usage: torchrun --nproc-per-node=N tests/gpu/ep_worker.py [checks|timeout]
+Modes beyond "checks": "timeout" (a peer that never arrives), "workspace" (one workspace reused across T),
+"mismatch" (ranks each on a different already-checked shape), "reject" (a rank rejecting its arguments).
+Usage: torchrun --nproc-per-node=N tests/gpu/ep_worker.py [checks|timeout|workspace|mismatch|reject]
 """
 
 import os
@@ -196,14 +198,88 @@ def timeout(rank, world):
         time.sleep(30)
 
 
+def workspace(rank, world):
+    """One workspace per (group, hidden size, dtype), sized for the largest T: a smaller T reuses it (nothing
+    allocated, results bitwise those of a fresh exactly-sized workspace); the default directions (pull
+    dispatch, push combine) hold no receive rows; push dispatch grows it by them."""
+    from megamoe.backends.triton.comm import workspace as ws_module
+
+    tokens, hidden, inter, experts, topk = 256, 256, 128, 4 * world, 2
+    config = megamoe.MoEConfig(backend="triton")
+    ids, p, d_out = problem(11, tokens, hidden, inter, experts, topk, world)
+    megamoe.clear_workspaces()
+    run_ep(ids, p, d_out, rank, world, tokens, experts, config)
+    (held,) = ws_module._WORKSPACES.values()
+    if held.sizes.rows != 0 or held.sizes.tokens != tokens:
+        raise AssertionError(f"default directions: workspace sizes {held.sizes}, want T={tokens} and no receive rows")
+    small = 100
+    ids_s, p_s, d_out_s = problem(12, small, hidden, inter, experts, topk, world)
+    reused = run_ep(ids_s, p_s, d_out_s, rank, world, small, experts, config)
+    if list(ws_module._WORKSPACES.values()) != [held]:
+        raise AssertionError("a smaller T allocated a workspace")
+    megamoe.clear_workspaces()
+    check_bitwise("T=100 on views of the T=256 workspace vs an exactly-sized one", reused,
+                  run_ep(ids_s, p_s, d_out_s, rank, world, small, experts, config))
+    run_ep(ids_s, p_s, d_out_s, rank, world, small, experts, megamoe.MoEConfig(backend="triton", dispatch="push"))
+    (grown,) = ws_module._WORKSPACES.values()
+    if grown.sizes.rows == 0:
+        raise AssertionError("push dispatch ran without receive rows in the workspace")
+    print(f"rank {rank} workspace: ok", flush=True)
+
+
+def mismatch(rank, world):
+    """Each rank calls with a shape the agreement check has seen (so none checks again), but not the same
+    one: the routing exchange's device check fails (an error at the next synchronisation), not a hang and
+    not a result."""
+    hidden, inter, experts, topk = 128, 64, 2 * world, 1
+    config = megamoe.MoEConfig(backend="triton", comm_timeout_ms=5000)
+    for tokens in (64, 32):  # both shapes checked and run on every rank
+        ids, p, d_out = problem(5, tokens, hidden, inter, experts, topk, world)
+        run_ep(ids, p, d_out, rank, world, tokens, experts, config)
+    torch.cuda.synchronize()
+    dist.barrier()
+    tokens = 64 if rank == 0 else 32
+    ids, p, d_out = problem(5, tokens, hidden, inter, experts, topk, world)
+    run_ep(ids, p, d_out, rank, world, tokens, experts, config)
+    torch.cuda.synchronize()  # must raise: the ranks' shapes differ
+    print(f"rank {rank}: NO ERROR (ranks on different shapes ran)", flush=True)
+    sys.exit(3)
+
+
+def reject(rank, world):
+    """On each backend (a first call of its shape): rank 1 rejects its w_down (transposed); every other rank
+    gets a ValueError naming it within seconds, and a good call afterwards runs (the collectives are in step)."""
+    import time
+
+    tokens, hidden, inter, experts, topk = 64, 128, 64, 2 * world, 2
+    ids, p, d_out = problem(6, tokens, hidden, inter, experts, topk, world)
+    for backend in ("torch", "triton"):
+        config = megamoe.MoEConfig(backend=backend, comm_timeout_ms=5000)
+        spoiled = dict(p, w_down=p["w_down"].transpose(1, 2)) if rank == 1 else p
+        start = time.monotonic()
+        try:
+            run_ep(ids, spoiled, d_out, rank, world, tokens, experts, config)
+        except (TypeError, ValueError) as e:
+            message, elapsed = f"{type(e).__name__}: {e}", time.monotonic() - start
+        else:
+            raise AssertionError(f"{backend}: rank {rank} raised nothing")
+        want = "ValueError: w_down must be" if rank == 1 else "ValueError: megamoe.experts: rank 1 of the expert-parallel group rejected"
+        if not message.startswith(want) or elapsed > 3:
+            raise AssertionError(f"{backend}: rank {rank} after {elapsed:.1f}s: {message}")
+        run_ep(ids, p, d_out, rank, world, tokens, experts, config)
+        torch.cuda.synchronize()
+        print(f"rank {rank} {backend} rejection: ok", flush=True)
+
+
 def main():
     mode = sys.argv[1] if len(sys.argv) > 1 else "checks"
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     world = dist.get_world_size()
-    {"checks": checks, "timeout": timeout}[mode](rank, world)
-    if mode == "checks":
+    modes = {"checks": checks, "timeout": timeout, "workspace": workspace, "mismatch": mismatch, "reject": reject}
+    modes[mode](rank, world)
+    if mode in ("checks", "workspace", "reject"):
         dist.barrier()
         dist.destroy_process_group()
 

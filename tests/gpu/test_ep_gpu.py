@@ -33,3 +33,19 @@ def test_peer_that_never_arrives_is_an_error_not_a_hang():
     result = _torchrun("timeout", timeout=120)
     assert result.returncode != 0, "rank 0 finished although its peer never took part"
     assert "NO ERROR" not in result.stdout, result.stdout[-2000:]
+
+
+def test_one_workspace_reused_across_t():
+    result = _torchrun("workspace", timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+
+
+def test_ranks_on_different_checked_shapes_fail_not_hang():
+    result = _torchrun("mismatch", timeout=120)
+    assert result.returncode != 0, "ranks calling with different shapes finished"
+    assert "NO ERROR" not in result.stdout, result.stdout[-2000:]
+
+
+def test_rejected_arguments_fail_the_peers_at_once():
+    result = _torchrun("reject", timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import poisoned_empty
+from conftest import poisoned_empty, triton_tile
 
 pytestmark = [
     pytest.mark.gpu,
@@ -189,6 +189,39 @@ def test_tma_core_runs_where_rows_are_16_byte_aligned():
         cfg = one_gpu_configs(x, wgu, wd, s)
         assert all(getattr(cfg, n).tma == (H % 8 == 0) for n in ("gate_up_fwd", "down_fwd", "down_dgrad",
                    "gate_up_dgrad", "dw_down", "dw_gate_up")), f"H={H}, I={I}: {cfg}"
+
+
+@pytest.mark.parametrize("case", [*WORKLOADS, "empty-experts-T300-E16", "odd-H2880-T77-k4"])
+def test_gluon_kernels_match_the_triton_tma_kernels_bitwise(case, monkeypatch):
+    """The table's Gluon kernels (TileConfig.gluon: warp-specialized, kernels/gluon_*.py) give the bits of the
+    Triton TMA kernels of the same tiles, on every output and gradient of the fused path."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels are in the Hopper (sm_90) table")
+    import dataclasses
+
+    from megamoe.backends.triton import experts as triton_experts
+    from megamoe.backends.triton.configs import tma_kernel_configs
+
+    T, H, I, E, k, shared, kind = {**WORKLOADS, **EDGES}[case]
+    inputs = make_inputs(T, H, I, E, k, shared, kind)
+    x, ids, _, wgu, wd, *_ = inputs
+    table = one_gpu_configs(x, wgu, wd, build_schedule(ids, E, block_m=block_m_for(H, I, DTYPE)))
+    gluon = [f.name for f in dataclasses.fields(table) if getattr(getattr(table, f.name), "gluon", False)]
+    assert gluon, f"no Gluon kernel in the table for H={H}, I={I}"
+    with poisoned_empty():
+        ours = run_triton(*inputs, E)
+
+    def triton_only(*args):
+        t = tma_kernel_configs(*args)
+        return dataclasses.replace(t, **{n: triton_tile(getattr(t, n)) for n in gluon})
+
+    monkeypatch.setattr(triton_experts, "tma_kernel_configs", triton_only)
+    with poisoned_empty():
+        want = run_triton(*inputs, E)
+    for name, a, b in zip(["out", *GRAD_NAMES], ours, want):
+        if b is None:
+            continue
+        assert torch.equal(a, b), f"{name}: the Gluon kernels ({', '.join(gluon)}) differ from the Triton TMA kernels"
 
 
 _NEVER_RAISED = """

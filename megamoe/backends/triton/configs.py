@@ -23,7 +23,12 @@ class TileConfig:
     columns; block_k: reduction step; group_m: row blocks swept together (L2 reuse of weight tiles);
     tma: the kernel of kernels/tma_gemm.py runs (operands and outputs by TMA copies) instead of the
     pointer-load one; flatten (tma only): Triton flattens the persistent tile loop with the K loop, so the
-    next tile's first copies are issued during this tile's epilogue."""
+    next tile's first copies are issued during this tile's epilogue; gather (gate_up_fwd on the TMA core):
+    the kernel gathers the x rows in its loads (by pointer, the weights still by TMA) instead of reading
+    rows a gather pass wrote; gluon (with tma): the warp-specialized Gluon kernel of kernels/gluon_*.py runs
+    (a producer warp feeding two consumer warpgroups through an mbarrier ring; num_warps is then its
+    default partition's, 4), its two warpgroups on alternate tiles with pingpong, else on halves of each
+    tile."""
 
     block_m: int
     block_n: int
@@ -33,6 +38,9 @@ class TileConfig:
     group_m: int = 8
     tma: bool = False
     flatten: bool = False
+    gather: bool = False
+    gluon: bool = False
+    pingpong: bool = False
 
     def with_block_m(self, block_m: int) -> "TileConfig":
         return dataclasses.replace(self, block_m=block_m)
@@ -79,17 +87,38 @@ _SM90 = KernelConfigs(
 # whose epilogue is short next to their K loop (down_fwd, the weight grads) and hurts the two-accumulator
 # gate/up tile (its epilogue then competes with the next tile's copies for shared memory).
 _SM90_TMA = KernelConfigs(
-    gate_up_fwd=TileConfig(128, 128, 64, num_warps=8, num_stages=3, tma=True),
-    down_fwd=TileConfig(128, 256, 64, num_warps=8, num_stages=3, tma=True, flatten=True),
-    down_dgrad=TileConfig(128, 128, 64, num_warps=8, num_stages=4, tma=True),
-    gate_up_dgrad=TileConfig(128, 256, 64, num_warps=8, num_stages=3, tma=True),
-    dw_down=TileConfig(128, 256, 64, num_warps=8, num_stages=3, tma=True, flatten=True),
-    dw_gate_up=TileConfig(128, 256, 64, num_warps=8, num_stages=3, tma=True, flatten=True),
+    # gate_up_fwd: the Gluon kernel (kernels/gluon_gate_up.py), two accumulators per consumer warpgroup (64
+    # rows x 128 gate + 128 up columns), bitwise equal to the Triton kernel: h and gate_up at qwen3-235b-a22b
+    # 638 TF/s against 616 (3 stages, two staging buffers per consumer); see _GATHER_X_MAX_H for small H.
+    gate_up_fwd=TileConfig(128, 128, 64, num_warps=4, num_stages=3, tma=True, gluon=True),
+    # down_fwd and gate_up_dgrad: the Gluon row-block kernel (kernels/gluon_rows.py), the same tiles, bitwise
+    # equal, two warpgroups on the halves of each tile: qwen3-30b-a3b 632 / 663 TF/s against the Triton
+    # kernel's 614 / 624, qwen3-235b-a22b 668 / 658 against 645 / 643 (benchmarks/gluon_rows_bench.py,
+    # h200-gluon-rows-v1.json); ping-pong (128 x 128, alternate tiles) 609-635, below.
+    down_fwd=TileConfig(128, 256, 64, num_warps=4, num_stages=3, tma=True, gluon=True),
+    # down_dgrad (the router epilogue, h_w stored): the Gluon kernel (kernels/gluon_down_dgrad.py), whose
+    # producer prefetches the tile's gate_up during the main loop and a loader warp the router weights, so the
+    # epilogue reads shared memory only: qwen3-30b-a3b 1.007 ms against 1.290 (the flattened Triton kernel),
+    # qwen3-235b-a22b 3.394 against 4.010, bitwise equal (benchmarks/gluon_down_dgrad_bench.py,
+    # h200-gluon-down-dgrad-v1.json).
+    down_dgrad=TileConfig(128, 128, 64, num_warps=4, num_stages=4, tma=True, gluon=True),
+    gate_up_dgrad=TileConfig(128, 256, 64, num_warps=4, num_stages=3, tma=True, gluon=True),
+    # The Gluon weight-grad kernel (kernels/gluon_dw.py), the same 128 x 256 x 64 tile, bitwise equal:
+    # qwen3-30b-a3b dw_down 0.669 ms against 0.689, dw_gate_up 1.342 against 1.385; qwen3-235b-a22b 2.641
+    # against 2.826 and 5.239 against 5.478 (benchmarks/gluon_dw_bench.py, h200-gluon-dw-v1.json). Ping-pong
+    # 128 x 128 x 4 stages: 1.284 at qwen3-30b-a3b dw_gate_up, slower elsewhere.
+    dw_down=TileConfig(128, 256, 64, num_warps=4, num_stages=3, tma=True, gluon=True),
+    dw_gate_up=TileConfig(128, 256, 64, num_warps=4, num_stages=3, tma=True, gluon=True),
     combine=_SM90.combine,
 )
-# down_dgrad's K loop runs over H: below this the flattened loop wins (qwen3-30b-a3b 480 TF/s against 436,
-# gpt-oss-120b 467 against 447), above it the plain one (qwen3-235b-a22b 500 against 460).
-_FLATTEN_DOWN_DGRAD_MAX_H = 3072
+# gate_up_fwd gathering x in its loads instead of a gather pass + the GEMM on rows: the Triton kernel
+# (benchmarks/gather_ab.py, h200-gather-ab-v1.json) at qwen3-30b-a3b (H 2048) 1.69 ms against 1.80, gpt-oss-120b
+# (H 2880) 4.69 against 4.86; qwen3-235b-a22b (H 4096) even; mixtral-8x7b (4096) 7.17 against 6.48, deepseek-v3
+# (7168) 7.36 against 6.67: the pointer loads of A cost the long K loops more than the pass they save. The Gluon
+# kernel gathers with a producer warpgroup of cp.async copies (4 stages, one staging buffer per consumer):
+# qwen3-30b-a3b 1.497 ms against 1.446 + 0.26 (its rows + the pass); qwen3-235b-a22b 6.109 against 5.502 + 0.51
+# (h200-gluon-gate-up-v1.json).
+_GATHER_X_MAX_H = 3072
 # Other GPUs (Ampere, Ada, Blackwell until measured): mma.sync-sized tiles that fit 100 KB of shared memory.
 _DEFAULT = KernelConfigs(
     gate_up_fwd=TileConfig(128, 64, 32, num_warps=8, num_stages=3),
@@ -128,8 +157,9 @@ def tma_kernel_configs(
     if hidden % 8 or intermediate % 8 or block_m % _SM90_TMA.gate_up_fwd.block_m:
         return None
     table = _SM90_TMA
-    if hidden <= _FLATTEN_DOWN_DGRAD_MAX_H:
-        table = dataclasses.replace(table, down_dgrad=dataclasses.replace(table.down_dgrad, flatten=True))
+    if hidden <= _GATHER_X_MAX_H:
+        gathering = dataclasses.replace(table.gate_up_fwd, gather=True, num_stages=4)
+        table = dataclasses.replace(table, gate_up_fwd=gathering)
     return table
 
 

@@ -34,6 +34,12 @@ needed (skipping inside it would need kernel changes), and the exchanges always 
 weight grads need this rank's rows whatever this rank needs. Gradients computed but not needed are
 returned anyway; megamoe.autograd drops them.
 
+The empty batch (T = 0): the ranks of a group agree on T (megamoe.autograd.check_ranks_agree: a rank
+alone with T = 0 is a ValueError on every rank), so T = 0 here means no rank has a token and R = 0 on
+every rank. Nothing is exchanged or launched, on every rank alike (the symmetric workspace is not even
+looked up: it has no buffers of 0 rows): the routing exchange returns the empty routing, the forward an
+empty out, the backward an empty d_x and d_topk_weights and exact-zero weight gradients.
+
 Why no extra barrier is needed around the pushes: a pairs buffer we push into was last read by its
 owner's collect_pushed of the previous exchange, which precedes, on the owner's stream, a barrier that
 this exchange passed (the publish barriers, or those of a whole push dispatch); the owner reads it
@@ -46,12 +52,13 @@ import math
 
 import torch
 
+from megamoe.backends.swiglu import empty_shared_saved, shared_bwd, shared_fwd
 from megamoe.backends.triton import kernels
 from megamoe.backends.triton.comm.exchange import (
     ReceiveMaps, collect_pushed, combine, dispatch, dispatch_pair_weights, gather_routing, publish, pull_rows, receive_maps,
 )
 from megamoe.backends.triton.comm.workspace import Workspace, _Buffer, get_workspace
-from megamoe.backends.triton.experts import all_blocks, configs_for, rows_in_use, shared_bwd, shared_fwd
+from megamoe.backends.triton.experts import all_blocks, configs_for, empty_batch_grads, rows_in_use
 from megamoe.backends.triton.kernels._common import num_sms
 from megamoe.schedule import Schedule, receive_rows
 
@@ -70,21 +77,28 @@ def _direction(config, operation: str) -> str:
 
 
 def _workspace(x: torch.Tensor, num_tokens: int, top_k: int, num_rows: int, group, config):
+    """The workspace of a call with R = num_rows receive rows. It holds receive rows (rows_in, rows_out) only
+    for the directions whose whole exchanges use them, push dispatch and pull combine: the "auto" pair (pull
+    dispatch, push combine), fused or not, moves rows between the token owners' buffers and local tensors."""
+    whole_exchange_rows = _direction(config, "dispatch") == "push" or _direction(config, "combine") == "pull"
     return get_workspace(
-        group, device=x.device, num_tokens=num_tokens, hidden_size=x.shape[1],
-        top_k=top_k, num_rows=num_rows, dtype=x.dtype, comm_timeout_ms=config.comm_timeout_ms,
+        group, device=x.device, num_tokens=num_tokens, hidden_size=x.shape[1], top_k=top_k,
+        num_rows=num_rows if whole_exchange_rows else 0, dtype=x.dtype, comm_timeout_ms=config.comm_timeout_ms,
     )
 
 
 def routing_exchange(x, w_gate_up, group, config):
-    """build_schedule's gather_routing: every rank publishes its [T, k] ids in symmetric memory and
-    reads all of them (bounded waits, no host sync). Returns a callable ids [T, k] -> [W*T, k]."""
+    """build_schedule's gather_routing: every rank publishes its [T, k] ids in symmetric memory, after its
+    (T, T*k, R), and reads all of them (bounded waits, no host sync; a peer with other shapes fails a device
+    assert: exchange.gather_routing). Returns a callable ids [T, k] -> [W*T, k]."""
 
     def gather(ids_TK: torch.Tensor) -> torch.Tensor:
         num_tokens, top_k = ids_TK.shape
+        if num_tokens == 0:  # T = 0 on every rank (module docstring): no routing anywhere, [W*0, k]
+            return ids_TK
         world = torch.distributed.get_world_size(group)
         rows = receive_rows(num_tokens, top_k, w_gate_up.shape[0], world, config.block_m, config.capacity_factor)
-        return gather_routing(_workspace(x, num_tokens, top_k, rows, group, config), ids_TK)
+        return gather_routing(_workspace(x, num_tokens, top_k, rows, group, config), ids_TK, rows)
 
     return gather
 
@@ -142,6 +156,9 @@ def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
                 *, overlap: bool = True, save_for_backward: bool = True):
     """overlap=False: whole exchanges around the one-GPU GEMMs whatever the directions, the unfused layer
     (the fused one's bitwise reference, and its time without overlap in benchmarks/overlap_bench.py)."""
+    if schedule.num_tokens == 0:  # T = 0 on every rank (module docstring): nothing to exchange or launch
+        saved = empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule) if save_for_backward else ()
+        return x.new_empty(0, x.shape[1]), saved
     fused = _fused(config, overlap)
     ws = _workspace(x, schedule.num_tokens, schedule.top_k, schedule.num_rows, group, config)
     cfg = configs_for(x, w_gate_up, schedule)
@@ -150,9 +167,7 @@ def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
     pull, push = _direction(config, "dispatch") == "pull", _direction(config, "combine") == "push"
     maps, blocks = receive_maps(schedule), all_blocks(schedule)
 
-    shared_out, shared_act = None, x.new_empty(0)
-    if shared_gate_up is not None:
-        shared_out, shared_act = shared_fwd(x, shared_gate_up, shared_down)
+    shared_out, shared_saved = shared_fwd(x, shared_gate_up, shared_down)
     if not pull:  # push dispatch: the token owners write the receive rows (a whole exchange)
         x_rows = dispatch(ws, x, schedule, "push")
     else:  # filled by the pull (fused kernel or pull_rows) below
@@ -174,18 +189,18 @@ def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
     out = kernels.combine(y_pairs, topk_weights, _pair_index(schedule), shared_out, config=cfg.combine)
     if not save_for_backward:
         return out, ()
-    return out, (x_rows, h, gate_up, y_pairs, shared_act)
+    return out, (x_rows, h, gate_up, y_pairs, *shared_saved)
 
 
 def empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule: Schedule):
+    """Tensors shaped like experts_fwd's `saved`: (x_rows, h, gate_up, y_pairs, *the shared expert's)."""
     rows, inter, hidden = schedule.num_rows, w_down.shape[2], x.shape[1]
-    shared = x.new_empty(x.shape[0], shared_gate_up.shape[0]) if shared_gate_up is not None else x.new_empty(0)
     return (
         x.new_empty(rows, hidden),
         x.new_empty(rows, inter),
         x.new_empty(rows, 2 * inter),
         x.new_empty(schedule.num_tokens * schedule.top_k, hidden),
-        shared,
+        *empty_shared_saved(x, shared_gate_up),
     )
 
 
@@ -194,9 +209,11 @@ def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, share
     """All six gradients (see experts.experts_bwd); needs_grad skips only this rank's local work (module
     docstring): the fused kernel and the exchanges always run, so some gradients not asked for come back anyway.
     overlap=False: whole exchanges around the one-GPU GEMMs, as in experts_fwd."""
+    if schedule.num_tokens == 0:  # as in experts_fwd
+        return empty_batch_grads(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, needs_grad)
     need_x, need_weights, need_w_gate_up, need_w_down, need_shared_gate_up, need_shared_down = needs_grad
     fused = _fused(config, overlap)
-    x_rows, h, gate_up, y_pairs, shared_act = saved
+    x_rows, h, gate_up, y_pairs, *shared_saved = saved
     ws = _workspace(x, schedule.num_tokens, schedule.top_k, schedule.num_rows, group, config)
     cfg = configs_for(x, w_gate_up, schedule)
     rows, hidden, experts = schedule.num_rows, x.shape[1], w_down.shape[0]
@@ -206,14 +223,13 @@ def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, share
     d_out = d_out.to(x.dtype).contiguous()
     weights = topk_weights.float().contiguous()
 
-    d_x_shared = d_shared_gate_up = d_shared_down = d_topk_weights = None
+    d_topk_weights = None
     if need_weights:
-        d_topk_weights = kernels.combine_bwd(d_out, y_pairs, pair_index, config=cfg.combine)
-    if shared_gate_up is not None:
-        d_x_shared, d_shared_gate_up, d_shared_down = shared_bwd(
-            d_out, x, shared_gate_up, shared_down, shared_act,
-            need_x=need_x, need_gate_up=need_shared_gate_up, need_down=need_shared_down,
-        )
+        d_topk_weights = kernels.combine_bwd(d_out, y_pairs, pair_index, config=cfg.combine).to(topk_weights.dtype)
+    d_x_shared, d_shared_gate_up, d_shared_down = shared_bwd(
+        d_out, x, shared_gate_up, shared_down, shared_saved,
+        need_x=need_x, need_gate_up=need_shared_gate_up, need_down=need_shared_down,
+    )
     # d_y rows: each row's d_out times its pair's router weight (fp32 product rounded to the dtype).
     d_y_rows = x.new_empty(rows, hidden)
     if pull:

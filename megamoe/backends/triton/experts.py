@@ -1,11 +1,13 @@
 """Forward/backward drivers of the single-GPU fused Triton path (no expert-parallel group), and the
-helpers the expert-parallel path (ep.py) shares (tile configs, device ranges, shared expert).
+helpers the expert-parallel path (ep.py) shares (tile configs, device ranges, the empty batch's gradients).
 
 Every GEMM reads and writes contiguous receive rows [R, *] (expert-major, padded per expert to the
 schedule's block_m, padding rows zero).
 Forward:  gather x_rows = x[row_src // k] -> gate_up_fwd (gate/up GEMM, SwiGLU epilogue: h, and gate_up
           when kept) -> down_fwd (y_rows) -> combine (out[t] = sum_j w * y_rows[dest_row[t, j]] in fp32,
-          j in order, + shared last). x_rows, h and y_rows are released inside the forward.
+          j in order, + shared last). x_rows, h and y_rows are released inside the forward. Where the tile
+          table says so (small H, configs._GATHER_X_MAX_H) gate_up_fwd gathers the x rows in its loads and
+          there is no x_rows.
 Backward: gather d_out_rows = d_out[row_src // k] (unweighted) -> down_dgrad_router (d_out_rows @ w_down,
           the router weight and the SwiGLU backward in the epilogue: d_gate_up; h_w = w * h recomputed
           from gate_up; the router-weight gradient's partial sums) -> dw_down (d_out_rows^T h_w) ->
@@ -13,14 +15,14 @@ Backward: gather d_out_rows = d_out[row_src // k] (unweighted) -> down_dgrad_rou
           weights (d_x = sum_j d_x_rows[dest_row[t, j]], + shared) -> gather x_rows again -> dw_gate_up
           (d_gate_up^T x_rows). The weight-grad kernels own one output tile per program and loop over
           its expert's rows.
-The shared expert is a dense MLP and runs on cuBLAS through torch.
+The shared expert is a dense MLP on cuBLAS through torch: backends/swiglu.py's, the one every backend runs.
 
-saved = (gate_up [R, 2I], shared_gate_up_act [T, 2I_s]): 4I bytes per routed row in bf16, all the
+saved = (gate_up [R, 2I], shared pre [T, 2I_s], shared h [T, I_s]): 4I bytes per routed row in bf16, all the
 backward needs besides x and the schedule: h is recomputed from gate_up in down_dgrad's epilogue
 (gate_up_fwd computes it from the rounded gate_up, so the bits match) and the router-weight gradient
 <d_out[t], y_rows[r]> is computed as <d_out[t] @ w_down[e], h[r]> there, so y_rows is not kept either.
 With MoEConfig.recompute gate_up is empty [0, 2I] and the backward reruns gate_up_fwd on x_rows (same
-kernel, same bits). Without a shared expert the last entry is empty. Entries are always tensors so the
+kernel, same bits). Without a shared expert the shared entries are absent. Entries are always tensors so the
 tuple can cross torch.library custom ops. gate_up's memory is released once down_dgrad_router has read it
 (autograd would hold it to the end of the backward; a second backward through the same forward recomputes
 it), so the backward's order keeps at most three [R, *] tensors live (gate_up, d_out_rows, d_gate_up and
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import torch
 
+from megamoe.backends.swiglu import empty_shared_saved, shared_bwd, shared_fwd
 from megamoe.backends.triton import kernels
 from megamoe.backends.triton.configs import KernelConfigs, kernel_configs, tma_kernel_configs
 from megamoe.backends.triton.kernels import tma_gemm
@@ -86,27 +89,6 @@ def _check_group(group, schedule: Schedule, w_gate_up: torch.Tensor) -> None:
         )
 
 
-def shared_fwd(x, shared_gate_up, shared_down):
-    gate_up = x @ shared_gate_up.t()
-    g, u = gate_up.float().chunk(2, dim=-1)
-    h = (torch.nn.functional.silu(g) * u).to(x.dtype)
-    return h @ shared_down.t(), gate_up
-
-
-def shared_bwd(d_out, x, shared_gate_up, shared_down, gate_up, *, need_x: bool = True,
-               need_gate_up: bool = True, need_down: bool = True):
-    """(d_x, d_shared_gate_up, d_shared_down) of the shared expert, None for each one not needed."""
-    g, u = gate_up.float().chunk(2, dim=-1)
-    sig = torch.sigmoid(g)
-    silu = g * sig
-    d_shared_down = d_out.t() @ (silu * u).to(x.dtype) if need_down else None
-    if not (need_x or need_gate_up):
-        return None, None, d_shared_down
-    d_h = (d_out @ shared_down).float()
-    d_gate_up = torch.cat([d_h * u * sig * (1.0 + g * (1.0 - sig)), d_h * silu], dim=-1).to(x.dtype)
-    return d_gate_up @ shared_gate_up if need_x else None, d_gate_up.t() @ x if need_gate_up else None, d_shared_down
-
-
 # ----------------------------------------------------------------------------------------------------
 # The one-GPU backend interface.
 
@@ -116,9 +98,14 @@ def _x_rows(x: torch.Tensor, schedule: Schedule) -> torch.Tensor:
 
 
 def _gate_up(x, w_gate_up, w_down, schedule: Schedule, cfg: KernelConfigs, *, store_gate_up: bool):
-    """(h [R, I], gate_up [R, 2I] or None) of the gathered rows of x; the gathered rows are released on return."""
-    return kernels.gate_up_fwd(_x_rows(x, schedule), w_gate_up, schedule.block_expert, all_blocks(schedule),
-                               store_gate_up=store_gate_up, config=cfg.gate_up_fwd)
+    """(h [R, I], gate_up [R, 2I] or None) of the rows of x: gathered in the kernel's loads where the tile
+    says so (gather), else by a gather pass whose rows are released on return."""
+    if cfg.gate_up_fwd.gather:
+        a, gather = x, (schedule.row_src, schedule.top_k)
+    else:
+        a, gather = _x_rows(x, schedule), None
+    return kernels.gate_up_fwd(a, w_gate_up, schedule.block_expert, all_blocks(schedule),
+                               store_gate_up=store_gate_up, config=cfg.gate_up_fwd, gather=gather)
 
 
 def experts_fwd(
@@ -154,19 +141,16 @@ def experts_fwd(
         h, gate_up = _gate_up(x, w_gate_up, w_down, schedule, cfg, store_gate_up=store_gate_up)
         y_rows = kernels.down_fwd(h, w_down, schedule.block_expert, all_blocks(schedule), config=cfg.down_fwd)
         del h  # lowers the peak: the combine allocates out
-    shared_out, shared_act = None, x.new_empty(0)
-    if shared_gate_up is not None:
-        shared_out, shared_act = shared_fwd(x, shared_gate_up, shared_down)
+    shared_out, shared_saved = shared_fwd(x, shared_gate_up, shared_down)
     out = kernels.combine(y_rows, topk_weights, schedule.dest_row, shared_out, config=cfg.combine)
     if not save_for_backward:
         return out, ()
-    return out, (gate_up if gate_up is not None else x.new_empty(0, w_gate_up.shape[1]), shared_act)
+    return out, (gate_up if gate_up is not None else x.new_empty(0, w_gate_up.shape[1]), *shared_saved)
 
 
 def empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule: Schedule) -> tuple[torch.Tensor, ...]:
     """Tensors shaped like experts_fwd's `saved` (default config), for torch.compile's fake impl."""
-    shared = x.new_empty(x.shape[0], shared_gate_up.shape[0]) if shared_gate_up is not None else x.new_empty(0)
-    return (x.new_empty(schedule.num_rows, w_gate_up.shape[1]), shared)
+    return (x.new_empty(schedule.num_rows, w_gate_up.shape[1]), *empty_shared_saved(x, shared_gate_up))
 
 
 def router_grad(d_w_part: torch.Tensor, dest_row: torch.Tensor) -> torch.Tensor:
@@ -175,6 +159,15 @@ def router_grad(d_w_part: torch.Tensor, dest_row: torch.Tensor) -> torch.Tensor:
     per_row = d_w_part.sum(dim=1)
     routed = dest_row >= 0
     return torch.where(routed, per_row[dest_row.clamp(min=0).long()], 0.0)
+
+
+def empty_batch_grads(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
+                      needs_grad: tuple[bool, ...]) -> tuple[torch.Tensor | None, ...]:
+    """experts_bwd's gradients for a batch without tokens (T = 0), computed without a launch: d_x [0, H] and
+    d_topk_weights [0, k] empty, every weight's gradient exact zeros (no token contributes); None for each
+    one needs_grad does not ask for, and for the shared weights without a shared expert."""
+    inputs = (x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down)
+    return tuple(torch.zeros_like(t) if need and t is not None else None for t, need in zip(inputs, needs_grad))
 
 
 def _release(saved: torch.Tensor) -> None:
@@ -199,28 +192,23 @@ def experts_bwd(
     *,
     needs_grad: tuple[bool, ...] = ALL_GRADS,
 ) -> tuple[torch.Tensor | None, ...]:
-    """(d_x, d_topk_weights [T, k] fp32, d_w_gate_up, d_w_down, d_shared_gate_up or None, d_shared_down or None);
-    needs_grad: one bool per gradient in that order; None (and its kernels skipped) for each one not needed.
-    The order of the steps is the module docstring's (it decides the peak memory)."""
+    """(d_x, d_topk_weights [T, k] in topk_weights' dtype, d_w_gate_up, d_w_down, d_shared_gate_up or None,
+    d_shared_down or None); needs_grad: one bool per gradient in that order; None (and its kernels skipped)
+    for each one not needed. The order of the steps is the module docstring's (it decides the peak memory)."""
     _check_group(group, schedule, w_gate_up)
+    if schedule.num_rows == 0:  # T = 0: no token contributes, nothing to launch
+        return empty_batch_grads(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, needs_grad)
     need_x, need_weights, need_w_gate_up, need_w_down, need_shared_gate_up, need_shared_down = needs_grad
-    gate_up, shared_act = saved
+    gate_up, *shared_saved = saved
     cfg = one_gpu_configs(x, w_gate_up, w_down, schedule)
     x = x.contiguous()
     d_out = d_out.to(x.dtype).contiguous()
-    d_x_shared = d_shared_gate_up = d_shared_down = None
-    if shared_gate_up is not None:
-        d_x_shared, d_shared_gate_up, d_shared_down = shared_bwd(
-            d_out, x, shared_gate_up, shared_down, shared_act,
-            need_x=need_x, need_gate_up=need_shared_gate_up, need_down=need_shared_down,
-        )
+    d_x_shared, d_shared_gate_up, d_shared_down = shared_bwd(
+        d_out, x, shared_gate_up, shared_down, shared_saved,
+        need_x=need_x, need_gate_up=need_shared_gate_up, need_down=need_shared_down,
+    )
     d_x = d_topk_weights = d_w_gate_up = d_w_down = None
-    if schedule.num_rows == 0:  # T = 0: no pair contributes, nothing to launch
-        d_x, d_topk_weights, d_w_gate_up, d_w_down = (
-            torch.zeros_like(t) if need else None
-            for t, need in zip((x, topk_weights, w_gate_up, w_down), (need_x, need_weights, need_w_gate_up, need_w_down))
-        )
-    elif need_x or need_weights or need_w_gate_up or need_w_down:
+    if need_x or need_weights or need_w_gate_up or need_w_down:
         blocks, num_experts = all_blocks(schedule), w_gate_up.shape[0]
         kept = gate_up.shape[0] > 0 and gate_up.untyped_storage().nbytes() > 0
         if not kept:  # MoEConfig.recompute, or a second backward through this forward (see _release)

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from megamoe.backends.triton.comm.workspace import Workspace, _Buffer
+from megamoe.backends.triton.comm.workspace import ROUTING_HEADER, Workspace, _Buffer
 from megamoe.backends.triton.kernels.row_copy import COPY_SHAPE, CopyShape, copy_rows
 from megamoe.schedule import Schedule
 
@@ -164,11 +164,32 @@ def combine(ws: Workspace, rows_RH: torch.Tensor, schedule: Schedule, direction:
     return out
 
 
-def gather_routing(ws: Workspace, ids_TK: torch.Tensor) -> torch.Tensor:
-    """Every rank's routing, [W*T, k] int32 in rank order: publish ours, then read every rank's copy."""
-    publish(ws, [(ws.ids, ids_TK)])
-    out = ids_TK.new_empty(ws.world_size, ids_TK.numel())
+def _shapes_on_device(ws: Workspace, num_rows: int, like: torch.Tensor) -> torch.Tensor:
+    """int32 [ROUTING_HEADER]: this call's (T, T*k, R) on like's device, written by fill kernels (a copy from
+    the host would synchronise)."""
+    out = like.new_empty(ROUTING_HEADER, dtype=torch.int32)
+    for i, value in enumerate((ws.sizes.tokens, ws.sizes.pairs, num_rows)):
+        out[i].fill_(value)
+    return out
+
+
+def gather_routing(ws: Workspace, ids_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Every rank's routing, [W*T, k] int32 in rank order: publish our (T, T*k, R) (R = num_rows, the
+    schedule's receive rows) and ids, then read every rank's. A rank that called with other shapes (ranks
+    that each call with shapes the agreement check has seen before, so that none checks again) fails a
+    device assert here, on every rank, with no host sync; the ids read from it are then garbage, which
+    build_schedule clamps into range (check_gathered_ids)."""
+    shapes = _shapes_on_device(ws, num_rows, ids_TK)
+    publish(ws, [(ws.ids, torch.cat([shapes, ids_TK.reshape(-1)]))])
+    row_elems = ROUTING_HEADER + ids_TK.numel()
+    out = ids_TK.new_empty(ws.world_size, row_elems)
     ranks = torch.arange(ws.world_size, device=ids_TK.device, dtype=torch.int32)
     copy_rows(ws.ids.peer_ptrs, ranks, torch.zeros_like(ranks), out, torch.zeros_like(ranks), ranks,
-              row_elems=ids_TK.numel(), element_size=4, src_is_table=True, dst_is_table=False)
-    return out.view(-1, ids_TK.shape[1])
+              row_elems=row_elems, element_size=4, src_is_table=True, dst_is_table=False)
+    # NOTE: no host sync; a mismatch fails the device assert at the caller's next synchronisation.
+    torch._assert_async(
+        (out[:, :ROUTING_HEADER] == shapes).all(),
+        "megamoe: the ranks of the expert-parallel group called with different T, k or receive rows; every rank "
+        "of the group must pass the same T and k (pad the batch to a common T) and the same MoEConfig",
+    )
+    return out[:, ROUTING_HEADER:].reshape(-1, ids_TK.shape[1])

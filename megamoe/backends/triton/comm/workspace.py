@@ -1,4 +1,5 @@
-"""The symmetric-memory workspace of an expert-parallel group, allocated once and reused by every layer.
+"""The symmetric-memory workspace of an expert-parallel group: one per (group, device, hidden size, dtype),
+sized for the largest shapes asked for, reused by every layer and every smaller batch.
 
 Buffers live in PyTorch symmetric memory (`torch.distributed._symmetric_memory`), so every rank can
 read and write its peers' copies over NVLink through their mapped addresses. NVLink multicast is never
@@ -19,24 +20,55 @@ DEFAULT_TIMEOUT_MS = 30_000
 
 @dataclasses.dataclass(frozen=True)
 class _Buffer:
-    """One symmetric buffer: this rank's tensor, the rendezvous handle and the peers' base addresses."""
+    """One symmetric buffer: this rank's tensor, the rendezvous handle and the peers' base addresses (an
+    empty buffer that no kernel reads: a plain local tensor, no handle, no addresses)."""
 
     local: torch.Tensor
     handle: object
     peer_ptrs: torch.Tensor  # [W] int64 base addresses of every rank's copy (mapped here)
 
 
+# The routing buffer starts with each rank's (T, T*k, R), so that a reader checks, on the device, that the
+# rank it reads from called with its own shapes (exchange.gather_routing): one workspace serves every T.
+ROUTING_HEADER = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkspaceSizes:
+    """What a workspace holds: token rows (T), (token, slot) pairs (T * k) and receive rows (R)."""
+
+    tokens: int
+    pairs: int
+    rows: int
+
+    def covers(self, other: "WorkspaceSizes") -> bool:
+        return self.tokens >= other.tokens and self.pairs >= other.pairs and self.rows >= other.rows
+
+    def union(self, other: "WorkspaceSizes") -> "WorkspaceSizes":
+        return WorkspaceSizes(max(self.tokens, other.tokens), max(self.pairs, other.pairs), max(self.rows, other.rows))
+
+    def nbytes(self, hidden_size: int, dtype: torch.dtype) -> int:
+        """This rank's symmetric memory for these sizes: (T + T*k + 2R) rows of H elements of dtype (tokens,
+        pairs, rows_in, rows_out) plus 4 bytes per pair twice and ROUTING_HEADER ints (weights, ids)."""
+        row = hidden_size * dtype.itemsize
+        return (self.tokens + self.pairs + 2 * self.rows) * row + 4 * (2 * self.pairs + ROUTING_HEADER)
+
+
 @dataclasses.dataclass(frozen=True)
 class Workspace:
-    """Buffers of one (group, device, shape) combination; see get_workspace.
+    """Buffers of one (group, device, hidden size, dtype) combination; see get_workspace.
 
+    get_workspace hands out views of the cached workspace's leading elements shaped for one call (T, k, R),
+    with the same handles and peer tables: a row's address is the same on every rank whatever the call's
+    T, so kernels address peers' rows with the same tables.
     tokens [T, H]     token owner's rows (x forward, d_out backward) that expert owners pull
     weights [T, k]    token owner's topk_weights (fp32), pulled by expert owners in the backward
-    ids [T, k]        token owner's routing (int32), read by every rank to build the global schedule;
-                      its handle also carries the group's barrier
+    ids [ROUTING_HEADER + T*k]  token owner's (T, T*k, R), then its routing (int32), read by every rank to
+                      build the global schedule; its handle also carries the group's barrier
     pairs [T*k, H]    token owner's per-(token, slot) rows that expert owners push (y, d_x)
     rows_in [R, H]    expert owner's receive rows that token owners push (push dispatch)
     rows_out [R, H]   expert owner's result rows that token owners pull (pull combine)
+    (R = 0, both empty, for the directions that use neither: ep.py's default, pull dispatch and push combine.)
     """
 
     group_name: str
@@ -51,8 +83,13 @@ class Workspace:
     rows_out: _Buffer
 
     @property
+    def sizes(self) -> WorkspaceSizes:
+        return WorkspaceSizes(self.tokens.local.shape[0], self.pairs.local.shape[0], self.rows_in.local.shape[0])
+
+    @property
     def nbytes(self) -> int:
-        """This rank's symmetric memory in these buffers (not counted by torch.cuda.max_memory_allocated)."""
+        """This rank's symmetric memory in these buffers (not counted by torch.cuda.max_memory_allocated);
+        for a view sized for a call, the part of the workspace that call uses."""
         buffers = (self.tokens, self.weights, self.ids, self.pairs, self.rows_in, self.rows_out)
         return sum(b.local.numel() * b.local.element_size() for b in buffers)
 
@@ -60,7 +97,26 @@ class Workspace:
         """All ranks reach this point (in stream order) before any continues; bounded by comm_timeout_ms."""
         self.ids.handle.barrier(channel=0, timeout_ms=self.comm_timeout_ms)
 
+    def sized(self, num_tokens: int, top_k: int, num_rows: int, comm_timeout_ms: int) -> "Workspace":
+        """Views of this workspace's leading elements shaped for one call (which `sizes` must cover)."""
+        pairs = num_tokens * top_k
 
+        def view(buffer: _Buffer, count: int, *shape: int) -> _Buffer:
+            return dataclasses.replace(buffer, local=buffer.local.view(-1)[:count].view(*shape))
+
+        hidden = self.tokens.local.shape[1]
+        return dataclasses.replace(
+            self, comm_timeout_ms=comm_timeout_ms,
+            tokens=view(self.tokens, num_tokens * hidden, num_tokens, hidden),
+            weights=view(self.weights, pairs, num_tokens, top_k),
+            ids=view(self.ids, ROUTING_HEADER + pairs, ROUTING_HEADER + pairs),
+            pairs=view(self.pairs, pairs * hidden, pairs, hidden),
+            rows_in=view(self.rows_in, num_rows * hidden, num_rows, hidden),
+            rows_out=view(self.rows_out, num_rows * hidden, num_rows, hidden),
+        )
+
+
+# (group name, device, hidden size, dtype) -> the workspace, sized for the largest shapes asked for so far.
 _WORKSPACES: dict[tuple, Workspace] = {}
 
 
@@ -76,6 +132,34 @@ def _symmetric(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
     return _Buffer(local, handle, peer_ptrs)
 
 
+def _allocate(group, device: torch.device, hidden_size: int, dtype: torch.dtype, sizes: WorkspaceSizes) -> Workspace:
+    """A workspace of these sizes (a collective: each buffer is a symmetric-memory rendezvous; without
+    receive rows, rows_in and rows_out are empty local tensors)."""
+    import torch.distributed as dist
+
+    name = group.group_name
+    tokens = _symmetric((sizes.tokens, hidden_size), dtype, device, name)
+
+    def receive_rows() -> _Buffer:
+        if sizes.rows:
+            return _symmetric((sizes.rows, hidden_size), dtype, device, name)
+        with torch.inference_mode(False):  # as _symmetric's
+            return _Buffer(tokens.local.new_empty(0, hidden_size), None, tokens.peer_ptrs.new_empty(0))
+
+    return Workspace(
+        group_name=name,
+        rank=dist.get_rank(group),
+        world_size=dist.get_world_size(group),
+        comm_timeout_ms=DEFAULT_TIMEOUT_MS,
+        tokens=tokens,
+        weights=_symmetric((sizes.pairs,), torch.float32, device, name),
+        ids=_symmetric((ROUTING_HEADER + sizes.pairs,), torch.int32, device, name),
+        pairs=_symmetric((sizes.pairs, hidden_size), dtype, device, name),
+        rows_in=receive_rows(),
+        rows_out=receive_rows(),
+    )
+
+
 def get_workspace(
     group,
     *,
@@ -87,31 +171,32 @@ def get_workspace(
     dtype: torch.dtype = torch.bfloat16,
     comm_timeout_ms: int = DEFAULT_TIMEOUT_MS,
 ) -> Workspace:
-    """The workspace for this group and shape, allocated on first use (a collective: every rank of the
-    group must call it with the same arguments) and cached until clear_workspaces()."""
-    import torch.distributed as dist
+    """The workspace of this group, device, hidden size and dtype, as views shaped for num_tokens (T),
+    top_k (k) and num_rows (R: the schedule's receive rows where push dispatch or pull combine run, whose
+    whole exchanges use rows_in and rows_out; 0 where neither runs) whose barriers wait at most
+    comm_timeout_ms.
 
+    One workspace per (group, device, hidden size, dtype), sized for the largest T, T*k and R asked for so
+    far (WorkspaceSizes.nbytes: (T + T*k + 2R) * H elements, plus 8 bytes per pair): smaller calls reuse it.
+    A call that does not fit allocates one sized for it and for everything before it (a collective: every
+    rank of the group calls with the same arguments, as megamoe.experts' ranks do, having agreed on the
+    shapes) and drops the smaller one, whose memory returns once nothing refers to it (a CUDA graph captured
+    on it must be captured again). So a first call with the largest shapes declares the maximum: later
+    calls never allocate. Cached until clear_workspaces().
+    """
     device = torch.device(device)
-    for name, value in (("num_tokens", num_tokens), ("hidden_size", hidden_size), ("top_k", top_k), ("num_rows", num_rows)):
+    for name, value in (("num_tokens", num_tokens), ("hidden_size", hidden_size), ("top_k", top_k)):
         check_positive_int(f"get_workspace: {name}", value)
+    check_positive_int("get_workspace: num_rows", num_rows, allow_zero=True)
     if device.type != "cuda":
         raise ValueError(f"get_workspace: symmetric memory needs a CUDA device, got {device}")
-    key = (group.group_name, device, num_tokens, hidden_size, top_k, num_rows, dtype, comm_timeout_ms)
-    if key not in _WORKSPACES:
-        name = group.group_name
-        _WORKSPACES[key] = Workspace(
-            group_name=name,
-            rank=dist.get_rank(group),
-            world_size=dist.get_world_size(group),
-            comm_timeout_ms=comm_timeout_ms,
-            tokens=_symmetric((num_tokens, hidden_size), dtype, device, name),
-            weights=_symmetric((num_tokens, top_k), torch.float32, device, name),
-            ids=_symmetric((num_tokens, top_k), torch.int32, device, name),
-            pairs=_symmetric((num_tokens * top_k, hidden_size), dtype, device, name),
-            rows_in=_symmetric((num_rows, hidden_size), dtype, device, name),
-            rows_out=_symmetric((num_rows, hidden_size), dtype, device, name),
-        )
-    return _WORKSPACES[key]
+    needed = WorkspaceSizes(num_tokens, num_tokens * top_k, num_rows)
+    key = (group.group_name, device, hidden_size, dtype)
+    held = _WORKSPACES.get(key)
+    if held is None or not held.sizes.covers(needed):
+        sizes = needed if held is None else held.sizes.union(needed)
+        _WORKSPACES[key] = held = _allocate(group, device, hidden_size, dtype, sizes)
+    return held.sized(num_tokens, top_k, num_rows, comm_timeout_ms)
 
 
 def workspace_bytes(group) -> int:

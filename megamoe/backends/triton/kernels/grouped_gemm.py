@@ -32,7 +32,7 @@ from megamoe.backends.triton.kernels._common import (
     check, check_matrix, check_rows, check_weight, column_halves, load_range, pair_weights, persistent_grid, router_epilogue, swiglu, swiglu_bwd,
     tile_coords,
 )
-from megamoe.backends.triton.kernels import tma_gemm
+from megamoe.backends.triton.kernels import gluon_down_dgrad, gluon_gate_up, gluon_rows, tma_gemm
 from megamoe.backends.triton.kernels.comm_tiles import push_pointers
 
 
@@ -343,23 +343,33 @@ def gate_up_fwd(
     *,
     store_gate_up: bool,
     config: TileConfig,
+    gather: tuple[torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """h [R, I] = SwiGLU of the rows' gate/up projections; gate_up [R, 2I] too if store_gate_up.
 
-    x_rows [R, H]: padding rows zero.
+    x_rows [R, H]: padding rows zero. With gather = (row_src int32 [R], top_k) (TMA core only), x_rows is
+    the token rows x [T, H] instead, gathered inside the kernel's loads (row r reads x[row_src[r] // top_k]).
     """
     check_matrix(x_rows_RH, None, None, "x_rows")
     rows, hidden = x_rows_RH.shape
+    if gather is not None:
+        check(config.tma, "gate_up_fwd gathers in its loads on the TMA and Gluon cores only")
+        rows = gather[0].numel()
     check(w_gate_up_E2IH.dim() == 3 and w_gate_up_E2IH.shape[1] % 2 == 0, "w_gate_up must be [E_l, 2I, H]")
     inter = w_gate_up_E2IH.shape[1] // 2
     check_weight(w_gate_up_E2IH, x_rows_RH, (w_gate_up_E2IH.shape[0], 2 * inter, hidden), "w_gate_up")
     split, blocks = check_rows(rows, block_expert, blocks, config.block_m)
     h = torch.empty(rows, inter, dtype=x_rows_RH.dtype, device=x_rows_RH.device)
+    if config.gluon:
+        gate_up = h.new_empty(rows, 2 * inter) if store_gate_up else None
+        gluon_gate_up.launch_gate_up_fwd(x_rows_RH, w_gate_up_E2IH, h, gate_up, block_expert, blocks, split, config,
+                                         store_gate_up, gather)
+        return h, gate_up
     if config.tma:
         # Without store_gate_up the TMA kernel never writes gate_up, but takes a descriptor of one block.
         gate_up = h.new_empty(rows if store_gate_up else config.block_m, 2 * inter)
         tma_gemm.launch_gate_up_fwd(x_rows_RH, w_gate_up_E2IH, h, gate_up, block_expert, blocks, split, config,
-                                    store_gate_up)
+                                    store_gate_up, gather)
         return h, (gate_up if store_gate_up else None)
     gate_up = h.new_empty(rows, 2 * inter) if store_gate_up else h.new_empty(0, 2 * inter)
     max_tiles = rows // config.block_m * triton.cdiv(inter, config.block_n)
@@ -388,6 +398,8 @@ def down_fwd(
     check_weight(w_down_EHI, h_RI, (w_down_EHI.shape[0], hidden, inter), "w_down")
     split, blocks = check_rows(rows, block_expert, blocks, config.block_m)
     y_rows = torch.empty(rows, hidden, dtype=h_RI.dtype, device=h_RI.device)
+    if config.gluon:
+        return gluon_rows.launch(h_RI, w_down_EHI, y_rows, True, block_expert, blocks, config)
     if config.tma:
         tma_gemm.launch_down_fwd(h_RI, w_down_EHI, y_rows, block_expert, blocks, split, config)
         return y_rows
@@ -461,7 +473,11 @@ def _down_dgrad(d_rows_RH, w_down_EHI, gate_up_R2I, router, block_expert, blocks
     d_w_part = torch.empty(rows if router else 1, triton.cdiv(inter, config.block_n), dtype=torch.float32,
                            device=d_rows_RH.device)
     row_src, weights = router if router else (block_expert, d_w_part)
-    if config.tma:
+    if config.gluon:
+        gluon_down_dgrad.launch_down_dgrad(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up, row_src, weights, h_w, d_w_part,
+                                           block_expert, blocks, split, config, router=router is not None,
+                                           store_h_w=store_h_w)
+    elif config.tma:
         tma_gemm.launch_down_dgrad(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up, row_src, weights, h_w, d_w_part,
                                    block_expert, blocks, split, config, router=router is not None, store_h_w=store_h_w)
     else:
@@ -491,6 +507,8 @@ def gate_up_dgrad(
     check_weight(w_gate_up_E2IH, d_gate_up_R2I, (w_gate_up_E2IH.shape[0], inter2, hidden), "w_gate_up")
     split, blocks = check_rows(rows, block_expert, blocks, config.block_m)
     d_x_rows = torch.empty(rows, hidden, dtype=d_gate_up_R2I.dtype, device=d_gate_up_R2I.device)
+    if config.gluon:
+        return gluon_rows.launch(d_gate_up_R2I, w_gate_up_E2IH, d_x_rows, False, block_expert, blocks, config)
     if config.tma:
         tma_gemm.launch_gate_up_dgrad(d_gate_up_R2I, w_gate_up_E2IH, d_x_rows, block_expert, blocks, split, config)
         return d_x_rows

@@ -60,21 +60,30 @@ def _k_loop(a_desc, w_desc, row, col, expert, K,
 
 @triton.jit
 def gate_up_fwd_tma_kernel(
-    x_desc, w_desc, h_desc, gu_desc, block_expert_ptr, block_range_ptr, H, I,
-    STORE_GATE_UP: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
+    x_desc, w_desc, h_desc, gu_desc, x_ptr, row_src_ptr, block_expert_ptr, block_range_ptr, H, I, top_k,
+    STORE_GATE_UP: tl.constexpr, GATHER: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     """h[r, n] = silu(g) * u, g = x_rows[r] . gate[e, n], u = x_rows[r] . up[e, n] (both rounded to the dtype
-    first, as grouped_gemm.gate_up_fwd_tile); gate_up too if STORE_GATE_UP."""
+    first, as grouped_gemm.gate_up_fwd_tile); gate_up too if STORE_GATE_UP. x_rows by x_desc, or with GATHER
+    gathered in the loads: x_rows[r] = x[row_src[r] // top_k] by pointer (0 for a padding row, row_src -1)."""
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
     num_n = tl.cdiv(I, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
     for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=FLATTEN):
         row, col, expert = _tile_origin(tile, first_m, num_m, num_n, block_expert_ptr, SPLIT, BLOCK_M, BLOCK_N, GROUP_M)
+        if GATHER:
+            src = tl.load(row_src_ptr + row + tl.arange(0, BLOCK_M))
+            has_src = src >= 0
+            a_ptrs = x_ptr + (tl.where(has_src, src, 0) // top_k).to(tl.int64)[:, None] * H + offs_k[None, :]
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
-            a = x_desc.load([row, k0])
+            if GATHER:
+                a = tl.load(a_ptrs + k0, mask=has_src[:, None] & (k0 + offs_k < H)[None, :], other=0.0)
+            else:
+                a = x_desc.load([row, k0])
             bg = w_desc.load([expert, col, k0]).reshape(BLOCK_N, BLOCK_K)
             bu = w_desc.load([expert, I + col, k0]).reshape(BLOCK_N, BLOCK_K)
             acc_g = tl.dot(a, bg.T, acc_g)
@@ -88,19 +97,21 @@ def gate_up_fwd_tma_kernel(
 
 
 @triton.jit
-def down_fwd_tma_kernel(
-    h_desc, w_desc, y_desc, block_expert_ptr, block_range_ptr, H, I,
-    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def row_gemm_tma_kernel(
+    a_desc, w_desc, out_desc, block_expert_ptr, block_range_ptr, N, K,
+    W_NK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
 ):
-    """y_rows[r, n] = h[r] . w_down[e, n]."""
+    """out_rows[r, n] = a_rows[r] . w[e][:, n] over K, the row-block GEMMs without an epilogue: down_fwd
+    (y_rows = h @ w_down[e]^T, w_down stored [E_l, N = H, K = I]: W_NK) and gate_up_dgrad
+    (d_x_rows = d_gate_up @ w_gate_up[e], w_gate_up stored [E_l, K = 2I, N = H])."""
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
-    num_n = tl.cdiv(H, BLOCK_N)
+    num_n = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=FLATTEN):
         row, col, expert = _tile_origin(tile, first_m, num_m, num_n, block_expert_ptr, SPLIT, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = _k_loop(h_desc, w_desc, row, col, expert, I, True, BLOCK_M, BLOCK_N, BLOCK_K)
-        y_desc.store([row, col], acc.to(y_desc.dtype))
+        acc = _k_loop(a_desc, w_desc, row, col, expert, K, W_NK, BLOCK_M, BLOCK_N, BLOCK_K)
+        out_desc.store([row, col], acc.to(out_desc.dtype))
 
 
 @triton.jit
@@ -147,22 +158,6 @@ def down_dgrad_tma_kernel(
                                      col + BLOCK_N // 2, ROUTER, STORE_H_W)
         if ROUTER:
             tl.store(d_w_part_ptr + (row + tl.arange(0, BLOCK_M)) * num_n + col // BLOCK_N, d_w_part)
-
-
-@triton.jit
-def gate_up_dgrad_tma_kernel(
-    d_gu_desc, w_desc, d_x_desc, block_expert_ptr, block_range_ptr, H, I,
-    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
-):
-    """d_x_rows[r, n] = d_gate_up[r] . w_gate_up[e, :, n] (reduction over 2I)."""
-    first_m, end_m = load_range(block_range_ptr, SPLIT)
-    num_m = end_m - first_m
-    num_n = tl.cdiv(H, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=FLATTEN):
-        row, col, expert = _tile_origin(tile, first_m, num_m, num_n, block_expert_ptr, SPLIT, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = _k_loop(d_gu_desc, w_desc, row, col, expert, 2 * I, False, BLOCK_M, BLOCK_N, BLOCK_K)
-        d_x_desc.store([row, col], acc.to(d_x_desc.dtype))
 
 
 @triton.jit
@@ -222,27 +217,37 @@ def _row_block_launch(kernel, rows_RK: torch.Tensor, out_cols: int, split: int, 
     )
 
 
-def launch_gate_up_fwd(x_rows_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, block_expert, blocks, split, config, store_gate_up):
-    """gate_up_R2I: written if store_gate_up; otherwise any [*, 2I] tensor (the kernel needs a descriptor)."""
-    _check_tma(x_rows_RH, w_gate_up_E2IH, h_RI, gate_up_R2I)
+def launch_gate_up_fwd(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, block_expert, blocks, split, config, store_gate_up,
+                       gather=None):
+    """gate_up_R2I: written if store_gate_up; otherwise any [*, 2I] tensor (the kernel needs a descriptor).
+    x_RH: the rows, or with gather = (row_src [R], top_k) the token rows x [T, H] that the kernel gathers."""
+    _check_tma(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I)
     c = config
+    row_src, top_k = gather if gather is not None else (block_expert, 1)  # unread without gather
     _row_block_launch(
-        gate_up_fwd_tma_kernel, x_rows_RH, h_RI.shape[1], split, c,
-        [_rows_desc(x_rows_RH, c.block_m, c.block_k), TensorDescriptor.from_tensor(w_gate_up_E2IH, [1, c.block_n, c.block_k]),
+        gate_up_fwd_tma_kernel, h_RI, h_RI.shape[1], split, c,
+        [_rows_desc(x_RH, c.block_m, c.block_k), TensorDescriptor.from_tensor(w_gate_up_E2IH, [1, c.block_n, c.block_k]),
          _rows_desc(h_RI, c.block_m, c.block_n), _pairs_desc(gate_up_R2I, c.block_m, c.block_n)],
-        block_expert, blocks, x_rows_RH.shape[1], h_RI.shape[1], STORE_GATE_UP=store_gate_up,
+        x_RH, row_src, block_expert, blocks, x_RH.shape[1], h_RI.shape[1], top_k, STORE_GATE_UP=store_gate_up,
+        GATHER=gather is not None,
+    )
+
+
+def _launch_row_gemm(a_RK, w, out_RN, w_nk: bool, block_expert, blocks, split, config):
+    """row_gemm_tma_kernel: out_RN = a_RK @ w[e] per row block; w is [E_l, N, K] if w_nk, else [E_l, K, N]."""
+    _check_tma(a_RK, w, out_RN)
+    c = config
+    w_block = [1, c.block_n, c.block_k] if w_nk else [1, c.block_k, c.block_n]
+    _row_block_launch(
+        row_gemm_tma_kernel, a_RK, out_RN.shape[1], split, c,
+        [_rows_desc(a_RK, c.block_m, c.block_k), TensorDescriptor.from_tensor(w, w_block),
+         _rows_desc(out_RN, c.block_m, c.block_n)],
+        block_expert, blocks, out_RN.shape[1], a_RK.shape[1], W_NK=w_nk,
     )
 
 
 def launch_down_fwd(h_RI, w_down_EHI, y_rows_RH, block_expert, blocks, split, config):
-    _check_tma(h_RI, w_down_EHI, y_rows_RH)
-    c = config
-    _row_block_launch(
-        down_fwd_tma_kernel, h_RI, y_rows_RH.shape[1], split, c,
-        [_rows_desc(h_RI, c.block_m, c.block_k), TensorDescriptor.from_tensor(w_down_EHI, [1, c.block_n, c.block_k]),
-         _rows_desc(y_rows_RH, c.block_m, c.block_n)],
-        block_expert, blocks, y_rows_RH.shape[1], h_RI.shape[1],
-    )
+    _launch_row_gemm(h_RI, w_down_EHI, y_rows_RH, True, block_expert, blocks, split, config)
 
 
 def launch_down_dgrad(d_y_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, row_src, weights, h_w_RI, d_w_part, block_expert,
@@ -260,14 +265,7 @@ def launch_down_dgrad(d_y_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, row_s
 
 
 def launch_gate_up_dgrad(d_gate_up_R2I, w_gate_up_E2IH, d_x_rows_RH, block_expert, blocks, split, config):
-    _check_tma(d_gate_up_R2I, w_gate_up_E2IH, d_x_rows_RH)
-    c = config
-    _row_block_launch(
-        gate_up_dgrad_tma_kernel, d_gate_up_R2I, d_x_rows_RH.shape[1], split, c,
-        [_rows_desc(d_gate_up_R2I, c.block_m, c.block_k), TensorDescriptor.from_tensor(w_gate_up_E2IH, [1, c.block_k, c.block_n]),
-         _rows_desc(d_x_rows_RH, c.block_m, c.block_n)],
-        block_expert, blocks, d_x_rows_RH.shape[1], d_gate_up_R2I.shape[1] // 2,
-    )
+    _launch_row_gemm(d_gate_up_R2I, w_gate_up_E2IH, d_x_rows_RH, False, block_expert, blocks, split, config)
 
 
 def launch_dw(a_RM, b_RN, dw_EMN, expert_offsets, config, grid):

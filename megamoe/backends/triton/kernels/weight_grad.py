@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from megamoe.backends.triton.configs import TileConfig
-from megamoe.backends.triton.kernels import tma_gemm
+from megamoe.backends.triton.kernels import gluon_dw, tma_gemm
 from megamoe.backends.triton.kernels._common import (
     check, check_expert_offsets, check_row_operands, persistent_grid, tile_coords,
 )
@@ -77,6 +77,9 @@ def _launch(a, b, expert_offsets, num_experts, config):
     out = torch.empty(num_experts, m_dim, n_dim, dtype=a.dtype, device=a.device)
     max_tiles = num_experts * triton.cdiv(m_dim, config.block_m) * triton.cdiv(n_dim, config.block_n)
     grid = persistent_grid(a.device, max_tiles)
+    if config.gluon:  # gluon_dw.py's warp-specialized kernel (operands TMA can address, checked there)
+        gluon_dw.launch_dw(a, b, out, expert_offsets, config)
+        return out
     if config.tma:  # tma_gemm.py's kernel (operands TMA can address, checked there)
         tma_gemm.launch_dw(a, b, out, expert_offsets, config, grid)
         return out

@@ -1,0 +1,339 @@
+"""Expert weight gradients on a warp-specialized Hopper GEMM core written in Gluon (sm_90a).
+
+The same GEMM as tma_gemm.dw_tma_kernel (launched by weight_grad.dw_down / dw_gate_up with the TMA tile
+config), computed the same way so that the outputs are bitwise equal:
+
+    dw[e, m, n] = sum over the rows r of expert e of a[r, m] * b[r, n]      (fp32 accumulation, bf16/fp16 out)
+
+a [R, M] and b [R, N] row-major row tensors, expert e's rows expert_offsets[e] .. expert_offsets[e+1], taken
+in order in steps of BLOCK_K rows (every segment is a multiple of the schedule's block_m, which BLOCK_K
+divides; padding rows are zero). An expert without rows writes zeros. Uses: d_w_down (a = d_out rows
+[R, H], b = h_w [R, I] -> [E, H, I]) and d_w_gate_up (a = d_gate_up [R, 2I], b = x_rows [R, H] ->
+[E, 2I, H]). One program owns each output tile and reduces over its expert's rows in a fixed order (no
+split-K, no atomics); the persistent grid walks the tiles in the production kernel's order: expert-major,
+then kernels/_common.tile_coords (GROUP_M row blocks swept per column block) inside an expert. The row
+range comes from expert_offsets on the device: nothing is read back to the host.
+
+Operands, by TMA (host-built Gluon TensorDescriptors carrying the NVMMA shared-memory layout):
+    a  [R, M]     block [BLOCK_K, BLOCK_M]  (M contiguous)
+    b  [R, N]     block [BLOCK_K, BLOCK_N]  (N contiguous)
+    dw [E, M, N]  3-D, block [1, rows per store, BLOCK_N]: an M or N tail is clipped at the expert's edge
+The reduction runs over the rows, so both operand tiles arrive MN-major: b is wgmma's [K, N] B operand as
+loaded (N-major), and A is the permuted view [BLOCK_M, BLOCK_K] of the a tile, an MN-major A operand that
+wgmma reads from shared memory with its transpose bit (16-bit types only). Columns past M or N are
+zero-filled by the copy engine, so no tile needs a mask.
+
+Structure of a CTA (gl.warp_specialize, 12 warps):
+  * producer (1 warp, 40 registers): walks this CTA's tiles and their row steps in order; per step it waits
+    for a free slot of a STAGES-deep shared-memory ring (the slot's "empty" mbarrier), arms the slot's
+    "ready" mbarrier with the byte count (expect_tx) and issues the two TMA copies into the slot.
+  * two consumer warpgroups (232 registers each): per step wait "ready", issue async wgmma
+    (m64nBLOCK_Nk16, BLOCK_K / 16 of them per 64 rows of the tile), keep one step in flight and release
+    the previous step's slot ("empty" arrive) once its wgmma has retired; after the last step: the epilogue
+    fp32 -> dtype in registers -> the warpgroup's own shared buffer -> TMA store (the previous store is
+    waited for just before the buffer is rewritten, so a store overlaps the next tile's main loop).
+  Two ways to split the work between the consumers (GluonDwTile.pingpong):
+  * "coop" (CUTLASS "cooperative"): both warpgroups work on every tile, warpgroup w on the tile's output
+    rows [64 w, 64 w + 64) (the a tile's columns: a slice of the MN-major operand along M). Each slot is
+    read by both, so its "empty" mbarrier counts 2 arrivals. A 128 x 256 tile is 128 fp32 accumulator
+    registers per thread, the production tile.
+  * "pingpong": each warpgroup owns whole tiles, alternating (the CTA's local tile j -> warpgroup j % 2),
+    so one warpgroup's epilogue overlaps the other's main loop. The producer fills the ring in tile order;
+    a consumer's slot counter at its tile is the sum of the row steps of all the CTA's earlier tiles (it
+    adds the steps of the other warpgroup's tiles, which it recomputes from expert_offsets, since experts
+    have different row counts). Each slot is read once ("empty" counts 1). An order barrier pair makes
+    the main loops take turns: warpgroup w starts a tile's main loop only after the other one has waited
+    for every slot of the tile before it. Without it the second warpgroup would wait on slots more than
+    one mbarrier phase ahead of the producer, where the parity wait cannot tell phase n from phase n - 2
+    (the crash of the prototype's pingpong, benchmarks/gluon_gemm.py). With the order barrier, a
+    consumer waiting for slot counter c knows that counter c - 1 was filled, hence c - STAGES: the slot's
+    ready barrier is exactly one phase short of the one it waits for.
+
+Barriers: ready[s] (count 1: the producer's expect_tx, completed by the copies' bytes), empty[s] (count:
+readers of a slot), order[2] (pingpong only, count 1). A fresh mbarrier counts as having completed the
+phase before phase 0, so the producer's first pass over the ring (parity 1) and warpgroup 0's first tile
+do not wait. Gluon issues an mbarrier arrive from one thread after a named barrier over the partition's
+warps, so one arrive stands for the whole warpgroup.
+
+Numerics: per output element the same sum as the Triton kernel, which Triton also compiles to wgmma
+m64nNk16 with an fp32 register accumulator: products of one 16-row chunk summed by the tensor core, chunks
+added into the accumulator in row order, rounded to the output dtype once ("coop" issues exactly the
+production kernel's m64n256k16 with both operands transposed; tests/test_gluon_dw_compile.py compares the
+two). Each output element is its own dot product inside an instruction, so the N width should not change
+its bits: the prototype's 128-column tiles matched the 256-column Triton kernel bit for bit, and
+benchmarks/gluon_dw_bench.py checks the pingpong configs' 128- and 64-row tiles here the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from megamoe.backends.triton.configs import TileConfig
+from megamoe.backends.triton.kernels._common import (
+    check, check_expert_offsets, check_row_operands, persistent_grid,
+)
+from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
+
+NUM_CONSUMERS = 2  # consumer warpgroups per CTA
+WGMMA_M = 64  # rows of one wgmma instruction (a warpgroup's row granule)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernel
+
+
+@gluon.jit
+def _tile_of(tile, num_m, num_n, GROUP_M: gl.constexpr):
+    """(expert, row block, column block) of a linear tile index: expert-major, then the grouped order of
+    kernels/_common.tile_coords inside the expert (tma_gemm.dw_tma_kernel's order)."""
+    per_expert = num_m * num_n
+    expert = tile // per_expert
+    in_expert = tile % per_expert
+    per_group = GROUP_M * num_n
+    first_m = in_expert // per_group * GROUP_M
+    size_m = gl.minimum(num_m - first_m, GROUP_M)
+    in_group = in_expert % per_group
+    return expert, first_m + in_group % size_m, in_group // size_m
+
+
+@gluon.jit
+def _expert_rows(expert_offsets_ptr, expert, BLOCK_K: gl.constexpr):
+    """(first row, row steps) of an expert's segment: the trip count of range(start, end, BLOCK_K)."""
+    start = gl.load(expert_offsets_ptr + expert)
+    end = gl.load(expert_offsets_ptr + expert + 1)
+    return start, gl.maximum(gl.cdiv(end - start, BLOCK_K), 0)
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_offsets_ptr, num_experts,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """One warp: the TMA copies of every (tile, row step) of this CTA, in order, into the slot ring."""
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[0]
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    NBYTES: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    num_m = gl.cdiv(a_desc.shape[1], BLOCK_M)
+    num_n = gl.cdiv(b_desc.shape[1], BLOCK_N)
+    p = 0  # slot counter: slot p % STAGES, its use number p // STAGES
+    for tile in range(gl.program_id(0), num_experts * num_m * num_n, gl.num_programs(0)):
+        expert, pid_m, pid_n = _tile_of(tile, num_m, num_n, GROUP_M)
+        start, k_steps = _expert_rows(expert_offsets_ptr, expert, BLOCK_K)
+        for ki in range(k_steps):
+            s = p % STAGES
+            mbarrier.wait(empty_bars.index(s), ((p // STAGES) & 1) ^ 1)
+            bar = ready_bars.index(s)
+            mbarrier.expect(bar, NBYTES)
+            row = start + ki * BLOCK_K
+            tma.async_copy_global_to_shared(a_desc, [row, pid_m * BLOCK_M], bar, a_bufs.index(s))
+            tma.async_copy_global_to_shared(b_desc, [row, pid_n * BLOCK_N], bar, b_bufs.index(s))
+            p += 1
+
+
+@gluon.jit
+def _consumer(dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_smem, expert_offsets_ptr,
+              num_experts, M, N, WG: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """One warpgroup (4 warps): async wgmma over the slots of its tiles, then the TMA-store epilogue.
+    PINGPONG: whole tiles, the CTA's local tiles WG, WG + 2, ...; else output rows [WG * 64, WG * 64 + 64)
+    of every tile."""
+    BLOCK_K: gl.constexpr = a_bufs.shape[1]
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    WG_M: gl.constexpr = BLOCK_M if PINGPONG else BLOCK_M // 2
+    ROW_IN_TILE: gl.constexpr = 0 if PINGPONG else WG * WG_M  # the tile's first output row of this warpgroup
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    num_m = gl.cdiv(M, BLOCK_M)
+    num_n = gl.cdiv(N, BLOCK_N)
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    if PINGPONG:
+        first = pid + WG * nprog
+        stride = 2 * nprog
+    else:
+        first = pid
+        stride = nprog
+    c = 0  # the producer's slot counter at this warpgroup's next row step
+    turn = 0  # pingpong: this warpgroup's tiles so far (the order barrier's phase)
+    for tile in range(first, num_experts * num_m * num_n, stride):
+        expert, pid_m, pid_n = _tile_of(tile, num_m, num_n, GROUP_M)
+        start, k_steps = _expert_rows(expert_offsets_ptr, expert, BLOCK_K)
+        if PINGPONG:
+            # The other warpgroup's tile since this one's previous tile: its row steps took slots too.
+            other = tile - nprog
+            if other >= pid:
+                other_expert, _, _ = _tile_of(other, num_m, num_n, GROUP_M)
+                _, other_steps = _expert_rows(expert_offsets_ptr, other_expert, BLOCK_K)
+                c += other_steps
+            # Wait until the other warpgroup has waited for every slot of the tile before this one
+            # (warpgroup 0's first tile: parity 1 on a fresh barrier, no wait).
+            mbarrier.wait(order_bars.index(WG), (turn & 1) ^ (1 - WG))
+        acc = gl.zeros([WG_M, BLOCK_N], gl.float32, acc_layout)
+        for ki in range(k_steps):
+            s = c % STAGES
+            mbarrier.wait(ready_bars.index(s), (c // STAGES) & 1)
+            a = a_bufs.index(s)  # [BLOCK_K, BLOCK_M], M contiguous
+            if not PINGPONG:
+                a = a.slice(ROW_IN_TILE, WG_M, dim=1)
+            acc = warpgroup_mma(a.permute((1, 0)), b_bufs.index(s), acc, is_async=True)
+            # The wgmma of step c - 1 has retired: its slot goes back to the producer.
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=ki > 0)
+            c += 1
+        if PINGPONG:
+            mbarrier.arrive(order_bars.index(1 - WG))  # the other warpgroup's main loop may start
+            turn += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=k_steps > 0)
+        out = acc.to(dw_desc.dtype)
+        tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
+        c_smem.reshape([WG_M, BLOCK_N]).store(out)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dw_desc, [expert, pid_m * BLOCK_M + ROW_IN_TILE, pid_n * BLOCK_N], c_smem)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def dw_ws_kernel(a_desc, b_desc, dw_desc, expert_offsets_ptr, num_experts,
+                 GROUP_M: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+                 PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """dw[e] = a[rows of e]^T b[rows of e] for every expert e < num_experts, one tile per output element.
+    a_desc: [R, M] block [BLOCK_K, BLOCK_M]; b_desc: [R, N] block [BLOCK_K, BLOCK_N]; dw_desc: [E, M, N]
+    block [1, BLOCK_M (pingpong) or BLOCK_M / 2 (coop), BLOCK_N]. Launch with num_warps=4 (the default
+    partition is consumer 0)."""
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
+    gl.static_assert(b_desc.block_type.shape[0] == BLOCK_K, "a and b tiles step over the same rows")
+    gl.static_assert(dw_desc.block_type.shape[1] * (1 if PINGPONG else 2) == BLOCK_M, "store rows per consumer")
+    dtype: gl.constexpr = a_desc.dtype
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_bufs = gl.allocate_shared_memory(dw_desc.dtype, [2] + dw_desc.block_type.shape, dw_desc.layout)
+    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    order_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready_bars.index(i), count=1)  # the producer's expect; the copies' bytes complete it
+        mbarrier.init(empty_bars.index(i), count=1 if PINGPONG else 2)  # one arrive per reader
+    if PINGPONG:
+        for i in gl.static_range(2):
+            mbarrier.init(order_bars.index(i), count=1)
+    fence_async_shared()  # the initialised barriers are visible to the async proxy (TMA) before use
+    M = a_desc.shape[1]
+    N = b_desc.shape[1]
+    gl.warp_specialize([
+        (_consumer, (dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_bufs.index(0),
+                     expert_offsets_ptr, num_experts, M, N, 0, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M)),
+        (_consumer, (dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_bufs.index(1),
+                     expert_offsets_ptr, num_experts, M, N, 1, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M)),
+        (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_offsets_ptr, num_experts,
+                     BLOCK_M, BLOCK_N, GROUP_M)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Configs and the host launcher
+
+
+@dataclasses.dataclass(frozen=True)
+class GluonDwTile:
+    """block_m x block_n: the output tile of one tile index (coop: the CTA's, both warpgroups; pingpong:
+    one warpgroup's); block_k: rows per step; stages: slots of the operand ring."""
+
+    block_m: int
+    block_n: int
+    stages: int
+    pingpong: bool
+    block_k: int = 64
+    group_m: int = 8
+    producer_regs: int = 40
+    consumer_regs: int = 232
+
+    @property
+    def store_m(self) -> int:
+        """Rows of one consumer's output tile (its TMA store box)."""
+        return self.block_m if self.pingpong else self.block_m // NUM_CONSUMERS
+
+    @property
+    def num_warps(self) -> int:
+        """Warps the kernel runs with: the consumers' warpgroups + the producer's (rounded up to a warpgroup)."""
+        return 4 * NUM_CONSUMERS + 4
+
+    def smem_bytes(self, elem: int = 2) -> int:
+        """Operand ring + epilogue buffers (without the barriers)."""
+        ring = self.stages * (self.block_m + self.block_n) * self.block_k * elem
+        return ring + NUM_CONSUMERS * self.store_m * self.block_n * elem
+
+
+# NAME: tile. Shared memory (ring + epilogue buffers) within the 227 KB of an SM.
+CONFIGS = {
+    "coop": GluonDwTile(128, 256, stages=3, pingpong=False),  # the production tile, 2 x 64 rows: 208 KB
+    "pingpong": GluonDwTile(128, 128, stages=4, pingpong=True),  # 2 warpgroups, alternate tiles: 192 KB
+    "pingpong-64x256": GluonDwTile(64, 256, stages=4, pingpong=True),  # m64n256 wgmma per warpgroup: 224 KB
+}
+DEFAULT_CONFIG = "coop"
+
+
+def constexprs(cfg: GluonDwTile) -> dict:
+    """The kernel's constexpr arguments for a tile (the launcher and tests/test_gluon_dw_compile.py share them)."""
+    return dict(GROUP_M=cfg.group_m, STAGES=cfg.stages, PINGPONG=cfg.pingpong, PRODUCER_REGS=cfg.producer_regs,
+                CONSUMER_REGS=cfg.consumer_regs)
+
+
+def descriptors(a_RM: torch.Tensor, b_RN: torch.Tensor, dw_EMN: torch.Tensor, cfg: GluonDwTile) -> tuple:
+    """Host-side TMA descriptors of a [R, M], b [R, N] and dw [E, M, N] (Gluon's carry the shared layout)."""
+    dt = gl.bfloat16 if a_RM.dtype == torch.bfloat16 else gl.float16
+    blocks = ([cfg.block_k, cfg.block_m], [cfg.block_k, cfg.block_n], [1, cfg.store_m, cfg.block_n])
+    return tuple(TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dt))
+                 for t, block in zip((a_RM, b_RN, dw_EMN), blocks))
+
+
+def dw_gluon(a_RM: torch.Tensor, b_RN: torch.Tensor, expert_offsets: torch.Tensor, num_experts: int,
+             cfg: GluonDwTile = CONFIGS[DEFAULT_CONFIG], out: torch.Tensor | None = None, return_kernel: bool = False):
+    """dw [E_l, M, N] = a^T b per expert, in a's dtype (weight_grad._launch's contract: a [R, M], b [R, N]
+    contiguous, zero on padding rows; expert_offsets int32 [E_l + 1] on the device, segments multiples of
+    cfg.block_k). out, if given, is written in full (an empty expert's slice with zeros). No host sync."""
+    check(a_RM.dtype in (torch.bfloat16, torch.float16), f"bf16/fp16 operands, got {a_RM.dtype}")
+    check_row_operands(a_RM, b_RN, ("a", "b"))
+    check(num_experts >= 1, f"num_experts must be >= 1, got {num_experts}")
+    check_expert_offsets(expert_offsets, a_RM.shape[0], num_experts, cfg.block_k)
+    m_dim, n_dim = a_RM.shape[1], b_RN.shape[1]
+    if out is None:
+        out = torch.empty(num_experts, m_dim, n_dim, dtype=a_RM.dtype, device=a_RM.device)
+    check(out.shape == (num_experts, m_dim, n_dim) and out.dtype == a_RM.dtype and out.is_contiguous(),
+          f"out must be a contiguous {a_RM.dtype} [{num_experts}, {m_dim}, {n_dim}] tensor")
+    check(tma_addressable(a_RM, b_RN, out), "TMA needs 16-byte aligned operands and row strides (M, N multiples of 8)")
+    max_tiles = num_experts * triton.cdiv(m_dim, cfg.block_m) * triton.cdiv(n_dim, cfg.block_n)
+    kernel = dw_ws_kernel[persistent_grid(a_RM.device, max_tiles)](
+        *descriptors(a_RM, b_RN, out, cfg), expert_offsets, num_experts, **constexprs(cfg), num_warps=4)
+    return (out, kernel) if return_kernel else out
+
+
+def launch_dw(a_RM: torch.Tensor, b_RN: torch.Tensor, dw_EMN: torch.Tensor, expert_offsets: torch.Tensor,
+              config: TileConfig) -> None:
+    """weight_grad._launch's Gluon branch: dw_EMN = a^T b per expert, with the tile table's entry (gluon=True)."""
+    tile = GluonDwTile(config.block_m, config.block_n, stages=config.num_stages, pingpong=config.pingpong,
+                       block_k=config.block_k, group_m=config.group_m)
+    dw_gluon(a_RM, b_RN, expert_offsets, dw_EMN.shape[0], tile, out=dw_EMN)
+
+
+def dw_down_gluon(d_y_rows_RH: torch.Tensor, h_RI: torch.Tensor, expert_offsets: torch.Tensor, num_experts: int,
+                  cfg: GluonDwTile = CONFIGS[DEFAULT_CONFIG], out: torch.Tensor | None = None) -> torch.Tensor:
+    """d_w_down [E_l, H, I] = d_y_rows^T h per expert (weight_grad.dw_down)."""
+    return dw_gluon(d_y_rows_RH, h_RI, expert_offsets, num_experts, cfg, out)
+
+
+def dw_gate_up_gluon(d_gate_up_R2I: torch.Tensor, x_rows_RH: torch.Tensor, expert_offsets: torch.Tensor,
+                     num_experts: int, cfg: GluonDwTile = CONFIGS[DEFAULT_CONFIG],
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """d_w_gate_up [E_l, 2I, H] = d_gate_up^T x_rows per expert (weight_grad.dw_gate_up)."""
+    check(d_gate_up_R2I.shape[1] % 2 == 0, f"d_gate_up must have 2I columns, got {d_gate_up_R2I.shape[1]}")
+    return dw_gluon(d_gate_up_R2I, x_rows_RH, expert_offsets, num_experts, cfg, out)

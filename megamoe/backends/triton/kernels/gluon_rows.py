@@ -1,0 +1,386 @@
+"""The plain row-block GEMMs (down_fwd, gate_up_dgrad) as warp-specialized Gluon kernels for Hopper (sm_90a).
+
+Same GEMMs, tile space and numerics as row_gemm_tma_kernel in kernels/tma_gemm.py (the TMA path of
+grouped_gemm.down_fwd and grouped_gemm.gate_up_dgrad), written at the level of warps, shared-memory
+buffers and barriers instead of leaving the pipeline to the Triton compiler:
+
+    down_fwd:       y_rows [R, H]   = h [R, I]         @ w_down[e]^T    w_down    [E_l, H, I] (W_NK: B tiles
+                                                                         [BLOCK_N, BLOCK_K], K-major)
+    gate_up_dgrad:  d_x_rows [R, H] = d_gate_up [R, 2I] @ w_gate_up[e]   w_gate_up [E_l, 2I, H] (B tiles
+                                                                         [BLOCK_K, BLOCK_N], N-contiguous:
+                                                                         an MN-major B operand)
+
+e = block_expert[row block // SPLIT]. Tiles (row block m, column block n) cover the device block range
+[first, end) (kernels/_common.load_range, times SPLIT) in the order of kernels/_common.tile_coords (both
+called from here, so the tile order is the Triton kernel's); the grid is persistent (one CTA per SM, at
+most one per tile) and sized for the worst case, and a CTA whose tiles lie past the range does nothing:
+no host synchronisation. Rows outside the range are never written.
+
+Structure of a CTA (gl.warp_specialize, 12 warps = 3 warpgroups):
+  * producer (1 warp, PRODUCER_REGS registers): walks the CTA's tiles and their K steps in order. Step p
+    goes to slot p % STAGES of a shared-memory ring of A tiles [BLOCK_M, BLOCK_K] and B tiles: wait for the
+    slot's "empty" mbarrier, arm its "ready" mbarrier with the byte count (expect-tx), issue the two TMA
+    copies into the slot (A from a 2-D descriptor over the rows; B from a 3-D descriptor over
+    [E_l, N, K] or [E_l, K, N] whose first coordinate is the expert, so a K or N tail reads zeros, never
+    the next expert's weights). The copy engine completes "ready" when the bytes have landed.
+  * two consumer warpgroups (4 warps each, CONSUMER_REGS registers): per K step wait "ready", issue async
+    wgmma (m64 x BLOCK_N x k16 instructions from the slot's shared memory), keep one wgmma group in
+    flight, and once the previous step's group retired (warpgroup_mma_wait(1)) arrive on its slot's
+    "empty" barrier; then the epilogue: fp32 accumulator -> the output dtype (round to nearest even, as
+    Triton's .to) -> the warpgroup's own shared buffer -> TMA store (clipped at the tensor's edge).
+    Gluon issues an mbarrier.arrive from one thread after a warpgroup-wide bar.sync, so one arrive per
+    warpgroup covers all its warps.
+
+Two ways to use the two consumers (RowTile.pingpong):
+  * "coop" (CUTLASS "cooperative"): both warpgroups work on every tile, rows [0, BLOCK_M/2) and
+    [BLOCK_M/2, BLOCK_M) of it (128 x 256: 64 x 256 each, 128 fp32 accumulator registers per thread); both
+    read every slot, whose "empty" barrier counts 2 arrives.
+  * "pingpong": each warpgroup owns whole tiles, alternating (local tile j -> warpgroup j % 2), so one
+    warpgroup's epilogue overlaps the other's main loop; every slot is read by one warpgroup ("empty"
+    counts 1). The producer fills the ring in tile order, so a consumer's slot counter for its i-th tile is
+    (2 i + wg) * k_steps.
+
+    The order barrier. Two more mbarriers (count 1), order[wg] = "warpgroup wg may start its next K loop":
+    a warpgroup waits on its own before a tile's K loop and, once it has issued the whole loop (before
+    waiting for the last wgmma to retire), arrives on the other's. So the main loops take turns in tile
+    order (warpgroup 1 starts tile j+1's K loop only after warpgroup 0 issued tile j's, warpgroup 0 starts
+    j+2's only after warpgroup 1 issued j+1's), the tensor cores see one warpgroup's wgmma stream at a
+    time, and the epilogue of one runs under the other's loop. Warpgroup 0's first wait passes on the
+    fresh barrier (parity 1, the phase "before" phase 0). Each order barrier is at most one phase from its
+    waiter too: the other warpgroup cannot hand over twice before this one has taken its turn.
+
+    Why the prototype's ping-pong (benchmarks/gluon_gemm.py) crashed: it had no order barrier (the
+    mechanism is inferred from its code and reproduced on the protocol model of the tests, not observed on
+    the GPU). An mbarrier wait is a parity wait: try_wait.parity(u & 1), meant for use u of a slot, returns
+    as soon as the barrier's current phase differs in parity from u, which is right only while the barrier
+    is in phase u or u + 1. Warpgroup 1's first wait is for fill k_steps, use k_steps // STAGES of its slot
+    (qwen3-30b-a3b's down_fwd: 12 steps over 4 stages, use 3, parity 1), typically while the producer is
+    still filling use 0: phase 0 differs in parity from 1, so the wait passed at once. Warpgroup 1 then ran
+    wgmma on slots holding other tiles' data (or none yet) and arrived on "empty" barriers for uses it did
+    not own; such extra arrives complete "empty" phases early, so the producer's own parity waits alias in
+    turn and it refills slots still being read; TMA bytes can then land on "ready" barriers in phases that
+    did not expect them, and the consumers can finish, and the CTA retire, with bulk copies still in flight
+    into its shared memory: undefined behaviour, reported as "unspecified launch failure". With the order
+    barrier the consumers' ready-waits happen in the producer's fill order (each warpgroup's own steps in
+    order, across warpgroups through the order barrier), so when fill c is waited for, fill c - STAGES (the
+    slot's previous use u - 1) has been waited for: the slot's "ready" barrier has completed phase u - 1
+    and cannot complete u + 1 before this consumer releases use u, so every ring-slot wait is within one
+    phase. The producer's "empty" waits were and are within one phase (fill u follows fill u - 1, which
+    needed release u - 2, and no slot is released before it is filled). tests/test_gluon_rows_compile.py
+    checks both claims on a model of the protocol that implements the parity waits, under random
+    interleavings of the warps and of the TMA completions.
+
+Numerics (bitwise equal to row_gemm_tma_kernel with the same BLOCK_K): every output element is one fp32
+accumulator, zero-initialised, updated by k16 wgmma steps in increasing K order (K steps of BLOCK_K, the
+tail zero-filled by TMA as in the Triton kernel), then rounded once to the output dtype. tl.dot in the
+Triton kernel compiles to the same chain of wgmma k16 instructions (the same instruction, shared-memory
+layouts and transposition flags: tests/test_gluon_rows_compile.py) on the same operands; "coop" 128 x 256
+issues exactly the Triton kernel's instructions (per warpgroup and k16 step one m64n256k16). Other tiles
+rely on an element's result not depending on how a tile's rows and columns are split across instructions
+and warpgroups (the prototype's 128 x 128 tile was bitwise equal to the 128 x 256 Triton kernel on an
+H200). No split-K, no atomics: the result is independent of the grid and of the block range's split.
+
+Registers: the kernel runs 12 warps at .maxnreg 168 (384 threads x 168 = the 64K register file); setmaxnreg
+moves them to CONSUMER_REGS (232) for the two consumer warpgroups and PRODUCER_REGS (40) for the producer's.
+
+Shared memory (bf16): ring STAGES x (BLOCK_M + BLOCK_N) x BLOCK_K x 2 B plus two epilogue buffers
+(coop: 2 x 64 x BLOCK_N, pingpong: 2 x BLOCK_M x BLOCK_N elements), within the 227 KB of an SM for the
+tiles of TILES. Compile-only checks: tests/test_gluon_rows_compile.py; GPU check against the Triton
+kernels and timings: benchmarks/gluon_rows_bench.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from megamoe.backends.triton.configs import TileConfig
+from megamoe.backends.triton.kernels._common import (
+    check, check_matrix, check_rows, check_weight, load_range, persistent_grid, tile_coords,
+)
+from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
+
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernel
+
+
+@gluon.jit
+def _tile_origin(tile, first_m, num_m, num_n, SPLIT: gl.constexpr, GROUP_M: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(kernel row block, first row, first column) of a linear tile index over the block range."""
+    pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+    m = first_m + pid_m
+    return m, m * BLOCK_M, pid_n * BLOCK_N
+
+
+@gluon.jit
+def _producer(a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr, N, K,
+              W_NK: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
+    """One warp: the TMA copies of every (tile, K step) of this CTA, in order, into the slot ring."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_bufs.shape[2] if W_NK else w_bufs.shape[3]
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    NBYTES: gl.constexpr = a_desc.block_type.nbytes + w_desc.block_type.nbytes
+    first_m, end_m = load_range(block_range_ptr, SPLIT)
+    num_m = end_m - first_m
+    num_n = gl.cdiv(N, BLOCK_N)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    p = 0  # the ring's fill counter: slot p % STAGES, its use number p // STAGES
+    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        m, row, col = _tile_origin(tile, first_m, num_m, num_n, SPLIT, GROUP_M, BLOCK_M, BLOCK_N)
+        expert = gl.load(block_expert_ptr + m // SPLIT)
+        for ki in range(k_steps):
+            s = p % STAGES
+            # Wait for the release of the slot's previous use; a fresh barrier counts as having completed
+            # the phase before phase 0, so the first pass over the ring (parity 1) does not wait.
+            mbarrier.wait(empty_bars.index(s), ((p // STAGES) & 1) ^ 1)
+            ready = ready_bars.index(s)
+            mbarrier.expect(ready, NBYTES)
+            k = ki * BLOCK_K
+            tma.async_copy_global_to_shared(a_desc, [row, k], ready, a_bufs.index(s))
+            if W_NK:
+                tma.async_copy_global_to_shared(w_desc, [expert, col, k], ready, w_bufs.index(s))
+            else:
+                tma.async_copy_global_to_shared(w_desc, [expert, k, col], ready, w_bufs.index(s))
+            p += 1
+
+
+@gluon.jit
+def _consumer(out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_smem, block_range_ptr, N, K,
+              WG: gl.constexpr, PINGPONG: gl.constexpr, W_NK: gl.constexpr, SPLIT: gl.constexpr,
+              GROUP_M: gl.constexpr):
+    """Consumer warpgroup WG (0 or 1): async wgmma over the slots of its tiles, then the TMA-store epilogue.
+    PINGPONG: whole tiles, the CTA's local tiles WG, WG + 2, ..., main loops in turn with the other
+    warpgroup (order_bars); else rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of every tile."""
+    BLOCK_M: gl.constexpr = a_bufs.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.shape[2]
+    BLOCK_N: gl.constexpr = out_smem.shape[1]
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    WG_M: gl.constexpr = out_smem.shape[0]  # this warpgroup's rows of a tile
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    first_m, end_m = load_range(block_range_ptr, SPLIT)
+    num_m = end_m - first_m
+    num_n = gl.cdiv(N, BLOCK_N)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    if PINGPONG:
+        first = gl.program_id(0) + WG * gl.num_programs(0)
+        stride = 2 * gl.num_programs(0)
+        c = WG * k_steps  # the producer's fill counter at this warpgroup's first K step
+        skip = k_steps  # the other warpgroup's K steps between two tiles of this one
+    else:
+        first = gl.program_id(0)
+        stride = gl.num_programs(0)
+        c = 0
+        skip = 0
+    turn = 0  # PINGPONG: tiles of this warpgroup so far
+    for tile in range(first, num_m * num_n, stride):
+        _, row, col = _tile_origin(tile, first_m, num_m, num_n, SPLIT, GROUP_M, BLOCK_M, BLOCK_N)
+        if PINGPONG:
+            # Turn `turn` of this warpgroup = phase `turn` (warpgroup 1) or `turn - 1` (warpgroup 0, whose
+            # turn 0 passes on the fresh barrier) of order[WG], completed when the other warpgroup has
+            # issued its previous tile's K loop.
+            mbarrier.wait(order_bars.index(WG), (turn & 1) ^ (1 - WG))
+        acc = gl.zeros([WG_M, BLOCK_N], gl.float32, acc_layout)
+        for ki in range(k_steps):
+            s = c % STAGES
+            mbarrier.wait(ready_bars.index(s), (c // STAGES) & 1)
+            a = a_bufs.index(s)
+            if not PINGPONG:
+                a = a.slice(WG * WG_M, WG_M)
+            if W_NK:
+                b = w_bufs.index(s).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
+            else:
+                b = w_bufs.index(s).reshape([BLOCK_K, BLOCK_N])
+            acc = warpgroup_mma(a, b, acc, is_async=True)
+            # The wgmma group of step c - 1 has retired: its slot goes back to the producer.
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=ki > 0)
+            c += 1
+        if PINGPONG:
+            mbarrier.arrive(order_bars.index(1 - WG))  # the whole K loop is issued: the other's turn
+            turn += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES))
+        c += skip
+        out = acc.to(out_desc.dtype)
+        tma.store_wait(pendings=0)  # the previous tile's store has read out_smem
+        out_smem.store(out)
+        fence_async_shared()
+        if not PINGPONG:
+            row += WG * WG_M
+        tma.async_copy_shared_to_global(out_desc, [row, col], out_smem)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def row_gemm_ws_kernel(a_desc, w_desc, out_desc, block_expert_ptr, block_range_ptr,
+                       W_NK: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                       PINGPONG: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """out_rows[r, n] = a_rows[r] . w[e][:, n] over K for the row blocks of the range (module docstring).
+
+    a_desc: a [R, K], block [BLOCK_M, BLOCK_K]; w_desc: w [E_l, N, K] block [1, BLOCK_N, BLOCK_K] (W_NK)
+    or w [E_l, K, N] block [1, BLOCK_K, BLOCK_N]; out_desc: out [R, N], block [BLOCK_M (PINGPONG) or
+    BLOCK_M / 2, BLOCK_N]. block_range_ptr: int32 [2], the schedule blocks (first, end). Launch with
+    num_warps=4 (the default partition is consumer warpgroup 0)."""
+    dtype: gl.constexpr = a_desc.dtype
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    out_bufs = gl.allocate_shared_memory(out_desc.dtype, [2] + out_desc.block_type.shape, out_desc.layout)
+    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready_bars.index(i), count=1)  # the producer's expect; the copied bytes complete it
+        mbarrier.init(empty_bars.index(i), count=1 if PINGPONG else 2)  # one arrive per reading warpgroup
+    if PINGPONG:
+        order_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(order_bars.index(0), count=1)
+        mbarrier.init(order_bars.index(1), count=1)
+    else:
+        order_bars = empty_bars  # a stand-in: coop's warpgroups share every tile and take no turns
+    fence_async_shared()  # the initialised barriers are visible to the async proxy (TMA) before use
+    N = out_desc.shape[1]
+    K = a_desc.shape[1]
+    gl.warp_specialize([
+        (_consumer, (out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_bufs.index(0),
+                     block_range_ptr, N, K, 0, PINGPONG, W_NK, SPLIT, GROUP_M)),
+        (_consumer, (out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_bufs.index(1),
+                     block_range_ptr, N, K, 1, PINGPONG, W_NK, SPLIT, GROUP_M)),
+        (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr, N, K,
+                     W_NK, SPLIT, GROUP_M)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tiles and the host launchers
+
+
+@dataclasses.dataclass(frozen=True)
+class RowTile:
+    """The CTA's output tile block_m x block_n (pingpong: each warpgroup's whole tile; coop: split in two
+    row halves), block_k per K step (the Triton kernel's BLOCK_K: the K steps must match for equal bits),
+    a ring of `stages` slots, group_m row blocks swept per column block (tile_coords), the register split
+    (setmaxnreg) between the producer warp's warpgroup and the two consumer warpgroups."""
+
+    block_m: int
+    block_n: int
+    stages: int
+    pingpong: bool
+    block_k: int = 64
+    group_m: int = 8
+    producer_regs: int = 40
+    consumer_regs: int = 232
+
+    @property
+    def store_m(self) -> int:
+        """Rows of one consumer's output tile (its TMA store box)."""
+        return self.block_m if self.pingpong else self.block_m // 2
+
+    def smem_bytes(self, elem: int = 2) -> int:
+        """Operand ring + the two epilogue buffers (without the barriers)."""
+        ring = self.stages * (self.block_m + self.block_n) * self.block_k * elem
+        return ring + 2 * self.store_m * self.block_n * elem
+
+    def constexprs(self, w_nk: bool, split: int) -> dict:
+        """The kernel's constexpr arguments (the launcher and the compile tests share them)."""
+        return dict(W_NK=w_nk, SPLIT=split, GROUP_M=self.group_m, STAGES=self.stages, PINGPONG=self.pingpong,
+                    PRODUCER_REGS=self.producer_regs, CONSUMER_REGS=self.consumer_regs)
+
+
+# The tiles the benchmark compares (benchmarks/gluon_rows_bench.py). Accumulators: 128 fp32 registers per
+# consumer thread in each (64 x 256 or 128 x 128 per warpgroup); shared memory within 227 KB.
+TILES = {
+    "coop": RowTile(128, 256, stages=3, pingpong=False),  # ring 144 KB + 2 x 32 KB
+    "pingpong": RowTile(128, 128, stages=4, pingpong=True),  # ring 128 KB + 2 x 32 KB
+    "pingpong-s5": RowTile(128, 128, stages=5, pingpong=True),  # ring 160 KB + 2 x 32 KB
+    "pingpong-64x256": RowTile(64, 256, stages=4, pingpong=True),  # ring 160 KB + 2 x 32 KB
+}
+
+
+def descriptors(a_RK: torch.Tensor, w: torch.Tensor, out_RN: torch.Tensor, w_nk: bool, tile: RowTile) -> tuple:
+    """Host-side TMA descriptors (a Gluon TensorDescriptor carries its shared-memory layout): a [R, K],
+    w [E_l, N, K] (w_nk) or [E_l, K, N], out [R, N]."""
+    dt = _GL_DTYPES[a_RK.dtype]
+    blocks = ([tile.block_m, tile.block_k],
+              [1, tile.block_n, tile.block_k] if w_nk else [1, tile.block_k, tile.block_n],
+              [tile.store_m, tile.block_n])
+    return tuple(TensorDescriptor.from_tensor(t, b, gl.NVMMASharedLayout.get_default_for(b, dt))
+                 for t, b in zip((a_RK, w, out_RN), blocks))
+
+
+@functools.lru_cache(maxsize=None)
+def _is_hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def _launch(a_RK, w, out_RN, w_nk, block_expert, blocks, tile):
+    """Validated operands -> row_gemm_ws_kernel over the worst-case tiles (out_RN's rows x columns)."""
+    device = a_RK.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    check(device.type == "cuda" and _is_hopper(index), "the Gluon row GEMMs run on Hopper GPUs (sm_90: wgmma, TMA)")
+    check(a_RK.dtype in _GL_DTYPES, f"16-bit operands (bf16, fp16), got {a_RK.dtype}")
+    check(tma_addressable(a_RK, w, out_RN), "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8)")
+    check(out_RN.dtype == a_RK.dtype and out_RN.shape == (a_RK.shape[0], w.shape[1] if w_nk else w.shape[2])
+          and out_RN.is_contiguous(), "out must be a contiguous [R, N] tensor of the operands' dtype")
+    split, block_range = check_rows(a_RK.shape[0], block_expert, blocks, tile.block_m)
+    max_tiles = a_RK.shape[0] // tile.block_m * triton.cdiv(out_RN.shape[1], tile.block_n)
+    row_gemm_ws_kernel[persistent_grid(device, max_tiles)](
+        *descriptors(a_RK, w, out_RN, w_nk, tile), block_expert, block_range, **tile.constexprs(w_nk, split),
+        num_warps=4,
+    )
+    return out_RN
+
+
+def launch(a_RK: torch.Tensor, w: torch.Tensor, out_RN: torch.Tensor, w_nk: bool, block_expert: torch.Tensor,
+           blocks: torch.Tensor, config: TileConfig) -> torch.Tensor:
+    """grouped_gemm.down_fwd's and gate_up_dgrad's Gluon branch (config.gluon): the tile table's entry as this
+    kernel's tile; operands validated there."""
+    tile = RowTile(config.block_m, config.block_n, stages=config.num_stages, pingpong=config.pingpong,
+                   block_k=config.block_k, group_m=config.group_m)
+    return _launch(a_RK, w, out_RN, w_nk, block_expert, blocks, tile)
+
+
+# Shared by both launchers (as grouped_gemm.down_fwd / gate_up_dgrad with a TMA config):
+#   blocks: int32 [2] on the device, the schedule blocks (first, end) to compute, or int32 [1], the count
+#       (first = 0). Rows outside are not written: of a fresh output they hold whatever torch.empty left,
+#       of `out` what it held.
+#   out: the [R, H] result tensor to write into (default: a new one).
+
+
+def down_fwd(h_RI: torch.Tensor, w_down_EHI: torch.Tensor, block_expert: torch.Tensor, blocks: torch.Tensor, *,
+             tile: RowTile = TILES["coop"], out: torch.Tensor | None = None) -> torch.Tensor:
+    """y_rows [R, H] = h[r] @ w_down[e]^T; bitwise equal to grouped_gemm.down_fwd with the TMA config."""
+    check_matrix(h_RI, None, None, "h")
+    rows, inter = h_RI.shape
+    check(w_down_EHI.dim() == 3, "w_down must be [E_l, H, I]")
+    hidden = w_down_EHI.shape[1]
+    check_weight(w_down_EHI, h_RI, (w_down_EHI.shape[0], hidden, inter), "w_down")
+    y_rows = out if out is not None else h_RI.new_empty(rows, hidden)
+    return _launch(h_RI, w_down_EHI, y_rows, True, block_expert, blocks, tile)
+
+
+def gate_up_dgrad(d_gate_up_R2I: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_expert: torch.Tensor,
+                  blocks: torch.Tensor, *, tile: RowTile = TILES["coop"],
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """d_x_rows [R, H] = d_gate_up[r] @ w_gate_up[e]; bitwise equal to grouped_gemm.gate_up_dgrad with the TMA
+    config."""
+    check_matrix(d_gate_up_R2I, None, None, "d_gate_up")
+    rows, inter2 = d_gate_up_R2I.shape
+    check(w_gate_up_E2IH.dim() == 3 and w_gate_up_E2IH.shape[1] == inter2, "w_gate_up must be [E_l, 2I, H]")
+    hidden = w_gate_up_E2IH.shape[2]
+    check_weight(w_gate_up_E2IH, d_gate_up_R2I, (w_gate_up_E2IH.shape[0], inter2, hidden), "w_gate_up")
+    d_x_rows = out if out is not None else d_gate_up_R2I.new_empty(rows, hidden)
+    return _launch(d_gate_up_R2I, w_gate_up_E2IH, d_x_rows, False, block_expert, blocks, tile)

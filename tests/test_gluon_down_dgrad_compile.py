@@ -1,0 +1,464 @@
+"""Ahead-of-time compile checks of the Gluon down_dgrad kernel (kernels/gluon_down_dgrad.py), on CPU.
+
+The kernel is compiled for sm_90a the way tests/test_gluon_compile.py compiles the Gluon GEMM prototype (a
+GluonASTSource through triton.compile, with the signatures of the host-side Gluon TensorDescriptors the
+launcher builds, here on CPU tensors), in its three variants: the router epilogue with h_w stored (what
+the one-GPU backward runs), the router epilogue without h_w, and plain down_dgrad (no router). The
+assertions are about the code an H200 would run:
+
+  * wgmma: per K step, 4 wgmma.mma_async m64n128k16 in each of the two consumer partitions (8; HGMMA
+    64x128x16 in the SASS), kept in flight across K steps (wgmma.wait_group 1);
+  * TMA: d_y rows by one 2-D copy, the weight tile by 3-D copies (two 64-column messages), the four
+    gate_up boxes by 3-D copies, all completing on mbarriers; d_gate_up by 3-D stores (2 consumers x 2
+    halves x gate/up), h_w by 2-D stores (2 x 2, only with ROUTER and STORE_H_W); the stores' shared-memory
+    reads awaited with cp.async.bulk.wait_group.read; no cp.async;
+  * the epilogue from shared memory: g and u by ldmatrix, d_g, d_u, h_w by stmatrix;
+  * mbarriers: ready + empty per stage, gu_ready, gu_empty (+ wt_ready, wt_empty x 2 with ROUTER);
+  * warp specialization: 12 warps, setmaxnreg 232 (consumers) / 40 (producer, loader);
+  * ptxas -v: no spills, no stack frame, no C7510 (wgmma serialisation); no local memory in the SASS;
+    shared memory within the 227 KB of an SM and at least the buffers the config accounts for.
+
+Bitwise equality with tma_gemm.down_dgrad_tma_kernel (checked on a GPU by benchmarks/gluon_down_dgrad_bench.py)
+rests on the same fp32 K loop (m64n128k16 wgmmas, K steps in order) and the same epilogue math in the same
+layout: test_epilogue_matches_the_triton_kernel compiles the production kernel with its TMA table entry
+and compares the d_w_part row sums' layout, the reduction's lane shuffles and the count of fused
+multiply-adds (LLVM's contractions decide bits) per epilogue.
+
+A Python model of the barrier protocol (test_barrier_protocol_model) runs the four partitions' loops,
+with the kernel's counters and parities, against a model of mbarriers, TMA copies and stores in random
+interleavings: no deadlock, every read sees the data of its own tile, nothing overwritten while a TMA
+store or an in-flight wgmma still reads it.
+
+Run: pytest tests/test_gluon_down_dgrad_compile.py -s  (prints registers, shared memory and instruction counts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import re
+import subprocess
+import tempfile
+
+import pytest
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("compile checks need compiled (not interpreted) kernels", allow_module_level=True)
+
+triton = pytest.importorskip("triton")
+pytest.importorskip("triton.experimental.gluon")
+import torch  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+from triton.runtime.jit import mangle_type  # noqa: E402
+
+from megamoe.backends.triton.configs import _SM90_TMA  # noqa: E402
+from conftest import triton_tile  # noqa: E402
+from megamoe.backends.triton.kernels import gluon_down_dgrad as G  # noqa: E402
+from megamoe.backends.triton.kernels import tma_gemm  # noqa: E402
+
+SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90
+# A qwen3-30b-a3b-like problem: the descriptors' block shapes and layouts are what matters, not the sizes.
+R, H, I, E = 2048, 2048, 768, 4
+VARIANTS = {"router-h_w": (True, True), "router": (True, False), "plain": (False, False)}
+_POINTERS = {"weights_ptr": "*fp32", "d_w_part_ptr": "*fp32"}  # every other pointer: int32
+
+
+def _divisible_pointers(fn) -> dict:
+    """16-byte aligned pointers, as the launcher's specialisation sees torch allocations."""
+    return {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name.endswith("_ptr")}
+
+
+def _compile_gluon(router: bool, store_h_w: bool, cfg=G.DEFAULT_CONFIG):
+    bf16 = dict(dtype=torch.bfloat16)
+    descs = G.descriptors(torch.empty(R, H, **bf16), torch.empty(E, H, I, **bf16), torch.empty(R, 2 * I, **bf16),
+                          torch.empty(R, 2 * I, **bf16), torch.empty(R, I, **bf16), cfg)
+    fn = G.down_dgrad_ws_kernel
+    consts = G.constexprs(cfg, 1, router, store_h_w)
+    signature = {}
+    for name in fn.arg_names:
+        if name in consts:
+            signature[name] = "constexpr"
+        elif name in descs:
+            signature[name] = mangle_type(descs[name])
+        else:
+            assert name.endswith("_ptr"), name
+            signature[name] = _POINTERS.get(name, "*i32")
+    src = GluonASTSource(fn, signature, consts, _divisible_pointers(fn))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def _compile_triton_kernel():
+    """tma_gemm.down_dgrad_tma_kernel with the TMA table's down_dgrad entry, ROUTER and STORE_H_W (as
+    tests/test_triton_compile.py compiles it)."""
+    cfg = triton_tile(_SM90_TMA.down_dgrad)  # the Triton kernel of the Gluon entry's tile
+    m, n, k = cfg.block_m, cfg.block_n, cfg.block_k
+    blocks = {"d_y_desc": [m, k], "w_desc": [1, k, n], "gu_desc": [m, 1, n // 2], "d_gu_desc": [m, 1, n // 2],
+              "h_w_desc": [m, n // 2]}
+    fn = tma_gemm.down_dgrad_tma_kernel
+    consts = dict(ROUTER=True, STORE_H_W=True, SPLIT=1, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=cfg.group_m,
+                  FLATTEN=cfg.flatten)
+    signature = {}
+    for name in fn.arg_names:
+        if name in consts:
+            signature[name] = "constexpr"
+        elif name in blocks:
+            signature[name] = f"tensordesc<bf16[{','.join(map(str, blocks[name]))}]>"
+        elif name.endswith("_ptr"):
+            signature[name] = _POINTERS.get(name, "*i32")
+        else:
+            signature[name] = "i32"
+    attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if name.endswith("_ptr") or name in ("H", "I")}
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+
+
+def _ptxas(ptx: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        proc = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", os.path.join(tmp, "k.cubin")],
+                              capture_output=True, text=True, check=True)
+    log = proc.stdout + proc.stderr
+
+    def num(pattern):
+        m = re.search(pattern, log)
+        return int(m.group(1)) if m else None
+
+    return dict(registers=num(r"Used (\d+) registers"), spill_stores=num(r"(\d+) bytes spill stores"),
+                spill_loads=num(r"(\d+) bytes spill loads"), stack=num(r"(\d+) bytes stack frame"), log=log)
+
+
+def _sass(cubin: bytes) -> str:
+    tool = os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        return subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+
+
+_CACHE: dict = {}
+
+
+def _report(name: str) -> dict:
+    """Compile once per variant; what the assertions (and the printed summary) look at."""
+    if name not in _CACHE:
+        router, store_h_w = VARIANTS[name]
+        compiled = _compile_gluon(router, store_h_w)
+        ptx = compiled.asm["ptx"]
+        sass = _sass(compiled.asm["cubin"])
+
+        def count(pattern, text=ptx):
+            return len(re.findall(pattern, text))
+
+        _CACHE[name] = dict(
+            router=router, store_h_w=store_h_w, compiled=compiled, ptx=ptx, ptxas=_ptxas(ptx),
+            wgmma=count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16"),
+            wgmma_any=count(r"wgmma\.mma_async"),
+            wait_groups=sorted(set(int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx))),
+            tma_load_2d=count(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.mbarrier::complete_tx::bytes"),
+            tma_load_3d=count(r"cp\.async\.bulk\.tensor\.3d\.shared::cluster\.global\.mbarrier::complete_tx::bytes"),
+            tma_store_2d=count(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta\.bulk_group"),
+            tma_store_3d=count(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta\.bulk_group"),
+            store_wait_read=count(r"cp\.async\.bulk\.wait_group\.read"),
+            cp_async=count(r"cp\.async\.(ca|cg)\.shared\.global"),
+            ldmatrix=count(r"ldmatrix\.sync"), stmatrix=count(r"stmatrix\.sync"),
+            mbar_init=count(r"mbarrier\.init\.shared"),
+            mbar_wait=count(r"mbarrier\.try_wait\.parity"),
+            mbar_expect=count(r"mbarrier\.arrive\.expect_tx"),
+            mbar_arrive=count(r"mbarrier\.arrive\.shared::cta\.b64"),
+            setmaxnreg=sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))),
+            hgmma=count(r"HGMMA\.64x128x16\.F32\.BF16", sass),
+            utmaldg=count(r"UTMALDG", sass), utmastg=count(r"UTMASTG", sass),
+            local=count(r"\b(STL|LDL)(\.[A-Z0-9]+)*\b", sass),
+        )
+    return _CACHE[name]
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_gluon_down_dgrad_sm90a(name):
+    r = _report(name)
+    cfg, meta, px = G.DEFAULT_CONFIG, r["compiled"].metadata, r["ptxas"]
+    h_w = r["router"] and r["store_h_w"]
+    print(f"\ngluon down_dgrad {name} (stages {cfg.ring_stages(h_w)}): {meta.num_warps} warps, {px['registers']} "
+          f"registers/thread (kernel max), setmaxnreg {r['setmaxnreg']}, shared {meta.shared} B, spills "
+          f"{px['spill_stores']}/{px['spill_loads']} B, stack {px['stack']} B; PTX: {r['wgmma']} wgmma m64n128k16, "
+          f"wait_group {r['wait_groups']}, TMA loads 2d/3d {r['tma_load_2d']}/{r['tma_load_3d']}, TMA stores 2d/3d "
+          f"{r['tma_store_2d']}/{r['tma_store_3d']}, store waits {r['store_wait_read']}, ldmatrix {r['ldmatrix']}, "
+          f"stmatrix {r['stmatrix']}, mbarrier init {r['mbar_init']} / try_wait {r['mbar_wait']} / expect_tx "
+          f"{r['mbar_expect']} / arrive {r['mbar_arrive']}; SASS: {r['hgmma']} HGMMA, UTMALDG {r['utmaldg']}, "
+          f"UTMASTG {r['utmastg']}, local {r['local']}")
+    # wgmma: a K step is 4 x m64n128k16 per consumer (BLOCK_K 64 / 16), each in its own partition.
+    assert r["wgmma"] == r["wgmma_any"] == 2 * 4, f"{name}: wgmma {r['wgmma']}/{r['wgmma_any']}"
+    assert r["hgmma"] == 2 * 4, f"{name}: {r['hgmma']} HGMMA in the SASS"
+    assert 1 in r["wait_groups"], f"{name}: wgmma not kept in flight across K steps ({r['wait_groups']})"
+    # TMA: d_y (2-D), the weight tile (3-D, two 64-column messages) and four gate_up boxes (3-D) in; d_gate_up
+    # (3-D) and h_w (2-D) out, from both consumers and both column halves.
+    assert r["tma_load_2d"] == 1 and r["tma_load_3d"] == 2 + 4, (
+        f"{name}: TMA loads {r['tma_load_2d']}/{r['tma_load_3d']}")
+    assert r["tma_store_3d"] == 2 * 2 * 2, f"{name}: {r['tma_store_3d']} d_gate_up stores"
+    assert r["tma_store_2d"] == (2 * 2 if h_w else 0), f"{name}: {r['tma_store_2d']} h_w stores"
+    assert r["store_wait_read"] >= 2 and r["cp_async"] == 0, f"{name}: store waits / cp.async"
+    assert r["utmaldg"] >= 3 and r["utmastg"] >= 2 * 2 * 2
+    # The epilogue reads g, u from shared memory and writes its outputs there (no global loads of gate_up).
+    assert r["ldmatrix"] > 0 and r["stmatrix"] > 0, f"{name}: ldmatrix {r['ldmatrix']}, stmatrix {r['stmatrix']}"
+    # mbarriers: ready + empty per stage, gu_ready, gu_empty, and with ROUTER wt_ready + wt_empty (x 2).
+    stages = cfg.ring_stages(h_w)
+    assert r["mbar_init"] == 2 * stages + 2 + (4 if r["router"] else 0), f"{name}: {r['mbar_init']} mbarrier.init"
+    assert r["mbar_expect"] >= 2, f"{name}: expect_tx for the ring and for the gate_up boxes"
+    assert r["mbar_wait"] >= (9 if r["router"] else 6) and r["mbar_arrive"] >= 6
+    # Warp specialization and its register split.
+    assert meta.num_warps == 12, f"{name}: {meta.num_warps} warps"
+    assert ("dec", str(cfg.producer_regs)) in r["setmaxnreg"], f"{name}: producer registers {r['setmaxnreg']}"
+    assert ("inc", str(cfg.consumer_regs)) in r["setmaxnreg"], f"{name}: consumer registers {r['setmaxnreg']}"
+    # No spills, nothing serialised, shared memory within the SM.
+    assert px["spill_stores"] == 0 and px["spill_loads"] == 0 and px["stack"] == 0, f"{name} spills:\n{px['log']}"
+    assert r["local"] == 0, f"{name}: local-memory loads/stores in the SASS"
+    assert "C7510" not in px["log"] and "serialized" not in px["log"], f"{name}: wgmma serialised:\n{px['log']}"
+    want = cfg.smem_bytes(r["router"], r["store_h_w"])
+    assert want <= meta.shared <= SMEM_LIMIT, f"{name}: shared {meta.shared} B (buffers {want} B)"
+
+
+# ----------------------------------------------------------------------------------------------------
+# The epilogue against the Triton kernel's
+
+
+_LAYOUT_ALIAS = re.compile(r"^(#[\w]+) = #ttg\.linear<\{register = (\[.*?\]\]), lane = (\[.*?\]\]), "
+                           r"warp = (\[.*?\]\]|\[\])", re.M)
+
+
+def _reduce_operand_layouts(ttgir: str) -> list[tuple[str, str, str]]:
+    """(register, lane, warp bases) of the operand of every tt.reduce (the d_w_part row sums)."""
+    aliases = {m.group(1): (m.group(2), m.group(3), m.group(4)) for m in _LAYOUT_ALIAS.finditer(ttgir)}
+    operands = re.findall(r'"tt\.reduce"\(.*?\n(?:.*\n)*?\s*\}\) : \(tensor<\d+x\d+xf32, (#\w+)>\)', ttgir)
+    return [aliases[name] for name in operands]
+
+
+def _fma_count(ptx: str) -> int:
+    return len(re.findall(r"\bfma\.rn\.f32\b", ptx))
+
+
+def test_epilogue_matches_the_triton_kernel():
+    """The d_w_part sums run in the Triton kernel's layout (same register and lane bases: the same order of
+    in-thread adds and lane shuffles; the warp bases only place rows), and LLVM fuses the same multiply-adds.
+    """
+    triton_compiled = _compile_triton_kernel()
+    ours = _report("router-h_w")
+    theirs = _reduce_operand_layouts(triton_compiled.asm["ttgir"])
+    mine = _reduce_operand_layouts(ours["compiled"].asm["ttgir"])
+    print(f"\nTriton kernel's reduce layouts {theirs}\nGluon kernel's {mine}")
+    assert len(theirs) == 2 and len(mine) == 2 * 2, (theirs, mine)  # two halves (x two consumer partitions)
+    for reg, lane, warp in mine:
+        t_reg, t_lane, t_warp = theirs[0]
+        assert (reg, lane) == (t_reg, t_lane), f"row sums in another order: {reg} {lane} vs {t_reg} {t_lane}"
+        assert warp == "[[16, 0], [32, 0]]" and t_warp == "[[16, 0], [32, 0], [64, 0]]", (warp, t_warp)
+    # Lane shuffles of the row sums (two rows per thread and half): xor 2 then xor 1 in both kernels.
+    theirs_shuffles = re.findall(r"shfl\.sync\.bfly\.b32\s+\S+ \S+ (\d+),", triton_compiled.asm["ptx"])
+    shuffles = re.findall(r"shfl\.sync\.bfly\.b32\s+\S+ \S+ (\d+),", ours["ptx"])
+    assert theirs_shuffles == ["2", "1"] * 4 and shuffles == theirs_shuffles * 2, (theirs_shuffles, shuffles)
+    # One consumer partition's epilogue fuses as many multiply-adds as the Triton kernel's epilogue (the
+    # K loops have none): (1 + g (1 - s)) per element and the in-thread row sums.
+    assert _fma_count(ours["ptx"]) == 2 * _fma_count(triton_compiled.asm["ptx"]) > 0
+    # The same approximate transcendental and division instructions (Triton's lowering of exp and "/").
+    for instr in ("ex2.approx.f32", "div.full.f32"):
+        assert instr in ours["ptx"] and instr in triton_compiled.asm["ptx"], instr
+
+
+# ----------------------------------------------------------------------------------------------------
+# A model of the barrier protocol (the kernel's counters and parities, in Python)
+
+
+class _MBarrier:
+    """count arrivals (arrive.expect_tx is one) plus the expected transaction bytes complete a phase."""
+
+    def __init__(self, count: int):
+        self.count, self.pending, self.tx, self.completed = count, count, 0, 0
+
+    def arrive(self) -> None:
+        self.pending -= 1
+        assert self.pending >= 0, "more arrivals than the barrier's count in one phase"
+        self._advance()
+
+    def expect(self, units: int) -> None:
+        self.tx += units
+        self.arrive()
+
+    def complete_tx(self, units: int) -> None:
+        self.tx -= units
+        self._advance()
+
+    def _advance(self) -> None:
+        if self.pending == 0 and self.tx == 0:
+            self.completed += 1
+            self.pending = self.count
+
+    def passed(self, parity: int) -> bool:
+        """try_wait.parity: the phase of this parity has completed (the current phase has the other one)."""
+        return (self.completed & 1) != parity
+
+
+class _Cell:
+    """A shared-memory buffer: its content tag and the async readers (TMA stores, wgmmas) not done yet."""
+
+    def __init__(self):
+        self.tag, self.readers = None, 0
+
+    def write(self, tag) -> None:
+        assert self.readers == 0, f"overwritten ({self.tag} -> {tag}) while still being read"
+        self.tag = tag
+
+
+class _Model:
+    def __init__(self, tiles: int, k_steps: int, stages: int, router: bool, prefetch: int, release: int, seed: int):
+        self.tiles, self.k_steps, self.stages, self.router = tiles, k_steps, stages, router
+        self.prefetch_step, self.release_step = min(k_steps - 1, prefetch), min(k_steps - 1, release)
+        self.rng = random.Random(seed)
+        self.ready = [_MBarrier(1) for _ in range(stages)]
+        self.empty = [_MBarrier(2) for _ in range(stages)]
+        self.gu_ready, self.gu_empty = _MBarrier(1), _MBarrier(2)
+        self.wt_ready, self.wt_empty = [_MBarrier(1) for _ in range(2)], [_MBarrier(2) for _ in range(2)]
+        self.slots = [_Cell() for _ in range(stages)]
+        self.gu = {(i, wg): _Cell() for i in range(4) for wg in range(2)}  # gate_up buffer i, warpgroup rows
+        self.hw = {(wg, half): _Cell() for wg in range(2) for half in range(2)}
+        self.wt = [_Cell() for _ in range(2)]
+        self.events: list = []  # async completions: TMA copies landing, TMA stores reading shared memory
+        self.stores_in_flight = [0, 0]
+
+    # async operations
+    def _tma_load(self, cells, tag, bar) -> None:
+        def land():
+            for cell in cells:
+                cell.write(tag)
+            bar.complete_tx(1)
+        self.events.append(land)
+
+    def _tma_store(self, wg: int, cell: _Cell, tag) -> None:
+        cell.readers += 1
+        self.stores_in_flight[wg] += 1
+
+        def read():
+            assert cell.tag == tag, f"a TMA store read {cell.tag}, not {tag}"
+            cell.readers -= 1
+            self.stores_in_flight[wg] -= 1
+        self.events.append(read)
+
+    # the partitions (their loops as the kernel's, waits yielded)
+    def producer(self):
+        p = 0
+        for j in range(self.tiles):
+            for ki in range(self.k_steps):
+                s = p % self.stages
+                yield ("bar", self.empty[s], ((p // self.stages) & 1) ^ 1)
+                self.ready[s].expect(1)
+                self._tma_load([self.slots[s]], (j, ki), self.ready[s])
+                p += 1
+                if ki == self.prefetch_step:
+                    yield ("bar", self.gu_empty, (j & 1) ^ 1)
+                    self.gu_ready.expect(4)
+                    for i in range(4):
+                        self._tma_load([self.gu[(i, 0)], self.gu[(i, 1)]], ("gate_up", j), self.gu_ready)
+
+    def loader(self):
+        for j in range(self.tiles):
+            b = j % 2
+            yield ("bar", self.wt_empty[b], ((j // 2) & 1) ^ 1)
+            self.wt[b].write(("weights", j))
+            self.wt_ready[b].arrive()
+
+    def consumer(self, wg: int):
+        c = 0
+        for j in range(self.tiles):
+            in_flight = None  # the wgmma not retired yet: (slot cell, tag)
+            for ki in range(self.k_steps):
+                s = c % self.stages
+                yield ("bar", self.ready[s], (c // self.stages) & 1)
+                assert self.slots[s].tag == (j, ki), f"wgmma of {(j, ki)} read {self.slots[s].tag}"
+                self.slots[s].readers += 1
+                if in_flight is not None:  # warpgroup_mma_wait(1): the previous wgmma retires
+                    in_flight[0].readers -= 1
+                    assert in_flight[0].tag == in_flight[1]
+                in_flight = (self.slots[s], (j, ki))
+                if ki > 0:
+                    self.empty[(c + self.stages - 1) % self.stages].arrive()
+                if ki == self.release_step:
+                    yield ("stores", wg)
+                    if j > 0:
+                        self.gu_empty.arrive()
+                c += 1
+            in_flight[0].readers -= 1  # warpgroup_mma_wait(0)
+            assert in_flight[0].tag == in_flight[1]
+            self.empty[(c + self.stages - 1) % self.stages].arrive()
+            if self.router:
+                b = j % 2
+                yield ("bar", self.wt_ready[b], (j // 2) & 1)
+                assert self.wt[b].tag == ("weights", j), f"tile {j} read the weights of {self.wt[b].tag}"
+                self.wt_empty[b].arrive()
+            yield ("bar", self.gu_ready, j & 1)
+            for half in range(2):
+                g, u = self.gu[(2 * half, wg)], self.gu[(2 * half + 1, wg)]
+                assert g.tag == u.tag == ("gate_up", j), f"tile {j} read gate_up {g.tag} / {u.tag}"
+                cells = [(g, ("d_gate_up", j)), (u, ("d_gate_up", j))]
+                if self.router:
+                    cells.append((self.hw[(wg, half)], ("h_w", j)))
+                for cell, tag in cells:
+                    cell.write(tag)
+                for cell, tag in cells:
+                    self._tma_store(wg, cell, tag)
+        yield ("stores", wg)
+
+    def run(self) -> None:
+        procs = [self.producer(), self.consumer(0), self.consumer(1)] + ([self.loader()] if self.router else [])
+        waiting = {i: None for i in range(len(procs))}  # what each process waits for (None: runnable)
+
+        def runnable(i):
+            w = waiting[i]
+            if w is None:
+                return True
+            if w[0] == "bar":
+                return w[1].passed(w[2])
+            return self.stores_in_flight[w[1]] == 0
+
+        while waiting:
+            ready = [i for i in waiting if runnable(i)]
+            if self.events and (not ready or self.rng.random() < 0.5):
+                self.events.pop(self.rng.randrange(len(self.events)))()
+                continue
+            assert ready, f"deadlock: {[waiting[i] for i in waiting]}"
+            i = self.rng.choice(ready)
+            try:
+                waiting[i] = next(procs[i])
+            except StopIteration:
+                del waiting[i]
+        while self.events:
+            self.events.pop()()
+
+
+@pytest.mark.parametrize("router", [True, False])
+def test_barrier_protocol_model(router):
+    cfg = G.DEFAULT_CONFIG
+    steps = [(cfg.gu_prefetch_step, cfg.gu_release_step), (0, 0), (1, 0), (3, 3)]
+    runs = 0
+    for tiles in (0, 1, 2, 3, 6):
+        for k_steps in (1, 2, 3, 7):
+            for stages in (2, 3, cfg.ring_stages(router)):
+                for prefetch, release in steps:
+                    for seed in range(4):
+                        _Model(tiles, k_steps, stages, router, prefetch, release, seed).run()
+                        runs += 1
+    print(f"\n{runs} random interleavings of the partitions: no deadlock, no stale or overwritten buffer")
+
+
+def test_config_fits_and_matches_the_triton_tile():
+    """The tile is the TMA table's (d_w_part's column blocks and the bitwise match depend on it)."""
+    cfg, table = G.DEFAULT_CONFIG, _SM90_TMA.down_dgrad
+    assert (cfg.block_m, cfg.block_n, cfg.block_k) == (table.block_m, table.block_n, table.block_k)
+    assert cfg.group_m == table.group_m  # the same tile order (L2 reuse), not needed for the bits
+    assert cfg.gu_release_step <= cfg.gu_prefetch_step
+    for router, store_h_w in VARIANTS.values():
+        assert cfg.smem_bytes(router, store_h_w) + 1024 <= SMEM_LIMIT, dataclasses.asdict(cfg)

@@ -1,0 +1,389 @@
+"""Ahead-of-time compile checks of the Gluon weight-gradient kernel (megamoe/backends/triton/kernels/gluon_dw.py),
+on CPU, and a model of its barrier protocol.
+
+The kernel compiles without a GPU the way tests/test_gluon_compile.py compiles the prototype: a GluonASTSource
+through triton.compile for GPUTarget("cuda", 90, 32), with the tensor-descriptor signatures the launcher
+produces (mangle_type of host-side Gluon TensorDescriptors over CPU tensors). Every config of
+gluon_dw.CONFIGS is compiled with the launcher's constexprs; the assertions are about what an H200 would run:
+
+  * wgmma: exactly 2 x (rows per warpgroup / 64) x (BLOCK_K / 16) wgmma.mma_async m64n{BLOCK_N}k16 per row step,
+    every one with both operands MN-major from shared memory (imm-trans-a = imm-trans-b = 1: the row-major
+    [rows, M] / [rows, N] tiles consumed as A^T and B), accumulating (scale-d true), kept in flight across
+    steps (wait_group 1); the same count of HGMMA ... .tnspA.tnspB in the SASS. The production Triton kernel
+    (tma_gemm.dw_tma_kernel with the TMA table's tile) compiles to the same instruction form, which is what
+    the bitwise equality rests on;
+  * TMA: the a and b tiles by 2-D cp.async.bulk.tensor completing on an mbarrier (one message per 128-byte
+    swizzle width: (BLOCK_M + BLOCK_N) / 64), the outputs by 3-D TMA stores (one per consumer warpgroup), no
+    cp.async;
+  * mbarriers: 2 x STAGES initialised (+ 2 order barriers for pingpong), try_wait.parity, expect_tx, arrive;
+  * warp specialization: 12 warps, setmaxnreg 232 (consumers) / 40 (producer);
+  * ptxas -v: no spills, no stack frame, no wgmma serialisation (C7510); no local memory in the SASS; shared
+    memory within the 227 KB of an SM and at least the ring + epilogue buffers.
+
+The protocol model runs the kernel's three partitions (producer, two consumers) as Python generators with
+the same index arithmetic (slot counters, parities, the pingpong skip and order barrier) over mbarriers that
+behave like the hardware's (a parity wait passes when the phase of that parity is the last completed one),
+interleaved at random, with asynchronous TMA completions, on tile lists with empty experts. It checks that
+no wait passes on a phase that has not completed (the aliasing that crashed the prototype's pingpong), that
+every step reads the (tile, row step) the producer filled into its slot, that no slot is refilled while a
+reader holds it, and that nothing deadlocks.
+
+Run: pytest tests/test_gluon_dw_compile.py -s  (prints registers, shared memory and instruction counts).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import subprocess
+import tempfile
+
+import pytest
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("compile checks need compiled (not interpreted) kernels", allow_module_level=True)
+
+triton = pytest.importorskip("triton")
+pytest.importorskip("triton.experimental.gluon")
+import torch  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+from triton.runtime.jit import mangle_type  # noqa: E402
+
+from megamoe.backends.triton.configs import _SM90_TMA  # noqa: E402
+from megamoe.backends.triton.kernels import gluon_dw as G  # noqa: E402
+from megamoe.backends.triton.kernels import tma_gemm  # noqa: E402
+
+SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90
+# A qwen3-30b-a3b-like dw_down: the descriptors' block shapes and layouts are what matters, not the sizes.
+R, M, N, E = 2048, 2048, 768, 4
+WGMMA_RE = r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+, (%p\d+), (\d), (\d), (\d), (\d);"
+
+
+def _compile_gluon(cfg):
+    a = torch.empty(R, M, dtype=torch.bfloat16)
+    b = torch.empty(R, N, dtype=torch.bfloat16)
+    dw = torch.empty(E, M, N, dtype=torch.bfloat16)
+    descs = dict(zip(("a_desc", "b_desc", "dw_desc"), G.descriptors(a, b, dw, cfg)))
+    fn = G.dw_ws_kernel
+    consts = G.constexprs(cfg)
+    signature = {}
+    for name in fn.arg_names:
+        if name in consts:
+            signature[name] = "constexpr"
+        elif name in descs:
+            signature[name] = mangle_type(descs[name])
+        elif name.endswith("_ptr"):
+            signature[name] = "*i32"
+        else:
+            assert name == "num_experts", name
+            signature[name] = "i32"
+    # 16-byte aligned int32 pointers, as the launcher's specialisation sees torch allocations.
+    attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name.endswith("_ptr")}
+    src = GluonASTSource(fn, signature, consts, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def _compile_production():
+    """tma_gemm.dw_tma_kernel as the TMA table runs it (weight_grad._launch with config.tma)."""
+    cfg = _SM90_TMA.dw_down
+    fn = tma_gemm.dw_tma_kernel
+    blocks = {"a_desc": [cfg.block_k, cfg.block_m], "b_desc": [cfg.block_k, cfg.block_n], "dw_desc": [1, cfg.block_m, cfg.block_n]}
+    consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten)
+    signature = {}
+    for name in fn.arg_names:
+        if name in consts:
+            signature[name] = "constexpr"
+        elif name in blocks:
+            signature[name] = f"tensordesc<bf16[{','.join(map(str, blocks[name]))}]>"
+        else:
+            signature[name] = "*i32" if name.endswith("_ptr") else "i32"
+    attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if signature[name].startswith("*") or name in ("M", "N")}
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+
+
+def _ptxas(ptx: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        proc = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", os.path.join(tmp, "k.cubin")],
+                              capture_output=True, text=True, check=True)
+    log = proc.stdout + proc.stderr
+
+    def num(pattern):
+        m = re.search(pattern, log)
+        return int(m.group(1)) if m else None
+
+    return dict(registers=num(r"Used (\d+) registers"), spill_stores=num(r"(\d+) bytes spill stores"),
+                spill_loads=num(r"(\d+) bytes spill loads"), stack=num(r"(\d+) bytes stack frame"), log=log)
+
+
+def _sass(cubin: bytes) -> str:
+    tool = os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        return subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+
+
+def _wgmma_forms(ptx: str) -> list:
+    """[(shape, scale-d always true, imm-scale-a, imm-scale-b, imm-trans-a, imm-trans-b)] of every wgmma."""
+    true_preds = set(re.findall(r"mov\.pred\s+(%p\d+), -1;", ptx))
+    return [(shape, pred in true_preds, sa, sb, ta, tb) for shape, pred, sa, sb, ta, tb in re.findall(WGMMA_RE, ptx)]
+
+
+_CACHE: dict = {}
+
+
+def _report(name: str) -> dict:
+    """Compile once per config; what the assertions (and the printed summary) look at."""
+    if name not in _CACHE:
+        cfg = G.CONFIGS[name]
+        compiled = _compile_gluon(cfg)
+        ptx = compiled.asm["ptx"]
+        sass = _sass(compiled.asm["cubin"])
+
+        def count(pattern, text=ptx):
+            return len(re.findall(pattern, text))
+
+        _CACHE[name] = dict(
+            cfg=cfg, compiled=compiled, ptx=ptx, ptxas=_ptxas(ptx), forms=_wgmma_forms(ptx),
+            wgmma=count(rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg.block_n}k16\.f32\.bf16\.bf16"),
+            wgmma_any=count(r"wgmma\.mma_async"),
+            wait_groups=sorted(set(int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx))),
+            tma_load_2d=count(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.mbarrier::complete_tx::bytes"),
+            tma_load_other=count(r"cp\.async\.bulk\.tensor\.[13-5]d\.shared::cluster\.global"),
+            tma_store_3d=count(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta\.bulk_group"),
+            cp_async=count(r"cp\.async\.(ca|cg)\.shared\.global"),
+            mbar_init=count(r"mbarrier\.init\.shared"),
+            mbar_wait=count(r"mbarrier\.try_wait\.parity"),
+            mbar_expect=count(r"mbarrier\.arrive\.expect_tx"),
+            mbar_arrive=count(r"mbarrier\.arrive\.shared::cta\.b64"),
+            setmaxnreg=sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))),
+            hgmma=count(rf"HGMMA\.64x{cfg.block_n}x16\.F32\.BF16 \S+, gdesc\[UR\d+\]\.tnspA\.tnspB", sass),
+            hgmma_any=count(r"HGMMA\.", sass),
+            utmaldg_2d=count(r"UTMALDG\.2D", sass),
+            utmastg_3d=count(r"UTMASTG\.3D", sass),
+            local=count(r"\b(STL|LDL)(\.[A-Z0-9]+)*\b", sass),
+        )
+    return _CACHE[name]
+
+
+def _wgmma_per_step(cfg) -> int:
+    return G.NUM_CONSUMERS * (cfg.store_m // G.WGMMA_M) * (cfg.block_k // 16)
+
+
+@pytest.mark.parametrize("name", list(G.CONFIGS))
+def test_gluon_dw_kernel_sm90a(name):
+    r = _report(name)
+    cfg, meta, px = r["cfg"], r["compiled"].metadata, r["ptxas"]
+    print(f"\ngluon-dw {name} {cfg}: {meta.num_warps} warps, {px['registers']} registers/thread (kernel max), "
+          f"setmaxnreg {r['setmaxnreg']}, shared {meta.shared} B, spills {px['spill_stores']}/{px['spill_loads']} B, "
+          f"stack {px['stack']} B; PTX: {r['wgmma']} wgmma m64n{cfg.block_n}k16 {sorted(set(r['forms']))}, wait_group "
+          f"{r['wait_groups']}, TMA loads 2d {r['tma_load_2d']}, TMA stores 3d {r['tma_store_3d']}, mbarrier init "
+          f"{r['mbar_init']} / try_wait {r['mbar_wait']} / expect_tx {r['mbar_expect']} / arrive {r['mbar_arrive']}; "
+          f"SASS: {r['hgmma']} HGMMA .tnspA.tnspB, UTMALDG.2D {r['utmaldg_2d']}, UTMASTG.3D {r['utmastg_3d']}, "
+          f"local {r['local']}")
+    # wgmma: per row step (rows per warpgroup / 64) x (BLOCK_K / 16) m64nNk16 per consumer, both operands
+    # MN-major (transposed) from shared memory, always accumulating.
+    assert r["wgmma"] == r["wgmma_any"] == _wgmma_per_step(cfg), f"{name}: wgmma {r['wgmma']}/{r['wgmma_any']}"
+    assert len(r["forms"]) == r["wgmma_any"] and set(r["forms"]) == {(f"m64n{cfg.block_n}k16", True, "1", "1", "1", "1")}, (
+        f"{name}: wgmma forms {r['forms']}")
+    assert r["hgmma"] == r["hgmma_any"] == _wgmma_per_step(cfg), f"{name}: {r['hgmma']}/{r['hgmma_any']} HGMMA"
+    assert 1 in r["wait_groups"], f"{name}: wgmma not kept in flight across row steps ({r['wait_groups']})"
+    # TMA: both operand tiles by 2-D bulk tensor copies (split at the 128-byte swizzle width), the outputs by
+    # 3-D bulk tensor stores clipped per expert.
+    assert r["tma_load_2d"] == (cfg.block_m + cfg.block_n) // 64 and r["tma_load_other"] == 0, (
+        f"{name}: TMA loads 2d {r['tma_load_2d']}, other {r['tma_load_other']}")
+    assert r["tma_store_3d"] == G.NUM_CONSUMERS, f"{name}: {r['tma_store_3d']} TMA stores"
+    assert r["cp_async"] == 0, f"{name}: cp.async copies besides TMA"
+    assert r["utmaldg_2d"] >= 2 and r["utmastg_3d"] >= G.NUM_CONSUMERS
+    # mbarriers: ready + empty per stage (+ the order pair); waits in the producer and both consumers; the
+    # producer's expect; the consumers' releases (in the loop and after the last step, + the order arrives).
+    assert r["mbar_init"] == 2 * cfg.stages + (2 if cfg.pingpong else 0), f"{name}: {r['mbar_init']} mbarrier.init"
+    assert r["mbar_wait"] >= 1 + G.NUM_CONSUMERS * (2 if cfg.pingpong else 1), f"{name}: {r['mbar_wait']} waits"
+    assert r["mbar_expect"] >= 1 and r["mbar_arrive"] >= G.NUM_CONSUMERS * (3 if cfg.pingpong else 2)
+    # Warp specialization and its register split.
+    assert meta.num_warps == cfg.num_warps, f"{name}: {meta.num_warps} warps"
+    assert ("dec", str(cfg.producer_regs)) in r["setmaxnreg"], f"{name}: producer registers {r['setmaxnreg']}"
+    assert ("inc", str(cfg.consumer_regs)) in r["setmaxnreg"], f"{name}: consumer registers {r['setmaxnreg']}"
+    # No spills, nothing serialised, shared memory within the SM.
+    assert px["spill_stores"] == 0 and px["spill_loads"] == 0 and px["stack"] == 0, f"{name} spills:\n{px['log']}"
+    assert r["local"] == 0, f"{name}: local-memory loads/stores in the SASS"
+    assert "C7510" not in px["log"] and "serialized" not in px["log"], f"{name}: wgmma serialised:\n{px['log']}"
+    assert cfg.smem_bytes() <= meta.shared <= SMEM_LIMIT, f"{name}: shared {meta.shared} B (ring + epilogue {cfg.smem_bytes()})"
+
+
+def test_production_kernel_uses_the_same_wgmma_form():
+    """The Triton kernel the Gluon one replaces: m64n256k16, fp32 accumulation, both operands MN-major, always
+    accumulating into a zero-initialised accumulator; "coop" issues exactly this instruction (the same
+    m64 x k16 chunks in the same row order), the pingpong configs the same with another N width."""
+    ptx = _compile_production().asm["ptx"]
+    cfg = _SM90_TMA.dw_down
+    forms = _wgmma_forms(ptx)
+    assert len(forms) == len(re.findall(r"wgmma\.mma_async", ptx)) > 0, forms
+    assert set(forms) == {(f"m64n{cfg.block_n}k16", True, "1", "1", "1", "1")}, forms
+    coop = G.CONFIGS["coop"]
+    assert (coop.block_m, coop.block_n, coop.block_k) == (cfg.block_m, cfg.block_n, cfg.block_k)
+    assert (coop.block_m, coop.block_n, coop.block_k) == (_SM90_TMA.dw_gate_up.block_m, _SM90_TMA.dw_gate_up.block_n,
+                                                          _SM90_TMA.dw_gate_up.block_k)
+    assert all(c.block_k == cfg.block_k and c.group_m == cfg.group_m for c in G.CONFIGS.values())
+
+
+# ----------------------------------------------------------------------------------------------------
+# A model of the barrier protocol (the kernel's index arithmetic, in Python)
+
+
+class _MBarrier:
+    """An mbarrier: `count` arrivals complete a phase; a parity wait passes when the last completed phase has
+    that parity (a fresh barrier counts the phase before phase 0, parity 1, as completed)."""
+
+    def __init__(self, count: int):
+        self.count, self.pending, self.completed = count, count, 0
+
+    def passes(self, parity: int) -> bool:
+        return (self.completed & 1) != parity
+
+    def arrive(self) -> None:
+        self.pending -= 1
+        assert self.pending >= 0
+        if self.pending == 0:
+            self.completed += 1
+            self.pending = self.count
+
+
+def _tile_of(tile, num_m, num_n, group_m):
+    per_expert = num_m * num_n
+    expert, in_expert = divmod(tile, per_expert)
+    per_group = group_m * num_n
+    first_m = in_expert // per_group * group_m
+    size_m = min(num_m - first_m, group_m)
+    in_group = in_expert % per_group
+    return expert, first_m + in_group % size_m, in_group // size_m
+
+
+def _expert_rows(offsets, expert, block_k):
+    start, end = offsets[expert], offsets[expert + 1]
+    return start, max(-(-(end - start) // block_k), 0)
+
+
+def _producer(st, p_id, nprog, num_m, num_n, num_experts, offsets, cfg):
+    """Yields ("wait", barrier, parity, phase it must have completed) or ("do", action)."""
+    stages, p = cfg.stages, 0
+    for tile in range(p_id, num_experts * num_m * num_n, nprog):
+        expert, _, _ = _tile_of(tile, num_m, num_n, cfg.group_m)
+        _, k_steps = _expert_rows(offsets, expert, cfg.block_k)
+        for ki in range(k_steps):
+            s = p % stages
+            yield ("wait", st["empty"][s], ((p // stages) & 1) ^ 1, p // stages - 1)
+            assert not st["holders"][s], f"slot {s} refilled while read by {st['holders'][s]}"
+            st["in_flight"].append((s, (tile, ki)))  # the TMA copies land later (the scheduler decides when)
+            p += 1
+            yield ("do", None)
+
+
+def _consumer(st, wg, p_id, nprog, num_m, num_n, num_experts, offsets, cfg, reads):
+    stages, c, turn = cfg.stages, 0, 0
+    first, stride = (p_id + wg * nprog, 2 * nprog) if cfg.pingpong else (p_id, nprog)
+    for tile in range(first, num_experts * num_m * num_n, stride):
+        expert, _, _ = _tile_of(tile, num_m, num_n, cfg.group_m)
+        _, k_steps = _expert_rows(offsets, expert, cfg.block_k)
+        if cfg.pingpong:
+            other = tile - nprog
+            if other >= p_id:
+                other_expert, _, _ = _tile_of(other, num_m, num_n, cfg.group_m)
+                c += _expert_rows(offsets, other_expert, cfg.block_k)[1]
+            yield ("wait", st["order"][wg], (turn & 1) ^ (1 - wg), turn - (1 - wg))
+        for ki in range(k_steps):
+            s = c % stages
+            yield ("wait", st["ready"][s], (c // stages) & 1, c // stages)
+            assert st["data"][s] == (tile, ki), f"wg {wg} read {st['data'][s]} for {(tile, ki)}"
+            st["holders"][s].add(wg)
+            reads.append((tile, ki, wg))
+            if ki > 0:
+                prev = (c + stages - 1) % stages
+                st["holders"][prev].discard(wg)
+                st["empty"][prev].arrive()
+            c += 1
+            yield ("do", None)
+        if cfg.pingpong:
+            st["order"][1 - wg].arrive()
+            turn += 1
+        if k_steps > 0:
+            prev = (c + stages - 1) % stages
+            st["holders"][prev].discard(wg)
+            st["empty"][prev].arrive()
+        yield ("do", None)
+
+
+def _simulate(cfg, offsets, num_m, num_n, p_id, nprog, seed):
+    """Run the three partitions of one CTA in a random interleaving; returns the (tile, step, wg) reads."""
+    rng = random.Random(seed)
+    st = dict(ready=[_MBarrier(1) for _ in range(cfg.stages)],
+              empty=[_MBarrier(1 if cfg.pingpong else 2) for _ in range(cfg.stages)],
+              order=[_MBarrier(1) for _ in range(2)], holders=[set() for _ in range(cfg.stages)],
+              data=[None] * cfg.stages, in_flight=[])
+    num_experts = len(offsets) - 1
+    reads: list = []
+    agents = [_producer(st, p_id, nprog, num_m, num_n, num_experts, offsets, cfg)]
+    agents += [_consumer(st, wg, p_id, nprog, num_m, num_n, num_experts, offsets, cfg, reads) for wg in range(2)]
+    blocked = {i: None for i in range(len(agents))}  # agent -> the wait it is blocked on
+    live = set(blocked)
+    while live or st["in_flight"]:
+        runnable = [i for i in live if blocked[i] is None or blocked[i][1].passes(blocked[i][2])]
+        choices = runnable + (["tma"] if st["in_flight"] else [])
+        assert choices, f"deadlock: {[(i, blocked[i]) for i in live]}"
+        pick = rng.choice(choices)
+        if pick == "tma":  # the oldest copies land: the slot's data, then its ready barrier's phase completes
+            s, tag = st["in_flight"].pop(0)
+            st["data"][s] = tag
+            st["ready"][s].arrive()
+            continue
+        if blocked[pick] is not None:  # a wait passes: the phase it means must really have completed
+            _, bar, _, phase = blocked[pick]
+            assert bar.completed >= phase + 1, f"agent {pick} passed a wait for phase {phase} at {bar.completed} (aliased)"
+            blocked[pick] = None
+        try:
+            step = next(agents[pick])
+        except StopIteration:
+            live.discard(pick)
+            continue
+        if step[0] == "wait":
+            blocked[pick] = step
+    return reads
+
+
+def _random_offsets(rng, num_experts, block_k, max_steps):
+    counts = [rng.choice([0, 1, max_steps, rng.randint(0, max_steps)]) * block_k for _ in range(num_experts)]
+    offsets = [0]
+    for n in counts:
+        offsets.append(offsets[-1] + n)
+    return offsets
+
+
+@pytest.mark.parametrize("name", list(G.CONFIGS))
+def test_barrier_protocol_model(name):
+    cfg = G.CONFIGS[name]
+    rng = random.Random(0)
+    for trial in range(60):
+        num_experts = rng.randint(1, 5)
+        offsets = _random_offsets(rng, num_experts, cfg.block_k, max_steps=rng.choice([1, 3, cfg.stages + 2, 12]))
+        num_m, num_n = rng.randint(1, 3), rng.randint(1, 3)
+        nprog = rng.randint(1, 4)
+        p_id = rng.randrange(nprog)
+        reads = _simulate(cfg, offsets, num_m, num_n, p_id, nprog, seed=trial)
+        # Every (tile, row step) of this CTA read by its consumers: both (coop) or the tile's warpgroup.
+        want = []
+        for j, tile in enumerate(range(p_id, num_experts * num_m * num_n, nprog)):
+            expert, _, _ = _tile_of(tile, num_m, num_n, cfg.group_m)
+            readers = [j % 2] if cfg.pingpong else [0, 1]
+            want += [(tile, ki, wg) for ki in range(_expert_rows(offsets, expert, cfg.block_k)[1]) for wg in readers]
+        assert sorted(reads) == sorted(want), (name, trial)
+
