@@ -1,10 +1,10 @@
 """Ahead-of-time compile checks of the Gluon down_dgrad kernel (kernels/gluon_down_dgrad.py), on CPU.
 
-The kernel is compiled for sm_90a the way tests/test_gluon_compile.py compiles the Gluon GEMM prototype (a
+The kernel is compiled for sm_90a the way tests/test_gluon_rows_compile.py compiles the row-block GEMMs (a
 GluonASTSource through triton.compile, with the signatures of the host-side Gluon TensorDescriptors the
-launcher builds, here on CPU tensors), in its three variants: the router epilogue with h_w stored (what
-the one-GPU backward runs), the router epilogue without h_w, and plain down_dgrad (no router). The
-assertions are about the code an H200 would run:
+launcher builds, here on CPU tensors), in its three variants: the router epilogue with h_w stored (what the
+one-GPU backward runs), the router epilogue without h_w, and plain down_dgrad (no router). The assertions are
+about the code an H200 would run:
 
   * wgmma: per K step, 4 wgmma.mma_async m64n128k16 in each of the two consumer partitions (8; HGMMA
     64x128x16 in the SASS), kept in flight across K steps (wgmma.wait_group 1);
@@ -38,8 +38,6 @@ import dataclasses
 import os
 import random
 import re
-import subprocess
-import tempfile
 
 import pytest
 
@@ -49,26 +47,25 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon")
 import torch  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
-from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
 from megamoe.backends.triton.configs import _SM90_TMA  # noqa: E402
 from conftest import triton_tile  # noqa: E402
 from megamoe.backends.triton.kernels import gluon_down_dgrad as G  # noqa: E402
 from megamoe.backends.triton.kernels import tma_gemm  # noqa: E402
-
-SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90
+from compile_checks import (  # noqa: E402
+    SMEM_LIMIT, assert_no_spills_or_serialisation, assert_register_split, compile_gluon, compile_triton, count,
+    divisible_by_16, kernel_signature, pointers, tensordesc, warp_specialized_report,
+)
 # A qwen3-30b-a3b-like problem: the descriptors' block shapes and layouts are what matters, not the sizes.
 R, H, I, E = 2048, 2048, 768, 4
 VARIANTS = {"router-h_w": (True, True), "router": (True, False), "plain": (False, False)}
 _POINTERS = {"weights_ptr": "*fp32", "d_w_part_ptr": "*fp32"}  # every other pointer: int32
 
 
-def _divisible_pointers(fn) -> dict:
-    """16-byte aligned pointers, as the launcher's specialisation sees torch allocations."""
-    return {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name.endswith("_ptr")}
+def _pointer_type(name: str) -> str:
+    assert name.endswith("_ptr"), name
+    return _POINTERS.get(name, "*i32")
 
 
 def _compile_gluon(router: bool, store_h_w: bool, cfg=G.DEFAULT_CONFIG):
@@ -77,17 +74,8 @@ def _compile_gluon(router: bool, store_h_w: bool, cfg=G.DEFAULT_CONFIG):
                           torch.empty(R, 2 * I, **bf16), torch.empty(R, I, **bf16), cfg)
     fn = G.down_dgrad_ws_kernel
     consts = G.constexprs(cfg, 1, router, store_h_w)
-    signature = {}
-    for name in fn.arg_names:
-        if name in consts:
-            signature[name] = "constexpr"
-        elif name in descs:
-            signature[name] = mangle_type(descs[name])
-        else:
-            assert name.endswith("_ptr"), name
-            signature[name] = _POINTERS.get(name, "*i32")
-    src = GluonASTSource(fn, signature, consts, _divisible_pointers(fn))
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    signature = kernel_signature(fn, consts, {name: mangle_type(d) for name, d in descs.items()}, _pointer_type)
+    return compile_gluon(fn, signature, consts, divisible_by_16(fn, pointers(fn)))
 
 
 def _compile_triton_kernel():
@@ -100,47 +88,10 @@ def _compile_triton_kernel():
     fn = tma_gemm.down_dgrad_tma_kernel
     consts = dict(ROUTER=True, STORE_H_W=True, SPLIT=1, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=cfg.group_m,
                   FLATTEN=cfg.flatten)
-    signature = {}
-    for name in fn.arg_names:
-        if name in consts:
-            signature[name] = "constexpr"
-        elif name in blocks:
-            signature[name] = f"tensordesc<bf16[{','.join(map(str, blocks[name]))}]>"
-        elif name.endswith("_ptr"):
-            signature[name] = _POINTERS.get(name, "*i32")
-        else:
-            signature[name] = "i32"
-    attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if name.endswith("_ptr") or name in ("H", "I")}
-    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-
-
-def _ptxas(ptx: str) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        proc = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", os.path.join(tmp, "k.cubin")],
-                              capture_output=True, text=True, check=True)
-    log = proc.stdout + proc.stderr
-
-    def num(pattern):
-        m = re.search(pattern, log)
-        return int(m.group(1)) if m else None
-
-    return dict(registers=num(r"Used (\d+) registers"), spill_stores=num(r"(\d+) bytes spill stores"),
-                spill_loads=num(r"(\d+) bytes spill loads"), stack=num(r"(\d+) bytes stack frame"), log=log)
-
-
-def _sass(cubin: bytes) -> str:
-    tool = os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        return subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+    signature = kernel_signature(fn, consts, {name: tensordesc(b) for name, b in blocks.items()},
+                                 lambda name: _pointer_type(name) if name.endswith("_ptr") else "i32")
+    attrs = divisible_by_16(fn, pointers(fn) | {"H", "I"})
+    return compile_triton(fn, signature, consts, attrs, cfg.num_warps, cfg.num_stages)
 
 
 _CACHE: dict = {}
@@ -150,33 +101,17 @@ def _report(name: str) -> dict:
     """Compile once per variant; what the assertions (and the printed summary) look at."""
     if name not in _CACHE:
         router, store_h_w = VARIANTS[name]
-        compiled = _compile_gluon(router, store_h_w)
-        ptx = compiled.asm["ptx"]
-        sass = _sass(compiled.asm["cubin"])
-
-        def count(pattern, text=ptx):
-            return len(re.findall(pattern, text))
-
+        r = warp_specialized_report(_compile_gluon(router, store_h_w))
+        ptx, sass = r["ptx"], r["sass"]
         _CACHE[name] = dict(
-            router=router, store_h_w=store_h_w, compiled=compiled, ptx=ptx, ptxas=_ptxas(ptx),
-            wgmma=count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16"),
-            wgmma_any=count(r"wgmma\.mma_async"),
-            wait_groups=sorted(set(int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx))),
-            tma_load_2d=count(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.mbarrier::complete_tx::bytes"),
-            tma_load_3d=count(r"cp\.async\.bulk\.tensor\.3d\.shared::cluster\.global\.mbarrier::complete_tx::bytes"),
-            tma_store_2d=count(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta\.bulk_group"),
-            tma_store_3d=count(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta\.bulk_group"),
-            store_wait_read=count(r"cp\.async\.bulk\.wait_group\.read"),
-            cp_async=count(r"cp\.async\.(ca|cg)\.shared\.global"),
-            ldmatrix=count(r"ldmatrix\.sync"), stmatrix=count(r"stmatrix\.sync"),
-            mbar_init=count(r"mbarrier\.init\.shared"),
-            mbar_wait=count(r"mbarrier\.try_wait\.parity"),
-            mbar_expect=count(r"mbarrier\.arrive\.expect_tx"),
-            mbar_arrive=count(r"mbarrier\.arrive\.shared::cta\.b64"),
-            setmaxnreg=sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))),
+            r, router=router, store_h_w=store_h_w,
+            wgmma=count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16", ptx),
+            tma_store_2d=count(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta\.bulk_group", ptx),
+            tma_store_3d=count(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta\.bulk_group", ptx),
+            store_wait_read=count(r"cp\.async\.bulk\.wait_group\.read", ptx),
+            ldmatrix=count(r"ldmatrix\.sync", ptx), stmatrix=count(r"stmatrix\.sync", ptx),
             hgmma=count(r"HGMMA\.64x128x16\.F32\.BF16", sass),
             utmaldg=count(r"UTMALDG", sass), utmastg=count(r"UTMASTG", sass),
-            local=count(r"\b(STL|LDL)(\.[A-Z0-9]+)*\b", sass),
         )
     return _CACHE[name]
 
@@ -215,12 +150,9 @@ def test_gluon_down_dgrad_sm90a(name):
     assert r["mbar_wait"] >= (9 if r["router"] else 6) and r["mbar_arrive"] >= 6
     # Warp specialization and its register split.
     assert meta.num_warps == 12, f"{name}: {meta.num_warps} warps"
-    assert ("dec", str(cfg.producer_regs)) in r["setmaxnreg"], f"{name}: producer registers {r['setmaxnreg']}"
-    assert ("inc", str(cfg.consumer_regs)) in r["setmaxnreg"], f"{name}: consumer registers {r['setmaxnreg']}"
+    assert_register_split(name, r, cfg.producer_regs, cfg.consumer_regs)
     # No spills, nothing serialised, shared memory within the SM.
-    assert px["spill_stores"] == 0 and px["spill_loads"] == 0 and px["stack"] == 0, f"{name} spills:\n{px['log']}"
-    assert r["local"] == 0, f"{name}: local-memory loads/stores in the SASS"
-    assert "C7510" not in px["log"] and "serialized" not in px["log"], f"{name}: wgmma serialised:\n{px['log']}"
+    assert_no_spills_or_serialisation(name, r)
     want = cfg.smem_bytes(r["router"], r["store_h_w"])
     assert want <= meta.shared <= SMEM_LIMIT, f"{name}: shared {meta.shared} B (buffers {want} B)"
 

@@ -1,9 +1,9 @@
 """Ahead-of-time compile checks of the Gluon weight-gradient kernel (megamoe/backends/triton/kernels/gluon_dw.py),
 on CPU, and a model of its barrier protocol.
 
-The kernel compiles without a GPU the way tests/test_gluon_compile.py compiles the prototype: a GluonASTSource
-through triton.compile for GPUTarget("cuda", 90, 32), with the tensor-descriptor signatures the launcher
-produces (mangle_type of host-side Gluon TensorDescriptors over CPU tensors). Every config of
+The kernel compiles without a GPU the way tests/test_gluon_rows_compile.py compiles the row-block GEMMs: a
+GluonASTSource through triton.compile for GPUTarget("cuda", 90, 32), with the tensor-descriptor signatures the
+launcher produces (mangle_type of host-side Gluon TensorDescriptors over CPU tensors). Every config of
 gluon_dw.CONFIGS is compiled with the launcher's constexprs; the assertions are about what an H200 would run:
 
   * wgmma: exactly 2 x (rows per warpgroup / 64) x (BLOCK_K / 16) wgmma.mma_async m64n{BLOCK_N}k16 per row step,
@@ -36,8 +36,6 @@ from __future__ import annotations
 import os
 import random
 import re
-import subprocess
-import tempfile
 
 import pytest
 
@@ -47,16 +45,15 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon")
 import torch  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
-from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
 from megamoe.backends.triton.configs import _SM90_TMA  # noqa: E402
 from megamoe.backends.triton.kernels import gluon_dw as G  # noqa: E402
 from megamoe.backends.triton.kernels import tma_gemm  # noqa: E402
-
-SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90
+from compile_checks import (  # noqa: E402
+    SMEM_LIMIT, assert_no_spills_or_serialisation, assert_register_split, compile_gluon, compile_triton, count,
+    divisible_by_16, int32_arg, kernel_signature, pointers, tensordesc, warp_specialized_report,
+)
 # A qwen3-30b-a3b-like dw_down: the descriptors' block shapes and layouts are what matters, not the sizes.
 R, M, N, E = 2048, 2048, 768, 4
 WGMMA_RE = r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+, (%p\d+), (\d), (\d), (\d), (\d);"
@@ -69,21 +66,13 @@ def _compile_gluon(cfg):
     descs = dict(zip(("a_desc", "b_desc", "dw_desc"), G.descriptors(a, b, dw, cfg)))
     fn = G.dw_ws_kernel
     consts = G.constexprs(cfg)
-    signature = {}
-    for name in fn.arg_names:
-        if name in consts:
-            signature[name] = "constexpr"
-        elif name in descs:
-            signature[name] = mangle_type(descs[name])
-        elif name.endswith("_ptr"):
-            signature[name] = "*i32"
-        else:
-            assert name == "num_experts", name
-            signature[name] = "i32"
-    # 16-byte aligned int32 pointers, as the launcher's specialisation sees torch allocations.
-    attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name.endswith("_ptr")}
-    src = GluonASTSource(fn, signature, consts, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    signature = kernel_signature(fn, consts, {name: mangle_type(d) for name, d in descs.items()}, _int32_arg)
+    return compile_gluon(fn, signature, consts, divisible_by_16(fn, pointers(fn)))
+
+
+def _int32_arg(name: str) -> str:
+    assert name.endswith("_ptr") or name == "num_experts", name
+    return int32_arg(name)
 
 
 def _compile_production():
@@ -92,45 +81,9 @@ def _compile_production():
     fn = tma_gemm.dw_tma_kernel
     blocks = {"a_desc": [cfg.block_k, cfg.block_m], "b_desc": [cfg.block_k, cfg.block_n], "dw_desc": [1, cfg.block_m, cfg.block_n]}
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten)
-    signature = {}
-    for name in fn.arg_names:
-        if name in consts:
-            signature[name] = "constexpr"
-        elif name in blocks:
-            signature[name] = f"tensordesc<bf16[{','.join(map(str, blocks[name]))}]>"
-        else:
-            signature[name] = "*i32" if name.endswith("_ptr") else "i32"
-    attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if signature[name].startswith("*") or name in ("M", "N")}
-    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-
-
-def _ptxas(ptx: str) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        proc = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", os.path.join(tmp, "k.cubin")],
-                              capture_output=True, text=True, check=True)
-    log = proc.stdout + proc.stderr
-
-    def num(pattern):
-        m = re.search(pattern, log)
-        return int(m.group(1)) if m else None
-
-    return dict(registers=num(r"Used (\d+) registers"), spill_stores=num(r"(\d+) bytes spill stores"),
-                spill_loads=num(r"(\d+) bytes spill loads"), stack=num(r"(\d+) bytes stack frame"), log=log)
-
-
-def _sass(cubin: bytes) -> str:
-    tool = os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        return subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+    signature = kernel_signature(fn, consts, {name: tensordesc(b) for name, b in blocks.items()}, int32_arg)
+    attrs = divisible_by_16(fn, {name for name in fn.arg_names if signature[name].startswith("*") or name in ("M", "N")})
+    return compile_triton(fn, signature, consts, attrs, cfg.num_warps, cfg.num_stages)
 
 
 def _wgmma_forms(ptx: str) -> list:
@@ -146,32 +99,17 @@ def _report(name: str) -> dict:
     """Compile once per config; what the assertions (and the printed summary) look at."""
     if name not in _CACHE:
         cfg = G.CONFIGS[name]
-        compiled = _compile_gluon(cfg)
-        ptx = compiled.asm["ptx"]
-        sass = _sass(compiled.asm["cubin"])
-
-        def count(pattern, text=ptx):
-            return len(re.findall(pattern, text))
-
+        r = warp_specialized_report(_compile_gluon(cfg))
+        ptx, sass = r["ptx"], r["sass"]
         _CACHE[name] = dict(
-            cfg=cfg, compiled=compiled, ptx=ptx, ptxas=_ptxas(ptx), forms=_wgmma_forms(ptx),
-            wgmma=count(rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg.block_n}k16\.f32\.bf16\.bf16"),
-            wgmma_any=count(r"wgmma\.mma_async"),
-            wait_groups=sorted(set(int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx))),
-            tma_load_2d=count(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.mbarrier::complete_tx::bytes"),
-            tma_load_other=count(r"cp\.async\.bulk\.tensor\.[13-5]d\.shared::cluster\.global"),
-            tma_store_3d=count(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta\.bulk_group"),
-            cp_async=count(r"cp\.async\.(ca|cg)\.shared\.global"),
-            mbar_init=count(r"mbarrier\.init\.shared"),
-            mbar_wait=count(r"mbarrier\.try_wait\.parity"),
-            mbar_expect=count(r"mbarrier\.arrive\.expect_tx"),
-            mbar_arrive=count(r"mbarrier\.arrive\.shared::cta\.b64"),
-            setmaxnreg=sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))),
+            r, cfg=cfg, forms=_wgmma_forms(ptx),
+            wgmma=count(rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg.block_n}k16\.f32\.bf16\.bf16", ptx),
+            tma_load_other=count(r"cp\.async\.bulk\.tensor\.[13-5]d\.shared::cluster\.global", ptx),
+            tma_store_3d=count(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta\.bulk_group", ptx),
             hgmma=count(rf"HGMMA\.64x{cfg.block_n}x16\.F32\.BF16 \S+, gdesc\[UR\d+\]\.tnspA\.tnspB", sass),
             hgmma_any=count(r"HGMMA\.", sass),
             utmaldg_2d=count(r"UTMALDG\.2D", sass),
             utmastg_3d=count(r"UTMASTG\.3D", sass),
-            local=count(r"\b(STL|LDL)(\.[A-Z0-9]+)*\b", sass),
         )
     return _CACHE[name]
 
@@ -212,12 +150,9 @@ def test_gluon_dw_kernel_sm90a(name):
     assert r["mbar_expect"] >= 1 and r["mbar_arrive"] >= G.NUM_CONSUMERS * (3 if cfg.pingpong else 2)
     # Warp specialization and its register split.
     assert meta.num_warps == cfg.num_warps, f"{name}: {meta.num_warps} warps"
-    assert ("dec", str(cfg.producer_regs)) in r["setmaxnreg"], f"{name}: producer registers {r['setmaxnreg']}"
-    assert ("inc", str(cfg.consumer_regs)) in r["setmaxnreg"], f"{name}: consumer registers {r['setmaxnreg']}"
+    assert_register_split(name, r, cfg.producer_regs, cfg.consumer_regs)
     # No spills, nothing serialised, shared memory within the SM.
-    assert px["spill_stores"] == 0 and px["spill_loads"] == 0 and px["stack"] == 0, f"{name} spills:\n{px['log']}"
-    assert r["local"] == 0, f"{name}: local-memory loads/stores in the SASS"
-    assert "C7510" not in px["log"] and "serialized" not in px["log"], f"{name}: wgmma serialised:\n{px['log']}"
+    assert_no_spills_or_serialisation(name, r)
     assert cfg.smem_bytes() <= meta.shared <= SMEM_LIMIT, f"{name}: shared {meta.shared} B (ring + epilogue {cfg.smem_bytes()})"
 
 

@@ -1,11 +1,11 @@
 """Ahead-of-time compile checks of the Gluon gate_up_fwd kernel (megamoe/backends/triton/kernels/gluon_gate_up.py),
 on CPU.
 
-Compiled as tests/test_gluon_compile.py compiles the GEMM prototype: a GluonASTSource through triton.compile for
-GPUTarget("cuda", 90, 32), with the signature the launcher's host-side Gluon TensorDescriptors (built here on
-CPU tensors) produce. Every tile of gluon_gate_up.TILES, with and without STORE_GATE_UP, x rows by TMA and
-gathered (and the gathering kernel for an H that is not a multiple of 16); the assertions are about the code an
-H200 would run:
+Compiled as tests/test_gluon_rows_compile.py compiles the row-block GEMMs (tests/compile_checks.py): a
+GluonASTSource through triton.compile for GPUTarget("cuda", 90, 32), with the signature the launcher's
+host-side Gluon TensorDescriptors (built here on CPU tensors) produce. Every tile of gluon_gate_up.TILES, with
+and without STORE_GATE_UP, x rows by TMA and gathered (and the gathering kernel for an H that is not a
+multiple of 16); the assertions are about the code an H200 would run:
 
   * wgmma: per K step 2 consumers x 2 accumulators x BLOCK_K / 16 wgmma.mma_async m64nBLOCK_Nk16 (the widest
     instruction), with a constant-true scale-d (zero-initialised accumulators, as the Triton kernel), kept in
@@ -31,8 +31,6 @@ from __future__ import annotations
 import collections
 import os
 import re
-import subprocess
-import tempfile
 
 import pytest
 
@@ -42,17 +40,16 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon")
 import torch  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
-from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
 from megamoe.backends.triton.configs import _SM90_TMA  # noqa: E402
 from conftest import triton_tile  # noqa: E402
 from megamoe.backends.triton.kernels import gluon_gate_up as G  # noqa: E402
 from megamoe.backends.triton.kernels import tma_gemm  # noqa: E402
-
-SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90
+from compile_checks import (  # noqa: E402
+    SMEM_LIMIT, assert_no_spills_or_serialisation, assert_register_split, compile_gluon, compile_triton, count,
+    divisible_by_16, int32_arg, kernel_signature, pointers, ptxas_report, tensordesc, warp_specialized_report,
+)
 # A qwen3-30b-a3b-like problem: the descriptors' block shapes and layouts are what matters, not the sizes.
 R, H, I, E, T = 2048, 2048, 768, 4, 512
 CASES = {f"{name}-{'gu' if gu else 'h'}-{'gather' if gather else 'tma'}": (name, gu, gather)
@@ -62,9 +59,9 @@ EPILOGUE_OPS = ("cvt.rn.bf16.f32", "cvt.rn.bf16x2.f32", "cvt.f32.bf16", "ex2.app
                 "div.full.f32", "div.rn.f32", "rcp.approx.f32", "sub.f32", "neg.f32", "add.f32", "mul.f32", "fma.rn.f32")
 
 
-def _attrs(arg_names, aligned):
-    """16-byte divisibility of the pointers and of H, I, as the launcher's specialisation sees them."""
-    return {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(arg_names) if name in aligned}
+def _arg_type(name: str) -> str:
+    """x_ptr: the activations (bf16); every other pointer: int32."""
+    return "*bf16" if name == "x_ptr" else int32_arg(name)
 
 
 def _compile_gluon(tile, store_gate_up: bool, gather: bool, sizes_aligned: bool = True):
@@ -76,21 +73,9 @@ def _compile_gluon(tile, store_gate_up: bool, gather: bool, sizes_aligned: bool 
     descs = dict(zip(("x_desc", "w_desc", "h_desc", "gu_desc"), G.descriptors(x, w, h, gate_up, tile)))
     fn = G.gate_up_fwd_ws_kernel
     consts = G.constexprs(tile, 1, store_gate_up, gather)
-    signature = {}
-    for name in fn.arg_names:
-        if name in consts:
-            signature[name] = "constexpr"
-        elif name in descs:
-            signature[name] = mangle_type(descs[name])
-        elif name == "x_ptr":
-            signature[name] = "*bf16"
-        elif name.endswith("_ptr"):
-            signature[name] = "*i32"
-        else:
-            signature[name] = "i32"
-    aligned = {n for n in fn.arg_names if n.endswith("_ptr")} | ({"H", "I"} if sizes_aligned else set())
-    src = GluonASTSource(fn, signature, consts, _attrs(fn.arg_names, aligned))
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    signature = kernel_signature(fn, consts, {name: mangle_type(d) for name, d in descs.items()}, _arg_type)
+    aligned = pointers(fn) | ({"H", "I"} if sizes_aligned else set())
+    return compile_gluon(fn, signature, consts, divisible_by_16(fn, aligned))
 
 
 def _compile_triton_production():
@@ -101,48 +86,8 @@ def _compile_triton_production():
                   BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten)
     blocks = {"x_desc": [cfg.block_m, cfg.block_k], "w_desc": [1, cfg.block_n, cfg.block_k],
               "h_desc": [cfg.block_m, cfg.block_n], "gu_desc": [cfg.block_m, 1, cfg.block_n]}
-    signature = {}
-    for name in fn.arg_names:
-        if name in consts:
-            signature[name] = "constexpr"
-        elif name in blocks:
-            signature[name] = f"tensordesc<bf16[{','.join(map(str, blocks[name]))}]>"
-        elif name == "x_ptr":
-            signature[name] = "*bf16"
-        elif name.endswith("_ptr"):
-            signature[name] = "*i32"
-        else:
-            signature[name] = "i32"
-    aligned = {n for n in fn.arg_names if n.endswith("_ptr")}
-    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=_attrs(fn.arg_names, aligned))
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-
-
-def _ptxas(ptx: str) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        proc = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", os.path.join(tmp, "k.cubin")],
-                              capture_output=True, text=True, check=True)
-    log = proc.stdout + proc.stderr
-
-    def num(pattern):
-        m = re.search(pattern, log)
-        return int(m.group(1)) if m else None
-
-    return dict(registers=num(r"Used (\d+) registers"), spill_stores=num(r"(\d+) bytes spill stores"),
-                spill_loads=num(r"(\d+) bytes spill loads"), stack=num(r"(\d+) bytes stack frame"), log=log)
-
-
-def _sass(cubin: bytes) -> str:
-    tool = os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        return subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+    signature = kernel_signature(fn, consts, {name: tensordesc(b) for name, b in blocks.items()}, _arg_type)
+    return compile_triton(fn, signature, consts, divisible_by_16(fn, pointers(fn)), cfg.num_warps, cfg.num_stages)
 
 
 def _op_counts(ptx: str) -> collections.Counter:
@@ -168,34 +113,19 @@ def _report(case: str) -> dict:
     if case not in _CACHE:
         name, store_gate_up, gather = CASES[case]
         tile = G.TILES[name]
-        compiled = _compile_gluon(tile, store_gate_up, gather)
-        ptx = compiled.asm["ptx"]
-        sass = _sass(compiled.asm["cubin"])
-
-        def count(pattern, text=ptx):
-            return len(re.findall(pattern, text))
-
+        r = warp_specialized_report(_compile_gluon(tile, store_gate_up, gather))
+        ptx, sass = r["ptx"], r["sass"]
         _CACHE[case] = dict(
-            tile=tile, store_gate_up=store_gate_up, gather=gather, compiled=compiled, ptx=ptx, ptxas=_ptxas(ptx),
-            wgmma=count(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_n}k16\.f32\.bf16\.bf16"),
-            wgmma_any=count(r"wgmma\.mma_async"),
+            r, tile=tile, store_gate_up=store_gate_up, gather=gather,
+            wgmma=count(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_n}k16\.f32\.bf16\.bf16", ptx),
             scale_d_true=_constant_true_scale_d(ptx),
-            wait_groups=sorted(set(int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx))),
-            tma_load_2d=count(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.mbarrier::complete_tx::bytes"),
-            tma_load_3d=count(r"cp\.async\.bulk\.tensor\.3d\.shared::cluster\.global\.mbarrier::complete_tx::bytes"),
-            tma_store_3d=count(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta\.bulk_group"),
+            tma_store_3d=count(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta\.bulk_group", ptx),
             tma_store_wait=sorted(set(int(n) for n in re.findall(r"cp\.async\.bulk\.wait_group\.read\s+(\d+)", ptx))),
-            cp_async_16=count(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10, %r\d+;"),
-            cp_async_any=count(r"cp\.async\.(ca|cg)\.shared\.global"),
-            cp_async_arrive_noinc=count(r"cp\.async\.mbarrier\.arrive\.noinc\.shared\.b64"),
-            mbar_init=re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx),
-            mbar_wait=count(r"mbarrier\.try_wait\.parity"),
-            mbar_expect=count(r"mbarrier\.arrive\.expect_tx"),
-            mbar_arrive=count(r"mbarrier\.arrive\.shared::cta\.b64"),
-            setmaxnreg=sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))),
+            cp_async_16=count(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10, %r\d+;", ptx),
+            cp_async_arrive_noinc=count(r"cp\.async\.mbarrier\.arrive\.noinc\.shared\.b64", ptx),
+            mbar_init_counts=re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx),
             epilogue_ops=_op_counts(ptx),
             hgmma=count(rf"HGMMA\.64x{tile.block_n}x16\.F32\.BF16", sass),
-            local=count(r"\b(STL|LDL)(\.[A-Z0-9]+)*\b", sass),
         )
     return _CACHE[case]
 
@@ -207,9 +137,9 @@ def test_gluon_gate_up_sm90a(case):
     print(f"\ngluon gate_up {case} {tile}: {meta.num_warps} warps, {px['registers']} registers/thread (kernel max), "
           f"setmaxnreg {r['setmaxnreg']}, shared {meta.shared} B, spills {px['spill_stores']}/{px['spill_loads']} B, "
           f"stack {px['stack']} B; PTX: {r['wgmma']} wgmma m64n{tile.block_n}k16, wait_group {r['wait_groups']}, "
-          f"TMA loads 2d/3d {r['tma_load_2d']}/{r['tma_load_3d']}, cp.async {r['cp_async_any']} "
+          f"TMA loads 2d/3d {r['tma_load_2d']}/{r['tma_load_3d']}, cp.async {r['cp_async']} "
           f"(+{r['cp_async_arrive_noinc']} arrive.noinc), TMA stores {r['tma_store_3d']} "
-          f"(wait_group.read {r['tma_store_wait']}), mbarrier init {r['mbar_init']} / try_wait {r['mbar_wait']} / "
+          f"(wait_group.read {r['tma_store_wait']}), mbarrier init {r['mbar_init_counts']} / try_wait {r['mbar_wait']} / "
           f"expect_tx {r['mbar_expect']} / arrive {r['mbar_arrive']}; SASS: {r['hgmma']} HGMMA, local {r['local']}")
     per_k_step = 2 * 2 * (G.BLOCK_K // 16)  # consumers x (gate, up) x k16 steps, one m64 row block each
     assert r["wgmma"] == r["wgmma_any"] == per_k_step, f"{case}: wgmma {r['wgmma']}/{r['wgmma_any']}"
@@ -220,12 +150,12 @@ def test_gluon_gate_up_sm90a(case):
     assert r["tma_load_3d"] == 2, f"{case}: {r['tma_load_3d']} 3-D TMA loads"
     if r["gather"]:
         copies = G.BLOCK_M * G.BLOCK_K * 2 // 16 // (G.GATHER_WARPS * 32)
-        assert r["tma_load_2d"] == 0 and r["cp_async_16"] == r["cp_async_any"] == copies, (
-            f"{case}: {r['cp_async_16']}/{r['cp_async_any']} 16-byte cp.async for {copies} per thread and K step")
+        assert r["tma_load_2d"] == 0 and r["cp_async_16"] == r["cp_async"] == copies, (
+            f"{case}: {r['cp_async_16']}/{r['cp_async']} 16-byte cp.async for {copies} per thread and K step")
         assert r["cp_async_arrive_noinc"] == 1
         ready_count = 1 + G.GATHER_WARPS * 32
     else:
-        assert r["tma_load_2d"] == 1 and r["cp_async_any"] == 0 and r["cp_async_arrive_noinc"] == 0
+        assert r["tma_load_2d"] == 1 and r["cp_async"] == 0 and r["cp_async_arrive_noinc"] == 0
         ready_count = 1
     # Outputs: per consumer one 3-D TMA store per stored tensor; buffers reused after wait_group.read OUT_BUFS - 1.
     stores = 3 if r["store_gate_up"] else 1
@@ -233,17 +163,14 @@ def test_gluon_gate_up_sm90a(case):
     assert tile.out_bufs - 1 in r["tma_store_wait"] and 0 in r["tma_store_wait"], r["tma_store_wait"]
     # mbarriers: ready and empty per stage with their counts; waits, the producer's expect, the releases.
     want_init = sorted([str(ready_count)] * tile.stages + ["2"] * tile.stages)
-    assert sorted(r["mbar_init"]) == want_init, f"{case}: mbarrier.init counts {r['mbar_init']}"
+    assert sorted(r["mbar_init_counts"]) == want_init, f"{case}: mbarrier.init counts {r['mbar_init_counts']}"
     assert r["mbar_wait"] >= 3 and r["mbar_expect"] >= 1 and r["mbar_arrive"] >= 4
     # Warp specialization and its register split.
     assert meta.num_warps == 12, f"{case}: {meta.num_warps} warps"
-    assert ("dec", str(tile.producer_regs)) in r["setmaxnreg"], f"{case}: producer registers {r['setmaxnreg']}"
-    assert ("inc", str(tile.consumer_regs)) in r["setmaxnreg"], f"{case}: consumer registers {r['setmaxnreg']}"
+    assert_register_split(case, r, tile.producer_regs, tile.consumer_regs)
     assert ("dec", str(tile.consumer_regs)) in r["setmaxnreg"], f"{case}: the default consumer {r['setmaxnreg']}"
     # No spills, nothing serialised, shared memory within the SM.
-    assert px["spill_stores"] == 0 and px["spill_loads"] == 0 and px["stack"] == 0, f"{case} spills:\n{px['log']}"
-    assert r["local"] == 0, f"{case}: local-memory loads/stores in the SASS"
-    assert "C7510" not in px["log"] and "serialized" not in px["log"], f"{case}: wgmma serialised:\n{px['log']}"
+    assert_no_spills_or_serialisation(case, r)
     assert tile.smem_bytes() <= meta.shared <= SMEM_LIMIT, f"{case}: shared {meta.shared} B (ring + staging {tile.smem_bytes()})"
 
 
@@ -267,7 +194,7 @@ def test_gather_copies_stay_16_bytes_for_any_h():
     compiled = _compile_gluon(G.TILES["s3b2"], True, True, sizes_aligned=False)
     ptx = compiled.asm["ptx"]
     sizes = re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (0x[0-9a-f]+)", ptx)
-    px = _ptxas(ptx)
+    px = ptxas_report(ptx)
     print(f"\ngather, H and I unspecialised: cp.async sizes {sizes}, spills {px['spill_stores']}/{px['spill_loads']} B")
     assert sizes == ["0x10"] * (G.BLOCK_M * G.BLOCK_K * 2 // 16 // (G.GATHER_WARPS * 32)), sizes
     assert px["spill_stores"] == 0 and px["spill_loads"] == 0 and px["stack"] == 0, px["log"]

@@ -1,12 +1,12 @@
 """CPU checks of the Gluon row-block GEMMs (megamoe/backends/triton/kernels/gluon_rows.py): ahead-of-time
 compiles for sm_90a, and a model of their barrier protocol.
 
-Compiles. Gluon kernels compile without a GPU as Triton kernels do (tests/test_triton_compile.py): a
-GluonASTSource (triton.experimental.gluon._runtime) through triton.compile for GPUTarget("cuda", 90, 32),
-with the tensor-descriptor signatures of the host-side Gluon TensorDescriptors the launcher builds (made here
-on CPU tensors). Every tile of gluon_rows.TILES is compiled for both GEMMs (down_fwd: B tiles K-major from
-w_down [E_l, H, I]; gate_up_dgrad: B tiles N-contiguous from w_gate_up [E_l, 2I, H]), and the assertions are
-about the code an H200 would run:
+Compiles. Gluon kernels compile without a GPU as Triton kernels do (tests/test_triton_compile.py; the helpers
+both use are in tests/compile_checks.py): a GluonASTSource (triton.experimental.gluon._runtime) through
+triton.compile for GPUTarget("cuda", 90, 32), with the tensor-descriptor signatures of the host-side Gluon
+TensorDescriptors the launcher builds (made here on CPU tensors). Every tile of gluon_rows.TILES is compiled
+for both GEMMs (down_fwd: B tiles K-major from w_down [E_l, H, I]; gate_up_dgrad: B tiles N-contiguous from
+w_gate_up [E_l, 2I, H]), and the assertions are about the code an H200 would run:
 
   * wgmma: per K step, exactly 2 consumers x (rows per warpgroup / 64) x (BLOCK_K / 16) wgmma.mma_async
     m64n{BLOCK_N}k16.f32.bf16.bf16 (the same instruction, with the same B transposition flag, as the
@@ -40,8 +40,6 @@ from __future__ import annotations
 import os
 import random
 import re
-import subprocess
-import tempfile
 
 import pytest
 
@@ -51,15 +49,14 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.experimental.gluon")
 import torch  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
-from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
 from megamoe.backends.triton.configs import _SM90_TMA  # noqa: E402
 from megamoe.backends.triton.kernels import gluon_rows, tma_gemm  # noqa: E402
-
-SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90
+from compile_checks import (  # noqa: E402
+    SMEM_LIMIT, assert_no_spills_or_serialisation, assert_register_split, compile_gluon, compile_triton, count,
+    divisible_by_16, int32_arg, kernel_signature, pointers, tensordesc, warp_specialized_report,
+)
 SCHEDULE_BLOCK_M = 128
 # qwen3-30b-a3b-like operands: the descriptors' block shapes and layouts are what matters, not the sizes.
 R, H, I, E = 2048, 2048, 768, 4
@@ -82,19 +79,13 @@ def _compile(gemm: str, tile):
     descs = dict(zip(("a_desc", "w_desc", "out_desc"), gluon_rows.descriptors(*_operands(gemm), w_nk, tile)))
     fn = gluon_rows.row_gemm_ws_kernel
     consts = tile.constexprs(w_nk, SCHEDULE_BLOCK_M // tile.block_m)
-    signature = {}
-    for name in fn.arg_names:
-        if name in consts:
-            signature[name] = "constexpr"
-        elif name in descs:
-            signature[name] = mangle_type(descs[name])
-        else:
-            assert name.endswith("_ptr"), name
-            signature[name] = "*i32"
-    # 16-byte aligned int32 pointers, as the launcher's specialisation sees torch allocations.
-    attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name.endswith("_ptr")}
-    src = GluonASTSource(fn, signature, consts, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    signature = kernel_signature(fn, consts, {name: mangle_type(d) for name, d in descs.items()}, _int32_pointer)
+    return compile_gluon(fn, signature, consts, divisible_by_16(fn, pointers(fn)))
+
+
+def _int32_pointer(name: str) -> str:
+    assert name.endswith("_ptr"), name
+    return "*i32"
 
 
 def _compile_triton(gemm: str):
@@ -105,44 +96,9 @@ def _compile_triton(gemm: str):
     fn = tma_gemm.row_gemm_tma_kernel
     consts = dict(W_NK=w_nk, SPLIT=1, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten)
     blocks = {"a_desc": [m, k], "w_desc": [1, n, k] if w_nk else [1, k, n], "out_desc": [m, n]}
-    signature = {}
-    for name in fn.arg_names:
-        if name in consts:
-            signature[name] = "constexpr"
-        elif name in blocks:
-            signature[name] = f"tensordesc<bf16[{','.join(map(str, blocks[name]))}]>"
-        else:
-            signature[name] = "*i32" if name.endswith("_ptr") else "i32"
-    attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if signature[name] != "constexpr"}
-    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}), cfg
-
-
-def _ptxas(ptx: str) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        proc = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", os.path.join(tmp, "k.cubin")],
-                              capture_output=True, text=True, check=True)
-    log = proc.stdout + proc.stderr
-
-    def num(pattern):
-        m = re.search(pattern, log)
-        return int(m.group(1)) if m else None
-
-    return dict(registers=num(r"Used (\d+) registers"), spill_stores=num(r"(\d+) bytes spill stores"),
-                spill_loads=num(r"(\d+) bytes spill loads"), stack=num(r"(\d+) bytes stack frame"), log=log)
-
-
-def _sass(cubin: bytes) -> str:
-    tool = os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        return subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+    signature = kernel_signature(fn, consts, {name: tensordesc(b) for name, b in blocks.items()}, int32_arg)
+    attrs = divisible_by_16(fn, {name for name in fn.arg_names if signature[name] != "constexpr"})
+    return compile_triton(fn, signature, consts, attrs, cfg.num_warps, cfg.num_stages), cfg
 
 
 _CACHE: dict = {}
@@ -153,32 +109,16 @@ def _report(gemm: str, tile_name: str) -> dict:
     key = (gemm, tile_name)
     if key not in _CACHE:
         tile = gluon_rows.TILES[tile_name]
-        compiled = _compile(gemm, tile)
-        ptx = compiled.asm["ptx"]
-        sass = _sass(compiled.asm["cubin"])
-
-        def count(pattern, text=ptx):
-            return len(re.findall(pattern, text))
-
+        r = warp_specialized_report(_compile(gemm, tile))
+        ptx, sass = r["ptx"], r["sass"]
         _CACHE[key] = dict(
-            tile=tile, compiled=compiled, ptx=ptx, ptxas=_ptxas(ptx),
+            r, tile=tile,
             wgmma=WGMMA.findall(ptx),
-            wgmma_any=count(r"wgmma\.mma_async"),
-            wait_groups=sorted(set(int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx))),
-            tma_load_2d=count(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.mbarrier::complete_tx::bytes"),
-            tma_load_3d=count(r"cp\.async\.bulk\.tensor\.3d\.shared::cluster\.global\.mbarrier::complete_tx::bytes"),
-            tma_store=count(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta\.bulk_group"),
-            cp_async=count(r"cp\.async\.(ca|cg)\.shared\.global"),
-            mbar_init=count(r"mbarrier\.init\.shared"),
-            mbar_wait=count(r"mbarrier\.try_wait\.parity"),
-            mbar_expect=count(r"mbarrier\.arrive\.expect_tx"),
-            mbar_arrive=count(r"mbarrier\.arrive\.shared::cta\.b64"),
-            setmaxnreg=sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))),
+            tma_store=count(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta\.bulk_group", ptx),
             hgmma=count(rf"HGMMA\.64x{tile.block_n}x16\.F32\.BF16", sass),
             utmaldg_2d=count(r"UTMALDG\.2D", sass),
             utmaldg_3d=count(r"UTMALDG\.3D", sass),
             utmastg=count(r"UTMASTG\.2D", sass),
-            local=count(r"\b(STL|LDL)(\.[A-Z0-9]+)*\b", sass),
         )
     return _CACHE[key]
 
@@ -225,12 +165,9 @@ def test_gluon_row_gemm_sm90a(gemm, tile_name):
     assert r["mbar_arrive"] == 4 + order, f"{name}: {r['mbar_arrive']} mbarrier arrives"
     # Warp specialization and its register split.
     assert meta.num_warps == 12, f"{name}: {meta.num_warps} warps"
-    assert ("dec", str(tile.producer_regs)) in r["setmaxnreg"], f"{name}: producer registers {r['setmaxnreg']}"
-    assert ("inc", str(tile.consumer_regs)) in r["setmaxnreg"], f"{name}: consumer registers {r['setmaxnreg']}"
+    assert_register_split(name, r, tile.producer_regs, tile.consumer_regs)
     # No spills, nothing serialised, shared memory within the SM.
-    assert px["spill_stores"] == 0 and px["spill_loads"] == 0 and px["stack"] == 0, f"{name} spills:\n{px['log']}"
-    assert r["local"] == 0, f"{name}: local-memory loads/stores in the SASS"
-    assert "C7510" not in px["log"] and "serialized" not in px["log"], f"{name}: wgmma serialised:\n{px['log']}"
+    assert_no_spills_or_serialisation(name, r)
     assert tile.smem_bytes() <= meta.shared <= SMEM_LIMIT, (
         f"{name}: shared {meta.shared} B (ring + epilogue {tile.smem_bytes()})")
 
@@ -395,7 +332,8 @@ def test_protocol_model_never_aliases(pingpong):
 
 def test_protocol_model_prototype_pingpong_aliases():
     """The prototype's ping-pong (no order barrier): warpgroup 1 waits for slot uses a ring cycle or more
-    ahead, and some schedule lets a parity wait pass on the wrong phase (the crash of gluon_gemm.py)."""
+    ahead, and some schedule lets a parity wait pass on the wrong phase (the crash of the first prototype,
+    commit fbd1888, benchmarks/gluon_gemm.py)."""
     rng = random.Random(0)
     failures = []
     for _ in range(50):

@@ -11,11 +11,8 @@ Run: pytest tests/test_triton_compile.py  (about a minute on 2 cores; needs Trit
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
-import subprocess
-import tempfile
 
 import pytest
 
@@ -23,13 +20,12 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("compile checks need compiled (not interpreted) kernels", allow_module_level=True)
 
 triton = pytest.importorskip("triton")
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 
 from megamoe.backends.triton import kernels  # noqa: E402
 from megamoe.backends.triton.configs import _SM90, _SM90_TMA, TileConfig  # noqa: E402
 from megamoe.backends.triton.kernels import tma_gemm  # noqa: E402
 from conftest import triton_tile  # noqa: E402
+from compile_checks import SMEM_LIMIT, compile_triton, ptxas_report, sass  # noqa: E402
 
 
 def _fused(a: str, b: str, **extra) -> dict:
@@ -130,33 +126,7 @@ def _attrs(fn, signature: dict) -> dict:
 
 def _compile(fn, constexprs: dict, num_warps: int, num_stages: int, arch: int):
     signature = _signature(fn, constexprs)
-    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=_attrs(fn, signature))
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages})
-
-
-def _ptxas_report(ptx: str, arch: int) -> dict:
-    """Registers, spill bytes and stack frame of a kernel, from ptxas -v on its PTX."""
-    gpu = f"sm_{arch}a"
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        proc = subprocess.run(
-            [get_ptxas(arch).path, "-v", f"--gpu-name={gpu}", path, "-o", os.path.join(tmp, "k.cubin")],
-            capture_output=True, text=True, check=True,
-        )
-    log = proc.stdout + proc.stderr
-    regs = re.search(r"Used (\d+) registers", log)
-    stores = re.search(r"(\d+) bytes spill stores", log)
-    loads = re.search(r"(\d+) bytes spill loads", log)
-    stack = re.search(r"(\d+) bytes stack frame", log)
-    return dict(
-        registers=int(regs.group(1)),
-        spill_stores=int(stores.group(1)),
-        spill_loads=int(loads.group(1)),
-        stack=int(stack.group(1)),
-        log=log,
-    )
+    return compile_triton(fn, signature, constexprs, _attrs(fn, signature), num_warps, num_stages, arch)
 
 
 TABLES = {"sm90": _SM90}
@@ -179,14 +149,14 @@ def test_gemm_kernel_sm90_uses_wgmma_without_spills(name, table):
     compiled = _compile(fn, _gemm_constexprs(fn, cfg, extra), cfg.num_warps, cfg.num_stages, 90)
     ptx = compiled.asm["ptx"]
     assert "wgmma.mma_async" in ptx, f"{name}[{table}]: no wgmma in the sm_90a PTX (tl.dot fell back to mma.sync)"
-    report = _ptxas_report(ptx, 90)
+    report = ptxas_report(ptx)
     pipe = _pipeline_report(compiled)
     print(f"{name}[{table}] {cfg}: {report['registers']} registers, shared {compiled.metadata.shared} B, {pipe}")
     budget = SPILL_BUDGET.get(name, 0)
     assert report["spill_stores"] <= budget and report["spill_loads"] <= budget, f"{name}[{table}] spills:\n{report['log']}"
     # C7510: ptxas serialises the wgmma pipeline (e.g. around a call such as a device_print's printf).
     assert "C7510" not in report["log"], f"{name}[{table}]: wgmma serialised by ptxas:\n{report['log']}"
-    assert compiled.metadata.shared <= 232448, f"{name}[{table}] needs {compiled.metadata.shared} B of shared memory"
+    assert compiled.metadata.shared <= SMEM_LIMIT, f"{name}[{table}] needs {compiled.metadata.shared} B of shared memory"
     if name in PIPELINED:
         assert pipe["cp_async"] or pipe["bulk"], f"{name}[{table}]: K loop loads are not asynchronous copies"
         assert pipe["async_wgmma"], f"{name}[{table}]: wgmma is not kept in flight across K steps"
@@ -252,9 +222,7 @@ def _compile_tma(name: str, cfg: TileConfig, arch: int):
             signature[name_] = {"weights_ptr": "*fp32", "d_w_part_ptr": "*fp32", "x_ptr": "*bf16"}.get(name_, "*i32")
         else:
             signature[name_] = "i32"
-    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=_attrs(fn, signature))
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    return compile_triton(fn, signature, constexprs, _attrs(fn, signature), cfg.num_warps, cfg.num_stages, arch)
 
 
 @pytest.mark.parametrize("name", list(TMA_ENTRIES), ids=list(TMA_ENTRIES))
@@ -262,7 +230,7 @@ def test_tma_kernel_sm90_uses_tma_and_wgmma_without_spills(name):
     cfg = TMA_ENTRIES[name]
     compiled = _compile_tma(name, cfg, 90)
     ptx = compiled.asm["ptx"]
-    report = _ptxas_report(ptx, 90)
+    report = ptxas_report(ptx)
     pipe = _pipeline_report(compiled)
     print(f"tma {name} {cfg}: {report['registers']} registers, shared {compiled.metadata.shared} B, {pipe}")
     assert "wgmma.mma_async" in ptx, f"tma {name}: no wgmma in the sm_90a PTX"
@@ -272,7 +240,7 @@ def test_tma_kernel_sm90_uses_tma_and_wgmma_without_spills(name):
     assert pipe["async_wgmma"], f"tma {name}: wgmma is not kept in flight across K steps"
     assert report["spill_stores"] == 0 and report["spill_loads"] == 0, f"tma {name} spills:\n{report['log']}"
     assert "C7510" not in report["log"], f"tma {name}: wgmma serialised by ptxas:\n{report['log']}"
-    assert compiled.metadata.shared <= 232448, f"tma {name} needs {compiled.metadata.shared} B of shared memory"
+    assert compiled.metadata.shared <= SMEM_LIMIT, f"tma {name} needs {compiled.metadata.shared} B of shared memory"
     b_tiles = 2 if name.startswith("gate_up_fwd") else 1
     stage = 2 * cfg.block_k * (cfg.block_m + b_tiles * cfg.block_n)
     assert compiled.metadata.shared >= cfg.num_stages * stage, (
@@ -292,13 +260,7 @@ def test_tma_kernel_sm100_compiles(name):
 def _sass_k_loops(cubin: bytes) -> tuple[list[tuple[int, int]], list[int]]:
     """(address ranges of the innermost loops that issue HGMMA, addresses of spill instructions) in the
     kernel's SASS (cuobjdump bundled with Triton's ptxas). A loop is a backward branch's range."""
-    tool = os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
-    code = [(int(m.group(1), 16), line) for line in sass.splitlines() if (m := re.search(r"/\*([0-9a-f]{4,})\*/", line))]
+    code = [(int(m.group(1), 16), line) for line in sass(cubin).splitlines() if (m := re.search(r"/\*([0-9a-f]{4,})\*/", line))]
     loops = [(int(m.group(1), 16), addr) for addr, line in code
              if (m := re.search(r"BRA\s+0x([0-9a-f]+)", line)) and int(m.group(1), 16) < addr]
     hgmma = [addr for addr, line in code if "HGMMA" in line]
@@ -331,7 +293,7 @@ def test_memory_kernel_sm90_compiles_without_spills(name):
     if "HAS_WEIGHTS" in fn.arg_names:
         consts.update(HAS_WEIGHTS=True, HAS_SHARED=True)
     compiled = _compile(fn, consts, cfg.num_warps, cfg.num_stages, 90)
-    report = _ptxas_report(compiled.asm["ptx"], 90)
+    report = ptxas_report(compiled.asm["ptx"])
     assert report["spill_stores"] == 0 and report["spill_loads"] == 0, f"{name} spills:\n{report['log']}"
 
 

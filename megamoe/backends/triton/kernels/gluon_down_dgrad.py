@@ -78,6 +78,8 @@ from megamoe.backends.triton.kernels._common import (
     check, check_matrix, check_rows, check_weight, column_halves, load_range, num_sms, pair_weights, router_epilogue,
     swiglu_bwd, tile_coords,
 )
+from megamoe.backends.triton.kernels.gluon_common import nvmma_layout
+from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
 
 NUM_CONSUMERS = gl.constexpr(2)  # consumer warpgroups, 64 rows of every 128-row tile each
 GU_BUFFERS = gl.constexpr(4)  # gate_up buffers of a tile: index 2 * column half + (0: gate, 1: up)
@@ -383,13 +385,8 @@ def constexprs(cfg: GluonDownDgradConfig, split: int, router: bool, store_h_w: b
                 GU_RELEASE_STEP=cfg.gu_release_step, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
 
 
-def _gl_dtype(dtype: torch.dtype):
-    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
-
-
 def _desc(t: torch.Tensor, shape: list, strides: list, block: list) -> TensorDescriptor:
-    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(t.dtype))
-    return TensorDescriptor(t, shape, strides, block, layout)
+    return TensorDescriptor(t, shape, strides, block, nvmma_layout(block, t.dtype))
 
 
 def _pairs_desc(t_R2I: torch.Tensor, block_m: int, block_n: int) -> TensorDescriptor:
@@ -410,11 +407,6 @@ def descriptors(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, h_w_RI, cfg: 
     )
 
 
-def _tma_addressable(*tensors: torch.Tensor) -> bool:
-    return all(t.data_ptr() % 16 == 0 and all(s == 1 or s * t.element_size() % 16 == 0 for s in t.stride())
-               for t in tensors)
-
-
 def _launch(d_rows_RH, w_down_EHI, gate_up_R2I, router, block_expert, blocks, store_h_w, cfg, return_kernel):
     """Validate and allocate as grouped_gemm._down_dgrad does, then launch down_dgrad_ws_kernel."""
     check(d_rows_RH.dtype in (torch.bfloat16, torch.float16), "bf16/fp16 rows (wgmma, TMA)")
@@ -432,7 +424,7 @@ def _launch(d_rows_RH, w_down_EHI, gate_up_R2I, router, block_expert, blocks, st
     d_w_part = torch.empty(rows if router else 1, triton.cdiv(inter, cfg.block_n), dtype=torch.float32,
                            device=d_rows_RH.device)
     row_src, weights = router if router else (block_expert, d_w_part)
-    check(_tma_addressable(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up, h_w),
+    check(tma_addressable(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up, h_w),
           "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8 in bf16)")
     descs = descriptors(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up, h_w, cfg)
     tiles = rows // cfg.block_m * triton.cdiv(inter, cfg.block_n)
@@ -450,7 +442,7 @@ def launch_down_dgrad(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, row_src
     (its placeholders where router / store_h_w are off); the tile table's entry as this kernel's tile."""
     cfg = GluonDownDgradConfig(stages=config.num_stages, group_m=config.group_m, block_m=config.block_m,
                                block_n=config.block_n, block_k=config.block_k)
-    check(_tma_addressable(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, h_w_RI),
+    check(tma_addressable(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, h_w_RI),
           "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8 in bf16)")
     descs = descriptors(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, h_w_RI, cfg)
     tiles = d_rows_RH.shape[0] // cfg.block_m * triton.cdiv(w_down_EHI.shape[2], cfg.block_n)

@@ -45,9 +45,9 @@ Structure of a CTA (gl.warp_specialize, 12 warps):
     the main loops take turns: warpgroup w starts a tile's main loop only after the other one has waited
     for every slot of the tile before it. Without it the second warpgroup would wait on slots more than
     one mbarrier phase ahead of the producer, where the parity wait cannot tell phase n from phase n - 2
-    (the crash of the prototype's pingpong, benchmarks/gluon_gemm.py). With the order barrier, a
-    consumer waiting for slot counter c knows that counter c - 1 was filled, hence c - STAGES: the slot's
-    ready barrier is exactly one phase short of the one it waits for.
+    (the crash of the pingpong of the first prototype, commit fbd1888, benchmarks/gluon_gemm.py). With the
+    order barrier, a consumer waiting for slot counter c knows that counter c - 1 was filled, hence
+    c - STAGES: the slot's ready barrier is exactly one phase short of the one it waits for.
 
 Barriers: ready[s] (count 1: the producer's expect_tx, completed by the copies' bytes), empty[s] (count:
 readers of a slot), order[2] (pingpong only, count 1). A fresh mbarrier counts as having completed the
@@ -81,6 +81,7 @@ from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import (
     check, check_expert_offsets, check_row_operands, persistent_grid,
 )
+from megamoe.backends.triton.kernels.gluon_common import nvmma_layout
 from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
 
 NUM_CONSUMERS = 2  # consumer warpgroups per CTA
@@ -290,9 +291,8 @@ def constexprs(cfg: GluonDwTile) -> dict:
 
 def descriptors(a_RM: torch.Tensor, b_RN: torch.Tensor, dw_EMN: torch.Tensor, cfg: GluonDwTile) -> tuple:
     """Host-side TMA descriptors of a [R, M], b [R, N] and dw [E, M, N] (Gluon's carry the shared layout)."""
-    dt = gl.bfloat16 if a_RM.dtype == torch.bfloat16 else gl.float16
     blocks = ([cfg.block_k, cfg.block_m], [cfg.block_k, cfg.block_n], [1, cfg.store_m, cfg.block_n])
-    return tuple(TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dt))
+    return tuple(TensorDescriptor.from_tensor(t, block, nvmma_layout(block, a_RM.dtype))
                  for t, block in zip((a_RM, b_RN, dw_EMN), blocks))
 
 

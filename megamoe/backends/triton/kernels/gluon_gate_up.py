@@ -79,8 +79,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import (
-    check, check_matrix, check_rows, check_weight, load_range, persistent_grid, swiglu, tile_coords,
+    check, check_matrix, check_rows, check_weight, load_range, persistent_grid, swiglu,
 )
+from megamoe.backends.triton.kernels.gluon_common import nvmma_layout, tile_origin
 from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
 
 BLOCK_M = 128  # rows per tile: two consumer warpgroups of 64 (wgmma's M); the kernels read it from x_desc
@@ -92,14 +93,6 @@ _GATHER_WARPS = gl.constexpr(GATHER_WARPS)  # the same, as the kernels see it
 
 # ----------------------------------------------------------------------------------------------------
 # Kernel partitions
-
-
-@gluon.jit
-def _tile_origin(tile, first_m, num_m, num_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
-    """(first row, first gate column, row block) of a linear tile index over the block range."""
-    pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-    m = first_m + pid_m
-    return m * BLOCK_M, pid_n * BLOCK_N, m
 
 
 @gluon.jit
@@ -117,7 +110,7 @@ def _producer_tma(x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_
     k_steps = gl.cdiv(H, BLOCK_K)
     p = 0  # slot counter: slot p % STAGES, its use number p // STAGES
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        row, col, m = _tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
+        row, col, m = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
         expert = gl.load(block_expert_ptr + m // SPLIT)
         for ki in range(k_steps):
             s = p % STAGES
@@ -159,7 +152,7 @@ def _producer_gather(x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, rea
     k_steps = gl.cdiv(H, BLOCK_K)
     p = 0  # slot counter, as in _producer_tma
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        row, col, m = _tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
+        row, col, m = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
         expert = gl.load(block_expert_ptr + m // SPLIT)
         src = gl.load(row_src_ptr + row + tile_rows)
         has_src = gl.expand_dims(src >= 0, 1)
@@ -214,7 +207,7 @@ def _consumer(h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs, ready_bars,
     c = 0  # slot counter: the producer's p for the same (tile, K step)
     n_stored = 0
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        row, col, _ = _tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
+        row, col, _ = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
         acc_g = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, acc_layout)
         acc_u = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, acc_layout)
         for ki in range(k_steps):
@@ -333,10 +326,6 @@ def constexprs(tile: GateUpTile, split: int, store_gate_up: bool, gather: bool) 
                 OUT_BUFS=tile.out_bufs, PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs)
 
 
-def _layout(block: list[int], dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
-
-
 def descriptors(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, h_RI: torch.Tensor, gate_up_R2I: torch.Tensor | None,
                 tile: GateUpTile) -> tuple:
     """Host-side TMA descriptors (x_desc, w_desc, h_desc, gu_desc); without gate_up, gu_desc is h's."""
@@ -344,13 +333,13 @@ def descriptors(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, h_RI: torch.Te
     a_block = [BLOCK_M, BLOCK_K]
     w_block = [1, tile.block_n, BLOCK_K]
     out_block = [CONSUMER_ROWS, 1, tile.block_n]
-    out_layout = _layout(out_block, h_RI.dtype)
+    out_layout = nvmma_layout(out_block, h_RI.dtype)
     h_desc = TensorDescriptor(h_RI, [rows, 1, inter], [inter, inter, 1], out_block, out_layout)
     gu_desc = h_desc
     if gate_up_R2I is not None:
         gu_desc = TensorDescriptor(gate_up_R2I, [rows, 2, inter], [2 * inter, inter, 1], out_block, out_layout)
-    return (TensorDescriptor.from_tensor(x_RH, a_block, _layout(a_block, x_RH.dtype)),
-            TensorDescriptor.from_tensor(w_gate_up_E2IH, w_block, _layout(w_block, x_RH.dtype)), h_desc, gu_desc)
+    return (TensorDescriptor.from_tensor(x_RH, a_block, nvmma_layout(a_block, x_RH.dtype)),
+            TensorDescriptor.from_tensor(w_gate_up_E2IH, w_block, nvmma_layout(w_block, x_RH.dtype)), h_desc, gu_desc)
 
 
 def launch_gate_up_fwd(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, block_expert, block_range, split, config: TileConfig,

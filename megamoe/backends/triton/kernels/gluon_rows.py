@@ -49,26 +49,26 @@ Two ways to use the two consumers (RowTile.pingpong):
     fresh barrier (parity 1, the phase "before" phase 0). Each order barrier is at most one phase from its
     waiter too: the other warpgroup cannot hand over twice before this one has taken its turn.
 
-    Why the prototype's ping-pong (benchmarks/gluon_gemm.py) crashed: it had no order barrier (the
-    mechanism is inferred from its code and reproduced on the protocol model of the tests, not observed on
-    the GPU). An mbarrier wait is a parity wait: try_wait.parity(u & 1), meant for use u of a slot, returns
-    as soon as the barrier's current phase differs in parity from u, which is right only while the barrier
-    is in phase u or u + 1. Warpgroup 1's first wait is for fill k_steps, use k_steps // STAGES of its slot
-    (qwen3-30b-a3b's down_fwd: 12 steps over 4 stages, use 3, parity 1), typically while the producer is
-    still filling use 0: phase 0 differs in parity from 1, so the wait passed at once. Warpgroup 1 then ran
-    wgmma on slots holding other tiles' data (or none yet) and arrived on "empty" barriers for uses it did
-    not own; such extra arrives complete "empty" phases early, so the producer's own parity waits alias in
-    turn and it refills slots still being read; TMA bytes can then land on "ready" barriers in phases that
-    did not expect them, and the consumers can finish, and the CTA retire, with bulk copies still in flight
-    into its shared memory: undefined behaviour, reported as "unspecified launch failure". With the order
-    barrier the consumers' ready-waits happen in the producer's fill order (each warpgroup's own steps in
-    order, across warpgroups through the order barrier), so when fill c is waited for, fill c - STAGES (the
-    slot's previous use u - 1) has been waited for: the slot's "ready" barrier has completed phase u - 1
-    and cannot complete u + 1 before this consumer releases use u, so every ring-slot wait is within one
-    phase. The producer's "empty" waits were and are within one phase (fill u follows fill u - 1, which
-    needed release u - 2, and no slot is released before it is filled). tests/test_gluon_rows_compile.py
-    checks both claims on a model of the protocol that implements the parity waits, under random
-    interleavings of the warps and of the TMA completions.
+    Why the ping-pong of the first prototype (commit fbd1888, benchmarks/gluon_gemm.py) crashed: it had no
+    order barrier (the mechanism is inferred from its code and reproduced on the protocol model of the tests,
+    not observed on the GPU). An mbarrier wait is a parity wait: try_wait.parity(u & 1), meant for use u of a
+    slot, returns as soon as the barrier's current phase differs in parity from u, which is right only while
+    the barrier is in phase u or u + 1. Warpgroup 1's first wait is for fill k_steps, use k_steps // STAGES of
+    its slot (qwen3-30b-a3b's down_fwd: 12 steps over 4 stages, use 3, parity 1), typically while the producer
+    is still filling use 0: phase 0 differs in parity from 1, so the wait passed at once. Warpgroup 1 then ran
+    wgmma on slots holding other tiles' data (or none yet) and arrived on "empty" barriers for uses it did not
+    own; such extra arrives complete "empty" phases early, so the producer's own parity waits alias in turn
+    and it refills slots still being read; TMA bytes can then land on "ready" barriers in phases that did not
+    expect them, and the consumers can finish, and the CTA retire, with bulk copies still in flight into its
+    shared memory: undefined behaviour, reported as "unspecified launch failure". With the order barrier the
+    consumers' ready-waits happen in the producer's fill order (each warpgroup's own steps in order, across
+    warpgroups through the order barrier), so when fill c is waited for, fill c - STAGES (the slot's previous
+    use u - 1) has been waited for: the slot's "ready" barrier has completed phase u - 1 and cannot complete
+    u + 1 before this consumer releases use u, so every ring-slot wait is within one phase. The producer's
+    "empty" waits were and are within one phase (fill u follows fill u - 1, which needed release u - 2, and no
+    slot is released before it is filled). tests/test_gluon_rows_compile.py checks both claims on a model of
+    the protocol that implements the parity waits, under random interleavings of the warps and of the TMA
+    completions.
 
 Numerics (bitwise equal to row_gemm_tma_kernel with the same BLOCK_K): every output element is one fp32
 accumulator, zero-initialised, updated by k16 wgmma steps in increasing K order (K steps of BLOCK_K, the
@@ -105,24 +105,14 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import (
-    check, check_matrix, check_rows, check_weight, load_range, persistent_grid, tile_coords,
+    check, check_matrix, check_rows, check_weight, load_range, persistent_grid,
 )
+from megamoe.backends.triton.kernels.gluon_common import GL_DTYPES, nvmma_layout, tile_origin
 from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
-
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 # ----------------------------------------------------------------------------------------------------
 # Kernel
-
-
-@gluon.jit
-def _tile_origin(tile, first_m, num_m, num_n, SPLIT: gl.constexpr, GROUP_M: gl.constexpr,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """(kernel row block, first row, first column) of a linear tile index over the block range."""
-    pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-    m = first_m + pid_m
-    return m, m * BLOCK_M, pid_n * BLOCK_N
 
 
 @gluon.jit
@@ -140,7 +130,7 @@ def _producer(a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, block_expe
     k_steps = gl.cdiv(K, BLOCK_K)
     p = 0  # the ring's fill counter: slot p % STAGES, its use number p // STAGES
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        m, row, col = _tile_origin(tile, first_m, num_m, num_n, SPLIT, GROUP_M, BLOCK_M, BLOCK_N)
+        row, col, m = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
         expert = gl.load(block_expert_ptr + m // SPLIT)
         for ki in range(k_steps):
             s = p % STAGES
@@ -188,7 +178,7 @@ def _consumer(out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_
         skip = 0
     turn = 0  # PINGPONG: tiles of this warpgroup so far
     for tile in range(first, num_m * num_n, stride):
-        _, row, col = _tile_origin(tile, first_m, num_m, num_n, SPLIT, GROUP_M, BLOCK_M, BLOCK_N)
+        row, col, _ = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
         if PINGPONG:
             # Turn `turn` of this warpgroup = phase `turn` (warpgroup 1) or `turn - 1` (warpgroup 0, whose
             # turn 0 passes on the fresh barrier) of order[WG], completed when the other warpgroup has
@@ -313,12 +303,10 @@ TILES = {
 def descriptors(a_RK: torch.Tensor, w: torch.Tensor, out_RN: torch.Tensor, w_nk: bool, tile: RowTile) -> tuple:
     """Host-side TMA descriptors (a Gluon TensorDescriptor carries its shared-memory layout): a [R, K],
     w [E_l, N, K] (w_nk) or [E_l, K, N], out [R, N]."""
-    dt = _GL_DTYPES[a_RK.dtype]
     blocks = ([tile.block_m, tile.block_k],
               [1, tile.block_n, tile.block_k] if w_nk else [1, tile.block_k, tile.block_n],
               [tile.store_m, tile.block_n])
-    return tuple(TensorDescriptor.from_tensor(t, b, gl.NVMMASharedLayout.get_default_for(b, dt))
-                 for t, b in zip((a_RK, w, out_RN), blocks))
+    return tuple(TensorDescriptor.from_tensor(t, b, nvmma_layout(b, a_RK.dtype)) for t, b in zip((a_RK, w, out_RN), blocks))
 
 
 @functools.lru_cache(maxsize=None)
@@ -331,7 +319,7 @@ def _launch(a_RK, w, out_RN, w_nk, block_expert, blocks, tile):
     device = a_RK.device
     index = device.index if device.index is not None else torch.cuda.current_device()
     check(device.type == "cuda" and _is_hopper(index), "the Gluon row GEMMs run on Hopper GPUs (sm_90: wgmma, TMA)")
-    check(a_RK.dtype in _GL_DTYPES, f"16-bit operands (bf16, fp16), got {a_RK.dtype}")
+    check(a_RK.dtype in GL_DTYPES, f"16-bit operands (bf16, fp16), got {a_RK.dtype}")
     check(tma_addressable(a_RK, w, out_RN), "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8)")
     check(out_RN.dtype == a_RK.dtype and out_RN.shape == (a_RK.shape[0], w.shape[1] if w_nk else w.shape[2])
           and out_RN.is_contiguous(), "out must be a contiguous [R, N] tensor of the operands' dtype")

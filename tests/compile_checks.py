@@ -1,0 +1,127 @@
+"""Shared helpers of the ahead-of-time compile tests (tests/test_triton_compile.py, tests/test_gluon_*_compile.py).
+
+A Triton kernel (ASTSource) or a Gluon kernel (GluonASTSource, triton.experimental.gluon._runtime) compiles
+without a GPU through triton.compile for GPUTarget("cuda", 90, 32); the signature names each argument's type
+(a tensor descriptor's: mangle_type of a host-side Gluon TensorDescriptor built on CPU tensors, or
+tensordesc<bf16[block]>). What a GPU would run is then read from the PTX, from ptxas -v and from the SASS
+(cuobjdump), both tools bundled with Triton. The test modules import-or-skip Triton before importing this.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.experimental.gluon._runtime import GluonASTSource
+
+SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90
+
+
+def tensordesc(block: list[int]) -> str:
+    """The signature type of a bf16 tensor-descriptor argument with this block shape."""
+    return f"tensordesc<bf16[{','.join(map(str, block))}]>"
+
+
+def kernel_signature(fn, constexprs: dict, descriptors: dict, other_type) -> dict:
+    """Argument name -> type: "constexpr" for the constexprs, descriptors[name] for a tensor-descriptor
+    argument, other_type(name) for every other one."""
+    return {name: "constexpr" if name in constexprs else descriptors[name] if name in descriptors else other_type(name)
+            for name in fn.arg_names}
+
+
+def divisible_by_16(fn, names) -> dict:
+    """Compile attributes marking the arguments `names` divisible by 16, as the launcher's specialisation sees
+    16-byte aligned torch allocations (and sizes that are multiples of 16)."""
+    return {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in names}
+
+
+def compile_triton(fn, signature: dict, constexprs: dict, attrs: dict, num_warps: int, num_stages: int, arch: int = 90):
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def compile_gluon(fn, signature: dict, constexprs: dict, attrs: dict):
+    """A Gluon kernel for sm_90a; num_warps is its default partition's (gl.warp_specialize adds the workers')."""
+    src = GluonASTSource(fn, signature, constexprs, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def ptxas_report(ptx: str) -> dict:
+    """Registers, spill bytes and stack frame of a kernel, from ptxas -v on its PTX for sm_90a (and the log)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        proc = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", os.path.join(tmp, "k.cubin")],
+                              capture_output=True, text=True, check=True)
+    log = proc.stdout + proc.stderr
+
+    def number(pattern):
+        return int(re.search(pattern, log).group(1))
+
+    return dict(registers=number(r"Used (\d+) registers"), spill_stores=number(r"(\d+) bytes spill stores"),
+                spill_loads=number(r"(\d+) bytes spill loads"), stack=number(r"(\d+) bytes stack frame"), log=log)
+
+
+def sass(cubin: bytes) -> str:
+    """The kernel's SASS (cuobjdump -sass)."""
+    tool = os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        return subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+
+
+def count(pattern: str, text: str) -> int:
+    return len(re.findall(pattern, text))
+
+
+def warp_specialized_report(compiled) -> dict:
+    """What every warp-specialized Gluon kernel's checks look at: the PTX and SASS, the ptxas report, and the
+    counts of the instructions of its wgmma pipeline, TMA loads, mbarriers, register split and local memory."""
+    ptx = compiled.asm["ptx"]
+    code = sass(compiled.asm["cubin"])
+    return dict(
+        compiled=compiled, ptx=ptx, sass=code, ptxas=ptxas_report(ptx),
+        wgmma_any=count(r"wgmma\.mma_async", ptx),
+        wait_groups=sorted(set(int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx))),
+        tma_load_2d=count(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.mbarrier::complete_tx::bytes", ptx),
+        tma_load_3d=count(r"cp\.async\.bulk\.tensor\.3d\.shared::cluster\.global\.mbarrier::complete_tx::bytes", ptx),
+        cp_async=count(r"cp\.async\.(ca|cg)\.shared\.global", ptx),
+        mbar_init=count(r"mbarrier\.init\.shared", ptx),
+        mbar_wait=count(r"mbarrier\.try_wait\.parity", ptx),
+        mbar_expect=count(r"mbarrier\.arrive\.expect_tx", ptx),
+        mbar_arrive=count(r"mbarrier\.arrive\.shared::cta\.b64", ptx),
+        setmaxnreg=sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))),
+        local=count(r"\b(STL|LDL)(\.[A-Z0-9]+)*\b", code),
+    )
+
+
+def assert_register_split(name: str, report: dict, producer_regs: int, consumer_regs: int) -> None:
+    """setmaxnreg gives the producer and the consumer warpgroups their registers."""
+    assert ("dec", str(producer_regs)) in report["setmaxnreg"], f"{name}: producer registers {report['setmaxnreg']}"
+    assert ("inc", str(consumer_regs)) in report["setmaxnreg"], f"{name}: consumer registers {report['setmaxnreg']}"
+
+
+def assert_no_spills_or_serialisation(name: str, report: dict) -> None:
+    """No spills, no stack frame, no local memory in the SASS, no wgmma serialised by ptxas (C7510)."""
+    px = report["ptxas"]
+    assert px["spill_stores"] == 0 and px["spill_loads"] == 0 and px["stack"] == 0, f"{name} spills:\n{px['log']}"
+    assert report["local"] == 0, f"{name}: local-memory loads/stores in the SASS"
+    assert "C7510" not in px["log"] and "serialized" not in px["log"], f"{name}: wgmma serialised:\n{px['log']}"
+
+
+def pointers(fn) -> set:
+    """The kernel's pointer arguments (named *_ptr)."""
+    return {name for name in fn.arg_names if name.endswith("_ptr")}
+
+
+def int32_arg(name: str) -> str:
+    """The type of an argument that is no descriptor: a pointer to int32 (the tile tables), else an int32."""
+    return "*i32" if name.endswith("_ptr") else "i32"
