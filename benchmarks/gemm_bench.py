@@ -7,7 +7,10 @@ schedule's expert-major rows padded per expert to its block_m, and the same segm
 torch._grouped_mm (offsets = the schedule's expert_offsets). Each GEMM is timed as the fused path runs it
 (with its epilogue: SwiGLU after gate/up fwd, the SwiGLU backward after down dgrad) and as cuBLAS plus
 the torch ops that epilogue replaces. Variants:
-    "tma"          the TMA core (kernels/tma_gemm.py) with its tile table entry (the one-GPU path on Hopper)
+    "fused"        the tile table's kernel as the one-GPU path runs it (on Hopper: the Gluon kernels,
+                   kernels/gluon_*.py)
+    "tma"          the Triton TMA kernel (kernels/tma_gemm.py) of the same tile, 8 warps, at most 3 stages (the
+                   Gluon kernels' bitwise reference)
     "pointer"      the pointer-load core (kernels/grouped_gemm.py + weight_grad.py; the EP kernels' core)
     "cublas"       torch._grouped_mm + the torch ops the fused epilogue replaces
     "cublas-gemm"  torch._grouped_mm alone (the GEMMs with an epilogue only)
@@ -19,6 +22,7 @@ Every variant is checked against cuBLAS before it is timed (relative Frobenius e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
@@ -123,7 +127,11 @@ def gemms(p, sweep: bool) -> dict:
     }
     out = {}
     for name, (flops, variants, make_tma) in table.items():
-        variants["tma"] = make_tma(getattr(tma_cfg, name))
+        entry = getattr(tma_cfg, name)
+        variants["fused"] = make_tma(entry)
+        if entry.gluon:
+            variants["tma"] = make_tma(dataclasses.replace(entry, gluon=False, pingpong=False, num_warps=8,
+                                                           num_stages=min(entry.num_stages, 3)))
         for t in SWEEP[name] if sweep else ():
             for flat in (False, True):
                 variants[f"tma{'-flat' if flat else ''} {t}"] = make_tma(tile(t, flat))
@@ -160,18 +168,21 @@ def run(name: str, routing: str, tokens: int | None, sweep: bool) -> list[dict]:
 
 
 def summary(records: list[dict]) -> str:
-    """TF/s per (workload, GEMM): cuBLAS with the torch epilogue, cuBLAS's GEMM alone, the pointer core,
-    the TMA core's table entry and its ratio to cuBLAS (with epilogue), and the best swept tile."""
-    lines = [f"{'workload':16} {'gemm':14} {'cublas':>7} {'(gemm)':>7} {'pointer':>8} {'tma':>6} "
-             f"{'tma/cublas':>10}  best swept"]
+    """TF/s per (workload, GEMM): cuBLAS with the torch epilogue, cuBLAS's GEMM alone, the pointer core, the
+    Triton TMA kernel, the fused path's kernel (the table's: Gluon on Hopper) and its ratio to cuBLAS (with
+    epilogue), and the best swept tile."""
+    lines = [f"{'workload':16} {'gemm':14} {'cublas':>7} {'(gemm)':>7} {'pointer':>8} {'tma':>6} {'fused':>6} "
+             f"{'fused/cublas':>12}  best swept"]
     for key in dict.fromkeys((r["workload"], r["gemm"]) for r in records):
         rs = [r for r in records if (r["workload"], r["gemm"]) == key and r.get("tflops")]
         by = {r["variant"]: r["tflops"] for r in rs}
-        swept = max((r for r in rs if r["variant"].startswith("tma")), key=lambda r: r["tflops"], default=None)
-        ratio = by.get("tma", 0) / by["cublas"] if by.get("cublas") else 0
+        swept = max((r for r in rs if r["variant"].startswith("tma ") or r["variant"].startswith("tma-flat")),
+                    key=lambda r: r["tflops"], default=None)
+        ratio = by.get("fused", 0) / by["cublas"] if by.get("cublas") else 0
         gemm_only = f"{by['cublas-gemm']:7.0f}" if "cublas-gemm" in by else f"{'-':>7}"
         lines.append(f"{key[0]:16} {key[1]:14} {by.get('cublas', 0):7.0f} {gemm_only} {by.get('pointer', 0):8.0f} "
-                     f"{by.get('tma', 0):6.0f} {ratio:9.2f}x  {swept['variant'] if swept else '-'}")
+                     f"{by.get('tma', 0):6.0f} {by.get('fused', 0):6.0f} {ratio:11.2f}x  "
+                     f"{swept['variant'] if swept else '-'}")
     return "\n".join(lines)
 
 
