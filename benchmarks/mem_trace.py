@@ -11,7 +11,7 @@ import sys
 import torch
 
 import megamoe
-from megamoe.bench.problem import forward_backward, make_tokens, make_weights
+from megamoe.bench.problem import forward_backward, one_gpu_problem
 from megamoe.bench.workloads import WORKLOADS
 
 
@@ -43,10 +43,7 @@ def main() -> None:
     device = torch.device("cuda")
     for name in sys.argv[1].split(","):
         w = WORKLOADS[name]
-        num_experts = w.one_gpu_experts or w.num_experts
-        weights = make_weights(w, range(num_experts), torch.bfloat16, device)
-        tokens = make_tokens(w, w.tokens_per_gpu, num_experts, "balanced", torch.bfloat16,
-                             torch.Generator(device=device).manual_seed(1))
+        weights, tokens = one_gpu_problem(w, device)
         forward_backward(megamoe.experts, weights, tokens, config=config)  # compile, workspaces
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)

@@ -13,7 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import megamoe
-from megamoe.bench.problem import forward_backward, make_tokens, make_weights
+from megamoe.bench.problem import forward_backward, one_gpu_problem
 from megamoe.bench.workloads import WORKLOADS
 
 ITERS = 5
@@ -25,10 +25,7 @@ def main() -> None:
     out = []
     for name in sys.argv[1].split(","):
         w = WORKLOADS[name]
-        num_experts = w.one_gpu_experts or w.num_experts
-        weights = make_weights(w, range(num_experts), torch.bfloat16, device)
-        tokens = make_tokens(w, w.tokens_per_gpu, num_experts, "balanced", torch.bfloat16,
-                             torch.Generator(device=device).manual_seed(1))
+        weights, tokens = one_gpu_problem(w, device)
         for _ in range(3):
             forward_backward(megamoe.experts, weights, tokens, config=config)
         torch.cuda.synchronize()

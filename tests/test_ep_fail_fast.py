@@ -27,7 +27,7 @@ import torch.distributed as dist
 import megamoe
 from megamoe import MoEConfig, MoELayer
 from megamoe.autograd import check_ranks_agree, group_hosts
-from conftest import assert_close_tight, init_gloo, run_gloo_workers
+from conftest import assert_close_tight, init_gloo, leave_gloo, run_gloo_workers
 
 WORLD = 3
 T, H, I, K, E_LOCAL = 4, 8, 4, 2, 2
@@ -148,18 +148,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     except Exception as e:  # noqa: BLE001 - reported by every test
         results = {"worker": {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    # Gathers stay pending on the "absent" groups (by design): no destroy_process_group and no collective;
-    # the store (served by rank 0) says when every rank has saved, and rank 0 leaves last.
-    store = dist.distributed_c10d._get_default_store()
-    store.add("saved", 1)
-    while store.add("saved", 0) < world:
-        time.sleep(0.05)
-    if rank != 0:
-        store.add("left", 1)
-    else:
-        while store.add("left", 0) < world - 1:
-            time.sleep(0.05)
-    os._exit(0)
+    leave_gloo(rank, world)  # gathers stay pending on the "absent" groups, by design
 
 
 @pytest.fixture(scope="module")

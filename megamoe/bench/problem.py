@@ -72,6 +72,16 @@ def make_tokens(
     return Tokens(x_TH.requires_grad_(), topk_ids_TK, topk_weights_TK.requires_grad_(), d_out_TH)
 
 
+def one_gpu_problem(w: Workload, device: torch.device, routing: str = "balanced",
+                    dtype: torch.dtype = torch.bfloat16) -> tuple[Weights, Tokens]:
+    """(weights, tokens) of a workload on one GPU, as the benchmark scripts time it: its one-GPU experts (all
+    of them unless the workload caps them), its tokens per GPU routed `routing`, the inputs of seed 1."""
+    num_experts = w.one_gpu_experts or w.num_experts
+    weights = make_weights(w, range(num_experts), dtype, device)
+    tokens = make_tokens(w, w.tokens_per_gpu, num_experts, routing, dtype, torch.Generator(device=device).manual_seed(1))
+    return weights, tokens
+
+
 def cast(weights: Weights, tokens: Tokens, dtype: torch.dtype) -> tuple[Weights, Tokens]:
     """New leaves in dtype (topk_weights stay fp32 unless dtype is fp64), for the references."""
 
