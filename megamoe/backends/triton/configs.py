@@ -81,11 +81,11 @@ _SM90 = KernelConfigs(
     dw_gate_up=TileConfig(128, 256, 64, num_warps=8, num_stages=4),
     combine=TileConfig(8, 256, 1, num_warps=4, num_stages=1),
 )
-# The TMA kernels (kernels/tma_gemm.py) of the one-GPU path on Hopper, measured per GEMM with
-# benchmarks/gemm_bench.py on five workloads (docs/perf-notes.md, "GEMM core v1"). A TMA stage costs no
-# registers, so down_dgrad affords the 4th stage its pointer version could not; flattening helps the GEMMs
-# whose epilogue is short next to their K loop (down_fwd, the weight grads) and hurts the two-accumulator
-# gate/up tile (its epilogue then competes with the next tile's copies for shared memory).
+# The one-GPU path on Hopper: every GEMM on the warp-specialized Gluon kernels (docs/perf-notes.md, "GEMM core
+# v2"), with the tiles the Triton TMA kernels (kernels/tma_gemm.py) were measured with ("GEMM core v1"); the
+# Triton kernel of an entry's tile (8 warps, at most 3 stages) gives the same bits and is what the GPU tests
+# compare with and the CPU interpreter runs. (Flattening the Triton kernels' tile loop, TileConfig.flatten,
+# helped some of them; no entry here runs a Triton kernel.)
 _SM90_TMA = KernelConfigs(
     # gate_up_fwd: the Gluon kernel (kernels/gluon_gate_up.py), two accumulators per consumer warpgroup (64
     # rows x 128 gate + 128 up columns), bitwise equal to the Triton kernel: h and gate_up at qwen3-235b-a22b
