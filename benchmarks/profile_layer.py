@@ -1,9 +1,10 @@
 """GPU time per kernel of one fwd+bwd of the fused one-GPU path, from torch.profiler (CUPTI): what each
 kernel costs on the GPU inside the layer, launch gaps excluded (kernel_breakdown.py times each step alone,
 gaps included) and the GPU's idle time between kernels (the largest gaps with the kernels around them).
-Balanced routing, bf16, the workload's tokens; the mean over ITERS back-to-back iterations.
+Balanced routing, bf16, the workload's tokens; the mean over ITERS back-to-back iterations. With --graph the
+iteration is captured in a CUDA graph and replayed: no host launch work, so the idle time left is the GPU's own.
 
-Usage: python benchmarks/profile_layer.py WORKLOAD[,WORKLOAD...] OUT.json   (a CUDA GPU)
+Usage: python benchmarks/profile_layer.py WORKLOAD[,WORKLOAD...] OUT.json [--graph]   (a CUDA GPU)
 """
 import collections
 import json
@@ -22,16 +23,30 @@ ITERS = 5
 def main() -> None:
     device = torch.device("cuda")
     config = megamoe.MoEConfig(backend="triton")
+    graphed = "--graph" in sys.argv[3:]
     out = []
     for name in sys.argv[1].split(","):
         w = WORKLOADS[name]
         weights, tokens = one_gpu_problem(w, device)
-        for _ in range(3):
+
+        def step():
             forward_backward(megamoe.experts, weights, tokens, config=config)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up on a side stream, as a capture needs
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        if graphed:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            step = graph.replay
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(ITERS):
-                forward_backward(megamoe.experts, weights, tokens, config=config)
+                step()
             torch.cuda.synchronize()
         per_kernel = collections.defaultdict(lambda: [0.0, 0])
         on_gpu = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
@@ -45,14 +60,14 @@ def main() -> None:
         kernels = sorted(({"kernel": k, "us": v[0], "launches": v[1] // ITERS} for k, v in per_kernel.items()),
                          key=lambda r: -r["us"])
         total = sum(r["us"] for r in kernels)
-        out.append({"workload": name, "gpu_us_per_iteration": total, "idle_us_per_iteration": idle,
+        out.append({"workload": name, "graph": graphed, "gpu_us_per_iteration": total, "idle_us_per_iteration": idle,
                     "kernels": kernels, "largest_gaps": gaps[:20]})
         print(f"\n{name}: {total:.0f} us of kernels and {idle:.0f} us idle between them per fwd+bwd")
         for r in kernels:
             print(f"  {r['us']:8.1f} us  x{r['launches']:<3} {r['kernel'][:100]}")
         for g in gaps[:12]:
             print(f"  gap {g['us']:7.1f} us after {g['after']} before {g['before']}")
-        del weights, tokens
+        del weights, tokens, step
         torch.cuda.empty_cache()
     with open(sys.argv[2], "w") as f:
         json.dump(out, f, indent=1)

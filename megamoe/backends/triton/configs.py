@@ -117,8 +117,10 @@ _SM90_TMA = KernelConfigs(
 # (7168) 7.36 against 6.67: the pointer loads of A cost the long K loops more than the pass they save. The Gluon
 # kernel gathers with a producer warpgroup of cp.async copies (4 stages, one staging buffer per consumer):
 # qwen3-30b-a3b 1.497 ms against 1.446 + 0.26 (its rows + the pass); qwen3-235b-a22b 6.109 against 5.502 + 0.51
-# (h200-gluon-gate-up-v1.json).
-_GATHER_X_MAX_H = 3072
+# (h200-gluon-gate-up-v1.json). In the layer (benchmarks/layer_ab.py, h200-gather-layer-ab-v1.json, fwd+bwd):
+# qwen3-30b-a3b 7.32 ms gathering against 7.68 on rows, gpt-oss-120b (H 2880) 20.64 against 20.04: gathering
+# pays at H 2048 only.
+_GATHER_X_MAX_H = 2048
 # Other GPUs (Ampere, Ada, Blackwell until measured): mma.sync-sized tiles that fit 100 KB of shared memory.
 _DEFAULT = KernelConfigs(
     gate_up_fwd=TileConfig(128, 64, 32, num_warps=8, num_stages=3),

@@ -1,0 +1,54 @@
+"""How much of a fwd+bwd of the fused one-GPU path is launch cost: the same iteration timed eagerly back to
+back (what the bench reports) and as a CUDA graph replayed back to back (the host's launch work and the gaps
+it leaves gone; the kernels and their order the same). The difference bounds what fewer launches or a
+graph-captured training step can gain.
+
+Usage: python benchmarks/graph_vs_eager.py WORKLOAD[,WORKLOAD...] OUT.json   (a CUDA GPU)
+"""
+import json
+import sys
+
+import torch
+
+import megamoe
+from megamoe.bench.measure import median_ms
+from megamoe.bench.problem import forward_backward, one_gpu_problem
+from megamoe.bench.workloads import WORKLOADS
+
+ITERS, WARMUP = 30, 5
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    config = megamoe.MoEConfig(backend="triton")
+    out = []
+    for name in sys.argv[1].split(","):
+        weights, tokens = one_gpu_problem(WORKLOADS[name], device)
+
+        def step(i):
+            forward_backward(megamoe.experts, weights, tokens, config=config)
+
+        eager_ms = median_ms(step, iters=ITERS, warmup=WARMUP, device=device)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # the warm-up capture needs: allocator pools and autotuning settled
+            for _ in range(2):
+                step(0)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step(0)
+        graph_ms = median_ms(lambda i: graph.replay(), iters=ITERS, warmup=WARMUP, device=device)
+        eager_again_ms = median_ms(step, iters=ITERS, warmup=WARMUP, device=device)
+        record = {"workload": name, "eager_ms": eager_ms, "graph_ms": graph_ms, "eager_again_ms": eager_again_ms}
+        out.append(record)
+        print(f"{name}: eager {eager_ms:.3f} ms, graph replay {graph_ms:.3f} ms, eager again {eager_again_ms:.3f} ms",
+              flush=True)
+        del graph, weights, tokens
+        torch.cuda.empty_cache()
+    with open(sys.argv[2], "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""fwd+bwd of the one-GPU triton backend in named variants of its kernel choice, in one process, the variants
+alternating (order rotated every round) over 4 rounds of 10 iterations; median per variant.
+
+Usage: python benchmarks/layer_ab.py WORKLOAD[,WORKLOAD...] VARIANT,VARIANT[,...] OUT.json   (an sm_90 GPU)
+Variants (each a change to the tile choice that every run reads through the public path, megamoe.experts):
+  default   the tile table as it ships
+  pointer   the pointer-load core (configs.tma_kernel_configs answers None, so experts.one_gpu_configs picks it)
+  rows      gate_up_fwd on gathered rows (a gather pass) where the table gathers x inside the kernel's loads
+"""
+import json, statistics, sys, torch, megamoe
+from megamoe.backends.triton import configs
+from megamoe.backends.triton import experts as te
+from megamoe.bench.problem import make_weights, make_tokens, forward_backward
+from megamoe.bench.workloads import WORKLOADS, layer_flops
+
+SHIPPED = (te.tma_kernel_configs, configs._GATHER_X_MAX_H)
+
+
+def select(variant: str) -> None:
+    te.tma_kernel_configs, configs._GATHER_X_MAX_H = SHIPPED
+    if variant == "pointer":
+        te.tma_kernel_configs = lambda *a: None
+    elif variant == "rows":
+        configs._GATHER_X_MAX_H = 0
+    elif variant != "default":
+        raise ValueError(f"unknown variant {variant!r}: default, pointer or rows")
+
+
+out = []
+variants = sys.argv[2].split(",")
+for name in sys.argv[1].split(","):
+    w = WORKLOADS[name]; E = w.one_gpu_experts or w.num_experts; T = w.tokens_per_gpu
+    dev = torch.device("cuda")
+    weights = make_weights(w, range(E), torch.bfloat16, dev)
+    for routing in ("balanced", "skewed"):
+        g = torch.Generator(device=dev).manual_seed(1)
+        toks = [make_tokens(w, T, E, routing, torch.bfloat16, g) for _ in range(3)]
+        cfg = megamoe.MoEConfig(backend="triton")
+        times = {v: [] for v in variants}
+        for rnd in range(4):
+            for v in variants[rnd % len(variants):] + variants[:rnd % len(variants)]:
+                select(v)
+                for i in range(3):
+                    forward_backward(megamoe.experts, weights, toks[i % 3], config=cfg)
+                ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(10)]
+                for i, (a, b) in enumerate(ev):
+                    a.record(); forward_backward(megamoe.experts, weights, toks[i % 3], config=cfg); b.record()
+                torch.cuda.synchronize()
+                times[v] += [a.elapsed_time(b) for a, b in ev]
+        select("default")
+        for v, t in times.items():
+            ms = statistics.median(t)
+            rec = dict(workload=name, routing=routing, variant=v, ms=ms, tflops=layer_flops(w, T, "fwd+bwd") / ms / 1e9, experts=E)
+            out.append(rec); print(json.dumps(rec), flush=True)
+    del weights; torch.cuda.empty_cache()
+json.dump(out, open(sys.argv[3], "w"), indent=1)
+for r in out: print(f"{r['workload']:16} {r['routing']:9} {r['variant']:8} {r['ms']:7.2f} ms {r['tflops']:5.0f} TF/s")
