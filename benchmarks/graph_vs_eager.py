@@ -18,37 +18,39 @@ from megamoe.bench.workloads import WORKLOADS
 ITERS, WARMUP = 30, 5
 
 
+def measure(name: str, device: torch.device) -> dict:
+    config = megamoe.MoEConfig(backend="triton")
+    weights, tokens = one_gpu_problem(WORKLOADS[name], device)
+
+    def step(i):
+        forward_backward(megamoe.experts, weights, tokens, config=config)
+
+    eager_ms = median_ms(step, iters=ITERS, warmup=WARMUP, device=device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the warm-up a capture needs: allocator pools and autotuning settled
+        for _ in range(2):
+            step(0)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(0)
+    graph_ms = median_ms(lambda i: graph.replay(), iters=ITERS, warmup=WARMUP, device=device)
+    eager_again_ms = median_ms(step, iters=ITERS, warmup=WARMUP, device=device)
+    return {"workload": name, "eager_ms": eager_ms, "graph_ms": graph_ms, "eager_again_ms": eager_again_ms}
+
+
 def main() -> None:
     device = torch.device("cuda")
-    config = megamoe.MoEConfig(backend="triton")
     out = []
     for name in sys.argv[1].split(","):
-        weights, tokens = one_gpu_problem(WORKLOADS[name], device)
-
-        def step(i):
-            forward_backward(megamoe.experts, weights, tokens, config=config)
-
-        eager_ms = median_ms(step, iters=ITERS, warmup=WARMUP, device=device)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # the warm-up capture needs: allocator pools and autotuning settled
-            for _ in range(2):
-                step(0)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step(0)
-        graph_ms = median_ms(lambda i: graph.replay(), iters=ITERS, warmup=WARMUP, device=device)
-        eager_again_ms = median_ms(step, iters=ITERS, warmup=WARMUP, device=device)
-        record = {"workload": name, "eager_ms": eager_ms, "graph_ms": graph_ms, "eager_again_ms": eager_again_ms}
+        record = measure(name, device)
         out.append(record)
-        print(f"{name}: eager {eager_ms:.3f} ms, graph replay {graph_ms:.3f} ms, eager again {eager_again_ms:.3f} ms",
-              flush=True)
-        del graph, weights, tokens
+        print(f"{name}: eager {record['eager_ms']:.3f} ms, graph replay {record['graph_ms']:.3f} ms, "
+              f"eager again {record['eager_again_ms']:.3f} ms", flush=True)
         torch.cuda.empty_cache()
     with open(sys.argv[2], "w") as f:
         json.dump(out, f, indent=1)
-
 
 if __name__ == "__main__":
     main()

@@ -1,11 +1,14 @@
 """fwd+bwd of the one-GPU triton backend in named variants of its kernel choice, in one process, the variants
-alternating (order rotated every round) over 4 rounds of 10 iterations; median per variant.
+alternating (order rotated every round) over 4 rounds of 10 iterations; median per variant, and the peak memory
+above the inputs (weights and token sets) over its iterations.
 
 Usage: python benchmarks/layer_ab.py WORKLOAD[,WORKLOAD...] VARIANT,VARIANT[,...] OUT.json   (an sm_90 GPU)
 Variants (each a change to the tile choice that every run reads through the public path, megamoe.experts):
   default   the tile table as it ships
   pointer   the pointer-load core (configs.tma_kernel_configs answers None, so experts.one_gpu_configs picks it)
   rows      gate_up_fwd on gathered rows (a gather pass) where the table gathers x inside the kernel's loads
+  dw-gather dw_gate_up gathering x inside its loads at every H (no second gather pass)
+  dw-rows   dw_gate_up on gathered rows at every H
 """
 import json, statistics, sys, torch, megamoe
 from megamoe.backends.triton import configs
@@ -13,17 +16,21 @@ from megamoe.backends.triton import experts as te
 from megamoe.bench.problem import make_weights, make_tokens, forward_backward
 from megamoe.bench.workloads import WORKLOADS, layer_flops
 
-SHIPPED = (te.tma_kernel_configs, configs._GATHER_X_MAX_H)
+SHIPPED = (te.tma_kernel_configs, configs._GATHER_X_MAX_H, configs._DW_GATHER_X_MAX_H)
 
 
 def select(variant: str) -> None:
-    te.tma_kernel_configs, configs._GATHER_X_MAX_H = SHIPPED
+    te.tma_kernel_configs, configs._GATHER_X_MAX_H, configs._DW_GATHER_X_MAX_H = SHIPPED
     if variant == "pointer":
         te.tma_kernel_configs = lambda *a: None
     elif variant == "rows":
         configs._GATHER_X_MAX_H = 0
+    elif variant == "dw-gather":
+        configs._DW_GATHER_X_MAX_H = 1 << 30
+    elif variant == "dw-rows":
+        configs._DW_GATHER_X_MAX_H = 0
     elif variant != "default":
-        raise ValueError(f"unknown variant {variant!r}: default, pointer or rows")
+        raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, dw-gather or dw-rows")
 
 
 out = []
@@ -37,21 +44,30 @@ for name in sys.argv[1].split(","):
         toks = [make_tokens(w, T, E, routing, torch.bfloat16, g) for _ in range(3)]
         cfg = megamoe.MoEConfig(backend="triton")
         times = {v: [] for v in variants}
+        peak = dict.fromkeys(variants, 0)
+        torch.cuda.synchronize()
+        inputs_bytes = torch.cuda.memory_allocated()
         for rnd in range(4):
             for v in variants[rnd % len(variants):] + variants[:rnd % len(variants)]:
                 select(v)
                 for i in range(3):
                     forward_backward(megamoe.experts, weights, toks[i % 3], config=cfg)
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
                 ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(10)]
                 for i, (a, b) in enumerate(ev):
                     a.record(); forward_backward(megamoe.experts, weights, toks[i % 3], config=cfg); b.record()
                 torch.cuda.synchronize()
                 times[v] += [a.elapsed_time(b) for a, b in ev]
+                peak[v] = max(peak[v], torch.cuda.max_memory_allocated() - inputs_bytes)
         select("default")
         for v, t in times.items():
             ms = statistics.median(t)
-            rec = dict(workload=name, routing=routing, variant=v, ms=ms, tflops=layer_flops(w, T, "fwd+bwd") / ms / 1e9, experts=E)
+            rec = dict(workload=name, routing=routing, variant=v, ms=ms, tflops=layer_flops(w, T, "fwd+bwd") / ms / 1e9,
+                       peak_above_inputs_gib=peak[v] / 2**30, experts=E)
             out.append(rec); print(json.dumps(rec), flush=True)
     del weights; torch.cuda.empty_cache()
 json.dump(out, open(sys.argv[3], "w"), indent=1)
-for r in out: print(f"{r['workload']:16} {r['routing']:9} {r['variant']:8} {r['ms']:7.2f} ms {r['tflops']:5.0f} TF/s")
+for r in out:
+    print(f"{r['workload']:16} {r['routing']:9} {r['variant']:9} {r['ms']:7.2f} ms {r['tflops']:5.0f} TF/s "
+          f"{r['peak_above_inputs_gib']:6.2f} GiB above inputs")

@@ -56,23 +56,26 @@ from compile_checks import (  # noqa: E402
 )
 # A qwen3-30b-a3b-like dw_down: the descriptors' block shapes and layouts are what matters, not the sizes.
 R, M, N, E = 2048, 2048, 768, 4
+T = 256  # tokens of the gathered operand (R / top_k)
 WGMMA_RE = r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+, (%p\d+), (\d), (\d), (\d), (\d);"
 
 
-def _compile_gluon(cfg):
-    a = torch.empty(R, M, dtype=torch.bfloat16)
-    b = torch.empty(R, N, dtype=torch.bfloat16)
+def _compile_gluon(cfg, gather: int = G.GATHER_NONE):
+    """gather: the operand the producer gathers (its descriptor over the tokens [T, *], as the launcher builds it)."""
+    a = torch.empty(T if gather == G.GATHER_A else R, M, dtype=torch.bfloat16)
+    b = torch.empty(T if gather == G.GATHER_B else R, N, dtype=torch.bfloat16)
     dw = torch.empty(E, M, N, dtype=torch.bfloat16)
     descs = dict(zip(("a_desc", "b_desc", "dw_desc"), G.descriptors(a, b, dw, cfg)))
     fn = G.dw_ws_kernel
-    consts = G.constexprs(cfg)
-    signature = kernel_signature(fn, consts, {name: mangle_type(d) for name, d in descs.items()}, _int32_arg)
+    consts = G.constexprs(cfg, gather)
+    signature = kernel_signature(fn, consts, {name: mangle_type(d) for name, d in descs.items()}, _arg_type)
     return compile_gluon(fn, signature, consts, divisible_by_16(fn, pointers(fn)))
 
 
-def _int32_arg(name: str) -> str:
-    assert name.endswith("_ptr") or name == "num_experts", name
-    return int32_arg(name)
+def _arg_type(name: str) -> str:
+    """src_ptr: the gathered tokens (bf16); the other pointers int32, the scalars int32."""
+    assert name.endswith("_ptr") or name in ("num_experts", "top_k"), name
+    return "*bf16" if name == "src_ptr" else int32_arg(name)
 
 
 def _compile_production():

@@ -213,7 +213,7 @@ def test_gluon_kernels_match_the_triton_tma_kernels_bitwise(case, monkeypatch):
 
     def triton_only(*args):
         t = tma_kernel_configs(*args)
-        return dataclasses.replace(t, **{n: triton_tile(getattr(t, n)) for n in gluon})
+        return dataclasses.replace(t, **{n: triton_tile(n, getattr(t, n)) for n in gluon})
 
     monkeypatch.setattr(triton_experts, "tma_kernel_configs", triton_only)
     with poisoned_empty():
@@ -222,6 +222,35 @@ def test_gluon_kernels_match_the_triton_tma_kernels_bitwise(case, monkeypatch):
         if b is None:
             continue
         assert torch.equal(a, b), f"{name}: the Gluon kernels ({', '.join(gluon)}) differ from the Triton TMA kernels"
+
+
+@pytest.mark.parametrize("case", ["qwen3-30b-a3b-T512-E16", "qwen3-235b-a22b-T256-E16", "empty-experts-T300-E16",
+                                  "T129-not-multiple-of-block-k3", "odd-H2880-T77-k4"])
+def test_gluon_dw_gate_up_gathering_x_equals_it_on_gathered_rows(case):
+    """The Gluon weight-grad kernel gathering x in its loads (cp.async producer, kernels/gluon_dw.py) gives the
+    bits of the same kernel on the x rows of a gather pass: padding rows zero, empty experts zero, every
+    element written (the output starts as NaN)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels are in the Hopper (sm_90) table")
+    from megamoe.backends.triton import kernels
+    from megamoe.backends.triton.configs import tma_kernel_configs
+    from megamoe.backends.triton.kernels import gluon_dw
+
+    T, H, I, E, k, _, kind = {**WORKLOADS, **EDGES}[case]
+    x, ids, *_ = make_inputs(T, H, I, E, k, 0, kind)
+    schedule = build_schedule(ids, E, block_m=block_m_for(H, I, DTYPE))
+    cfg = tma_kernel_configs(H, I, DTYPE, x.device, schedule.block_m).dw_gate_up
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    d_gate_up = torch.randn(schedule.num_rows, 2 * I, generator=gen, device="cuda").to(DTYPE)
+    d_gate_up[schedule.row_src < 0] = 0  # padding rows are zero, as down_dgrad writes them
+    in_use = schedule.expert_offsets[-1:]
+    x_rows = kernels.gather_rows(x, schedule.row_src, None, in_use, div=k)
+    want = torch.full((E, 2 * I, H), float("nan"), dtype=DTYPE, device="cuda")
+    got = torch.full_like(want, float("nan"))
+    gluon_dw.launch_dw(d_gate_up, x_rows, want, schedule.expert_offsets, cfg)
+    gluon_dw.launch_dw(d_gate_up, x, got, schedule.expert_offsets, cfg, gather_b=(schedule.row_src, k))
+    assert not want.isnan().any() and not got.isnan().any()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), "gathering in the loads changed the bits"
 
 
 _NEVER_RAISED = """

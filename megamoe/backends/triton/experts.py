@@ -13,8 +13,9 @@ Backward: gather d_out_rows = d_out[row_src // k] (unweighted) -> down_dgrad_rou
           from gate_up; the router-weight gradient's partial sums) -> dw_down (d_out_rows^T h_w) ->
           d_topk_weights (the partial sums, in order) -> gate_up_dgrad (d_x_rows) -> combine without
           weights (d_x = sum_j d_x_rows[dest_row[t, j]], + shared) -> gather x_rows again -> dw_gate_up
-          (d_gate_up^T x_rows). The weight-grad kernels own one output tile per program and loop over
-          its expert's rows.
+          (d_gate_up^T x_rows; where the tile table says so, configs._DW_GATHER_X_MAX_H, the kernel gathers
+          the x rows in its loads instead). The weight-grad kernels own one output tile per program and loop
+          over its expert's rows.
 The shared expert is a dense MLP on cuBLAS through torch: backends/swiglu.py's, the one every backend runs.
 
 saved = (gate_up [R, 2I], shared pre [T, 2I_s], shared h [T, I_s]): 4I bytes per routed row in bf16, all the
@@ -27,8 +28,8 @@ tuple can cross torch.library custom ops. gate_up's memory is released once down
 (autograd would hold it to the end of the backward; a second backward through the same forward recomputes
 it), so the backward's order keeps at most three [R, *] tensors live (gate_up, d_out_rows, d_gate_up and
 h_w during down_dgrad_router; then d_gate_up and d_x_rows, then d_gate_up and x_rows).
-Gathering x inside dw_gate_up's loads instead (no x_rows at all) was measured and lost: 323-349 TF/s
-against 589 on the copy (docs/perf-notes.md).
+Gathering x inside the Triton dw_gate_up's pointer loads was measured and lost (323-349 TF/s against 589 on
+the copy, docs/perf-notes.md); the Gluon kernel gathers with a producer warpgroup of cp.async copies.
 
 Inference (experts_fwd(..., save_for_backward=False), what megamoe.experts passes under torch.no_grad() /
 torch.inference_mode() or when no input requires grad): saved = (); gate_up is never stored, so only out
@@ -230,7 +231,11 @@ def experts_bwd(
             d_x_rows = kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad)
             d_x = kernels.combine(d_x_rows, None, schedule.dest_row, d_x_shared, config=cfg.combine)
             del d_x_rows
-        if need_w_gate_up:  # x_rows gathered again (into d_x_rows' freed memory): a copy beats gathering in the loads
-            d_w_gate_up = kernels.dw_gate_up(d_gate_up, _x_rows(x, schedule), schedule.expert_offsets, num_experts,
-                                             config=cfg.dw_gate_up)
+        if need_w_gate_up:  # x gathered in the kernel's loads where the tile says so, else x_rows gathered again
+            if cfg.dw_gate_up.gather:
+                x_rows, gather = x, (schedule.row_src, schedule.top_k)
+            else:
+                x_rows, gather = _x_rows(x, schedule), None  # into d_x_rows' freed memory
+            d_w_gate_up = kernels.dw_gate_up(d_gate_up, x_rows, schedule.expert_offsets, num_experts,
+                                             config=cfg.dw_gate_up, gather=gather)
     return d_x, d_topk_weights, d_w_gate_up, d_w_down, d_shared_gate_up, d_shared_down

@@ -69,17 +69,19 @@ def dw_kernel(
                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)
 
 
-def _launch(a, b, expert_offsets, num_experts, config):
-    """dw [E_l, M, N] = a^T b per expert, in a's dtype: every tile of every expert, on the persistent grid."""
+def _launch(a, b, expert_offsets, num_experts, config, gather_b=None):
+    """dw [E_l, M, N] = a^T b per expert, in a's dtype: every tile of every expert, on the persistent grid.
+    gather_b = (row_src, top_k): b is the tokens [T, N], gathered in the Gluon kernel's loads."""
     check(num_experts >= 1, f"num_experts must be >= 1, got {num_experts}")
     check_expert_offsets(expert_offsets, a.shape[0], num_experts, config.block_k)
     m_dim, n_dim = a.shape[1], b.shape[1]
     out = torch.empty(num_experts, m_dim, n_dim, dtype=a.dtype, device=a.device)
+    if config.gluon:  # gluon_dw.py's warp-specialized kernel (operands TMA can address, checked there)
+        gluon_dw.launch_dw(a, b, out, expert_offsets, config, gather_b=gather_b)
+        return out
+    check(gather_b is None, f"gathering in the loads needs the Gluon kernel (config.gluon), got {config}")
     max_tiles = num_experts * triton.cdiv(m_dim, config.block_m) * triton.cdiv(n_dim, config.block_n)
     grid = persistent_grid(a.device, max_tiles)
-    if config.gluon:  # gluon_dw.py's warp-specialized kernel (operands TMA can address, checked there)
-        gluon_dw.launch_dw(a, b, out, expert_offsets, config)
-        return out
     if config.tma:  # tma_gemm.py's kernel (operands TMA can address, checked there)
         tma_gemm.launch_dw(a, b, out, expert_offsets, config, grid)
         return out
@@ -116,11 +118,15 @@ def dw_gate_up(
     num_experts: int,
     *,
     config: TileConfig,
+    gather: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """d_w_gate_up [E_l, 2I, H] = d_gate_up^T x_rows per expert, in the rows' dtype.
 
-    d_gate_up [R, 2I], x_rows [R, H], both zero for padding; expert_offsets int32 [E_l + 1].
+    d_gate_up [R, 2I], x_rows [R, H], both zero for padding; expert_offsets int32 [E_l + 1]. With gather =
+    (row_src int32 [R], top_k) (the Gluon kernel only: config.gluon), x_rows is the tokens x [T, H] and row r
+    reads x[row_src[r] // top_k] (zeros where row_src[r] is -1) inside the kernel's loads: no x_rows pass.
     """
-    check_row_operands(d_gate_up_R2I, x_rows_RH, ("d_gate_up", "x_rows"))
     check(d_gate_up_R2I.shape[1] % 2 == 0, f"d_gate_up must have 2I columns, got {d_gate_up_R2I.shape[1]}")
-    return _launch(d_gate_up_R2I, x_rows_RH, expert_offsets, num_experts, config)
+    if gather is None:
+        check_row_operands(d_gate_up_R2I, x_rows_RH, ("d_gate_up", "x_rows"))
+    return _launch(d_gate_up_R2I, x_rows_RH, expert_offsets, num_experts, config, gather_b=gather)
