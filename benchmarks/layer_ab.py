@@ -7,8 +7,6 @@ Variants (each a change to the tile choice that every run reads through the publ
   default   the tile table as it ships
   pointer   the pointer-load core (configs.tma_kernel_configs answers None, so experts.one_gpu_configs picks it)
   rows      gate_up_fwd on gathered rows (a gather pass) where the table gathers x inside the kernel's loads
-  dw-gather dw_gate_up gathering x inside its loads at every H (no second gather pass)
-  dw-rows   dw_gate_up on gathered rows at every H
 """
 import json, statistics, sys, torch, megamoe
 from megamoe.backends.triton import configs
@@ -16,21 +14,17 @@ from megamoe.backends.triton import experts as te
 from megamoe.bench.problem import make_weights, make_tokens, forward_backward
 from megamoe.bench.workloads import WORKLOADS, layer_flops
 
-SHIPPED = (te.tma_kernel_configs, configs._GATHER_X_MAX_H, configs._DW_GATHER_X_MAX_H)
+SHIPPED = (te.tma_kernel_configs, configs._GATHER_X_MAX_H)
 
 
 def select(variant: str) -> None:
-    te.tma_kernel_configs, configs._GATHER_X_MAX_H, configs._DW_GATHER_X_MAX_H = SHIPPED
+    te.tma_kernel_configs, configs._GATHER_X_MAX_H = SHIPPED
     if variant == "pointer":
         te.tma_kernel_configs = lambda *a: None
     elif variant == "rows":
         configs._GATHER_X_MAX_H = 0
-    elif variant == "dw-gather":
-        configs._DW_GATHER_X_MAX_H = 1 << 30
-    elif variant == "dw-rows":
-        configs._DW_GATHER_X_MAX_H = 0
     elif variant != "default":
-        raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, dw-gather or dw-rows")
+        raise ValueError(f"unknown variant {variant!r}: default, pointer or rows")
 
 
 out = []

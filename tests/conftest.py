@@ -326,14 +326,12 @@ def interpreter_suite(test_file: str):
     return test_interpreter_suite
 
 
-def triton_tile(name, cfg):
-    """The Triton TMA kernel's version of the tile-table entry `name` where it runs a Gluon kernel
-    (TileConfig.gluon): the same tile and K step, hence the same bits, with the 8 warps the Triton kernels run
-    and at most 3 stages (the two-accumulator gate_up_fwd tile fits no more in shared memory). Of the Triton
-    kernels only gate_up_fwd gathers in its loads; the others read the rows of a gather pass (the same values)."""
+def triton_tile(cfg):
+    """The Triton TMA kernel's version of a tile-table entry that runs a Gluon kernel (TileConfig.gluon): the same
+    tile and K step, hence the same bits, with the 8 warps the Triton kernels run and at most 3 stages (the
+    two-accumulator gate_up_fwd tile fits no more in shared memory)."""
     import dataclasses
 
     if not cfg.gluon:
         return cfg
-    return dataclasses.replace(cfg, gluon=False, pingpong=False, num_warps=8, num_stages=min(cfg.num_stages, 3),
-                               gather=cfg.gather and name == "gate_up_fwd")
+    return dataclasses.replace(cfg, gluon=False, pingpong=False, num_warps=8, num_stages=min(cfg.num_stages, 3))

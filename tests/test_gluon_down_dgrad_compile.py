@@ -81,7 +81,7 @@ def _compile_gluon(router: bool, store_h_w: bool, cfg=G.DEFAULT_CONFIG):
 def _compile_triton_kernel():
     """tma_gemm.down_dgrad_tma_kernel with the TMA table's down_dgrad entry, ROUTER and STORE_H_W (as
     tests/test_triton_compile.py compiles it)."""
-    cfg = triton_tile("down_dgrad", _SM90_TMA.down_dgrad)  # the Triton kernel of the Gluon entry's tile
+    cfg = triton_tile(_SM90_TMA.down_dgrad)  # the Triton kernel of the Gluon entry's tile
     m, n, k = cfg.block_m, cfg.block_n, cfg.block_k
     blocks = {"d_y_desc": [m, k], "w_desc": [1, k, n], "gu_desc": [m, 1, n // 2], "d_gu_desc": [m, 1, n // 2],
               "h_w_desc": [m, n // 2]}

@@ -80,7 +80,7 @@ def _compile_gluon(tile, store_gate_up: bool, gather: bool, sizes_aligned: bool 
 
 def _compile_triton_production():
     """tma_gemm.gate_up_fwd_tma_kernel with its tile-table entry (STORE_GATE_UP, x rows by TMA)."""
-    cfg = triton_tile("gate_up_fwd", _SM90_TMA.gate_up_fwd)  # the Triton kernel of the Gluon entry's tile
+    cfg = triton_tile(_SM90_TMA.gate_up_fwd)  # the Triton kernel of the Gluon entry's tile
     fn = tma_gemm.gate_up_fwd_tma_kernel
     consts = dict(STORE_GATE_UP=True, GATHER=False, SPLIT=1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                   BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten)

@@ -198,7 +198,7 @@ TMA_CONSTEXPRS = {"gate_up_fwd": {"STORE_GATE_UP": True, "GATHER": False}, "down
 # (checked by tests/test_gluon_*_compile.py) are compiled here as the Triton TMA kernel of the same tile
 # (conftest.triton_tile): the bitwise reference of the Gluon kernel on the GPU (tests/gpu/test_triton_gpu.py)
 # and the TMA core the interpreter suites run.
-TMA_ENTRIES = {name: triton_tile(name, getattr(_SM90_TMA, name)) for name in TMA_KERNELS}
+TMA_ENTRIES = {name: triton_tile(getattr(_SM90_TMA, name)) for name in TMA_KERNELS}
 TMA_ENTRIES["gate_up_fwd-gather"] = TMA_ENTRIES["gate_up_fwd"]
 
 

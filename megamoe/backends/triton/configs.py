@@ -23,9 +23,9 @@ class TileConfig:
     columns; block_k: reduction step; group_m: row blocks swept together (L2 reuse of weight tiles);
     tma: the kernel of kernels/tma_gemm.py runs (operands and outputs by TMA copies) instead of the
     pointer-load one; flatten (tma only): Triton flattens the persistent tile loop with the K loop, so the
-    next tile's first copies are issued during this tile's epilogue; gather (gate_up_fwd on the TMA core,
-    dw_gate_up on the Gluon one): the kernel gathers the x rows in its loads (by pointer or cp.async, the
-    other operand still by TMA) instead of reading rows a gather pass wrote; gluon (with tma): the warp-specialized Gluon kernel of kernels/gluon_*.py runs
+    next tile's first copies are issued during this tile's epilogue; gather (gate_up_fwd on the TMA core):
+    the kernel gathers the x rows in its loads (by pointer, the weights still by TMA) instead of reading
+    rows a gather pass wrote; gluon (with tma): the warp-specialized Gluon kernel of kernels/gluon_*.py runs
     (a producer warp feeding two consumer warpgroups through an mbarrier ring; num_warps is then its
     default partition's, 4), its two warpgroups on alternate tiles with pingpong, else on halves of each
     tile."""
@@ -121,12 +121,6 @@ _SM90_TMA = KernelConfigs(
 # qwen3-30b-a3b 7.32 ms gathering against 7.68 on rows, gpt-oss-120b (H 2880) 20.64 against 20.04: gathering
 # pays at H 2048 only.
 _GATHER_X_MAX_H = 2048
-# dw_gate_up gathering x in its loads (the Gluon kernel's producer warpgroup, cp.async, row sources loaded a step
-# ahead) instead of a second gather pass: fwd+bwd 1.5-5% slower at every H measured (benchmarks/layer_ab.py
-# dw-rows,dw-gather, h200-dw-gather-layer-ab-v4.json: qwen3-30b-a3b 7.31 -> 7.64 ms, qwen3-235b-a22b 28.26 ->
-# 28.79, gpt-oss-120b 20.50 -> 21.49, deepseek-v3 32.88 -> 33.71), for a quarter less peak memory (2.24 -> 1.68
-# GiB above the inputs at qwen3-30b-a3b, 6.73 -> 5.60 at qwen3-235b-a22b): off in the time-first table.
-_DW_GATHER_X_MAX_H = 0
 # Other GPUs (Ampere, Ada, Blackwell until measured): mma.sync-sized tiles that fit 100 KB of shared memory.
 _DEFAULT = KernelConfigs(
     gate_up_fwd=TileConfig(128, 64, 32, num_warps=8, num_stages=3),
@@ -168,8 +162,6 @@ def tma_kernel_configs(
     if hidden <= _GATHER_X_MAX_H:
         gathering = dataclasses.replace(table.gate_up_fwd, gather=True, num_stages=4)
         table = dataclasses.replace(table, gate_up_fwd=gathering)
-    if hidden <= _DW_GATHER_X_MAX_H:
-        table = dataclasses.replace(table, dw_gate_up=dataclasses.replace(table.dw_gate_up, gather=True))
     return table
 
 

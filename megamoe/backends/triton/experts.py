@@ -13,17 +13,18 @@ Backward: gather d_out_rows = d_out[row_src // k] (unweighted) -> down_dgrad_rou
           from gate_up; the router-weight gradient's partial sums) -> dw_down (d_out_rows^T h_w) ->
           d_topk_weights (the partial sums, in order) -> gate_up_dgrad (d_x_rows) -> combine without
           weights (d_x = sum_j d_x_rows[dest_row[t, j]], + shared) -> gather x_rows again -> dw_gate_up
-          (d_gate_up^T x_rows; where the tile table says so, configs._DW_GATHER_X_MAX_H, the kernel gathers
-          the x rows in its loads instead). The weight-grad kernels own one output tile per program and loop
-          over its expert's rows.
+          (d_gate_up^T x_rows; with MoEConfig.recompute on the Gluon kernel, x gathered in its loads
+          instead). The weight-grad kernels own one output tile per program and loop over its expert's rows.
 The shared expert is a dense MLP on cuBLAS through torch: backends/swiglu.py's, the one every backend runs.
 
 saved = (gate_up [R, 2I], shared pre [T, 2I_s], shared h [T, I_s]): 4I bytes per routed row in bf16, all the
 backward needs besides x and the schedule: h is recomputed from gate_up in down_dgrad's epilogue
 (gate_up_fwd computes it from the rounded gate_up, so the bits match) and the router-weight gradient
 <d_out[t], y_rows[r]> is computed as <d_out[t] @ w_down[e], h[r]> there, so y_rows is not kept either.
-With MoEConfig.recompute gate_up is empty [0, 2I] and the backward reruns gate_up_fwd on x_rows (same
-kernel, same bits). Without a shared expert the shared entries are absent. Entries are always tensors so the
+With MoEConfig.recompute (memory first) gate_up is empty [0, 2I] and the backward reruns gate_up_fwd on
+x_rows (same kernel, same bits); where dw_gate_up runs the Gluon kernel (Hopper) it also gathers x in its
+loads, so the backward's peak (inside dw_gate_up) holds no x_rows: a quarter less at qwen3-30b-a3b, for
+1.5-5% more time than the gather pass (docs/perf-notes.md, "GEMM core v3"). Without a shared expert the shared entries are absent. Entries are always tensors so the
 tuple can cross torch.library custom ops. gate_up's memory is released once down_dgrad_router has read it
 (autograd would hold it to the end of the backward; a second backward through the same forward recomputes
 it), so the backward's order keeps at most three [R, *] tensors live (gate_up, d_out_rows, d_gate_up and
@@ -195,8 +196,10 @@ def experts_bwd(
 ) -> tuple[torch.Tensor | None, ...]:
     """(d_x, d_topk_weights [T, k] in topk_weights' dtype, d_w_gate_up, d_w_down, d_shared_gate_up or None,
     d_shared_down or None); needs_grad: one bool per gradient in that order; None (and its kernels skipped)
-    for each one not needed. The order of the steps is the module docstring's (it decides the peak memory)."""
+    for each one not needed. The order of the steps is the module docstring's (it decides the peak memory).
+    config: its recompute field is read (None: the defaults)."""
     _check_group(group, schedule, w_gate_up)
+    config = DEFAULT_CONFIG if config is None else config
     if schedule.num_rows == 0:  # T = 0: no token contributes, nothing to launch
         return empty_batch_grads(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, needs_grad)
     need_x, need_weights, need_w_gate_up, need_w_down, need_shared_gate_up, need_shared_down = needs_grad
@@ -231,8 +234,8 @@ def experts_bwd(
             d_x_rows = kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad)
             d_x = kernels.combine(d_x_rows, None, schedule.dest_row, d_x_shared, config=cfg.combine)
             del d_x_rows
-        if need_w_gate_up:  # x gathered in the kernel's loads where the tile says so, else x_rows gathered again
-            if cfg.dw_gate_up.gather:
+        if need_w_gate_up:  # x gathered in the kernel's loads (recompute: memory first), else x_rows gathered again
+            if config.recompute and cfg.dw_gate_up.gluon:
                 x_rows, gather = x, (schedule.row_src, schedule.top_k)
             else:
                 x_rows, gather = _x_rows(x, schedule), None  # into d_x_rows' freed memory
