@@ -66,7 +66,7 @@ def test_placement_kernels_compile(arch):
         "BLOCK_W": "constexpr", "BLOCK_L": "constexpr", "BLOCKS": "constexpr",
     }
     place = {
-        "sorted_ptr": "*i64", "perm_ptr": "*i64", "bounds_ptr": "*i64", "starts_ptr": "*i64",
+        "sorted_ptr": "*i16", "perm_ptr": "*i64", "bounds_ptr": "*i64", "starts_ptr": "*i64",
         "dest_row_ptr": "*i32", "row_src_ptr": "*i32", "overflow_ptr": "*i32", "num_pairs": "i32",
         "num_local": "i32", "rank": "i32", "num_rows": "i32", "BLOCK": "constexpr",
     }

@@ -88,7 +88,6 @@ NUM_CONSUMERS = 2  # consumer warpgroups per CTA
 WGMMA_M = 64  # rows of one wgmma instruction (a warpgroup's row granule)
 GATHER_WARPS = 4  # the gathering producer: one warpgroup of cp.async threads
 _GATHER_WARPS = gl.constexpr(GATHER_WARPS)  # the same, as the kernels see it
-GATHER_NONE, GATHER_A, GATHER_B = 0, 1, 2  # which operand the producer gathers (the GATHER constexpr)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -144,29 +143,19 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_off
 @gluon.jit
 def _producer_gather(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_offsets_ptr, num_experts,
                      src_ptr, row_src_ptr, top_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     GROUP_M: gl.constexpr, GATHER: gl.constexpr):
-    """One warpgroup: per (tile, row step) of this CTA, in order, the other operand's tile by TMA (one thread)
-    and the gathered operand's [BLOCK_K, C] tile by cp.async (every thread, 16-byte copies): row r of it is
-    src[row_src[r] // top_k], zeros where row_src[r] is -1 (padding) and past column C."""
+                     GROUP_M: gl.constexpr):
+    """One warpgroup: per (tile, row step) of this CTA, in order, the a tile by TMA (one thread) and the
+    gathered b tile [BLOCK_K, BLOCK_N] by cp.async (every thread, 16-byte copies): row r of it is
+    src[row_src[r] // top_k], zeros where row_src[r] is -1 (padding) and past column N."""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[0]
     STAGES: gl.constexpr = a_bufs.shape[0]
-    if GATHER == 1:
-        g_bufs = a_bufs
-        t_desc = b_desc
-        t_bufs = b_bufs
-        C = a_desc.shape[1]
-    else:
-        g_bufs = b_bufs
-        t_desc = a_desc
-        t_bufs = a_bufs
-        C = b_desc.shape[1]
-    WIDTH: gl.constexpr = g_bufs.shape[2]
+    C = b_desc.shape[1]
     VEC: gl.constexpr = 128 // a_desc.dtype.primitive_bitwidth  # elements per 16-byte copy
     COL_THREADS: gl.constexpr = 8  # 8 threads x 16 bytes: one 128-byte line of a row per copy instruction
     copy_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, VEC], threads_per_warp=[32 // COL_THREADS, COL_THREADS],
                                                  warps_per_cta=[_GATHER_WARPS, 1], order=[1, 0])
     step_rows = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, copy_layout))
-    tile_cols = gl.expand_dims(gl.arange(0, WIDTH, layout=gl.SliceLayout(0, copy_layout)), 0)
+    tile_cols = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, copy_layout)), 0)
     # C is a multiple of VEC (the launcher's TMA check: 16-byte row strides); written as one, the compiler sees
     # that every copy is 16-byte aligned and the column tail masks whole copies.
     C = C // VEC * VEC
@@ -187,12 +176,7 @@ def _producer_gather(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, exp
         next_expert, _, _ = _tile_of(gl.minimum(next_tile, num_tiles - 1), num_m, num_n, GROUP_M)
         next_start, next_steps = _expert_rows(expert_offsets_ptr, next_expert, BLOCK_K)
         next_ok = (next_tile < num_tiles) & (next_steps > 0)
-        if GATHER == 1:
-            t_col = pid_n * BLOCK_N
-            cols = pid_m * BLOCK_M + tile_cols
-        else:
-            t_col = pid_m * BLOCK_M
-            cols = pid_n * BLOCK_N + tile_cols
+        cols = pid_n * BLOCK_N + tile_cols
         col_ok = cols < C
         if (src_row != start) & (k_steps > 0):
             src = gl.load(row_src_ptr + start + step_rows)
@@ -207,9 +191,9 @@ def _producer_gather(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, exp
             s = p % STAGES
             mbarrier.wait(empty_bars.index(s), ((p // STAGES) & 1) ^ 1)
             bar = ready_bars.index(s)
-            mbarrier.expect(bar, t_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(t_desc, [row, t_col], bar, t_bufs.index(s))
-            async_copy.async_copy_global_to_shared(g_bufs.index(s), row_ptrs + cols, mask=has_src & col_ok)
+            mbarrier.expect(bar, a_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [row, pid_m * BLOCK_M], bar, a_bufs.index(s))
+            async_copy.async_copy_global_to_shared(b_bufs.index(s), row_ptrs + cols, mask=has_src & col_ok)
             # This thread's copies (all it issued so far) complete -> one arrive; .noinc: the barrier's count
             # includes these _GATHER_WARPS * 32 arrivals.
             async_copy.mbarrier_arrive(bar, increment_count=False)
@@ -260,7 +244,7 @@ def _consumer(dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_sme
         for ki in range(k_steps):
             s = c % STAGES
             mbarrier.wait(ready_bars.index(s), (c // STAGES) & 1)
-            if GATHER != 0:
+            if GATHER:
                 # The gathered tile was written by cp.async (generic proxy); wgmma reads through the async proxy.
                 fence_async_shared()
             a = a_bufs.index(s)  # [BLOCK_K, BLOCK_M], M contiguous
@@ -290,10 +274,10 @@ def dw_ws_kernel(a_desc, b_desc, dw_desc, expert_offsets_ptr, num_experts, src_p
                  PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """dw[e] = a[rows of e]^T b[rows of e] for every expert e < num_experts, one tile per output element.
     a_desc: [R, M] block [BLOCK_K, BLOCK_M]; b_desc: [R, N] block [BLOCK_K, BLOCK_N]; dw_desc: [E, M, N]
-    block [1, BLOCK_M (pingpong) or BLOCK_M / 2 (coop), BLOCK_N]. GATHER (GATHER_A / GATHER_B): that operand
-    is gathered, row r = src[row_src[r] // top_k] (src_ptr: [T, M] or [T, N]; its descriptor gives the tile
-    shape and the shared layout only); GATHER_NONE: src_ptr, row_src_ptr, top_k unread. Launch with
-    num_warps=4 (the default partition is consumer 0)."""
+    block [1, BLOCK_M (pingpong) or BLOCK_M / 2 (coop), BLOCK_N]. GATHER: b is gathered, row r =
+    src[row_src[r] // top_k] (src_ptr: the tokens [T, N], which b_desc describes for the tile shape and the
+    shared layout only); else src_ptr, row_src_ptr, top_k are unread. Launch with num_warps=4 (the default
+    partition is consumer 0)."""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
@@ -308,7 +292,7 @@ def dw_ws_kernel(a_desc, b_desc, dw_desc, expert_offsets_ptr, num_experts, src_p
     order_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         # ready: the producer's expect (the TMA bytes complete it), plus every gathering thread's cp.async arrive
-        mbarrier.init(ready_bars.index(i), count=1 + (GATHER != 0) * _GATHER_WARPS * 32)
+        mbarrier.init(ready_bars.index(i), count=1 + GATHER * _GATHER_WARPS * 32)
         mbarrier.init(empty_bars.index(i), count=1 if PINGPONG else 2)  # one arrive per reader
     if PINGPONG:
         for i in gl.static_range(2):
@@ -317,14 +301,14 @@ def dw_ws_kernel(a_desc, b_desc, dw_desc, expert_offsets_ptr, num_experts, src_p
     M = a_desc.shape[1]
     N = b_desc.shape[1]
     # (Gluon takes the partitions as a literal list: a partition cannot be held in a variable.)
-    if GATHER != 0:
+    if GATHER:
         gl.warp_specialize([
             (_consumer, (dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_bufs.index(0),
                          expert_offsets_ptr, num_experts, M, N, 0, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M, GATHER)),
             (_consumer, (dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_bufs.index(1),
                          expert_offsets_ptr, num_experts, M, N, 1, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M, GATHER)),
             (_producer_gather, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_offsets_ptr,
-                                num_experts, src_ptr, row_src_ptr, top_k, BLOCK_M, BLOCK_N, GROUP_M, GATHER)),
+                                num_experts, src_ptr, row_src_ptr, top_k, BLOCK_M, BLOCK_N, GROUP_M)),
         ], [4, _GATHER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -380,9 +364,9 @@ CONFIGS = {
 DEFAULT_CONFIG = "coop"
 
 
-def constexprs(cfg: GluonDwTile, gather: int = GATHER_NONE) -> dict:
+def constexprs(cfg: GluonDwTile, gather: bool = False) -> dict:
     """The kernel's constexpr arguments for a tile (the launcher and tests/test_gluon_dw_compile.py share them);
-    gather: GATHER_NONE, GATHER_A or GATHER_B."""
+    gather: b gathered in the loads."""
     return dict(GROUP_M=cfg.group_m, STAGES=cfg.stages, PINGPONG=cfg.pingpong, GATHER=gather,
                 PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
 
@@ -396,30 +380,26 @@ def descriptors(a_RM: torch.Tensor, b_RN: torch.Tensor, dw_EMN: torch.Tensor, cf
 
 def dw_gluon(a_RM: torch.Tensor, b_RN: torch.Tensor, expert_offsets: torch.Tensor, num_experts: int,
              cfg: GluonDwTile = CONFIGS[DEFAULT_CONFIG], out: torch.Tensor | None = None, return_kernel: bool = False,
-             gather_a: tuple[torch.Tensor, int] | None = None, gather_b: tuple[torch.Tensor, int] | None = None):
+             gather_b: tuple[torch.Tensor, int] | None = None):
     """dw [E_l, M, N] = a^T b per expert, in a's dtype (weight_grad._launch's contract: a [R, M], b [R, N]
     contiguous, zero on padding rows; expert_offsets int32 [E_l + 1] on the device, segments multiples of
-    cfg.block_k). gather_a / gather_b = (row_src int32 [R], top_k), at most one: that operand is the tokens
-    [T, M] / [T, N] instead, its row r read as row row_src[r] // top_k (zeros where row_src[r] is -1) inside
-    the kernel's loads. out, if given, is written in full (an empty expert's slice with zeros). No host sync."""
+    cfg.block_k). gather_b = (row_src int32 [R], top_k): b is the tokens [T, N] instead, its row r read as
+    row row_src[r] // top_k (zeros where row_src[r] is -1) inside the kernel's loads. out, if given, is
+    written in full (an empty expert's slice with zeros). No host sync."""
     check(a_RM.dtype in (torch.bfloat16, torch.float16), f"bf16/fp16 operands, got {a_RM.dtype}")
-    check(gather_a is None or gather_b is None, "gather one operand at most")
-    gather, mode = (gather_a, GATHER_A) if gather_a is not None else (gather_b, GATHER_B if gather_b else GATHER_NONE)
-    if gather is None:
+    if gather_b is None:
         check_row_operands(a_RM, b_RN, ("a", "b"))
-        rows, row_src, top_k = a_RM.shape[0], expert_offsets, 1  # row_src, top_k unread
+        row_src, top_k = expert_offsets, 1  # unread
     else:
-        row_src, top_k = gather
+        row_src, top_k = gather_b
         check(row_src.dtype == torch.int32 and row_src.dim() == 1 and row_src.is_contiguous(), "row_src: int32 [R]")
         check(top_k >= 1, f"top_k must be >= 1, got {top_k}")
-        rows = row_src.numel()
-        rows_operand = b_RN if mode == GATHER_A else a_RM
         for t, name in ((a_RM, "a"), (b_RN, "b")):
             check(t.dim() == 2 and t.is_contiguous(), f"{name} must be a contiguous 2-D tensor, got {tuple(t.shape)}")
-        check(rows_operand.shape[0] == rows, f"the row operand has {rows_operand.shape[0]} rows, row_src {rows}")
+        check(a_RM.shape[0] == row_src.numel(), f"a has {a_RM.shape[0]} rows, row_src {row_src.numel()}")
         check(a_RM.dtype == b_RN.dtype, f"a ({a_RM.dtype}) and b ({b_RN.dtype}) must have one dtype")
     check(num_experts >= 1, f"num_experts must be >= 1, got {num_experts}")
-    check_expert_offsets(expert_offsets, rows, num_experts, cfg.block_k)
+    check_expert_offsets(expert_offsets, a_RM.shape[0], num_experts, cfg.block_k)
     m_dim, n_dim = a_RM.shape[1], b_RN.shape[1]
     if out is None:
         out = torch.empty(num_experts, m_dim, n_dim, dtype=a_RM.dtype, device=a_RM.device)
@@ -427,21 +407,19 @@ def dw_gluon(a_RM: torch.Tensor, b_RN: torch.Tensor, expert_offsets: torch.Tenso
           f"out must be a contiguous {a_RM.dtype} [{num_experts}, {m_dim}, {n_dim}] tensor")
     check(tma_addressable(a_RM, b_RN, out), "TMA needs 16-byte aligned operands and row strides (M, N multiples of 8)")
     max_tiles = num_experts * triton.cdiv(m_dim, cfg.block_m) * triton.cdiv(n_dim, cfg.block_n)
-    src = a_RM if mode == GATHER_A else b_RN  # unread without gather
     kernel = dw_ws_kernel[persistent_grid(a_RM.device, max_tiles)](
-        *descriptors(a_RM, b_RN, out, cfg), expert_offsets, num_experts, src, row_src, top_k,
-        **constexprs(cfg, mode), num_warps=4)
+        *descriptors(a_RM, b_RN, out, cfg), expert_offsets, num_experts, b_RN, row_src, top_k,
+        **constexprs(cfg, gather_b is not None), num_warps=4)
     return (out, kernel) if return_kernel else out
 
 
 def launch_dw(a_RM: torch.Tensor, b_RN: torch.Tensor, dw_EMN: torch.Tensor, expert_offsets: torch.Tensor,
-              config: TileConfig, gather_a: tuple[torch.Tensor, int] | None = None,
-              gather_b: tuple[torch.Tensor, int] | None = None) -> None:
+              config: TileConfig, gather_b: tuple[torch.Tensor, int] | None = None) -> None:
     """weight_grad._launch's Gluon branch: dw_EMN = a^T b per expert, with the tile table's entry (gluon=True);
-    gather_a / gather_b as dw_gluon's."""
+    gather_b as dw_gluon's."""
     tile = GluonDwTile(config.block_m, config.block_n, stages=config.num_stages, pingpong=config.pingpong,
                        block_k=config.block_k, group_m=config.group_m)
-    dw_gluon(a_RM, b_RN, expert_offsets, dw_EMN.shape[0], tile, out=dw_EMN, gather_a=gather_a, gather_b=gather_b)
+    dw_gluon(a_RM, b_RN, expert_offsets, dw_EMN.shape[0], tile, out=dw_EMN, gather_b=gather_b)
 
 
 def dw_down_gluon(d_y_rows_RH: torch.Tensor, h_RI: torch.Tensor, expert_offsets: torch.Tensor, num_experts: int,

@@ -1,8 +1,9 @@
 """The schedule's placement in two kernels (build_schedule's place_routing, fused).
 
-After a stable sort of the flat expert ids (torch) and the expert boundaries in the sorted order
-(searchsorted), `layout` (one program) computes every expert's padded segment start per owner rank,
-this rank's expert_offsets, block_expert and num_blocks, and `place` (one program per BLOCK pairs)
+After a stable sort of the flat expert ids (torch; as 16-bit keys where the expert count allows: two radix
+passes instead of eight) and the expert boundaries in the sorted order (searchsorted), `layout` (one
+program) computes every expert's padded segment start per owner rank, this rank's expert_offsets,
+block_expert and num_blocks, and `place` (one program per BLOCK pairs)
 writes each pair's row: dest_row for every pair, row_src for this rank's rows, and the overflow count.
 Same tensors, bit for bit, as megamoe.schedule.place_routing_torch, in a handful of launches instead of
 ~45 (the launches, not the GPU work, were the schedule's cost: ~0.7 ms of host time per forward).
@@ -80,8 +81,10 @@ def place_routing(
     """megamoe.schedule.place_routing_torch's result from two kernels (CUDA, or the Triton interpreter)."""
     device, num_pairs = flat_ids.device, flat_ids.numel()
     num_local = num_experts // world_size
-    sorted_ids, perm = torch.sort(flat_ids, stable=True)
-    bounds = torch.searchsorted(sorted_ids, torch.arange(num_experts + 1, device=device, dtype=torch.int64))
+    # Expert ids < 2^15 - 1 sort as int16 keys: the radix sort's passes follow the key's width, the order is the same.
+    key_dtype = torch.int16 if num_experts < torch.iinfo(torch.int16).max else flat_ids.dtype
+    sorted_ids, perm = torch.sort(flat_ids.to(key_dtype), stable=True)
+    bounds = torch.searchsorted(sorted_ids, torch.arange(num_experts + 1, device=device, dtype=key_dtype))
     starts = torch.empty(num_experts, dtype=torch.int64, device=device)
     counts = torch.empty(num_experts, dtype=torch.int32, device=device)
     offsets = torch.empty(num_local + 1, dtype=torch.int32, device=device)
