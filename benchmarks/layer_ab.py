@@ -7,28 +7,24 @@ Variants (each a change to the tile choice that every run reads through the publ
   default   the tile table as it ships
   pointer   the pointer-load core (configs.tma_kernel_configs answers None, so experts.one_gpu_configs picks it)
   rows      gate_up_fwd on gathered rows (a gather pass) where the table gathers x inside the kernel's loads
-  dgrad-coop  down_dgrad with both warpgroups on the halves of 128-row tiles (the table before ping-pong)
 """
-import dataclasses, json, statistics, sys, torch, megamoe
+import json, statistics, sys, torch, megamoe
 from megamoe.backends.triton import configs
 from megamoe.backends.triton import experts as te
 from megamoe.bench.problem import make_weights, make_tokens, forward_backward
 from megamoe.bench.workloads import WORKLOADS, layer_flops
 
-SHIPPED = (te.tma_kernel_configs, configs._GATHER_X_MAX_H, configs._SM90_TMA)
-COOP_DGRAD = configs.TileConfig(128, 128, 64, num_warps=4, num_stages=4, tma=True, gluon=True)
+SHIPPED = (te.tma_kernel_configs, configs._GATHER_X_MAX_H)
 
 
 def select(variant: str) -> None:
-    te.tma_kernel_configs, configs._GATHER_X_MAX_H, configs._SM90_TMA = SHIPPED
+    te.tma_kernel_configs, configs._GATHER_X_MAX_H = SHIPPED
     if variant == "pointer":
         te.tma_kernel_configs = lambda *a: None
     elif variant == "rows":
         configs._GATHER_X_MAX_H = 0
-    elif variant == "dgrad-coop":
-        configs._SM90_TMA = dataclasses.replace(configs._SM90_TMA, down_dgrad=COOP_DGRAD)
     elif variant != "default":
-        raise ValueError(f"unknown variant {variant!r}: default, pointer, rows or dgrad-coop")
+        raise ValueError(f"unknown variant {variant!r}: default, pointer or rows")
 
 
 out = []

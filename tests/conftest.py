@@ -329,12 +329,9 @@ def interpreter_suite(test_file: str):
 def triton_tile(cfg):
     """The Triton TMA kernel's version of a tile-table entry that runs a Gluon kernel (TileConfig.gluon): the same
     tile and K step, hence the same bits, with the 8 warps the Triton kernels run and at most 3 stages (the
-    two-accumulator gate_up_fwd tile fits no more in shared memory). A ping-pong entry's block_m is one
-    warpgroup's tile (64 rows); the Triton kernel's tile is both warpgroups' (2 x block_m)."""
+    two-accumulator gate_up_fwd tile fits no more in shared memory)."""
     import dataclasses
 
     if not cfg.gluon:
         return cfg
-    block_m = 2 * cfg.block_m if cfg.pingpong else cfg.block_m
-    return dataclasses.replace(cfg, block_m=block_m, gluon=False, pingpong=False, num_warps=8,
-                               num_stages=min(cfg.num_stages, 3))
+    return dataclasses.replace(cfg, gluon=False, pingpong=False, num_warps=8, num_stages=min(cfg.num_stages, 3))

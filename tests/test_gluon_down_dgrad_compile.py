@@ -60,10 +60,6 @@ from compile_checks import (  # noqa: E402
 # A qwen3-30b-a3b-like problem: the descriptors' block shapes and layouts are what matters, not the sizes.
 R, H, I, E = 2048, 2048, 768, 4
 VARIANTS = {"router-h_w": (True, True), "router": (True, False), "plain": (False, False)}
-# The kernel configs: "cooperative" (both warpgroups on the halves of every 128-row tile, DEFAULT_CONFIG) and
-# the tile table's ping-pong (each warpgroup on alternate 64-row tiles).
-CONFIGS = {"coop": G.DEFAULT_CONFIG, "pingpong": G.config_of(_SM90_TMA.down_dgrad)}
-REPORTS = [f"{c}-{v}" for c in CONFIGS for v in VARIANTS]
 _POINTERS = {"weights_ptr": "*fp32", "d_w_part_ptr": "*fp32"}  # every other pointer: int32
 
 
@@ -102,16 +98,13 @@ _CACHE: dict = {}
 
 
 def _report(name: str) -> dict:
-    """Compile once per config and variant ("coop-router-h_w", ...); what the assertions (and the printed
-    summary) look at."""
+    """Compile once per variant; what the assertions (and the printed summary) look at."""
     if name not in _CACHE:
-        config, variant = name.split("-", 1)
-        cfg = CONFIGS[config]
-        router, store_h_w = VARIANTS[variant]
-        r = warp_specialized_report(_compile_gluon(router, store_h_w, cfg))
+        router, store_h_w = VARIANTS[name]
+        r = warp_specialized_report(_compile_gluon(router, store_h_w))
         ptx, sass = r["ptx"], r["sass"]
         _CACHE[name] = dict(
-            r, cfg=cfg, router=router, store_h_w=store_h_w,
+            r, router=router, store_h_w=store_h_w,
             wgmma=count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16", ptx),
             tma_store_2d=count(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta\.bulk_group", ptx),
             tma_store_3d=count(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta\.bulk_group", ptx),
@@ -123,10 +116,10 @@ def _report(name: str) -> dict:
     return _CACHE[name]
 
 
-@pytest.mark.parametrize("name", REPORTS)
+@pytest.mark.parametrize("name", list(VARIANTS))
 def test_gluon_down_dgrad_sm90a(name):
     r = _report(name)
-    cfg, meta, px = r["cfg"], r["compiled"].metadata, r["ptxas"]
+    cfg, meta, px = G.DEFAULT_CONFIG, r["compiled"].metadata, r["ptxas"]
     h_w = r["router"] and r["store_h_w"]
     print(f"\ngluon down_dgrad {name} (stages {cfg.ring_stages(h_w)}): {meta.num_warps} warps, {px['registers']} "
           f"registers/thread (kernel max), setmaxnreg {r['setmaxnreg']}, shared {meta.shared} B, spills "
@@ -136,10 +129,9 @@ def test_gluon_down_dgrad_sm90a(name):
           f"stmatrix {r['stmatrix']}, mbarrier init {r['mbar_init']} / try_wait {r['mbar_wait']} / expect_tx "
           f"{r['mbar_expect']} / arrive {r['mbar_arrive']}; SASS: {r['hgmma']} HGMMA, UTMALDG {r['utmaldg']}, "
           f"UTMASTG {r['utmastg']}, local {r['local']}")
-    # wgmma: a K step is 4 x m64n128k16 per consumer (BLOCK_K 64 / 16), each in its own partition, in the code
-    # twice (K step 0 before the loop).
-    assert r["wgmma"] == r["wgmma_any"] == 2 * 2 * 4, f"{name}: wgmma {r['wgmma']}/{r['wgmma_any']}"
-    assert r["hgmma"] == 2 * 2 * 4, f"{name}: {r['hgmma']} HGMMA in the SASS"
+    # wgmma: a K step is 4 x m64n128k16 per consumer (BLOCK_K 64 / 16), each in its own partition.
+    assert r["wgmma"] == r["wgmma_any"] == 2 * 4, f"{name}: wgmma {r['wgmma']}/{r['wgmma_any']}"
+    assert r["hgmma"] == 2 * 4, f"{name}: {r['hgmma']} HGMMA in the SASS"
     assert 1 in r["wait_groups"], f"{name}: wgmma not kept in flight across K steps ({r['wait_groups']})"
     # TMA: d_y (2-D), the weight tile (3-D, two 64-column messages) and four gate_up boxes (3-D) in; d_gate_up
     # (3-D) and h_w (2-D) out, from both consumers and both column halves.
@@ -151,11 +143,9 @@ def test_gluon_down_dgrad_sm90a(name):
     assert r["utmaldg"] >= 3 and r["utmastg"] >= 2 * 2 * 2
     # The epilogue reads g, u from shared memory and writes its outputs there (no global loads of gate_up).
     assert r["ldmatrix"] > 0 and r["stmatrix"] > 0, f"{name}: ldmatrix {r['ldmatrix']}, stmatrix {r['stmatrix']}"
-    # mbarriers: ready + empty per stage, gu_ready + gu_empty per gate_up set (one per warpgroup with
-    # ping-pong, + the two order barriers), and with ROUTER wt_ready + wt_empty (x 2).
-    stages, sets = cfg.ring_stages(h_w), 2 if cfg.pingpong else 1
-    assert r["mbar_init"] == 2 * stages + 2 * sets + (2 if cfg.pingpong else 0) + (4 if r["router"] else 0), (
-        f"{name}: {r['mbar_init']} mbarrier.init")
+    # mbarriers: ready + empty per stage, gu_ready, gu_empty, and with ROUTER wt_ready + wt_empty (x 2).
+    stages = cfg.ring_stages(h_w)
+    assert r["mbar_init"] == 2 * stages + 2 + (4 if r["router"] else 0), f"{name}: {r['mbar_init']} mbarrier.init"
     assert r["mbar_expect"] >= 2, f"{name}: expect_tx for the ring and for the gate_up boxes"
     assert r["mbar_wait"] >= (9 if r["router"] else 6) and r["mbar_arrive"] >= 6
     # Warp specialization and its register split.
@@ -191,7 +181,7 @@ def test_epilogue_matches_the_triton_kernel():
     in-thread adds and lane shuffles; the warp bases only place rows), and LLVM fuses the same multiply-adds.
     """
     triton_compiled = _compile_triton_kernel()
-    ours = _report("coop-router-h_w")
+    ours = _report("router-h_w")
     theirs = _reduce_operand_layouts(triton_compiled.asm["ttgir"])
     mine = _reduce_operand_layouts(ours["compiled"].asm["ttgir"])
     print(f"\nTriton kernel's reduce layouts {theirs}\nGluon kernel's {mine}")
@@ -257,25 +247,16 @@ class _Cell:
 
 
 class _Model:
-    """pingpong: each warpgroup takes alternate tiles (the CTA's tile j -> warpgroup j % 2), with a gate_up
-    buffer set each and the order barriers; else both take every tile, a row half each."""
-
-    def __init__(self, tiles: int, k_steps: int, stages: int, router: bool, prefetch: int, release: int, seed: int,
-                 pingpong: bool = False):
+    def __init__(self, tiles: int, k_steps: int, stages: int, router: bool, prefetch: int, release: int, seed: int):
         self.tiles, self.k_steps, self.stages, self.router = tiles, k_steps, stages, router
         self.prefetch_step, self.release_step = min(k_steps - 1, prefetch), min(k_steps - 1, release)
-        self.pingpong, self.sets = pingpong, 2 if pingpong else 1
-        readers = 1 if pingpong else 2
         self.rng = random.Random(seed)
         self.ready = [_MBarrier(1) for _ in range(stages)]
-        self.empty = [_MBarrier(readers) for _ in range(stages)]
-        self.gu_ready = [_MBarrier(1) for _ in range(self.sets)]
-        self.gu_empty = [_MBarrier(readers) for _ in range(self.sets)]
-        self.order = [_MBarrier(1) for _ in range(2)]
-        self.wt_ready, self.wt_empty = [_MBarrier(1) for _ in range(2)], [_MBarrier(readers) for _ in range(2)]
+        self.empty = [_MBarrier(2) for _ in range(stages)]
+        self.gu_ready, self.gu_empty = _MBarrier(1), _MBarrier(2)
+        self.wt_ready, self.wt_empty = [_MBarrier(1) for _ in range(2)], [_MBarrier(2) for _ in range(2)]
         self.slots = [_Cell() for _ in range(stages)]
-        # gate_up buffer i of a set (pingpong) or of a warpgroup's rows of the one set
-        self.gu = {(i, part): _Cell() for i in range(4) for part in range(2)}
+        self.gu = {(i, wg): _Cell() for i in range(4) for wg in range(2)}  # gate_up buffer i, warpgroup rows
         self.hw = {(wg, half): _Cell() for wg in range(2) for half in range(2)}
         self.wt = [_Cell() for _ in range(2)]
         self.events: list = []  # async completions: TMA copies landing, TMA stores reading shared memory
@@ -310,12 +291,10 @@ class _Model:
                 self._tma_load([self.slots[s]], (j, ki), self.ready[s])
                 p += 1
                 if ki == self.prefetch_step:
-                    gs = j % self.sets
-                    yield ("bar", self.gu_empty[gs], ((j // self.sets) & 1) ^ 1)
-                    self.gu_ready[gs].expect(4)
+                    yield ("bar", self.gu_empty, (j & 1) ^ 1)
+                    self.gu_ready.expect(4)
                     for i in range(4):
-                        cells = [self.gu[(i, gs)]] if self.pingpong else [self.gu[(i, 0)], self.gu[(i, 1)]]
-                        self._tma_load(cells, ("gate_up", j), self.gu_ready[gs])
+                        self._tma_load([self.gu[(i, 0)], self.gu[(i, 1)]], ("gate_up", j), self.gu_ready)
 
     def loader(self):
         for j in range(self.tiles):
@@ -325,10 +304,8 @@ class _Model:
             self.wt_ready[b].arrive()
 
     def consumer(self, wg: int):
-        for j in (range(wg, self.tiles, 2) if self.pingpong else range(self.tiles)):
-            c = j * self.k_steps
-            if self.pingpong:
-                yield ("bar", self.order[wg], ((j // 2) & 1) ^ (1 - wg))
+        c = 0
+        for j in range(self.tiles):
             in_flight = None  # the wgmma not retired yet: (slot cell, tag)
             for ki in range(self.k_steps):
                 s = c % self.stages
@@ -343,11 +320,9 @@ class _Model:
                     self.empty[(c + self.stages - 1) % self.stages].arrive()
                 if ki == self.release_step:
                     yield ("stores", wg)
-                    if j >= self.sets:
-                        self.gu_empty[j % self.sets].arrive()
+                    if j > 0:
+                        self.gu_empty.arrive()
                 c += 1
-            if self.pingpong:
-                self.order[1 - wg].arrive()
             in_flight[0].readers -= 1  # warpgroup_mma_wait(0)
             assert in_flight[0].tag == in_flight[1]
             self.empty[(c + self.stages - 1) % self.stages].arrive()
@@ -356,10 +331,9 @@ class _Model:
                 yield ("bar", self.wt_ready[b], (j // 2) & 1)
                 assert self.wt[b].tag == ("weights", j), f"tile {j} read the weights of {self.wt[b].tag}"
                 self.wt_empty[b].arrive()
-            yield ("bar", self.gu_ready[j % self.sets], (j // self.sets) & 1)
-            part = j % self.sets if self.pingpong else wg
+            yield ("bar", self.gu_ready, j & 1)
             for half in range(2):
-                g, u = self.gu[(2 * half, part)], self.gu[(2 * half + 1, part)]
+                g, u = self.gu[(2 * half, wg)], self.gu[(2 * half + 1, wg)]
                 assert g.tag == u.tag == ("gate_up", j), f"tile {j} read gate_up {g.tag} / {u.tag}"
                 cells = [(g, ("d_gate_up", j)), (u, ("d_gate_up", j))]
                 if self.router:
@@ -397,10 +371,9 @@ class _Model:
             self.events.pop()()
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("router", [True, False])
-def test_barrier_protocol_model(router, config):
-    cfg = CONFIGS[config]
+def test_barrier_protocol_model(router):
+    cfg = G.DEFAULT_CONFIG
     steps = [(cfg.gu_prefetch_step, cfg.gu_release_step), (0, 0), (1, 0), (3, 3)]
     runs = 0
     for tiles in (0, 1, 2, 3, 6):
@@ -408,20 +381,16 @@ def test_barrier_protocol_model(router, config):
             for stages in (2, 3, cfg.ring_stages(router)):
                 for prefetch, release in steps:
                     for seed in range(4):
-                        _Model(tiles, k_steps, stages, router, prefetch, release, seed, cfg.pingpong).run()
+                        _Model(tiles, k_steps, stages, router, prefetch, release, seed).run()
                         runs += 1
     print(f"\n{runs} random interleavings of the partitions: no deadlock, no stale or overwritten buffer")
 
 
 def test_config_fits_and_matches_the_triton_tile():
-    """Both configs' tiles make the Triton kernel's tile (conftest.triton_tile of the table's entry: d_w_part's
-    column blocks and the bitwise match depend on it): 128 rows, both warpgroups' halves or two ping-pong
-    tiles, the same columns and K step."""
-    table = triton_tile(_SM90_TMA.down_dgrad)
-    for name, cfg in CONFIGS.items():
-        rows = 2 * cfg.block_m if cfg.pingpong else cfg.block_m
-        assert (rows, cfg.block_n, cfg.block_k) == (table.block_m, table.block_n, table.block_k), name
-        assert cfg.store_m == 64, name  # a warpgroup's rows: HALF_LAYOUT
-        assert cfg.gu_release_step <= cfg.gu_prefetch_step
-        for router, store_h_w in VARIANTS.values():
-            assert cfg.smem_bytes(router, store_h_w) + 1024 <= SMEM_LIMIT, dataclasses.asdict(cfg)
+    """The tile is the TMA table's (d_w_part's column blocks and the bitwise match depend on it)."""
+    cfg, table = G.DEFAULT_CONFIG, _SM90_TMA.down_dgrad
+    assert (cfg.block_m, cfg.block_n, cfg.block_k) == (table.block_m, table.block_n, table.block_k)
+    assert cfg.group_m == table.group_m  # the same tile order (L2 reuse), not needed for the bits
+    assert cfg.gu_release_step <= cfg.gu_prefetch_step
+    for router, store_h_w in VARIANTS.values():
+        assert cfg.smem_bytes(router, store_h_w) + 1024 <= SMEM_LIMIT, dataclasses.asdict(cfg)

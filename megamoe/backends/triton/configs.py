@@ -101,7 +101,7 @@ _SM90_TMA = KernelConfigs(
     # epilogue reads shared memory only: qwen3-30b-a3b 1.007 ms against 1.290 (the flattened Triton kernel),
     # qwen3-235b-a22b 3.394 against 4.010, bitwise equal (benchmarks/gluon_down_dgrad_bench.py,
     # h200-gluon-down-dgrad-v1.json).
-    down_dgrad=TileConfig(64, 128, 64, num_warps=4, num_stages=5, tma=True, gluon=True, pingpong=True),
+    down_dgrad=TileConfig(128, 128, 64, num_warps=4, num_stages=4, tma=True, gluon=True),
     gate_up_dgrad=TileConfig(128, 256, 64, num_warps=4, num_stages=3, tma=True, gluon=True),
     # The Gluon weight-grad kernel (kernels/gluon_dw.py), the same 128 x 256 x 64 tile, bitwise equal:
     # qwen3-30b-a3b dw_down 0.669 ms against 0.689, dw_gate_up 1.342 against 1.385; qwen3-235b-a22b 2.641

@@ -101,8 +101,7 @@ def _producer(d_y_desc, w_desc, gu_desc, a_bufs, b_bufs, gu_bufs, ready_bars, em
               block_expert_ptr, block_range_ptr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr,
               GU_PREFETCH_STEP: gl.constexpr):
     """One warp: TMA copies of every (tile, K step) of this CTA into the slot ring, in order, and of each
-    tile's gate_up inputs after its K step GU_PREFETCH_STEP (into buffer set j % GU_SETS for the CTA's j-th
-    tile: one set, or one per warpgroup with PINGPONG)."""
+    tile's gate_up inputs after its K step GU_PREFETCH_STEP."""
     BLOCK_M: gl.constexpr = d_y_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = d_y_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[2]
@@ -110,7 +109,6 @@ def _producer(d_y_desc, w_desc, gu_desc, a_bufs, b_bufs, gu_bufs, ready_bars, em
     STAGES: gl.constexpr = a_bufs.shape[0]
     STEP_BYTES: gl.constexpr = d_y_desc.block_type.nbytes + w_desc.block_type.nbytes
     GU_BYTES: gl.constexpr = GU_BUFFERS * gu_desc.block_type.nbytes
-    GU_SETS: gl.constexpr = gu_ready.shape[0]
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
     num_n = gl.cdiv(w_desc.shape[2], BLOCK_N)
@@ -133,13 +131,12 @@ def _producer(d_y_desc, w_desc, gu_desc, a_bufs, b_bufs, gu_bufs, ready_bars, em
             tma.async_copy_global_to_shared(w_desc, [expert, ki * BLOCK_K, col], bar, b_bufs.index(s))
             p += 1
             if ki == prefetch_step:
-                # The consumer frees the set's gate_up buffers of tile j - GU_SETS in this tile's K step <= this one.
-                gs = j % GU_SETS
-                mbarrier.wait(gu_empty.index(gs), ((j // GU_SETS) & 1) ^ 1)
-                mbarrier.expect(gu_ready.index(gs), GU_BYTES)
+                # The consumers free the gate_up buffers of tile j - 1 in this tile's K step <= this one.
+                mbarrier.wait(gu_empty, (j & 1) ^ 1)
+                mbarrier.expect(gu_ready, GU_BYTES)
                 for i in gl.static_range(GU_BUFFERS):
-                    tma.async_copy_global_to_shared(gu_desc, [row, i % 2, col + (i // 2) * HALF_N], gu_ready.index(gs),
-                                                    gu_bufs.index(GU_BUFFERS * gs + i))
+                    tma.async_copy_global_to_shared(gu_desc, [row, i % 2, col + (i // 2) * HALF_N], gu_ready,
+                                                    gu_bufs.index(i))
         j += 1
 
 
@@ -165,22 +162,19 @@ def _router_weight_loader(row_src_ptr, weights_ptr, wt_bufs, wt_ready, wt_empty,
 
 @gluon.jit
 def _epilogue_half(acc, weight, gu_bufs, hw_bufs, d_gu_desc, h_w_desc, row, col, HALF: gl.constexpr,
-                   WG: gl.constexpr, GU_BASE: gl.constexpr, ROW_IN_TILE: gl.constexpr, ROUTER: gl.constexpr,
-                   STORE_H_W: gl.constexpr):
+                   WG: gl.constexpr, ROUTER: gl.constexpr, STORE_H_W: gl.constexpr):
     """tma_gemm._down_dgrad_half on this warpgroup's rows of column half HALF, from shared memory: g and u
-    from the gate_up buffers (the set at GU_BASE, this warpgroup's rows from ROW_IN_TILE), d_g and d_u written
-    back over them and TMA-stored from there, h_w through its own buffer. Returns the router-weight
-    gradient's partial sum over the half's columns (ROUTER), else 0."""
+    from the gate_up buffers, d_g and d_u written back over them and TMA-stored from there, h_w through its
+    own buffer. Returns the router-weight gradient's partial sum over the half's columns (ROUTER), else 0."""
     WG_M: gl.constexpr = acc.shape[0]
     HALF_N: gl.constexpr = acc.shape[1]
-    TILE_M: gl.constexpr = gu_bufs.shape[1]
     layout: gl.constexpr = acc.type.layout
     # Two views of this warpgroup's rows of a gate_up buffer: [WG_M, 1, HALF_N] (the d_gate_up store's box)
     # and [WG_M, HALF_N] (registers).
-    g_box = gu_bufs.index(GU_BASE + 2 * HALF).slice(ROW_IN_TILE, WG_M)
-    u_box = gu_bufs.index(GU_BASE + 2 * HALF + 1).slice(ROW_IN_TILE, WG_M)
-    g_tile = gu_bufs.index(GU_BASE + 2 * HALF).reshape([TILE_M, HALF_N]).slice(ROW_IN_TILE, WG_M)
-    u_tile = gu_bufs.index(GU_BASE + 2 * HALF + 1).reshape([TILE_M, HALF_N]).slice(ROW_IN_TILE, WG_M)
+    g_box = gu_bufs.index(2 * HALF).slice(WG * WG_M, WG_M)
+    u_box = gu_bufs.index(2 * HALF + 1).slice(WG * WG_M, WG_M)
+    g_tile = gu_bufs.index(2 * HALF).reshape([2 * WG_M, HALF_N]).slice(WG * WG_M, WG_M)
+    u_tile = gu_bufs.index(2 * HALF + 1).reshape([2 * WG_M, HALF_N]).slice(WG * WG_M, WG_M)
     g = g_tile.load(layout)
     u = u_tile.load(layout)
     d_w_part = gl.zeros([WG_M], gl.float32, gl.SliceLayout(1, layout))
@@ -206,44 +200,15 @@ def _epilogue_half(acc, weight, gu_bufs, hw_bufs, d_gu_desc, h_w_desc, row, col,
 
 
 @gluon.jit
-def _k_step(a_bufs, b_bufs, ready_bars, empty_bars, gu_empty, acc, c, ki, j, release_step, ROW_IN_TILE: gl.constexpr):
-    """K step ki of a consumer's tile (slot counter c, the CTA's tile j): async wgmma from the slot, one step
-    kept in flight, the previous step's slot released; at release_step the gate_up buffers of this
-    warpgroup's previous tile (once its TMA stores have read them)."""
-    STAGES: gl.constexpr = a_bufs.shape[0]
-    BLOCK_K: gl.constexpr = a_bufs.shape[2]
-    BLOCK_N: gl.constexpr = acc.shape[1]
-    WG_M: gl.constexpr = acc.shape[0]
-    GU_SETS: gl.constexpr = gu_empty.shape[0]
-    s = c % STAGES
-    mbarrier.wait(ready_bars.index(s), (c // STAGES) & 1)
-    a = a_bufs.index(s).slice(ROW_IN_TILE, WG_M)
-    b = b_bufs.index(s).reshape([BLOCK_K, BLOCK_N])
-    acc = warpgroup_mma(a, b, acc, is_async=True)
-    # The wgmma of step c - 1 has retired: its slot goes back to the producer.
-    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-    mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=ki > 0)
-    if ki == release_step:
-        # This warpgroup's previous tile's TMA stores have read the gate_up and h_w buffers: free them.
-        tma.store_wait(pendings=0)
-        mbarrier.arrive(gu_empty.index(j % GU_SETS), pred=j >= GU_SETS)
-    return acc
-
-
-@gluon.jit
 def _consumer(d_gu_desc, h_w_desc, a_bufs, b_bufs, gu_bufs, hw_bufs, wt_bufs, ready_bars, empty_bars, gu_ready,
-              gu_empty, wt_ready, wt_empty, order_bars, d_w_part_ptr, block_range_ptr, H, I, WG: gl.constexpr,
+              gu_empty, wt_ready, wt_empty, d_w_part_ptr, block_range_ptr, H, I, WG: gl.constexpr,
               SPLIT: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_K: gl.constexpr, ROUTER: gl.constexpr, STORE_H_W: gl.constexpr,
-              GU_RELEASE_STEP: gl.constexpr, PINGPONG: gl.constexpr):
-    """One warpgroup (4 warps): rows [WG * 64, WG * 64 + 64) of every tile ("cooperative"), or with PINGPONG
-    every other tile of the CTA whole (64 rows: its local tiles WG, WG + 2, ...); async wgmma over the ring,
-    then the epilogue on the two column halves (_epilogue_half) and the d_w_part store."""
+              GU_RELEASE_STEP: gl.constexpr):
+    """One warpgroup (4 warps): rows [WG * 64, WG * 64 + 64) of every tile: async wgmma over the ring, then
+    the epilogue on the two column halves (_epilogue_half) and the d_w_part store."""
     STAGES: gl.constexpr = a_bufs.shape[0]
-    WG_M: gl.constexpr = BLOCK_M if PINGPONG else BLOCK_M // NUM_CONSUMERS
-    ROW_IN_TILE: gl.constexpr = 0 if PINGPONG else WG * WG_M
-    GU_SETS: gl.constexpr = gu_ready.shape[0]
-    GU_BASE: gl.constexpr = GU_BUFFERS * WG if PINGPONG else 0
+    WG_M: gl.constexpr = BLOCK_M // NUM_CONSUMERS
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     first_m, end_m = load_range(block_range_ptr, SPLIT)
@@ -251,37 +216,27 @@ def _consumer(d_gu_desc, h_w_desc, a_bufs, b_bufs, gu_bufs, hw_bufs, wt_bufs, re
     num_n = gl.cdiv(I, BLOCK_N)
     k_steps = gl.cdiv(H, BLOCK_K)
     release_step = gl.minimum(k_steps - 1, GU_RELEASE_STEP)
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    if PINGPONG:
-        first = pid + WG * nprog
-        stride = 2 * nprog
-    else:
-        first = pid
-        stride = nprog
-    for tile in range(first, num_m * num_n, stride):
-        j = (tile - pid) // nprog  # the CTA's tile counter, as the producer's
-        c = j * k_steps  # slot counter, as the producer's (every tile has k_steps)
+    c = 0  # slot counter, as the producer's
+    j = 0  # this CTA's tile counter
+    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-        row = (first_m + pid_m) * BLOCK_M + ROW_IN_TILE
+        row = (first_m + pid_m) * BLOCK_M + WG * WG_M
         col = pid_n * BLOCK_N
-        if PINGPONG:
-            # Wait until the other warpgroup has waited for every slot of the tile before this one (warpgroup
-            # 0's first tile: parity 1 on a fresh barrier, no wait), so no ready wait runs more than one
-            # mbarrier phase ahead of the producer.
-            mbarrier.wait(order_bars.index(WG), ((j // 2) & 1) ^ (1 - WG))
-        # K step 0 outside the loop (H >= 1: every tile has it): the accumulator's zeros then reach only a wgmma.
-        # With the zeros also on the path of an empty loop, LLVM may copy them into the accumulator where that
-        # path meets the loop's exit, with a wgmma still in flight, and ptxas answers by serialising every wgmma
-        # (C7515; seen with PINGPONG).
         acc = gl.zeros([WG_M, BLOCK_N], gl.float32, acc_layout)
-        acc = _k_step(a_bufs, b_bufs, ready_bars, empty_bars, gu_empty, acc, c, 0, j, release_step, ROW_IN_TILE)
-        for ki in range(1, k_steps):
-            acc = _k_step(a_bufs, b_bufs, ready_bars, empty_bars, gu_empty, acc, c + ki, ki, j, release_step,
-                          ROW_IN_TILE)
-        c += k_steps
-        if PINGPONG:
-            mbarrier.arrive(order_bars.index(1 - WG))  # the other warpgroup's main loop may start
+        for ki in range(k_steps):
+            s = c % STAGES
+            mbarrier.wait(ready_bars.index(s), (c // STAGES) & 1)
+            a = a_bufs.index(s).slice(WG * WG_M, WG_M)
+            b = b_bufs.index(s).reshape([BLOCK_K, BLOCK_N])
+            acc = warpgroup_mma(a, b, acc, is_async=True)
+            # The wgmma of step c - 1 has retired: its slot goes back to the producer.
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=ki > 0)
+            if ki == release_step:
+                # The previous tile's TMA stores have read the gate_up and h_w buffers: free them.
+                tma.store_wait(pendings=0)
+                mbarrier.arrive(gu_empty, pred=j > 0)
+            c += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES))
         acc0, acc1 = column_halves(acc)
@@ -292,16 +247,17 @@ def _consumer(d_gu_desc, h_w_desc, a_bufs, b_bufs, gu_bufs, hw_bufs, wt_bufs, re
         if ROUTER:
             wb = j % 2
             mbarrier.wait(wt_ready.index(wb), (j // 2) & 1)
-            weight = wt_bufs.index(wb).slice(ROW_IN_TILE, WG_M).load(gl.SliceLayout(1, HALF_LAYOUT))
+            weight = wt_bufs.index(wb).slice(WG * WG_M, WG_M).load(gl.SliceLayout(1, HALF_LAYOUT))
             mbarrier.arrive(wt_empty.index(wb))
-        mbarrier.wait(gu_ready.index(j % GU_SETS), (j // GU_SETS) & 1)
-        d_w_part = _epilogue_half(acc0, weight, gu_bufs, hw_bufs, d_gu_desc, h_w_desc, row, col, 0, WG, GU_BASE,
-                                  ROW_IN_TILE, ROUTER, STORE_H_W)
+        mbarrier.wait(gu_ready, j & 1)
+        d_w_part = _epilogue_half(acc0, weight, gu_bufs, hw_bufs, d_gu_desc, h_w_desc, row, col, 0, WG, ROUTER,
+                                  STORE_H_W)
         d_w_part += _epilogue_half(acc1, weight, gu_bufs, hw_bufs, d_gu_desc, h_w_desc, row, col + BLOCK_N // 2, 1,
-                                   WG, GU_BASE, ROW_IN_TILE, ROUTER, STORE_H_W)
+                                   WG, ROUTER, STORE_H_W)
         if ROUTER:
             rows = row + gl.arange(0, WG_M, layout=gl.SliceLayout(1, HALF_LAYOUT))
             gl.store(d_w_part_ptr + rows * num_n + pid_n, d_w_part)
+        j += 1
     tma.store_wait(pendings=0)
 
 
@@ -309,53 +265,45 @@ def _consumer(d_gu_desc, h_w_desc, a_bufs, b_bufs, gu_bufs, hw_bufs, wt_bufs, re
 def down_dgrad_ws_kernel(d_y_desc, w_desc, gu_desc, d_gu_desc, h_w_desc, row_src_ptr, weights_ptr, d_w_part_ptr,
                          block_expert_ptr, block_range_ptr, ROUTER: gl.constexpr, STORE_H_W: gl.constexpr,
                          SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                         GU_PREFETCH_STEP: gl.constexpr, GU_RELEASE_STEP: gl.constexpr, PINGPONG: gl.constexpr,
+                         GU_PREFETCH_STEP: gl.constexpr, GU_RELEASE_STEP: gl.constexpr,
                          PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """down_dgrad_tma_kernel's tiles (module docstring). Descriptors: d_y_desc d_y_rows [R, H] block
-    [TILE_M, BLOCK_K] (TILE_M: 128, both warpgroups on every tile; 64 with PINGPONG, a warpgroup's tile);
-    w_desc w_down [E, H, I] block [1, BLOCK_K, BLOCK_N]; gu_desc gate_up as [R, 2, I] block [TILE_M, 1,
-    BLOCK_N / 2]; d_gu_desc d_gate_up as [R, 2, I] block [64, 1, BLOCK_N / 2]; h_w_desc h_w [*, I] block
-    [64, BLOCK_N / 2] (unused without ROUTER and STORE_H_W). row_src, weights, d_w_part: unused without
-    ROUTER. Launch with num_warps=4 (the default partition is consumer 0)."""
+    [128, BLOCK_K]; w_desc w_down [E, H, I] block [1, BLOCK_K, BLOCK_N]; gu_desc gate_up as [R, 2, I] block
+    [128, 1, BLOCK_N / 2]; d_gu_desc d_gate_up as [R, 2, I] block [64, 1, BLOCK_N / 2]; h_w_desc h_w [*, I]
+    block [64, BLOCK_N / 2] (unused without ROUTER and STORE_H_W). row_src, weights, d_w_part: unused
+    without ROUTER. Launch with num_warps=4 (the default partition is consumer 0)."""
     BLOCK_M: gl.constexpr = d_y_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = d_y_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[2]
-    GU_SETS: gl.constexpr = 2 if PINGPONG else 1  # gate_up buffer sets: one per warpgroup with PINGPONG
-    READERS: gl.constexpr = 1 if PINGPONG else NUM_CONSUMERS  # warpgroups that read a slot, a set, a weight buffer
-    gl.static_assert(BLOCK_M == (1 if PINGPONG else NUM_CONSUMERS) * 64, "warpgroups of 64 rows")
+    gl.static_assert(BLOCK_M == NUM_CONSUMERS * 64, "two consumer warpgroups of 64 rows")
     gl.static_assert(BLOCK_N == 128, "HALF_LAYOUT: column halves of a 128-column accumulator")
     gl.static_assert(gu_desc.block_type.shape[2] * 2 == BLOCK_N, "gate_up boxes: column halves")
-    gl.static_assert(d_gu_desc.block_type.shape[0] == 64, "d_gate_up boxes: a warpgroup's rows")
+    gl.static_assert(d_gu_desc.block_type.shape[0] * NUM_CONSUMERS == BLOCK_M, "d_gate_up boxes: a warpgroup's rows")
     gl.static_assert(GU_RELEASE_STEP <= GU_PREFETCH_STEP, "the producer waits for a release at or before its step")
     dtype: gl.constexpr = d_y_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + d_y_desc.block_type.shape, d_y_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    gu_bufs = gl.allocate_shared_memory(dtype, [GU_BUFFERS * GU_SETS] + gu_desc.block_type.shape, gu_desc.layout)
+    gu_bufs = gl.allocate_shared_memory(dtype, [GU_BUFFERS] + gu_desc.block_type.shape, gu_desc.layout)
     if ROUTER and STORE_H_W:
         hw_bufs = gl.allocate_shared_memory(dtype, [2 * NUM_CONSUMERS] + h_w_desc.block_type.shape, h_w_desc.layout)
     else:
         hw_bufs = gu_bufs  # never written: _epilogue_half touches hw_bufs only with ROUTER and STORE_H_W
     ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    gu_ready = gl.allocate_shared_memory(gl.int64, [GU_SETS, 1], mbarrier.MBarrierLayout())
-    gu_empty = gl.allocate_shared_memory(gl.int64, [GU_SETS, 1], mbarrier.MBarrierLayout())
-    order_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    gu_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    gu_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready_bars.index(i), count=1)  # the producer's expect; the bytes complete it
-        mbarrier.init(empty_bars.index(i), count=READERS)  # one arrive per reading warpgroup
-    for i in gl.static_range(GU_SETS):
-        mbarrier.init(gu_ready.index(i), count=1)
-        mbarrier.init(gu_empty.index(i), count=READERS)
-    if PINGPONG:
-        for i in gl.static_range(2):
-            mbarrier.init(order_bars.index(i), count=1)
+        mbarrier.init(empty_bars.index(i), count=NUM_CONSUMERS)  # one arrive per consumer
+    mbarrier.init(gu_ready, count=1)
+    mbarrier.init(gu_empty, count=NUM_CONSUMERS)
     if ROUTER:
         wt_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         wt_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         wt_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(wt_ready.index(i), count=1)
-            mbarrier.init(wt_empty.index(i), count=READERS)
+            mbarrier.init(wt_empty.index(i), count=NUM_CONSUMERS)
     else:
         wt_bufs = gu_bufs  # placeholders, never used without ROUTER
         wt_ready = gu_ready
@@ -368,11 +316,11 @@ def down_dgrad_ws_kernel(d_y_desc, w_desc, gu_desc, d_gu_desc, h_w_desc, row_src
     if ROUTER:
         gl.warp_specialize([
             (_consumer, (d_gu_desc, h_w_desc, a_bufs, b_bufs, gu_bufs, hw_bufs, wt_bufs, ready_bars, empty_bars,
-                         gu_ready, gu_empty, wt_ready, wt_empty, order_bars, d_w_part_ptr, block_range_ptr, H, I, 0,
-                         SPLIT, GROUP_M, BLOCK_M, BLOCK_N, BLOCK_K, ROUTER, STORE_H_W, GU_RELEASE_STEP, PINGPONG)),
+                         gu_ready, gu_empty, wt_ready, wt_empty, d_w_part_ptr, block_range_ptr, H, I, 0, SPLIT, GROUP_M,
+                         BLOCK_M, BLOCK_N, BLOCK_K, ROUTER, STORE_H_W, GU_RELEASE_STEP)),
             (_consumer, (d_gu_desc, h_w_desc, a_bufs, b_bufs, gu_bufs, hw_bufs, wt_bufs, ready_bars, empty_bars,
-                         gu_ready, gu_empty, wt_ready, wt_empty, order_bars, d_w_part_ptr, block_range_ptr, H, I, 1,
-                         SPLIT, GROUP_M, BLOCK_M, BLOCK_N, BLOCK_K, ROUTER, STORE_H_W, GU_RELEASE_STEP, PINGPONG)),
+                         gu_ready, gu_empty, wt_ready, wt_empty, d_w_part_ptr, block_range_ptr, H, I, 1, SPLIT, GROUP_M,
+                         BLOCK_M, BLOCK_N, BLOCK_K, ROUTER, STORE_H_W, GU_RELEASE_STEP)),
             (_producer, (d_y_desc, w_desc, gu_desc, a_bufs, b_bufs, gu_bufs, ready_bars, empty_bars, gu_ready,
                          gu_empty, block_expert_ptr, block_range_ptr, SPLIT, GROUP_M, GU_PREFETCH_STEP)),
             (_router_weight_loader, (row_src_ptr, weights_ptr, wt_bufs, wt_ready, wt_empty, block_range_ptr, I, SPLIT,
@@ -381,11 +329,11 @@ def down_dgrad_ws_kernel(d_y_desc, w_desc, gu_desc, d_gu_desc, h_w_desc, row_src
     else:
         gl.warp_specialize([
             (_consumer, (d_gu_desc, h_w_desc, a_bufs, b_bufs, gu_bufs, hw_bufs, wt_bufs, ready_bars, empty_bars,
-                         gu_ready, gu_empty, wt_ready, wt_empty, order_bars, d_w_part_ptr, block_range_ptr, H, I, 0,
-                         SPLIT, GROUP_M, BLOCK_M, BLOCK_N, BLOCK_K, ROUTER, STORE_H_W, GU_RELEASE_STEP, PINGPONG)),
+                         gu_ready, gu_empty, wt_ready, wt_empty, d_w_part_ptr, block_range_ptr, H, I, 0, SPLIT, GROUP_M,
+                         BLOCK_M, BLOCK_N, BLOCK_K, ROUTER, STORE_H_W, GU_RELEASE_STEP)),
             (_consumer, (d_gu_desc, h_w_desc, a_bufs, b_bufs, gu_bufs, hw_bufs, wt_bufs, ready_bars, empty_bars,
-                         gu_ready, gu_empty, wt_ready, wt_empty, order_bars, d_w_part_ptr, block_range_ptr, H, I, 1,
-                         SPLIT, GROUP_M, BLOCK_M, BLOCK_N, BLOCK_K, ROUTER, STORE_H_W, GU_RELEASE_STEP, PINGPONG)),
+                         gu_ready, gu_empty, wt_ready, wt_empty, d_w_part_ptr, block_range_ptr, H, I, 1, SPLIT, GROUP_M,
+                         BLOCK_M, BLOCK_N, BLOCK_K, ROUTER, STORE_H_W, GU_RELEASE_STEP)),
             (_producer, (d_y_desc, w_desc, gu_desc, a_bufs, b_bufs, gu_bufs, ready_bars, empty_bars, gu_ready,
                          gu_empty, block_expert_ptr, block_range_ptr, SPLIT, GROUP_M, GU_PREFETCH_STEP)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -397,11 +345,10 @@ def down_dgrad_ws_kernel(d_y_desc, w_desc, gu_desc, d_gu_desc, h_w_desc, row_src
 
 @dataclasses.dataclass(frozen=True)
 class GluonDownDgradConfig:
-    """The tile (128 x 128 x 64 with both warpgroups on every tile: the TMA table's down_dgrad tile, which
-    d_w_part's column blocks and the bitwise match depend on; with pingpong each warpgroup's own 64 x 128
-    tiles, the same columns and K order, hence the same bits), the ring depth (stages with h_w staging
-    buffers; without them a deeper ring fits the same shared memory) and the gate_up prefetch points (K
-    steps of a tile, see the module docstring)."""
+    """The tile (128 x 128 x 64: the TMA table's down_dgrad tile, which d_w_part's column blocks and the
+    bitwise match depend on), the ring depth (stages with h_w staging buffers; without them a deeper ring
+    fits the same shared memory) and the gate_up prefetch points (K steps of a tile, see the module
+    docstring)."""
 
     stages: int = 4
     stages_without_h_w: int = 5
@@ -413,12 +360,6 @@ class GluonDownDgradConfig:
     block_m: int = 128
     block_n: int = 128
     block_k: int = 64
-    pingpong: bool = False
-
-    @property
-    def store_m(self) -> int:
-        """Rows of a warpgroup's part of a tile (its d_gate_up and h_w store boxes): 64 either way."""
-        return self.block_m if self.pingpong else self.block_m // NUM_CONSUMERS.value
 
     def ring_stages(self, h_w: bool) -> int:
         """Ring depth when the kernel stages h_w (ROUTER and STORE_H_W) or not."""
@@ -428,8 +369,8 @@ class GluonDownDgradConfig:
         """Ring + gate_up buffers + h_w buffers + router weights (without the barriers)."""
         h_w = router and store_h_w
         ring = self.ring_stages(h_w) * (self.block_m + self.block_n) * self.block_k * elem
-        gate_up = self.block_m * self.block_n * 2 * elem * (2 if self.pingpong else 1)
-        h_w_bufs = NUM_CONSUMERS.value * self.store_m * self.block_n * elem if h_w else 0
+        gate_up = self.block_m * self.block_n * 2 * elem
+        h_w_bufs = self.block_m * self.block_n * elem if h_w else 0
         weights = 2 * self.block_m * 4 if router else 0
         return ring + gate_up + h_w_bufs + weights
 
@@ -437,20 +378,11 @@ class GluonDownDgradConfig:
 DEFAULT_CONFIG = GluonDownDgradConfig()
 
 
-def config_of(config: TileConfig) -> GluonDownDgradConfig:
-    """The kernel's config for a tile-table entry (gluon=True): its tile (with pingpong, block_m is one
-    warpgroup's tile) and ring depth, one stage more where no h_w buffers take shared memory."""
-    return GluonDownDgradConfig(stages=config.num_stages, stages_without_h_w=config.num_stages + 1,
-                                group_m=config.group_m, block_m=config.block_m, block_n=config.block_n,
-                                block_k=config.block_k, pingpong=config.pingpong)
-
-
 def constexprs(cfg: GluonDownDgradConfig, split: int, router: bool, store_h_w: bool) -> dict:
     """The kernel's constexpr arguments (the launcher and tests/test_gluon_down_dgrad_compile.py share them)."""
     return dict(ROUTER=router, STORE_H_W=store_h_w, SPLIT=split, GROUP_M=cfg.group_m,
                 STAGES=cfg.ring_stages(router and store_h_w), GU_PREFETCH_STEP=cfg.gu_prefetch_step,
-                GU_RELEASE_STEP=cfg.gu_release_step, PINGPONG=cfg.pingpong, PRODUCER_REGS=cfg.producer_regs,
-                CONSUMER_REGS=cfg.consumer_regs)
+                GU_RELEASE_STEP=cfg.gu_release_step, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
 
 
 def _desc(t: torch.Tensor, shape: list, strides: list, block: list) -> TensorDescriptor:
@@ -465,7 +397,7 @@ def _pairs_desc(t_R2I: torch.Tensor, block_m: int, block_n: int) -> TensorDescri
 
 def descriptors(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, h_w_RI, cfg: GluonDownDgradConfig) -> dict:
     """Host-side TMA descriptors (Gluon's TensorDescriptor carries the shared-memory layout)."""
-    half_n, wg_m = cfg.block_n // 2, cfg.store_m
+    half_n, wg_m = cfg.block_n // 2, cfg.block_m // NUM_CONSUMERS.value
     return dict(
         d_y_desc=_desc(d_rows_RH, list(d_rows_RH.shape), list(d_rows_RH.stride()), [cfg.block_m, cfg.block_k]),
         w_desc=_desc(w_down_EHI, list(w_down_EHI.shape), list(w_down_EHI.stride()), [1, cfg.block_k, cfg.block_n]),
@@ -508,7 +440,8 @@ def launch_down_dgrad(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, row_src
                       block_range, split, config: TileConfig, *, router: bool, store_h_w: bool) -> None:
     """grouped_gemm._down_dgrad's Gluon branch (config.gluon): operands validated and outputs allocated there
     (its placeholders where router / store_h_w are off); the tile table's entry as this kernel's tile."""
-    cfg = config_of(config)
+    cfg = GluonDownDgradConfig(stages=config.num_stages, group_m=config.group_m, block_m=config.block_m,
+                               block_n=config.block_n, block_k=config.block_k)
     check(tma_addressable(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, h_w_RI),
           "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8 in bf16)")
     descs = descriptors(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, h_w_RI, cfg)
