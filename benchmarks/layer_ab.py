@@ -7,8 +7,9 @@ Variants (each a change to the tile choice that every run reads through the publ
   default   the tile table as it ships
   pointer   the pointer-load core (configs.tma_kernel_configs answers None, so experts.one_gpu_configs picks it)
   rows      gate_up_fwd on gathered rows (a gather pass) where the table gathers x inside the kernel's loads
+  gather-s3 the gathering gate_up_fwd with 3 stages and two staging buffers per consumer (the table: 4 and 1)
 """
-import json, statistics, sys, torch, megamoe
+import dataclasses, json, statistics, sys, torch, megamoe
 from megamoe.backends.triton import configs
 from megamoe.backends.triton import experts as te
 from megamoe.bench.problem import make_weights, make_tokens, forward_backward
@@ -17,14 +18,23 @@ from megamoe.bench.workloads import WORKLOADS, layer_flops
 SHIPPED = (te.tma_kernel_configs, configs._GATHER_X_MAX_H)
 
 
+def gather_s3(*args):
+    table = SHIPPED[0](*args)
+    if table is None or not table.gate_up_fwd.gather:
+        return table
+    return dataclasses.replace(table, gate_up_fwd=dataclasses.replace(table.gate_up_fwd, num_stages=3))
+
+
 def select(variant: str) -> None:
     te.tma_kernel_configs, configs._GATHER_X_MAX_H = SHIPPED
     if variant == "pointer":
         te.tma_kernel_configs = lambda *a: None
     elif variant == "rows":
         configs._GATHER_X_MAX_H = 0
+    elif variant == "gather-s3":
+        te.tma_kernel_configs = gather_s3
     elif variant != "default":
-        raise ValueError(f"unknown variant {variant!r}: default, pointer or rows")
+        raise ValueError(f"unknown variant {variant!r}: default, pointer, rows or gather-s3")
 
 
 out = []
