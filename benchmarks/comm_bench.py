@@ -86,7 +86,7 @@ def main() -> None:
                 "payload_bytes_per_rank": int(moved.item())}
         ms = timed(fn)
         records.append({**base, "what": "exchange", "ms": ms, "gbps": moved.item() / ms / 1e6})
-        publish(ws, [(ws.tokens, x), (ws.rows_out, rows)])  # (the exchange above may have reused them)
+        publish(ws, [(ws.tokens, x), (ws.rows_out, rows)], "dispatch")  # (the exchange above may have reused them)
         for shape in SHAPES if args.sweep else [COPY_SHAPE]:
             ms = timed(lambda shape=shape: kernels[op, direction](shape))
             records.append({**base, "what": "kernel", "shape": shape._asdict(), "default_shape": shape == COPY_SHAPE,

@@ -63,7 +63,7 @@ def comm_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, sc
     x = x.contiguous()
     if ep._direction(config, "dispatch") == "pull":
         x_rows = x.new_empty(schedule.num_rows, x.shape[1])
-        exchange.publish(ws, [(ws.tokens, x)])
+        exchange.publish(ws, [(ws.tokens, x)], "dispatch")
         exchange.pull_rows(ws.tokens, maps, x_rows, by_token=True)
     else:
         x_rows = exchange.dispatch(ws, x, schedule, "push")
@@ -81,7 +81,7 @@ def comm_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_d
     d_y_rows = x.new_empty(rows, hidden)
     if ep._direction(config, "dispatch") == "pull":
         d_out_rows, weight_rows = x.new_empty(rows, hidden), weights.new_empty(rows)
-        exchange.publish(ws, [(ws.tokens, d_out), (ws.weights, weights)])
+        exchange.publish(ws, [(ws.tokens, d_out), (ws.weights, weights)], "dispatch")
         exchange.pull_rows(ws.tokens, maps, d_out_rows, by_token=True)
         exchange.pull_rows(ws.weights, maps, weight_rows, by_token=False)
     else:

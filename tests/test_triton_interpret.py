@@ -491,13 +491,19 @@ def test_block_m_check_and_table():
 
 
 class _NoBarrier:
+    """A symmetric-memory handle whose barrier does nothing but note the channel it was called on."""
+
+    channels: list = []
+
     def barrier(self, channel=0, timeout_ms=None):
-        del channel, timeout_ms
+        del timeout_ms
+        self.channels.append(channel)
 
 
 def fake_workspace(group, *, device, num_tokens, hidden_size, top_k, num_rows, dtype, comm_timeout_ms):
     """comm/workspace.py's Workspace for a group of one, on plain CPU tensors: each buffer's peer table
-    holds its own address (the interpreter dereferences it as host memory), barriers do nothing."""
+    holds its own address (the interpreter dereferences it as host memory), barriers do nothing (but note
+    their channels in _NoBarrier.channels)."""
     del group, device
 
     def buf(shape, dt):
@@ -535,6 +541,32 @@ EP_PARAMS = [
     for directions in DIRECTIONS
     for overlap in (OVERLAPS if capacity is None else ["default"])
 ]
+
+
+@interpreted
+@pytest.mark.parametrize("directions", list(DIRECTIONS))
+@pytest.mark.parametrize("overlap", [True, False], ids=["fused", "whole-exchanges"])
+def test_ep_barriers_name_their_exchange(directions, overlap, monkeypatch):
+    """Every barrier of an exchange waits on that exchange's channel (workspace.BARRIER_CHANNELS), so that
+    torch's timeout report ("... failed to receive signal from rank P on channel C ...") names it: the
+    forward's and the backward's barriers each run the dispatch's channel, then the combine's."""
+    import re
+
+    from megamoe.backends.triton.comm.workspace import BARRIER_CHANNELS
+
+    T, H, I, E, k, routing, shared, block_m = CASES["T37-H48-I40-E5-k3-shared"]
+    x, ids, weights, wgu, wd, sgu, sd = make_problem(T, H, I, E, k, torch.float16, routing=routing, shared=shared)
+    d_out = torch.randn(T, H, generator=torch.Generator().manual_seed(7)).half()
+    dispatch, combine = DIRECTIONS[directions]
+    config = MoEConfig(dispatch=dispatch, combine=combine)
+    s = build_schedule(ids, E, block_m=block_m, config=config)
+    monkeypatch.setattr(ep, "get_workspace", fake_workspace)
+    monkeypatch.setattr(_NoBarrier, "channels", [])
+    run_ep(x, weights, wgu, wd, sgu, sd, s, d_out, config, overlap=overlap)
+    letter = {BARRIER_CHANNELS["dispatch"]: "d", BARRIER_CHANNELS["combine"]: "c"}
+    seen = "".join(letter.get(c, "?") for c in _NoBarrier.channels)
+    assert re.fullmatch(r"(d+c+){2}", seen), f"barrier channels {_NoBarrier.channels} (d: dispatch, c: combine)"
+    assert len(set(BARRIER_CHANNELS.values())) == len(BARRIER_CHANNELS) and 0 not in BARRIER_CHANNELS.values()
 
 
 @interpreted

@@ -36,8 +36,13 @@ GROUP = types.SimpleNamespace(group_name="interpreted")
 
 
 class _NoBarrier:
+    """A symmetric-memory handle whose barrier does nothing but note the channel it was called on."""
+
+    channels: list = []
+
     def barrier(self, channel=0, timeout_ms=None):
-        del channel, timeout_ms
+        del timeout_ms
+        self.channels.append(channel)
 
 
 @pytest.fixture
@@ -105,9 +110,11 @@ def _publish_as_peer(ws, peer: int, shapes: tuple[int, int, int], ids_TK: torch.
 
 
 @interpreted
-def test_routing_exchange_checks_every_peers_shapes(cpu_workspaces):
+def test_routing_exchange_checks_every_peers_shapes(cpu_workspaces, monkeypatch):
+    """... and its barriers wait on the routing exchange's own channel (named in a timeout's report)."""
     world, num_experts, k = 2, 8, 2
     copies = cpu_workspaces(world)
+    monkeypatch.setattr(_NoBarrier, "channels", [])
     gen = torch.Generator().manual_seed(0)
 
     def call(num_tokens):
@@ -124,6 +131,7 @@ def test_routing_exchange_checks_every_peers_shapes(cpu_workspaces):
         _publish_as_peer(ws, 1, shapes, theirs, copies)
         got = exchange.gather_routing(ws, mine, shapes[2])
         assert torch.equal(got, torch.cat([mine, theirs.to(torch.int32)])), f"T={num_tokens}: wrong routing gathered"
+    assert _NoBarrier.channels == [ws_module.BARRIER_CHANNELS["routing"]] * 4, _NoBarrier.channels
 
     # The peer called with T = 9 (its routing and shapes still in its buffer) while this rank calls with 5.
     ws, mine, shapes = call(5)

@@ -30,9 +30,16 @@ def test_ep_correct_deterministic_graph():
 
 
 def test_peer_that_never_arrives_is_an_error_not_a_hang():
+    """Rank 1 skips a call: rank 0 fails within comm_timeout_ms, and the report names the rank that waited,
+    the peer that never arrived and the exchange (its barrier channel: the routing exchange comes first)."""
+    from megamoe.backends.triton.comm.workspace import BARRIER_CHANNELS
+
     result = _torchrun("timeout", timeout=120)
+    output = result.stdout + result.stderr
     assert result.returncode != 0, "rank 0 finished although its peer never took part"
     assert "NO ERROR" not in result.stdout, result.stdout[-2000:]
+    want = f"rank 0 failed to receive signal from rank 1 on channel {BARRIER_CHANNELS['routing']}"
+    assert want in output, output[-4000:]
 
 
 def test_one_workspace_reused_across_t():

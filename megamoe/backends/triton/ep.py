@@ -172,7 +172,7 @@ def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
         x_rows = dispatch(ws, x, schedule, "push")
     else:  # filled by the pull (fused kernel or pull_rows) below
         x_rows = x.new_empty(rows, hidden)
-        publish(ws, [(ws.tokens, x)])
+        publish(ws, [(ws.tokens, x)], "dispatch")
     if fused:
         h, gate_up = kernels.ep_forward(x_rows, w_gate_up, w_down, schedule.block_expert, blocks,
                                         _pull(ws.tokens, None, maps, schedule, config, x.device), _push(ws, maps),
@@ -233,7 +233,7 @@ def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, share
     # d_y rows: each row's d_out times its pair's router weight (fp32 product rounded to the dtype).
     d_y_rows = x.new_empty(rows, hidden)
     if pull:
-        publish(ws, [(ws.tokens, d_out), (ws.weights, weights)])
+        publish(ws, [(ws.tokens, d_out), (ws.weights, weights)], "dispatch")
     if fused:
         d_w_gate_up, d_w_down = kernels.ep_backward(
             d_y_rows, x_rows, h, gate_up, w_gate_up, w_down, schedule.block_expert, blocks, schedule.expert_offsets,

@@ -67,13 +67,14 @@ def _size(t: torch.Tensor) -> dict:
     return dict(row_elems=t.shape[1] if t.dim() == 2 else 1, element_size=t.element_size())
 
 
-def publish(ws: Workspace, items: list[tuple[_Buffer, torch.Tensor]]) -> None:
+def publish(ws: Workspace, items: list[tuple[_Buffer, torch.Tensor]], exchange: str) -> None:
     """Barrier (peers are done reading these buffers), copy each tensor into this rank's copy of its
-    buffer, barrier (every rank's copies are in place): peers may pull from them until the next publish."""
-    ws.barrier()
+    buffer, barrier (every rank's copies are in place): peers may pull from them until the next publish.
+    exchange: the barriers' name (workspace.BARRIER_CHANNELS)."""
+    ws.barrier(exchange)
     for buffer, tensor in items:
         buffer.local.copy_(tensor)
-    ws.barrier()
+    ws.barrier(exchange)
 
 
 def pull_rows(buffer: _Buffer, maps: ReceiveMaps, out: torch.Tensor, *, by_token: bool,
@@ -120,7 +121,7 @@ def collect_pushed(ws: Workspace, *, keep: bool = True) -> torch.Tensor:
     a copy if keep (valid past the next exchange: the forward saves it for the backward), else the
     symmetric buffer itself, to be read only by kernels issued before this rank's next barrier (after
     which peers may push into it again)."""
-    ws.barrier()
+    ws.barrier("combine")
     return ws.pairs.local.clone() if keep else ws.pairs.local
 
 
@@ -130,20 +131,20 @@ def dispatch(ws: Workspace, tokens_TH: torch.Tensor, schedule: Schedule, directi
     "push": token owners write every (token, slot) row into its expert owner's receive rows."""
     maps = receive_maps(schedule)
     if direction == "pull":
-        publish(ws, [(ws.tokens, tokens_TH)])
+        publish(ws, [(ws.tokens, tokens_TH)], "dispatch")
         out = tokens_TH.new_empty(schedule.num_rows, tokens_TH.shape[1])
         pull_rows(ws.tokens, maps, out, by_token=True)
         return out
-    ws.barrier()
+    ws.barrier("dispatch")
     push_tokens(ws, tokens_TH, schedule, maps)
-    ws.barrier()
+    ws.barrier("dispatch")
     return ws.rows_in.local.clone()
 
 
 def dispatch_pair_weights(ws: Workspace, weights_TK: torch.Tensor, schedule: Schedule) -> torch.Tensor:
     """topk_weights [T, k] fp32 of the token owners -> the weight of each receive row [R] (0 for padding)."""
     maps = receive_maps(schedule)
-    publish(ws, [(ws.weights, weights_TK)])
+    publish(ws, [(ws.weights, weights_TK)], "dispatch")
     out = weights_TK.new_empty(schedule.num_rows)
     pull_rows(ws.weights, maps, out, by_token=False)
     return out
@@ -153,12 +154,12 @@ def combine(ws: Workspace, rows_RH: torch.Tensor, schedule: Schedule, direction:
     """Receive rows [R, H] -> this rank's (token, slot) rows [T*k, H]. "push": expert owners write each
     row into its pair's row on the token owner; "pull": token owners read each pair's row from its
     expert owner (a pair a capacity dropped reads as zeros under "pull" and is unspecified under "push")."""
-    ws.barrier()
+    ws.barrier("combine")
     if direction == "push":
         push_rows(ws, rows_RH, receive_maps(schedule))
         return collect_pushed(ws)
     ws.rows_out.local.copy_(rows_RH)
-    ws.barrier()
+    ws.barrier("combine")
     out = rows_RH.new_empty(schedule.num_tokens * schedule.top_k, rows_RH.shape[1])
     pull_pairs(ws, schedule, out)
     return out
@@ -180,7 +181,7 @@ def gather_routing(ws: Workspace, ids_TK: torch.Tensor, num_rows: int) -> torch.
     device assert here, on every rank, with no host sync; the ids read from it are then garbage, which
     build_schedule clamps into range (check_gathered_ids)."""
     shapes = _shapes_on_device(ws, num_rows, ids_TK)
-    publish(ws, [(ws.ids, torch.cat([shapes, ids_TK.reshape(-1)]))])
+    publish(ws, [(ws.ids, torch.cat([shapes, ids_TK.reshape(-1)]))], "routing")
     row_elems = ROUTING_HEADER + ids_TK.numel()
     out = ids_TK.new_empty(ws.world_size, row_elems)
     ranks = torch.arange(ws.world_size, device=ids_TK.device, dtype=torch.int32)

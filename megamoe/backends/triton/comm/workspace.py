@@ -5,6 +5,11 @@ Buffers live in PyTorch symmetric memory (`torch.distributed._symmetric_memory`)
 read and write its peers' copies over NVLink through their mapped addresses. NVLink multicast is never
 used. Synchronisation between ranks is the symmetric-memory barrier, a device-side wait on signal pads
 with a timeout: a peer that never arrives becomes a device error after `comm_timeout_ms`, not a hang.
+Each exchange waits on its own channel (BARRIER_CHANNELS), so the waiting rank's report names it:
+torch's barrier kernel prints "[FATAL] CUDASymmetricMemory::barrier: rank R failed to receive signal from
+rank P on channel C after N microseconds" (N is comm_timeout_ms: torch prints the milliseconds under that
+unit) and traps; the CUDA context is then lost, the launch's error surfaces at the next synchronisation,
+and the process can still exit (its other ranks see the same at their own barriers).
 """
 
 from __future__ import annotations
@@ -16,6 +21,10 @@ import torch
 from megamoe.config import check_positive_int
 
 DEFAULT_TIMEOUT_MS = 30_000
+# The barrier channel of each exchange (see the module docstring): the routing all-gather, the dispatch of
+# token rows (x forward, d_out and the router weights backward) and the combine of result rows (y forward,
+# d_x backward). Channel 0 is left to other users of the group's symmetric memory.
+BARRIER_CHANNELS = {"routing": 1, "dispatch": 2, "combine": 3}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,9 +102,10 @@ class Workspace:
         buffers = (self.tokens, self.weights, self.ids, self.pairs, self.rows_in, self.rows_out)
         return sum(b.local.numel() * b.local.element_size() for b in buffers)
 
-    def barrier(self) -> None:
-        """All ranks reach this point (in stream order) before any continues; bounded by comm_timeout_ms."""
-        self.ids.handle.barrier(channel=0, timeout_ms=self.comm_timeout_ms)
+    def barrier(self, exchange: str) -> None:
+        """All ranks reach this point of `exchange` (a BARRIER_CHANNELS name; in stream order) before any
+        continues; bounded by comm_timeout_ms."""
+        self.ids.handle.barrier(channel=BARRIER_CHANNELS[exchange], timeout_ms=self.comm_timeout_ms)
 
     def sized(self, num_tokens: int, top_k: int, num_rows: int, comm_timeout_ms: int) -> "Workspace":
         """Views of this workspace's leading elements shaped for one call (which `sizes` must cover)."""
