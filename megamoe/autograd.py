@@ -371,7 +371,10 @@ def check_ranks_agree(group, x, topk_ids, w_gate_up, w_down, config: MoEConfig) 
     - The fused (triton) path: once per (group, signature). Later calls of a checked signature pay nothing,
       no collective and no host sync, so a captured CUDA graph never runs it: the first call of a shape is
       the warm-up, which also allocates the symmetric-memory workspace. Bad ids on later calls fail a device
-      assert (build_schedule's check of the gathered routing).
+      assert (build_schedule's check of the gathered routing). Except T = 0, checked on every call: an empty
+      batch exchanges nothing (ep.py), so a rank alone with it would return while its peers wait at their
+      routing exchange; checking, it fails too, after comm_timeout_ms at the latest (its peers, on a checked
+      shape, do not join), and its peers' barriers time out (a device error naming the routing exchange).
     How long it waits for the peers: the group's first exchange (on either path) waits for the process-group
     timeout (ranks may be far apart while warming up); every later one at most MoEConfig.comm_timeout_ms,
     then raises a RuntimeError. So a peer that stopped before the call (failed outside megamoe, or is late
@@ -387,7 +390,7 @@ def check_ranks_agree(group, x, topk_ids, w_gate_up, w_down, config: MoEConfig) 
     signature = rank_signature(x, topk_ids, w_gate_up, w_down, config)
     every_call = config.backend != "triton"
     group_name = group.group_name
-    if not every_call and (group_name, signature) in _AGREED:
+    if not every_call and x.shape[0] > 0 and (group_name, signature) in _AGREED:
         return
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(

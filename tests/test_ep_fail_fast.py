@@ -91,7 +91,7 @@ def _scenarios(rank: int) -> dict:
     results = {}
     timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
     groups = {name: dist.new_group(list(range(WORLD)), timeout=timeout)
-              for name in ("first", "warm", "fused", "absent-torch", "absent-fused")}
+              for name in ("first", "warm", "fused", "absent-torch", "absent-fused", "empty-fused")}
     good = _local(rank)
 
     def run(name, fn):
@@ -138,6 +138,17 @@ def _scenarios(rank: int) -> dict:
 
     run("absent-fused-warm", lambda: fused_new_shape(T))
     run("absent-fused", lambda: None if rank == 1 else fused_new_shape(T - 1))
+
+    # The empty batch on the fused path: after a T = 0 call everyone checked, rank 0 alone calls with T = 0
+    # again while its peers are on a checked shape (which skips the check): it must not return as if its
+    # peers had an empty batch too, but fail after comm_timeout_ms.
+    empty = groups["empty-fused"]
+
+    def fused_empty():
+        return check_ranks_agree(empty, good["x"][:0], good["topk_ids"][:0], good["w_gate_up"], good["w_down"], fused)
+
+    run("empty-fused-warm", fused_empty)
+    run("empty-fused-alone", lambda: fused_empty() if rank == 0 else None)
     return results
 
 
@@ -224,6 +235,18 @@ def test_absent_peer_fails_the_others_after_comm_timeout(fail_fast, path):
         assert f"comm_timeout_ms={COMM_TIMEOUT_MS}" in message, f"rank {rank}: {message}"
         elapsed = fail_fast[rank][f"absent-{path}"]["elapsed"]
         assert COMM_TIMEOUT_MS / 1000 * 0.9 < elapsed < FAST_S, f"rank {rank}: gave up after {elapsed:.1f}s"
+
+
+def test_fused_path_empty_batch_alone_fails_not_returns(fail_fast):
+    """T = 0 is checked on every call of the fused path: a rank alone with an empty batch raises after
+    comm_timeout_ms instead of returning an empty result while its peers wait at their routing exchange."""
+    for rank in range(WORLD):
+        warm = fail_fast[rank]["empty-fused-warm"]
+        assert warm["error"] is None, warm["error"]
+    message = _error(fail_fast, 0, "empty-fused-alone")
+    assert message.startswith("RuntimeError: ") and f"comm_timeout_ms={COMM_TIMEOUT_MS}" in message, message
+    elapsed = fail_fast[0]["empty-fused-alone"]["elapsed"]
+    assert COMM_TIMEOUT_MS / 1000 * 0.9 < elapsed < FAST_S, f"rank 0: gave up after {elapsed:.1f}s"
 
 
 def test_message_names_every_rejecting_rank_first():
