@@ -27,6 +27,13 @@ Structure of a CTA (gl.warp_specialize, 12 warps):
   * producer (1 warp, 40 registers): walks this CTA's tiles and their row steps in order; per step it waits
     for a free slot of a STAGES-deep shared-memory ring (the slot's "empty" mbarrier), arms the slot's
     "ready" mbarrier with the byte count (expect_tx) and issues the two TMA copies into the slot.
+    With GATHER (b is the tokens [T, N], row r of the step read as row row_src[r] // top_k: dw_gate_up's x
+    under MoEConfig.recompute, no x_rows pass) the producer is a warpgroup: a by TMA as above, b by cp.async
+    from every thread (16-byte copies, zero-fill for padding rows and the N tail), each thread arriving on
+    the slot's "ready" barrier when its copies land (count 1 + 128); the step's row sources are loaded a
+    step ahead, so their latency hides behind the wait for a free slot. The consumers then fence the
+    generic-proxy writes before wgmma reads them. It measured 1.5-5% slower than TMA on gathered rows in the
+    layer (docs/perf-notes.md, "GEMM core v3"), for a quarter less backward peak memory.
   * two consumer warpgroups (232 registers each): per step wait "ready", issue async wgmma
     (m64nBLOCK_Nk16, BLOCK_K / 16 of them per 64 rows of the tile), keep one step in flight and release
     the previous step's slot ("empty" arrive) once its wgmma has retired; after the last step: the epilogue
