@@ -490,7 +490,7 @@ def test_block_m_check_and_table():
 # The expert-parallel driver (ep.py) on one rank, with a CPU workspace
 
 
-class _NoBarrier:
+class RecordingBarrier:
     """A symmetric-memory handle whose barrier does nothing but note the channel it was called on."""
 
     channels: list = []
@@ -503,12 +503,12 @@ class _NoBarrier:
 def fake_workspace(group, *, device, num_tokens, hidden_size, top_k, num_rows, dtype, comm_timeout_ms):
     """comm/workspace.py's Workspace for a group of one, on plain CPU tensors: each buffer's peer table
     holds its own address (the interpreter dereferences it as host memory), barriers do nothing (but note
-    their channels in _NoBarrier.channels)."""
+    their channels in RecordingBarrier.channels)."""
     del group, device
 
     def buf(shape, dt):
         local = torch.full(shape, float("nan") if dt.is_floating_point else -7, dtype=dt)
-        return _Buffer(local, _NoBarrier(), torch.tensor([local.data_ptr()], dtype=torch.int64))
+        return _Buffer(local, RecordingBarrier(), torch.tensor([local.data_ptr()], dtype=torch.int64))
 
     return Workspace(
         group_name="fake", rank=0, world_size=1, comm_timeout_ms=comm_timeout_ms,
@@ -561,11 +561,11 @@ def test_ep_barriers_name_their_exchange(directions, overlap, monkeypatch):
     config = MoEConfig(dispatch=dispatch, combine=combine)
     s = build_schedule(ids, E, block_m=block_m, config=config)
     monkeypatch.setattr(ep, "get_workspace", fake_workspace)
-    monkeypatch.setattr(_NoBarrier, "channels", [])
+    monkeypatch.setattr(RecordingBarrier, "channels", [])
     run_ep(x, weights, wgu, wd, sgu, sd, s, d_out, config, overlap=overlap)
     letter = {BARRIER_CHANNELS["dispatch"]: "d", BARRIER_CHANNELS["combine"]: "c"}
-    seen = "".join(letter.get(c, "?") for c in _NoBarrier.channels)
-    assert re.fullmatch(r"(d+c+){2}", seen), f"barrier channels {_NoBarrier.channels} (d: dispatch, c: combine)"
+    seen = "".join(letter.get(c, "?") for c in RecordingBarrier.channels)
+    assert re.fullmatch(r"(d+c+){2}", seen), f"barrier channels {RecordingBarrier.channels} (d: dispatch, c: combine)"
     assert len(set(BARRIER_CHANNELS.values())) == len(BARRIER_CHANNELS) and 0 not in BARRIER_CHANNELS.values()
 
 

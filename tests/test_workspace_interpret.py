@@ -28,21 +28,11 @@ if INTERPRET:
     from megamoe.backends.triton.comm import workspace as ws_module
     from megamoe.config import MoEConfig
     from megamoe.schedule import build_schedule, receive_rows
-    from test_triton_interpret import CASES, fake_workspace, make_problem, run_ep
+    from test_triton_interpret import CASES, RecordingBarrier, fake_workspace, make_problem, run_ep
 
 CASE = "T37-H48-I40-E5-k3-shared"
 DIRECTIONS = {"pull-push": ("pull", "push"), "push-pull": ("push", "pull")}
 GROUP = types.SimpleNamespace(group_name="interpreted")
-
-
-class _NoBarrier:
-    """A symmetric-memory handle whose barrier does nothing but note the channel it was called on."""
-
-    channels: list = []
-
-    def barrier(self, channel=0, timeout_ms=None):
-        del timeout_ms
-        self.channels.append(channel)
 
 
 @pytest.fixture
@@ -58,7 +48,7 @@ def cpu_workspaces(monkeypatch):
             del device, group_name
             ranks = [torch.full(shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype) for _ in range(world)]
             copies[id(ranks[0])] = ranks
-            return ws_module._Buffer(ranks[0], _NoBarrier(), torch.tensor([t.data_ptr() for t in ranks]))
+            return ws_module._Buffer(ranks[0], RecordingBarrier(), torch.tensor([t.data_ptr() for t in ranks]))
 
         monkeypatch.setattr(ws_module, "_symmetric", symmetric)
         monkeypatch.setattr(ws_module, "_WORKSPACES", {})
@@ -114,7 +104,7 @@ def test_routing_exchange_checks_every_peers_shapes(cpu_workspaces, monkeypatch)
     """... and its barriers wait on the routing exchange's own channel (named in a timeout's report)."""
     world, num_experts, k = 2, 8, 2
     copies = cpu_workspaces(world)
-    monkeypatch.setattr(_NoBarrier, "channels", [])
+    monkeypatch.setattr(RecordingBarrier, "channels", [])
     gen = torch.Generator().manual_seed(0)
 
     def call(num_tokens):
@@ -131,7 +121,7 @@ def test_routing_exchange_checks_every_peers_shapes(cpu_workspaces, monkeypatch)
         _publish_as_peer(ws, 1, shapes, theirs, copies)
         got = exchange.gather_routing(ws, mine, shapes[2])
         assert torch.equal(got, torch.cat([mine, theirs.to(torch.int32)])), f"T={num_tokens}: wrong routing gathered"
-    assert _NoBarrier.channels == [ws_module.BARRIER_CHANNELS["routing"]] * 4, _NoBarrier.channels
+    assert RecordingBarrier.channels == [ws_module.BARRIER_CHANNELS["routing"]] * 4, RecordingBarrier.channels
 
     # The peer called with T = 9 (its routing and shapes still in its buffer) while this rank calls with 5.
     ws, mine, shapes = call(5)
