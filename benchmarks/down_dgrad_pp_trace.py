@@ -21,6 +21,7 @@ def main() -> None:
     for spec in names:
         name, _, mode = spec.partition(":")
         pp.NO_EPI = mode == "noepi"
+        pp.MODE = {"nomath": 2, "nostore": 3}.get(mode, 0)
         p = B.workload_problem(name, device)
         d, w, gu, rs, be, bl = p["d_rows"], p["w_down"], p["gate_up"], p["row_src"], p["block_expert"], p["blocks"]
         wts = p["weights"]
@@ -48,8 +49,8 @@ def main() -> None:
                             "acc_ready_to_epi": (3, 4), "piece0": (4, 5), "gu1_wait": (5, 6), "piece1": (6, 7)}.items():
             v = t[:, 2:40, b] - t[:, 2:40, a]
             v = v[(t[:, 2:40, a] > 0) & (t[:, 2:40, b] > 0)].double() / 1000
-            med[key] = (v.median().item(), v.min().item(), v.max().item())
-        period = t[:, 3:40, 0] - t[:, 2:39, 0]
+            med[key] = (v.median().item(), v.min().item(), v.max().item()) if v.numel() else None
+        period = (t[:, 3:40, 0] - t[:, 2:39, 0])[t[:, 3:40, 0] > 0]
         med["mma_period"] = (period.double().median().item() / 1000, )
         result[spec] = dict(medians_us=med, trace=rows)
         print(spec, json.dumps(med), flush=True)

@@ -54,8 +54,26 @@ def _stamp(times_ptr, j, idx: gl.constexpr, TIMING: gl.constexpr):
 
 
 @gluon.jit
-def _producer(d_y_desc, w_desc, a_bufs, b_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr,
-              SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
+def _prefetch_l2(ptrs):
+    """prefetch.global.L2 of each address (one 128-byte line each)."""
+    gl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _prefetch_step(d_rows_ptr, w_ptr, H, I, row, expert, col, ki, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
+                   BLOCK_N: gl.constexpr):
+    """L2 prefetch of K step ki of a tile: BLOCK_M rows x 128 B of d_y rows, BLOCK_K rows x 256 B of w_down."""
+    layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    i = gl.arange(0, BLOCK_M, layout=layout)
+    _prefetch_l2(d_rows_ptr + (row + i).to(gl.int64) * H + ki * BLOCK_K)
+    # w_down [E, H, I]: rows ki * BLOCK_K + i // 2, columns col + (i % 2) * 64 (two 128-byte lines a row)
+    w_row = (expert * H + ki * BLOCK_K + i // 2).to(gl.int64)
+    _prefetch_l2(w_ptr + w_row * I + col + (i % 2) * (BLOCK_N // 2))
+
+
+@gluon.jit
+def _producer(d_y_desc, w_desc, a_bufs, b_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr, d_rows_ptr,
+              w_ptr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr, PREFETCH: gl.constexpr):
     BLOCK_M: gl.constexpr = d_y_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = d_y_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[2]
@@ -64,15 +82,32 @@ def _producer(d_y_desc, w_desc, a_bufs, b_bufs, ready_bars, empty_bars, block_ex
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
     num_n = gl.cdiv(w_desc.shape[2], BLOCK_N)
-    k_steps = gl.cdiv(d_y_desc.shape[1], BLOCK_K)
+    num_tiles = num_m * num_n
+    H = d_y_desc.shape[1]
+    I = w_desc.shape[2]
+    k_steps = gl.cdiv(H, BLOCK_K)
     p = 0
-    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
         m = first_m + pid_m
         expert = gl.load(block_expert_ptr + m // SPLIT)
         row = m * BLOCK_M
         col = pid_n * BLOCK_N
+        if PREFETCH > 0:
+            next_tile = tile + gl.num_programs(0)
+            has_next = next_tile < num_tiles
+            nm, nn = tile_coords(next_tile, num_m, num_n, GROUP_M)
+            next_expert = gl.load(block_expert_ptr + (first_m + nm) // SPLIT, mask=has_next, other=0)
+            if tile == gl.program_id(0):
+                for ki in range(gl.minimum(PREFETCH, k_steps)):
+                    _prefetch_step(d_rows_ptr, w_ptr, H, I, row, expert, col, ki, BLOCK_M, BLOCK_K, BLOCK_N)
         for ki in range(k_steps):
+            if PREFETCH > 0:
+                if ki + PREFETCH < k_steps:
+                    _prefetch_step(d_rows_ptr, w_ptr, H, I, row, expert, col, ki + PREFETCH, BLOCK_M, BLOCK_K, BLOCK_N)
+                elif has_next & (ki + PREFETCH - k_steps < k_steps):
+                    _prefetch_step(d_rows_ptr, w_ptr, H, I, (first_m + nm) * BLOCK_M, next_expert, nn * BLOCK_N,
+                                   ki + PREFETCH - k_steps, BLOCK_M, BLOCK_K, BLOCK_N)
             s = p % STAGES
             mbarrier.wait(empty_bars.index(s), ((p // STAGES) & 1) ^ 1)
             bar = ready_bars.index(s)
@@ -158,7 +193,7 @@ def _load_gate_up(gu_desc, stage, gu_ready, row, col):
 
 @gluon.jit
 def _epilogue_piece(acc_view, out_view0, out_view1, stage, weight, d_gu_desc, h_w_desc, row, col, ROUTER: gl.constexpr,
-                    STORE_H_W: gl.constexpr):
+                    STORE_H_W: gl.constexpr, MODE: gl.constexpr = 0):
     """coop._epilogue_half's math on one [64, 64] piece: acc from acc_view (fp32), g and u from the staging
     buffers; d_g, d_u written over the accumulator piece (out_view0/1, bf16 [64, 1, 64]) and h_w over g, then
     TMA-stored. The caller has waited for the accumulator and the staging buffers."""
@@ -169,20 +204,27 @@ def _epilogue_piece(acc_view, out_view0, out_view1, stage, weight, d_gu_desc, h_
     u = stage.index(1).reshape([PM, HALF_N]).load(HALF_LAYOUT)
     gl.thread_barrier()  # every thread has read the piece before any thread writes over it
     d_w_part = gl.zeros([PM], gl.float32, gl.SliceLayout(1, HALF_LAYOUT))
-    if ROUTER:
-        acc, h_w, d_w_part = router_epilogue(acc, g, u, weight)
-        if STORE_H_W:
-            hw_buf = stage.index(0)._reinterpret(h_w_desc.dtype, h_w_desc.block_type.shape, h_w_desc.layout)
-            hw_buf.store(h_w.to(h_w_desc.dtype))
-    d_g, d_u = swiglu_bwd(acc, g, u)
+    if MODE == 2:
+        hw_buf = stage.index(0)._reinterpret(h_w_desc.dtype, h_w_desc.block_type.shape, h_w_desc.layout)
+        hw_buf.store(u)
+        d_g = acc
+        d_u = g
+    else:
+        if ROUTER:
+            acc, h_w, d_w_part = router_epilogue(acc, g, u, weight)
+            if STORE_H_W:
+                hw_buf = stage.index(0)._reinterpret(h_w_desc.dtype, h_w_desc.block_type.shape, h_w_desc.layout)
+                hw_buf.store(h_w.to(h_w_desc.dtype))
+        d_g, d_u = swiglu_bwd(acc, g, u)
     out_view0.reshape([PM, HALF_N]).store(d_g.to(d_gu_desc.dtype))
     out_view1.reshape([PM, HALF_N]).store(d_u.to(d_gu_desc.dtype))
     fence_async_shared()
     gl.thread_barrier()
-    if ROUTER and STORE_H_W:
-        tma.async_copy_shared_to_global(h_w_desc, [row, col], hw_buf)
-    tma.async_copy_shared_to_global(d_gu_desc, [row, 0, col], out_view0)
-    tma.async_copy_shared_to_global(d_gu_desc, [row, 1, col], out_view1)
+    if MODE != 3:
+        if ROUTER and STORE_H_W:
+            tma.async_copy_shared_to_global(h_w_desc, [row, col], hw_buf)
+        tma.async_copy_shared_to_global(d_gu_desc, [row, 0, col], out_view0)
+        tma.async_copy_shared_to_global(d_gu_desc, [row, 1, col], out_view1)
     return d_w_part
 
 
@@ -190,7 +232,7 @@ def _epilogue_piece(acc_view, out_view0, out_view1, stage, weight, d_gu_desc, h_
 def _epilogue(gu_desc, d_gu_desc, h_w_desc, acc_out, stage, acc_ready, acc_empty, gu_ready, row_src_ptr, weights_ptr,
               d_w_part_ptr, block_range_ptr, I, WG: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROUTER: gl.constexpr, STORE_H_W: gl.constexpr,
-              times_ptr, TIMING: gl.constexpr):
+              times_ptr, TIMING: gl.constexpr, MODE: gl.constexpr):
     """Rows [64 WG, 64 WG + 64) of every tile: two pieces (column halves), each from the accumulator in shared
     memory and g, u staged by TMA (one piece at a time)."""
     first_m, end_m = load_range(block_range_ptr, SPLIT)
@@ -216,7 +258,7 @@ def _epilogue(gu_desc, d_gu_desc, h_w_desc, acc_out, stage, acc_ready, acc_empty
         if WG == 0:
             _stamp(times_ptr, j, 4, TIMING)
         d_w_part = _epilogue_piece(_acc_view(acc_out, 2 * WG), acc_out.index(4 * WG), acc_out.index(4 * WG + 1), stage, weight, d_gu_desc, h_w_desc, row, col,
-                                   ROUTER, STORE_H_W)
+                                   ROUTER, STORE_H_W, MODE)
         tma.store_wait(pendings=0)  # h_w has left the staging buffer
         if WG == 0:
             _stamp(times_ptr, j, 5, TIMING)
@@ -226,7 +268,7 @@ def _epilogue(gu_desc, d_gu_desc, h_w_desc, acc_out, stage, acc_ready, acc_empty
             _stamp(times_ptr, j, 6, TIMING)
         d_w_part += _epilogue_piece(_acc_view(acc_out, 2 * WG + 1), acc_out.index(4 * WG + 2), acc_out.index(4 * WG + 3),
                                     stage, weight, d_gu_desc, h_w_desc, row,
-                                    col + BLOCK_N // 2, ROUTER, STORE_H_W)
+                                    col + BLOCK_N // 2, ROUTER, STORE_H_W, MODE)
         if ROUTER:
             gl.store(d_w_part_ptr + rows * num_n + pid_n, d_w_part)
         tma.store_wait(pendings=0)
@@ -252,10 +294,10 @@ def _no_epilogue(acc_ready, acc_empty, block_range_ptr, I, SPLIT: gl.constexpr, 
 
 @gluon.jit
 def down_dgrad_split_kernel(d_y_desc, w_desc, gu_desc, d_gu_desc, h_w_desc, row_src_ptr, weights_ptr,
-                            d_w_part_ptr, block_expert_ptr, block_range_ptr, ROUTER: gl.constexpr,
+                            d_w_part_ptr, block_expert_ptr, block_range_ptr, d_rows_ptr, w_ptr, ROUTER: gl.constexpr,
                             STORE_H_W: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                             PRODUCER_REGS: gl.constexpr, EPILOGUE_REGS: gl.constexpr, times_ptr, TIMING: gl.constexpr,
-                            NO_EPI: gl.constexpr = False):
+                            NO_EPI: gl.constexpr = False, MODE: gl.constexpr = 0, PREFETCH: gl.constexpr = 0):
     BLOCK_M: gl.constexpr = d_y_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = d_y_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[2]
@@ -291,7 +333,7 @@ def down_dgrad_split_kernel(d_y_desc, w_desc, gu_desc, d_gu_desc, h_w_desc, row_
             (_no_epilogue, (acc_ready, acc_empty, block_range_ptr, I, SPLIT, BLOCK_N)),
             (_no_epilogue, (acc_ready, acc_empty, block_range_ptr, I, SPLIT, BLOCK_N)),
             (_producer, (d_y_desc, w_desc, a_bufs, b_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr,
-                         SPLIT, GROUP_M)),
+                         d_rows_ptr, w_ptr, SPLIT, GROUP_M, PREFETCH)),
         ], [4, 4, 1], [EPILOGUE_REGS, EPILOGUE_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -299,12 +341,12 @@ def down_dgrad_split_kernel(d_y_desc, w_desc, gu_desc, d_gu_desc, h_w_desc, row_
                     GROUP_M, BLOCK_M, BLOCK_N, BLOCK_K, times_ptr, TIMING)),
             (_epilogue, (gu_desc, d_gu_desc, h_w_desc, acc_out, stage0, acc_ready, acc_empty, gu_ready0, row_src_ptr,
                          weights_ptr, d_w_part_ptr, block_range_ptr, I, 0, SPLIT, GROUP_M, BLOCK_M, BLOCK_N, ROUTER,
-                         STORE_H_W, times_ptr, TIMING)),
+                         STORE_H_W, times_ptr, TIMING, MODE)),
             (_epilogue, (gu_desc, d_gu_desc, h_w_desc, acc_out, stage1, acc_ready, acc_empty, gu_ready1, row_src_ptr,
                          weights_ptr, d_w_part_ptr, block_range_ptr, I, 1, SPLIT, GROUP_M, BLOCK_M, BLOCK_N, ROUTER,
-                         STORE_H_W, times_ptr, TIMING)),
+                         STORE_H_W, times_ptr, TIMING, MODE)),
             (_producer, (d_y_desc, w_desc, a_bufs, b_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr,
-                         SPLIT, GROUP_M)),
+                         d_rows_ptr, w_ptr, SPLIT, GROUP_M, PREFETCH)),
         ], [4, 4, 1], [EPILOGUE_REGS, EPILOGUE_REGS, PRODUCER_REGS])
 
 
@@ -331,6 +373,8 @@ def descriptors(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, h_w_RI, cfg=c
 
 TIMES = None
 NO_EPI = False
+MODE = 0
+PREFETCH = 0
 
 
 def _launch(d_rows_RH, w_down_EHI, gate_up_R2I, router, block_expert, blocks, store_h_w, return_kernel, **kw):
@@ -349,8 +393,8 @@ def _launch(d_rows_RH, w_down_EHI, gate_up_R2I, router, block_expert, blocks, st
     grid = (max(1, min(num_sms(d_rows_RH.device), tiles)), )
     kernel = down_dgrad_split_kernel[grid](
         descs["d_y_desc"], descs["w_desc"], descs["gu_desc"], descs["d_gu_desc"], descs["h_w_desc"], row_src, weights,
-        d_w_part, block_expert, block_range, **constexprs(split, router is not None, store_h_w, **kw),
-        times_ptr=TIMES if TIMES is not None else d_w_part, TIMING=TIMES is not None, NO_EPI=NO_EPI, num_warps=4)
+        d_w_part, block_expert, block_range, d_rows_RH, w_down_EHI, **constexprs(split, router is not None, store_h_w, **kw),
+        times_ptr=TIMES if TIMES is not None else d_w_part, TIMING=TIMES is not None, NO_EPI=NO_EPI, MODE=MODE, PREFETCH=PREFETCH, num_warps=4)
     out = d_gate_up, (h_w if store_h_w else None), d_w_part
     return (out, kernel) if return_kernel else out
 
