@@ -6,26 +6,30 @@ launcher builds, here on CPU tensors), in its three variants: the router epilogu
 one-GPU backward runs), the router epilogue without h_w, and plain down_dgrad (no router). The assertions are
 about the code an H200 would run:
 
-  * wgmma: per K step, 4 wgmma.mma_async m64n128k16 in each of the two consumer partitions (8; HGMMA
-    64x128x16 in the SASS), kept in flight across K steps (wgmma.wait_group 1);
-  * TMA: d_y rows by one 2-D copy, the weight tile by 3-D copies (two 64-column messages), the four
-    gate_up boxes by 3-D copies, all completing on mbarriers; d_gate_up by 3-D stores (2 consumers x 2
-    halves x gate/up), h_w by 2-D stores (2 x 2, only with ROUTER and STORE_H_W); the stores' shared-memory
-    reads awaited with cp.async.bulk.wait_group.read; no cp.async;
-  * the epilogue from shared memory: g and u by ldmatrix, d_g, d_u, h_w by stmatrix;
-  * mbarriers: ready + empty per stage, gu_ready, gu_empty (+ wt_ready, wt_empty x 2 with ROUTER);
-  * warp specialization: 12 warps, setmaxnreg 232 (consumers) / 40 (producer, loader);
+  * wgmma: per K step, 8 wgmma.mma_async m64n128k16 (two row halves x four k16) in the MMA partition only
+    (16 in the PTX: K step 0 is peeled out of the loop; HGMMA 64x128x16 in the SASS), kept in flight across
+    K steps (wgmma.wait_group 1);
+  * TMA: d_y rows by one 2-D copy, the weight tile by a 3-D copy, g and u of a piece by 3-D copies (three
+    call sites in each epilogue partition: the first tile, the second piece, the next tile), all completing
+    on mbarriers; d_gate_up by 3-D stores (2 epilogue partitions x 2 pieces x gate/up), h_w by 2-D stores
+    (2 x 2, only with ROUTER and STORE_H_W); the stores' shared-memory reads awaited with
+    cp.async.bulk.wait_group.read before the staging buffers and pieces are reused; no cp.async;
+  * the accumulator through shared memory: 8-byte stores (STS.64) from the MMA partition and 8-byte loads
+    (LDS.64) in the epilogue partitions; g and u by ldmatrix, d_g, d_u, h_w by stmatrix;
+  * mbarriers: ready + empty per stage, acc_ready, acc_empty, one gu_ready per epilogue partition;
+  * warp specialization: 16 warps, setmaxnreg 152 (epilogue partitions) / 40 (producer), the MMA partition
+    the rest (168);
   * ptxas -v: no spills, no stack frame, no C7510 (wgmma serialisation); no local memory in the SASS;
     shared memory within the 227 KB of an SM and at least the buffers the config accounts for.
 
-Bitwise equality with tma_gemm.down_dgrad_tma_kernel (checked on a GPU by benchmarks/gluon_down_dgrad_bench.py)
-rests on the same fp32 K loop (m64n128k16 wgmmas, K steps in order) and the same epilogue math in the same
-layout: test_epilogue_matches_the_triton_kernel compiles the production kernel with its TMA table entry
-and compares the d_w_part row sums' layout, the reduction's lane shuffles and the count of fused
-multiply-adds (LLVM's contractions decide bits) per epilogue.
+Bitwise equality with tma_gemm.down_dgrad_tma_kernel (checked on a GPU by benchmarks/gluon_down_dgrad_bench.py
+and tests/gpu) rests on the same fp32 K loop (m64n128k16 wgmmas, K steps in order) and the same epilogue
+math in the same layout: test_epilogue_matches_the_triton_kernel compiles the production kernel with its
+TMA table entry and compares the d_w_part row sums' layout, the reduction's lane shuffles and the count of
+fused multiply-adds (LLVM's contractions decide bits) per epilogue.
 
-A Python model of the barrier protocol (test_barrier_protocol_model) runs the four partitions' loops,
-with the kernel's counters and parities, against a model of mbarriers, TMA copies and stores in random
+A Python model of the barrier protocol (test_barrier_protocol_model) runs the four partitions' loops, with
+the kernel's counters and parities, against a model of mbarriers, TMA copies and stores in random
 interleavings: no deadlock, every read sees the data of its own tile, nothing overwritten while a TMA
 store or an in-flight wgmma still reads it.
 
@@ -112,6 +116,7 @@ def _report(name: str) -> dict:
             ldmatrix=count(r"ldmatrix\.sync", ptx), stmatrix=count(r"stmatrix\.sync", ptx),
             hgmma=count(r"HGMMA\.64x128x16\.F32\.BF16", sass),
             utmaldg=count(r"UTMALDG", sass), utmastg=count(r"UTMASTG", sass),
+            sts64=count(r"\bSTS\.64\b", sass), lds64=count(r"\bLDS\.64\b", sass),
         )
     return _CACHE[name]
 
@@ -121,39 +126,41 @@ def test_gluon_down_dgrad_sm90a(name):
     r = _report(name)
     cfg, meta, px = G.DEFAULT_CONFIG, r["compiled"].metadata, r["ptxas"]
     h_w = r["router"] and r["store_h_w"]
-    print(f"\ngluon down_dgrad {name} (stages {cfg.ring_stages(h_w)}): {meta.num_warps} warps, {px['registers']} "
+    print(f"\ngluon down_dgrad {name} (stages {cfg.stages}): {meta.num_warps} warps, {px['registers']} "
           f"registers/thread (kernel max), setmaxnreg {r['setmaxnreg']}, shared {meta.shared} B, spills "
           f"{px['spill_stores']}/{px['spill_loads']} B, stack {px['stack']} B; PTX: {r['wgmma']} wgmma m64n128k16, "
           f"wait_group {r['wait_groups']}, TMA loads 2d/3d {r['tma_load_2d']}/{r['tma_load_3d']}, TMA stores 2d/3d "
           f"{r['tma_store_2d']}/{r['tma_store_3d']}, store waits {r['store_wait_read']}, ldmatrix {r['ldmatrix']}, "
           f"stmatrix {r['stmatrix']}, mbarrier init {r['mbar_init']} / try_wait {r['mbar_wait']} / expect_tx "
           f"{r['mbar_expect']} / arrive {r['mbar_arrive']}; SASS: {r['hgmma']} HGMMA, UTMALDG {r['utmaldg']}, "
-          f"UTMASTG {r['utmastg']}, local {r['local']}")
-    # wgmma: a K step is 4 x m64n128k16 per consumer (BLOCK_K 64 / 16), each in its own partition.
-    assert r["wgmma"] == r["wgmma_any"] == 2 * 4, f"{name}: wgmma {r['wgmma']}/{r['wgmma_any']}"
-    assert r["hgmma"] == 2 * 4, f"{name}: {r['hgmma']} HGMMA in the SASS"
+          f"UTMASTG {r['utmastg']}, STS.64 {r['sts64']}, LDS.64 {r['lds64']}, local {r['local']}")
+    # wgmma: a K step is 2 x 4 m64n128k16 (two row halves, BLOCK_K 64 / 16), twice in the code (K step 0 peeled).
+    assert r["wgmma"] == r["wgmma_any"] == 2 * 8, f"{name}: wgmma {r['wgmma']}/{r['wgmma_any']}"
+    assert r["hgmma"] == 2 * 8, f"{name}: {r['hgmma']} HGMMA in the SASS"
     assert 1 in r["wait_groups"], f"{name}: wgmma not kept in flight across K steps ({r['wait_groups']})"
-    # TMA: d_y (2-D), the weight tile (3-D, two 64-column messages) and four gate_up boxes (3-D) in; d_gate_up
-    # (3-D) and h_w (2-D) out, from both consumers and both column halves.
-    assert r["tma_load_2d"] == 1 and r["tma_load_3d"] == 2 + 4, (
+    # TMA: d_y (2-D) and the weight tile (3-D, two 64-column messages) in the producer; g and u (3-D) at three
+    # call sites in each epilogue partition; d_gate_up (3-D) and h_w (2-D) out, per partition and piece.
+    assert r["tma_load_2d"] == 1 and r["tma_load_3d"] == 2 + 2 * 3 * 2, (
         f"{name}: TMA loads {r['tma_load_2d']}/{r['tma_load_3d']}")
     assert r["tma_store_3d"] == 2 * 2 * 2, f"{name}: {r['tma_store_3d']} d_gate_up stores"
     assert r["tma_store_2d"] == (2 * 2 if h_w else 0), f"{name}: {r['tma_store_2d']} h_w stores"
-    assert r["store_wait_read"] >= 2 and r["cp_async"] == 0, f"{name}: store waits / cp.async"
+    assert r["store_wait_read"] == 2 * 2 and r["cp_async"] == 0, f"{name}: store waits / cp.async"
     assert r["utmaldg"] >= 3 and r["utmastg"] >= 2 * 2 * 2
-    # The epilogue reads g, u from shared memory and writes its outputs there (no global loads of gate_up).
+    # The accumulator through shared memory in 8-byte accesses (128 fp32 registers: 64 stores in the MMA
+    # partition; 2 pieces x 32 registers: 32 loads in each epilogue partition); g, u by ldmatrix, the outputs
+    # by stmatrix.
+    assert r["sts64"] >= 64 and r["lds64"] == 2 * 32, f"{name}: STS.64 {r['sts64']}, LDS.64 {r['lds64']}"
     assert r["ldmatrix"] > 0 and r["stmatrix"] > 0, f"{name}: ldmatrix {r['ldmatrix']}, stmatrix {r['stmatrix']}"
-    # mbarriers: ready + empty per stage, gu_ready, gu_empty, and with ROUTER wt_ready + wt_empty (x 2).
-    stages = cfg.ring_stages(h_w)
-    assert r["mbar_init"] == 2 * stages + 2 + (4 if r["router"] else 0), f"{name}: {r['mbar_init']} mbarrier.init"
-    assert r["mbar_expect"] >= 2, f"{name}: expect_tx for the ring and for the gate_up boxes"
-    assert r["mbar_wait"] >= (9 if r["router"] else 6) and r["mbar_arrive"] >= 6
+    # mbarriers: ready + empty per stage, acc_ready, acc_empty, gu_ready x 2.
+    assert r["mbar_init"] == 2 * cfg.stages + 4, f"{name}: {r['mbar_init']} mbarrier.init"
+    assert r["mbar_expect"] >= 1 + 2 * 3, f"{name}: expect_tx for the ring and for each g, u copy"
+    assert r["mbar_wait"] >= 2 + 2 + 2 * 3 and r["mbar_arrive"] >= 2 + 2
     # Warp specialization and its register split.
-    assert meta.num_warps == 12, f"{name}: {meta.num_warps} warps"
-    assert_register_split(name, r, cfg.producer_regs, cfg.consumer_regs)
+    assert meta.num_warps == 16, f"{name}: {meta.num_warps} warps"
+    assert_register_split(name, r, cfg.producer_regs, cfg.epilogue_regs)
     # No spills, nothing serialised, shared memory within the SM.
     assert_no_spills_or_serialisation(name, r)
-    want = cfg.smem_bytes(r["router"], r["store_h_w"])
+    want = cfg.smem_bytes()
     assert want <= meta.shared <= SMEM_LIMIT, f"{name}: shared {meta.shared} B (buffers {want} B)"
 
 
@@ -247,18 +254,18 @@ class _Cell:
 
 
 class _Model:
-    def __init__(self, tiles: int, k_steps: int, stages: int, router: bool, prefetch: int, release: int, seed: int):
+    """The kernel's four partitions: producer, MMA warpgroup, epilogue warpgroups 0 and 1."""
+
+    def __init__(self, tiles: int, k_steps: int, stages: int, router: bool, seed: int):
         self.tiles, self.k_steps, self.stages, self.router = tiles, k_steps, stages, router
-        self.prefetch_step, self.release_step = min(k_steps - 1, prefetch), min(k_steps - 1, release)
         self.rng = random.Random(seed)
         self.ready = [_MBarrier(1) for _ in range(stages)]
-        self.empty = [_MBarrier(2) for _ in range(stages)]
-        self.gu_ready, self.gu_empty = _MBarrier(1), _MBarrier(2)
-        self.wt_ready, self.wt_empty = [_MBarrier(1) for _ in range(2)], [_MBarrier(2) for _ in range(2)]
+        self.empty = [_MBarrier(1) for _ in range(stages)]
+        self.acc_ready, self.acc_empty = _MBarrier(1), _MBarrier(2)
+        self.gu_ready = [_MBarrier(1), _MBarrier(1)]
         self.slots = [_Cell() for _ in range(stages)]
-        self.gu = {(i, wg): _Cell() for i in range(4) for wg in range(2)}  # gate_up buffer i, warpgroup rows
-        self.hw = {(wg, half): _Cell() for wg in range(2) for half in range(2)}
-        self.wt = [_Cell() for _ in range(2)]
+        self.pieces = [_Cell() for _ in range(4)]  # accumulator piece p, then its d_g / d_u
+        self.staging = [[_Cell(), _Cell()] for _ in range(2)]  # per warpgroup: g (then h_w), u
         self.events: list = []  # async completions: TMA copies landing, TMA stores reading shared memory
         self.stores_in_flight = [0, 0]
 
@@ -290,20 +297,8 @@ class _Model:
                 self.ready[s].expect(1)
                 self._tma_load([self.slots[s]], (j, ki), self.ready[s])
                 p += 1
-                if ki == self.prefetch_step:
-                    yield ("bar", self.gu_empty, (j & 1) ^ 1)
-                    self.gu_ready.expect(4)
-                    for i in range(4):
-                        self._tma_load([self.gu[(i, 0)], self.gu[(i, 1)]], ("gate_up", j), self.gu_ready)
 
-    def loader(self):
-        for j in range(self.tiles):
-            b = j % 2
-            yield ("bar", self.wt_empty[b], ((j // 2) & 1) ^ 1)
-            self.wt[b].write(("weights", j))
-            self.wt_ready[b].arrive()
-
-    def consumer(self, wg: int):
+    def mma(self):
         c = 0
         for j in range(self.tiles):
             in_flight = None  # the wgmma not retired yet: (slot cell, tag)
@@ -318,34 +313,44 @@ class _Model:
                 in_flight = (self.slots[s], (j, ki))
                 if ki > 0:
                     self.empty[(c + self.stages - 1) % self.stages].arrive()
-                if ki == self.release_step:
-                    yield ("stores", wg)
-                    if j > 0:
-                        self.gu_empty.arrive()
                 c += 1
             in_flight[0].readers -= 1  # warpgroup_mma_wait(0)
             assert in_flight[0].tag == in_flight[1]
             self.empty[(c + self.stages - 1) % self.stages].arrive()
-            if self.router:
-                b = j % 2
-                yield ("bar", self.wt_ready[b], (j // 2) & 1)
-                assert self.wt[b].tag == ("weights", j), f"tile {j} read the weights of {self.wt[b].tag}"
-                self.wt_empty[b].arrive()
-            yield ("bar", self.gu_ready, j & 1)
+            yield ("bar", self.acc_empty, (j & 1) ^ 1)
+            for piece in self.pieces:
+                piece.write(("acc", j))
+            self.acc_ready.arrive()
+
+    def _load_gate_up(self, wg: int, j: int, half: int) -> None:
+        self.gu_ready[wg].expect(2)
+        for cell in self.staging[wg]:
+            self._tma_load([cell], ("gate_up", j, half), self.gu_ready[wg])
+
+    def epilogue(self, wg: int):
+        if self.tiles > 0:
+            self._load_gate_up(wg, 0, 0)
+        for j in range(self.tiles):
+            yield ("bar", self.acc_ready, j & 1)
             for half in range(2):
-                g, u = self.gu[(2 * half, wg)], self.gu[(2 * half + 1, wg)]
-                assert g.tag == u.tag == ("gate_up", j), f"tile {j} read gate_up {g.tag} / {u.tag}"
-                cells = [(g, ("d_gate_up", j)), (u, ("d_gate_up", j))]
-                if self.router:
-                    cells.append((self.hw[(wg, half)], ("h_w", j)))
-                for cell, tag in cells:
+                yield ("bar", self.gu_ready[wg], half)
+                piece, (g, u) = self.pieces[2 * wg + half], self.staging[wg]
+                assert piece.tag == ("acc", j), f"tile {j} read the accumulator {piece.tag}"
+                assert g.tag == u.tag == ("gate_up", j, half), f"tile {j} half {half} read {g.tag} / {u.tag}"
+                outputs = [(piece, ("d_gate_up", j, half))] + ([(g, ("h_w", j, half))] if self.router else [])
+                for cell, tag in outputs:
                     cell.write(tag)
-                for cell, tag in cells:
+                for cell, tag in outputs:
                     self._tma_store(wg, cell, tag)
-        yield ("stores", wg)
+                yield ("stores", wg)  # tma.store_wait(0)
+                if half == 0:
+                    self._load_gate_up(wg, j, 1)
+            self.acc_empty.arrive()
+            if j + 1 < self.tiles:
+                self._load_gate_up(wg, j + 1, 0)
 
     def run(self) -> None:
-        procs = [self.producer(), self.consumer(0), self.consumer(1)] + ([self.loader()] if self.router else [])
+        procs = [self.producer(), self.mma(), self.epilogue(0), self.epilogue(1)]
         waiting = {i: None for i in range(len(procs))}  # what each process waits for (None: runnable)
 
         def runnable(i):
@@ -373,24 +378,37 @@ class _Model:
 
 @pytest.mark.parametrize("router", [True, False])
 def test_barrier_protocol_model(router):
-    cfg = G.DEFAULT_CONFIG
-    steps = [(cfg.gu_prefetch_step, cfg.gu_release_step), (0, 0), (1, 0), (3, 3)]
     runs = 0
     for tiles in (0, 1, 2, 3, 6):
         for k_steps in (1, 2, 3, 7):
-            for stages in (2, 3, cfg.ring_stages(router)):
-                for prefetch, release in steps:
-                    for seed in range(4):
-                        _Model(tiles, k_steps, stages, router, prefetch, release, seed).run()
-                        runs += 1
+            for stages in (2, 3, G.DEFAULT_CONFIG.stages):
+                for seed in range(8):
+                    _Model(tiles, k_steps, stages, router, seed).run()
+                    runs += 1
     print(f"\n{runs} random interleavings of the partitions: no deadlock, no stale or overwritten buffer")
+
+
+def test_barrier_protocol_model_catches_a_missing_wait():
+    """The model fails where the kernel would: without the epilogue's store wait before reloading the
+    staging buffers, a TMA store still reading h_w meets the next g."""
+    class Unwaited(_Model):
+        def epilogue(self, wg):
+            for item in super().epilogue(wg):
+                if item != ("stores", wg):
+                    yield item
+
+    failures = 0
+    for seed in range(20):
+        try:
+            Unwaited(3, 2, 2, True, seed).run()
+        except AssertionError:
+            failures += 1
+    assert failures > 0
 
 
 def test_config_fits_and_matches_the_triton_tile():
     """The tile is the TMA table's (d_w_part's column blocks and the bitwise match depend on it)."""
     cfg, table = G.DEFAULT_CONFIG, _SM90_TMA.down_dgrad
     assert (cfg.block_m, cfg.block_n, cfg.block_k) == (table.block_m, table.block_n, table.block_k)
-    assert cfg.group_m == table.group_m  # the same tile order (L2 reuse), not needed for the bits
-    assert cfg.gu_release_step <= cfg.gu_prefetch_step
-    for router, store_h_w in VARIANTS.values():
-        assert cfg.smem_bytes(router, store_h_w) + 1024 <= SMEM_LIMIT, dataclasses.asdict(cfg)
+    assert cfg.stages == table.num_stages and cfg.group_m == table.group_m  # the launcher's config is the table's
+    assert cfg.smem_bytes() + 1024 <= SMEM_LIMIT, dataclasses.asdict(cfg)

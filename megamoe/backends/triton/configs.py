@@ -96,11 +96,11 @@ _SM90_TMA = KernelConfigs(
     # kernel's 614 / 624, qwen3-235b-a22b 668 / 658 against 645 / 643 (benchmarks/gluon_rows_bench.py,
     # h200-gluon-rows-v1.json); ping-pong (128 x 128, alternate tiles) 609-635, below.
     down_fwd=TileConfig(128, 256, 64, num_warps=4, num_stages=3, tma=True, gluon=True),
-    # down_dgrad (the router epilogue, h_w stored): the Gluon kernel (kernels/gluon_down_dgrad.py), whose
-    # producer prefetches the tile's gate_up during the main loop and a loader warp the router weights, so the
-    # epilogue reads shared memory only: qwen3-30b-a3b 1.007 ms against 1.290 (the flattened Triton kernel),
-    # qwen3-235b-a22b 3.394 against 4.010, bitwise equal (benchmarks/gluon_down_dgrad_bench.py,
-    # h200-gluon-down-dgrad-v1.json).
+    # down_dgrad (the router epilogue, h_w stored): the Gluon kernel (kernels/gluon_down_dgrad.py), one
+    # warpgroup on the tensor cores and two on the SwiGLU-backward epilogue beside it: 1.04-1.09x the
+    # cooperative Gluon kernel before it (which ran 1.28x / 1.18x the flattened Triton kernel at
+    # qwen3-30b-a3b / qwen3-235b-a22b), bitwise equal (h200-down-dgrad-split-ab-v1.json,
+    # h200-down-dgrad-split-prefetch-ab-v1.json).
     down_dgrad=TileConfig(128, 128, 64, num_warps=4, num_stages=4, tma=True, gluon=True),
     gate_up_dgrad=TileConfig(128, 256, 64, num_warps=4, num_stages=3, tma=True, gluon=True),
     # The Gluon weight-grad kernel (kernels/gluon_dw.py), the same 128 x 256 x 64 tile, bitwise equal:

@@ -1,8 +1,8 @@
-"""down_dgrad on Hopper in Gluon: a warp-specialized version of tma_gemm.down_dgrad_tma_kernel whose epilogue
-never waits on HBM.
+"""down_dgrad on Hopper in Gluon: one warpgroup runs the tensor cores without pause, two others run the
+SwiGLU-backward epilogue beside it.
 
-What it computes (bit for bit what down_dgrad_tma_kernel computes with the TMA tile table's 128 x 128 x 64
-tile, kernels.down_dgrad / down_dgrad_router):
+What it computes (bit for bit what tma_gemm.down_dgrad_tma_kernel computes with the TMA tile table's
+128 x 128 x 64 tile, kernels.down_dgrad / down_dgrad_router):
 
     acc [128, 128] = d_y_rows[rows] @ w_down[e][:, cols]        K = H in steps of 64, in order, fp32
     then per column half (64 columns), as tma_gemm._down_dgrad_half:
@@ -23,40 +23,43 @@ device block range are never visited, so no host sync):
   * producer (1 warp): per (tile, K step) waits for a free slot of the STAGES-deep operand ring ("empty"
     mbarrier), arms the slot's "ready" mbarrier with the byte count and issues two TMA copies: the d_y
     rows [128, 64] and the weight tile [1, 64, 128] of w_down [E, H, I] (N-contiguous; a K or N tail reads
-    zeros, never the next expert). After the K step GU_PREFETCH_STEP of a tile (or its last, if fewer) it
-    also prefetches the tile's gate_up inputs: it waits for the gate_up buffers to be free ("gu_empty") and
-    issues four TMA copies ([128, 1, 64] each: gate and up of both column halves) onto "gu_ready". They have
-    the rest of the main loop (tens of K steps at the model shapes) to arrive.
-  * router-weight loader (1 warp, ROUTER only): per tile, the rows' router weights (pair_weights: two
-    dependent pointer loads, row_src then weights) into a double-buffered [2, 128] fp32 shared buffer
-    ("wt_ready" / "wt_empty"), up to two tiles ahead, so that latency is off the consumers' path too.
-  * consumers (2 warpgroups, "cooperative"): both work on every tile, 64 rows each. K loop: wait "ready",
-    async wgmma m64n128k16 from the slot, keep one wgmma group in flight, release the previous slot. Then
-    the epilogue, all from shared memory: wait "gu_ready" (and "wt_ready"), and per column half load g, u
-    (local_load into the accumulator half's layout), compute in registers, write d_g and d_u back over the
-    g and u they were computed from (the same shared memory, then TMA-stored from there) and h_w into its
-    own buffer, and issue the three TMA stores (clipped at I and at the rows' end). The epilogue does not
-    wait for its stores: the next tile's K step GU_RELEASE_STEP (<= GU_PREFETCH_STEP) waits for them to
-    have read shared memory (cp.async.bulk.wait_group.read) and then releases the gate_up buffers
-    ("gu_empty") -- by then they are long done, while the next tile's wgmmas run.
+    zeros, never the next expert).
+  * MMA warpgroup (the default partition): every tile's main loop whole: acc [128, 128] (two m64n128k16
+    wgmmas per k16 step, one K step in flight, the previous step's slot released when its wgmma retires).
+    Then, once the epilogue warpgroups have taken the previous tile's accumulator ("acc_empty"), it writes
+    acc to shared memory as four fp32 [64, 64] pieces (row half, column half; register renaming into
+    HALF_LAYOUT, then conflict-free 8-byte stores) and arrives on "acc_ready" -- about 0.3 us -- and goes on
+    with the next tile's main loop.
+  * epilogue warpgroups 0 and 1: rows [64 w, 64 w + 64) of every tile, one column half (piece) at a time:
+    g and u of the piece by TMA into the warpgroup's staging buffers ("gu_ready"), the rows' router weights
+    by pointer loads, acc from its piece, the math in registers, then d_g and d_u written over the
+    accumulator piece (bf16, the bytes of the fp32 piece it was computed from) and h_w over g, and three TMA
+    stores (clipped at I and at the rows' end). Before the second piece's g and u overwrite the staging
+    buffers, the first piece's stores must have read them (cp.async.bulk.wait_group.read); after the second
+    piece, the same wait, then "acc_empty", and the next tile's first g, u copies are issued at once, so they
+    land while the warpgroup waits for the next accumulator.
 
-Shared memory (bf16, the default 4 stages): ring 4 x (128 x 64 + 64 x 128) x 2 B = 128 KB, gate_up buffers
-4 x 128 x 64 x 2 B = 64 KB (reused for d_gate_up), h_w buffers 2 warpgroups x 2 halves x 64 x 64 x 2 B =
-32 KB, router weights 1 KB, barriers: 225 KB of the 227 KB an SM allows. There is no room for separate
-d_gate_up staging buffers beside a 4-stage ring, hence the in-place reuse. Without h_w (no ROUTER, or no
-STORE_H_W) the ring takes a 5th stage in the h_w buffers' place.
+Why this split (benchmarks/results/h200-down-dgrad-*-v1.json, docs/perf-notes.md "GEMM core v4"): in the
+previous, cooperative design both warpgroups ran the main loop on 64 rows each and then the epilogue
+together, leaving the tensor cores idle for ~5 us of every ~20 us tile at qwen3-30b-a3b; here the epilogue
+(~9 us a tile) runs beside the next main loop, 1.04-1.09x faster at every workload. A ping-pong of two
+warpgroups with a 128-row tile each lost (its one-warpgroup epilogue, 128 accumulator registers live, took
+28 us a tile).
 
-Registers: kernel-wide 168 per thread for 12 warps (two consumer warpgroups, the producer's and the loader's
-warps in a third); setmaxnreg moves them to 232 (consumers) / 40 (producer, loader). The epilogue runs on
-column halves, as the Triton kernel's: a half's acc, g, u and temporaries fit beside the other half's acc.
+Shared memory (bf16, the default 4 stages): ring 4 x (128 x 64 + 64 x 128) x 2 B = 128 KB, accumulator
+pieces 4 x 64 x 64 x 4 B = 64 KB (reused for d_gate_up), staging 2 warpgroups x (g, u) x 64 x 64 x 2 B =
+32 KB (g's reused for h_w), barriers: 224 KB of the 227 KB an SM allows.
+
+Registers: 16 warps (the MMA warpgroup, two epilogue warpgroups, the producer's warp padded to a fourth);
+setmaxnreg gives the epilogue warpgroups 152, the producer 40 and the MMA warpgroup the rest, 168 (its
+accumulator takes 128).
 
 Barrier protocol (phase parities; a fresh mbarrier counts as having completed the phase before phase 0):
-  ready[s] (count 1: expect + TMA bytes)      consumers wait parity (c // STAGES) & 1 for slot counter c
-  empty[s] (count 2: one arrive per consumer)  producer waits ((p // STAGES) & 1) ^ 1
-  gu_ready (count 1: expect + TMA bytes)      consumers wait parity j & 1 for their j-th tile
-  gu_empty (count 2)                          producer waits (j & 1) ^ 1 before tile j's prefetch; consumers
-                                              arrive in tile j + 1's K loop (not in their first tile)
-  wt_ready[b], wt_empty[b] (counts 1, 2)      tile j uses buffer j % 2, parities (j // 2) & 1 (^ 1 to refill)
+  ready[s] (count 1: expect + TMA bytes)   MMA waits parity (c // STAGES) & 1 for slot counter c
+  empty[s] (count 1)                       producer waits ((p // STAGES) & 1) ^ 1
+  acc_ready (count 1)                      epilogue warpgroups wait parity j & 1 for the CTA's j-th tile
+  acc_empty (count 2: one per epilogue)    MMA waits (j & 1) ^ 1 before writing tile j's accumulator
+  gu_ready[w] (count 1: expect + bytes)    warpgroup w's two pieces a tile: parities 0, then 1
 Every partition walks the same tiles in the same order, so the counters agree.
 """
 
@@ -66,6 +69,7 @@ import dataclasses
 
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -81,15 +85,27 @@ from megamoe.backends.triton.kernels._common import (
 from megamoe.backends.triton.kernels.gluon_common import nvmma_layout
 from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
 
-NUM_CONSUMERS = gl.constexpr(2)  # consumer warpgroups, 64 rows of every 128-row tile each
-GU_BUFFERS = gl.constexpr(4)  # gate_up buffers of a tile: index 2 * column half + (0: gate, 1: up)
-# A warpgroup's accumulator [64, 128] (wgmma m64n128) split into column halves [64, 64]: the wgmma
-# accumulator's registers without the column-64 bit. This is the layout Triton gives the epilogue of
-# down_dgrad_tma_kernel (its 128-row tile over 8 warps: the same bases plus a third warp bit for rows
-# 64..127), so the row sums of d_w_part run over the same registers and lanes in the same order.
+PIECE_M = gl.constexpr(64)  # rows of an epilogue warpgroup's part of a tile
+# An accumulator piece [64, 64] (the column-64 and row-64 bits of the MMA warpgroup's [128, 128] wgmma
+# accumulator taken out): the layout Triton gives the epilogue of down_dgrad_tma_kernel (its 128-row tile
+# over 8 warps: the same bases plus a third warp bit for rows 64..127), so the row sums of d_w_part run over
+# the same registers and lanes in the same order.
 HALF_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [8, 0], [0, 8], [0, 16], [0, 32]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
     warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 64]))
+# An fp32 piece in shared memory: offset bits 0-5 are one HALF_LAYOUT access's 8 rows x 8 columns (column
+# bits 0-2, row bits 0-2), so each 8-byte store of the MMA warpgroup and load of an epilogue warpgroup is two
+# wavefronts of 32 banks, the fewest 256 bytes take.
+ACC_SMEM_LAYOUT = gl.constexpr(gl.SharedLinearLayout(
+    offset_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [4, 0], [0, 8], [0, 16], [0, 32], [8, 0], [16, 0], [32, 0]]))
+
+
+@triton.jit
+def row_halves(acc):
+    """acc [M, N] -> (acc[:M/2], acc[M/2:])."""
+    m: tl.constexpr = acc.shape[0]
+    n: tl.constexpr = acc.shape[1]
+    return acc.reshape(2, m // 2, n).permute(1, 2, 0).split()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -97,25 +113,19 @@ HALF_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
 
 
 @gluon.jit
-def _producer(d_y_desc, w_desc, gu_desc, a_bufs, b_bufs, gu_bufs, ready_bars, empty_bars, gu_ready, gu_empty,
-              block_expert_ptr, block_range_ptr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr,
-              GU_PREFETCH_STEP: gl.constexpr):
-    """One warp: TMA copies of every (tile, K step) of this CTA into the slot ring, in order, and of each
-    tile's gate_up inputs after its K step GU_PREFETCH_STEP."""
+def _producer(d_y_desc, w_desc, a_bufs, b_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr,
+              SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
+    """One warp: TMA copies of every (tile, K step) of this CTA into the slot ring, in order."""
     BLOCK_M: gl.constexpr = d_y_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = d_y_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[2]
-    HALF_N: gl.constexpr = gu_desc.block_type.shape[2]
     STAGES: gl.constexpr = a_bufs.shape[0]
     STEP_BYTES: gl.constexpr = d_y_desc.block_type.nbytes + w_desc.block_type.nbytes
-    GU_BYTES: gl.constexpr = GU_BUFFERS * gu_desc.block_type.nbytes
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
     num_n = gl.cdiv(w_desc.shape[2], BLOCK_N)
     k_steps = gl.cdiv(d_y_desc.shape[1], BLOCK_K)
-    prefetch_step = gl.minimum(k_steps - 1, GU_PREFETCH_STEP)
     p = 0  # slot counter: slot p % STAGES, its use number p // STAGES
-    j = 0  # this CTA's tile counter
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
         m = first_m + pid_m
@@ -130,213 +140,217 @@ def _producer(d_y_desc, w_desc, gu_desc, a_bufs, b_bufs, gu_bufs, ready_bars, em
             tma.async_copy_global_to_shared(d_y_desc, [row, ki * BLOCK_K], bar, a_bufs.index(s))
             tma.async_copy_global_to_shared(w_desc, [expert, ki * BLOCK_K, col], bar, b_bufs.index(s))
             p += 1
-            if ki == prefetch_step:
-                # The consumers free the gate_up buffers of tile j - 1 in this tile's K step <= this one.
-                mbarrier.wait(gu_empty, (j & 1) ^ 1)
-                mbarrier.expect(gu_ready, GU_BYTES)
-                for i in gl.static_range(GU_BUFFERS):
-                    tma.async_copy_global_to_shared(gu_desc, [row, i % 2, col + (i // 2) * HALF_N], gu_ready,
-                                                    gu_bufs.index(i))
-        j += 1
 
 
 @gluon.jit
-def _router_weight_loader(row_src_ptr, weights_ptr, wt_bufs, wt_ready, wt_empty, block_range_ptr, I,
-                          SPLIT: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """One warp (ROUTER): each tile's router weights (pair_weights of its rows) into wt_bufs[j % 2]."""
-    layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
-    first_m, end_m = load_range(block_range_ptr, SPLIT)
-    num_m = end_m - first_m
-    num_n = gl.cdiv(I, BLOCK_N)
-    j = 0
-    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-        rows = (first_m + pid_m) * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)
-        weight = pair_weights(row_src_ptr, weights_ptr, rows)
-        b = j % 2
-        mbarrier.wait(wt_empty.index(b), ((j // 2) & 1) ^ 1)
-        wt_bufs.index(b).store(weight)
-        mbarrier.arrive(wt_ready.index(b))
-        j += 1
-
-
-@gluon.jit
-def _epilogue_half(acc, weight, gu_bufs, hw_bufs, d_gu_desc, h_w_desc, row, col, HALF: gl.constexpr,
-                   WG: gl.constexpr, ROUTER: gl.constexpr, STORE_H_W: gl.constexpr):
-    """tma_gemm._down_dgrad_half on this warpgroup's rows of column half HALF, from shared memory: g and u
-    from the gate_up buffers, d_g and d_u written back over them and TMA-stored from there, h_w through its
-    own buffer. Returns the router-weight gradient's partial sum over the half's columns (ROUTER), else 0."""
-    WG_M: gl.constexpr = acc.shape[0]
-    HALF_N: gl.constexpr = acc.shape[1]
-    layout: gl.constexpr = acc.type.layout
-    # Two views of this warpgroup's rows of a gate_up buffer: [WG_M, 1, HALF_N] (the d_gate_up store's box)
-    # and [WG_M, HALF_N] (registers).
-    g_box = gu_bufs.index(2 * HALF).slice(WG * WG_M, WG_M)
-    u_box = gu_bufs.index(2 * HALF + 1).slice(WG * WG_M, WG_M)
-    g_tile = gu_bufs.index(2 * HALF).reshape([2 * WG_M, HALF_N]).slice(WG * WG_M, WG_M)
-    u_tile = gu_bufs.index(2 * HALF + 1).reshape([2 * WG_M, HALF_N]).slice(WG * WG_M, WG_M)
-    g = g_tile.load(layout)
-    u = u_tile.load(layout)
-    d_w_part = gl.zeros([WG_M], gl.float32, gl.SliceLayout(1, layout))
-    if ROUTER:
-        acc, h_w, d_w_part = router_epilogue(acc, g, u, weight)
-        if STORE_H_W:
-            hw_buf = hw_bufs.index(2 * WG + HALF)
-            hw_buf.store(h_w.to(h_w_desc.dtype))
-    d_g, d_u = swiglu_bwd(acc, g, u)
-    g_tile.store(d_g.to(d_gu_desc.dtype))
-    u_tile.store(d_u.to(d_gu_desc.dtype))
-    # Every thread's generic-proxy writes above, then its proxy fence, then a barrier of the warpgroup, then
-    # the TMA stores (issued by one thread). Without the explicit barrier Triton's barrier analysis would put
-    # one after the writes but could leave it before the fence (h_w's writes are already ordered by the
-    # barrier before d_g's writes over g), which does not order another thread's writes before the copy.
-    fence_async_shared()
-    gl.thread_barrier()
-    if ROUTER and STORE_H_W:
-        tma.async_copy_shared_to_global(h_w_desc, [row, col], hw_buf)
-    tma.async_copy_shared_to_global(d_gu_desc, [row, 0, col], g_box)
-    tma.async_copy_shared_to_global(d_gu_desc, [row, 1, col], u_box)
-    return d_w_part
-
-
-@gluon.jit
-def _consumer(d_gu_desc, h_w_desc, a_bufs, b_bufs, gu_bufs, hw_bufs, wt_bufs, ready_bars, empty_bars, gu_ready,
-              gu_empty, wt_ready, wt_empty, d_w_part_ptr, block_range_ptr, H, I, WG: gl.constexpr,
-              SPLIT: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              BLOCK_K: gl.constexpr, ROUTER: gl.constexpr, STORE_H_W: gl.constexpr,
-              GU_RELEASE_STEP: gl.constexpr):
-    """One warpgroup (4 warps): rows [WG * 64, WG * 64 + 64) of every tile: async wgmma over the ring, then
-    the epilogue on the two column halves (_epilogue_half) and the d_w_part store."""
+def _k_step(a_bufs, b_bufs, ready_bars, empty_bars, acc, c, ki):
+    """K step ki of a tile (slot counter c): async wgmma from the slot, one step kept in flight, the previous
+    step's slot released."""
     STAGES: gl.constexpr = a_bufs.shape[0]
-    WG_M: gl.constexpr = BLOCK_M // NUM_CONSUMERS
+    BLOCK_K: gl.constexpr = a_bufs.shape[2]
+    BLOCK_N: gl.constexpr = acc.shape[1]
+    s = c % STAGES
+    mbarrier.wait(ready_bars.index(s), (c // STAGES) & 1)
+    acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).reshape([BLOCK_K, BLOCK_N]), acc, is_async=True)
+    # The wgmma of step c - 1 has retired: its slot goes back to the producer.
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+    mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=ki > 0)
+    return acc
+
+
+@gluon.jit
+def _acc_piece(acc_out, i: gl.constexpr):
+    """Accumulator piece i (2 * row half + column half): fp32 [64, 64] over the bytes of d_gate_up boxes
+    2i and 2i + 1."""
+    PM: gl.constexpr = acc_out.shape[1]
+    HALF_N: gl.constexpr = acc_out.shape[3]
+    return acc_out._reinterpret(gl.float32, [4, PM, HALF_N], ACC_SMEM_LAYOUT).index(i)
+
+
+@gluon.jit
+def _store_piece(acc_out, i: gl.constexpr, piece):
+    # Register renaming only (assert_trivial): the piece already is in HALF_LAYOUT.
+    _acc_piece(acc_out, i).store(gl.convert_layout(piece, HALF_LAYOUT, assert_trivial=True))
+
+
+@gluon.jit
+def _mma(a_bufs, b_bufs, acc_out, ready_bars, empty_bars, acc_ready, acc_empty, block_range_ptr, H, I,
+         SPLIT: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+         BLOCK_K: gl.constexpr):
+    """One warpgroup: every tile's [128, 128] accumulator over the ring, then into shared memory."""
+    STAGES: gl.constexpr = a_bufs.shape[0]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
     num_n = gl.cdiv(I, BLOCK_N)
     k_steps = gl.cdiv(H, BLOCK_K)
-    release_step = gl.minimum(k_steps - 1, GU_RELEASE_STEP)
     c = 0  # slot counter, as the producer's
     j = 0  # this CTA's tile counter
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-        row = (first_m + pid_m) * BLOCK_M + WG * WG_M
-        col = pid_n * BLOCK_N
-        acc = gl.zeros([WG_M, BLOCK_N], gl.float32, acc_layout)
-        for ki in range(k_steps):
-            s = c % STAGES
-            mbarrier.wait(ready_bars.index(s), (c // STAGES) & 1)
-            a = a_bufs.index(s).slice(WG * WG_M, WG_M)
-            b = b_bufs.index(s).reshape([BLOCK_K, BLOCK_N])
-            acc = warpgroup_mma(a, b, acc, is_async=True)
-            # The wgmma of step c - 1 has retired: its slot goes back to the producer.
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=ki > 0)
-            if ki == release_step:
-                # The previous tile's TMA stores have read the gate_up and h_w buffers: free them.
-                tma.store_wait(pendings=0)
-                mbarrier.arrive(gu_empty, pred=j > 0)
-            c += 1
+        # K step 0 outside the loop (H >= 1: every tile has it): the accumulator's zeros then reach only a
+        # wgmma. With the zeros also on the path of an empty loop, LLVM may copy them into the accumulator
+        # where that path meets the loop's exit, with a wgmma still in flight, and ptxas answers by
+        # serialising every wgmma (C7515).
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+        acc = _k_step(a_bufs, b_bufs, ready_bars, empty_bars, acc, c, 0)
+        for ki in range(1, k_steps):
+            acc = _k_step(a_bufs, b_bufs, ready_bars, empty_bars, acc, c + ki, ki)
+        c += k_steps
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES))
-        acc0, acc1 = column_halves(acc)
-        # Register renaming only (assert_trivial): the halves already are in HALF_LAYOUT.
-        acc0 = gl.convert_layout(acc0, HALF_LAYOUT, assert_trivial=True)
-        acc1 = gl.convert_layout(acc1, HALF_LAYOUT, assert_trivial=True)
-        weight = gl.zeros([WG_M], gl.float32, gl.SliceLayout(1, HALF_LAYOUT))  # read only with ROUTER
-        if ROUTER:
-            wb = j % 2
-            mbarrier.wait(wt_ready.index(wb), (j // 2) & 1)
-            weight = wt_bufs.index(wb).slice(WG * WG_M, WG_M).load(gl.SliceLayout(1, HALF_LAYOUT))
-            mbarrier.arrive(wt_empty.index(wb))
-        mbarrier.wait(gu_ready, j & 1)
-        d_w_part = _epilogue_half(acc0, weight, gu_bufs, hw_bufs, d_gu_desc, h_w_desc, row, col, 0, WG, ROUTER,
-                                  STORE_H_W)
-        d_w_part += _epilogue_half(acc1, weight, gu_bufs, hw_bufs, d_gu_desc, h_w_desc, row, col + BLOCK_N // 2, 1,
-                                   WG, ROUTER, STORE_H_W)
-        if ROUTER:
-            rows = row + gl.arange(0, WG_M, layout=gl.SliceLayout(1, HALF_LAYOUT))
-            gl.store(d_w_part_ptr + rows * num_n + pid_n, d_w_part)
+        # The epilogue warpgroups are done with tile j - 1's pieces (their stores have read them).
+        mbarrier.wait(acc_empty, (j & 1) ^ 1)
+        acc_r0, acc_r1 = row_halves(acc)
+        piece0, piece1 = column_halves(acc_r0)
+        piece2, piece3 = column_halves(acc_r1)
+        _store_piece(acc_out, 0, piece0)
+        _store_piece(acc_out, 1, piece1)
+        _store_piece(acc_out, 2, piece2)
+        _store_piece(acc_out, 3, piece3)
+        mbarrier.arrive(acc_ready)
         j += 1
-    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _load_gate_up(gu_desc, stage, gu_ready, row, col):
+    """TMA copies of a piece's g and u ([64, 1, 64] boxes of gate_up as [R, 2, I]) into the staging buffers."""
+    mbarrier.expect(gu_ready, 2 * gu_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(gu_desc, [row, 0, col], gu_ready, stage.index(0))
+    tma.async_copy_global_to_shared(gu_desc, [row, 1, col], gu_ready, stage.index(1))
+
+
+@gluon.jit
+def _epilogue_piece(acc_out, P: gl.constexpr, stage, weight, d_gu_desc, h_w_desc, row, col, ROUTER: gl.constexpr,
+                    STORE_H_W: gl.constexpr):
+    """tma_gemm._down_dgrad_half on accumulator piece P (this warpgroup's rows, one column half) with g, u
+    from the staging buffers: d_g, d_u written over the piece (d_gate_up boxes 2P, 2P + 1), h_w over g, and
+    TMA-stored from there. Returns the router-weight gradient's partial sum over the half's columns
+    (ROUTER), else 0. The caller has waited for the accumulator and for g, u."""
+    PM: gl.constexpr = stage.shape[1]
+    HALF_N: gl.constexpr = stage.shape[3]
+    acc = _acc_piece(acc_out, P).load(HALF_LAYOUT)
+    g = stage.index(0).reshape([PM, HALF_N]).load(HALF_LAYOUT)
+    u = stage.index(1).reshape([PM, HALF_N]).load(HALF_LAYOUT)
+    gl.thread_barrier()  # every thread has read the piece and g before any thread writes over them
+    d_w_part = gl.zeros([PM], gl.float32, gl.SliceLayout(1, HALF_LAYOUT))
+    if ROUTER:
+        acc, h_w, d_w_part = router_epilogue(acc, g, u, weight)
+        if STORE_H_W:
+            hw_buf = stage.index(0)._reinterpret(h_w_desc.dtype, h_w_desc.block_type.shape, h_w_desc.layout)
+            hw_buf.store(h_w.to(h_w_desc.dtype))
+    d_g, d_u = swiglu_bwd(acc, g, u)
+    d_g_box = acc_out.index(2 * P)
+    d_u_box = acc_out.index(2 * P + 1)
+    d_g_box.reshape([PM, HALF_N]).store(d_g.to(d_gu_desc.dtype))
+    d_u_box.reshape([PM, HALF_N]).store(d_u.to(d_gu_desc.dtype))
+    # Every thread's generic-proxy writes, then its proxy fence, then a barrier of the warpgroup, then the
+    # TMA stores (issued by one thread).
+    fence_async_shared()
+    gl.thread_barrier()
+    if ROUTER and STORE_H_W:
+        tma.async_copy_shared_to_global(h_w_desc, [row, col], hw_buf)
+    tma.async_copy_shared_to_global(d_gu_desc, [row, 0, col], d_g_box)
+    tma.async_copy_shared_to_global(d_gu_desc, [row, 1, col], d_u_box)
+    return d_w_part
+
+
+@gluon.jit
+def _epilogue(gu_desc, d_gu_desc, h_w_desc, acc_out, stage, acc_ready, acc_empty, gu_ready, row_src_ptr, weights_ptr,
+              d_w_part_ptr, block_range_ptr, I, WG: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROUTER: gl.constexpr, STORE_H_W: gl.constexpr):
+    """One warpgroup: rows [64 WG, 64 WG + 64) of every tile, its two pieces (column halves) in turn, and the
+    d_w_part store."""
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    first_m, end_m = load_range(block_range_ptr, SPLIT)
+    num_m = end_m - first_m
+    num_n = gl.cdiv(I, BLOCK_N)
+    num_tiles = num_m * num_n
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    if pid < num_tiles:
+        pid_m, pid_n = tile_coords(pid, num_m, num_n, GROUP_M)
+        _load_gate_up(gu_desc, stage, gu_ready, (first_m + pid_m) * BLOCK_M + WG * PIECE_M, pid_n * BLOCK_N)
+    j = 0  # this CTA's tile counter
+    for tile in range(pid, num_tiles, nprog):
+        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+        row = (first_m + pid_m) * BLOCK_M + WG * PIECE_M
+        col = pid_n * BLOCK_N
+        rows = row + gl.arange(0, PIECE_M, layout=gl.SliceLayout(1, HALF_LAYOUT))
+        weight = gl.zeros([PIECE_M], gl.float32, gl.SliceLayout(1, HALF_LAYOUT))  # read only with ROUTER
+        if ROUTER:
+            weight = pair_weights(row_src_ptr, weights_ptr, rows)
+        mbarrier.wait(acc_ready, j & 1)
+        mbarrier.wait(gu_ready, 0)
+        d_w_part = _epilogue_piece(acc_out, 2 * WG, stage, weight, d_gu_desc, h_w_desc, row, col, ROUTER, STORE_H_W)
+        tma.store_wait(pendings=0)  # h_w has left the staging buffer
+        _load_gate_up(gu_desc, stage, gu_ready, row, col + HALF_N)
+        mbarrier.wait(gu_ready, 1)
+        d_w_part += _epilogue_piece(acc_out, 2 * WG + 1, stage, weight, d_gu_desc, h_w_desc, row, col + HALF_N,
+                                    ROUTER, STORE_H_W)
+        if ROUTER:
+            gl.store(d_w_part_ptr + rows * num_n + pid_n, d_w_part)
+        tma.store_wait(pendings=0)  # the pieces and the staging buffers are read: free them
+        mbarrier.arrive(acc_empty)
+        if tile + nprog < num_tiles:
+            next_m, next_n = tile_coords(tile + nprog, num_m, num_n, GROUP_M)
+            _load_gate_up(gu_desc, stage, gu_ready, (first_m + next_m) * BLOCK_M + WG * PIECE_M, next_n * BLOCK_N)
+        j += 1
 
 
 @gluon.jit
 def down_dgrad_ws_kernel(d_y_desc, w_desc, gu_desc, d_gu_desc, h_w_desc, row_src_ptr, weights_ptr, d_w_part_ptr,
                          block_expert_ptr, block_range_ptr, ROUTER: gl.constexpr, STORE_H_W: gl.constexpr,
                          SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                         GU_PREFETCH_STEP: gl.constexpr, GU_RELEASE_STEP: gl.constexpr,
-                         PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                         PRODUCER_REGS: gl.constexpr, EPILOGUE_REGS: gl.constexpr):
     """down_dgrad_tma_kernel's tiles (module docstring). Descriptors: d_y_desc d_y_rows [R, H] block
-    [128, BLOCK_K]; w_desc w_down [E, H, I] block [1, BLOCK_K, BLOCK_N]; gu_desc gate_up as [R, 2, I] block
-    [128, 1, BLOCK_N / 2]; d_gu_desc d_gate_up as [R, 2, I] block [64, 1, BLOCK_N / 2]; h_w_desc h_w [*, I]
-    block [64, BLOCK_N / 2] (unused without ROUTER and STORE_H_W). row_src, weights, d_w_part: unused
-    without ROUTER. Launch with num_warps=4 (the default partition is consumer 0)."""
+    [128, BLOCK_K]; w_desc w_down [E, H, I] block [1, BLOCK_K, BLOCK_N]; gu_desc gate_up and d_gu_desc
+    d_gate_up, both as [R, 2, I] with block [64, 1, BLOCK_N / 2]; h_w_desc h_w [*, I] block [64, BLOCK_N / 2]
+    (unused without ROUTER and STORE_H_W). row_src, weights, d_w_part: unused without ROUTER. Launch with
+    num_warps=4 (the default partition is the MMA warpgroup)."""
     BLOCK_M: gl.constexpr = d_y_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = d_y_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[2]
-    gl.static_assert(BLOCK_M == NUM_CONSUMERS * 64, "two consumer warpgroups of 64 rows")
+    gl.static_assert(BLOCK_M == 2 * PIECE_M, "128-row tiles: one row half per epilogue warpgroup")
     gl.static_assert(BLOCK_N == 128, "HALF_LAYOUT: column halves of a 128-column accumulator")
-    gl.static_assert(gu_desc.block_type.shape[2] * 2 == BLOCK_N, "gate_up boxes: column halves")
-    gl.static_assert(d_gu_desc.block_type.shape[0] * NUM_CONSUMERS == BLOCK_M, "d_gate_up boxes: a warpgroup's rows")
-    gl.static_assert(GU_RELEASE_STEP <= GU_PREFETCH_STEP, "the producer waits for a release at or before its step")
+    gl.static_assert(gu_desc.block_type.shape[0] == PIECE_M and d_gu_desc.block_type.shape[0] == PIECE_M,
+                     "gate_up and d_gate_up boxes: a piece's rows")
+    gl.static_assert(2 * gu_desc.block_type.shape[2] == BLOCK_N, "gate_up boxes: column halves")
     dtype: gl.constexpr = d_y_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + d_y_desc.block_type.shape, d_y_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    gu_bufs = gl.allocate_shared_memory(dtype, [GU_BUFFERS] + gu_desc.block_type.shape, gu_desc.layout)
-    if ROUTER and STORE_H_W:
-        hw_bufs = gl.allocate_shared_memory(dtype, [2 * NUM_CONSUMERS] + h_w_desc.block_type.shape, h_w_desc.layout)
-    else:
-        hw_bufs = gu_bufs  # never written: _epilogue_half touches hw_bufs only with ROUTER and STORE_H_W
+    # The accumulator's four fp32 pieces; piece P is reused for its d_g and d_u (boxes 2P and 2P + 1).
+    acc_out = gl.allocate_shared_memory(dtype, [8] + d_gu_desc.block_type.shape, d_gu_desc.layout)
+    stage0 = gl.allocate_shared_memory(dtype, [2] + gu_desc.block_type.shape, gu_desc.layout)
+    stage1 = gl.allocate_shared_memory(dtype, [2] + gu_desc.block_type.shape, gu_desc.layout)
     ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    gu_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    gu_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    acc_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    acc_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    gu_ready0 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    gu_ready1 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready_bars.index(i), count=1)  # the producer's expect; the bytes complete it
-        mbarrier.init(empty_bars.index(i), count=NUM_CONSUMERS)  # one arrive per consumer
-    mbarrier.init(gu_ready, count=1)
-    mbarrier.init(gu_empty, count=NUM_CONSUMERS)
-    if ROUTER:
-        wt_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        wt_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        wt_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(wt_ready.index(i), count=1)
-            mbarrier.init(wt_empty.index(i), count=NUM_CONSUMERS)
-    else:
-        wt_bufs = gu_bufs  # placeholders, never used without ROUTER
-        wt_ready = gu_ready
-        wt_empty = gu_empty
+        mbarrier.init(empty_bars.index(i), count=1)  # the MMA warpgroup's arrive
+    mbarrier.init(acc_ready, count=1)
+    mbarrier.init(acc_empty, count=2)  # one arrive per epilogue warpgroup
+    mbarrier.init(gu_ready0, count=1)
+    mbarrier.init(gu_ready1, count=1)
     fence_async_shared()  # the initialised barriers are visible to the async proxy (TMA) before use
     H = d_y_desc.shape[1]
     I = w_desc.shape[2]
-    # (Tuples of arguments are spelled out per partition: a constexpr inside a concatenated tuple would
-    # reach the partition as a tensor.)
-    if ROUTER:
-        gl.warp_specialize([
-            (_consumer, (d_gu_desc, h_w_desc, a_bufs, b_bufs, gu_bufs, hw_bufs, wt_bufs, ready_bars, empty_bars,
-                         gu_ready, gu_empty, wt_ready, wt_empty, d_w_part_ptr, block_range_ptr, H, I, 0, SPLIT, GROUP_M,
-                         BLOCK_M, BLOCK_N, BLOCK_K, ROUTER, STORE_H_W, GU_RELEASE_STEP)),
-            (_consumer, (d_gu_desc, h_w_desc, a_bufs, b_bufs, gu_bufs, hw_bufs, wt_bufs, ready_bars, empty_bars,
-                         gu_ready, gu_empty, wt_ready, wt_empty, d_w_part_ptr, block_range_ptr, H, I, 1, SPLIT, GROUP_M,
-                         BLOCK_M, BLOCK_N, BLOCK_K, ROUTER, STORE_H_W, GU_RELEASE_STEP)),
-            (_producer, (d_y_desc, w_desc, gu_desc, a_bufs, b_bufs, gu_bufs, ready_bars, empty_bars, gu_ready,
-                         gu_empty, block_expert_ptr, block_range_ptr, SPLIT, GROUP_M, GU_PREFETCH_STEP)),
-            (_router_weight_loader, (row_src_ptr, weights_ptr, wt_bufs, wt_ready, wt_empty, block_range_ptr, I, SPLIT,
-                                     GROUP_M, BLOCK_M, BLOCK_N)),
-        ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
-    else:
-        gl.warp_specialize([
-            (_consumer, (d_gu_desc, h_w_desc, a_bufs, b_bufs, gu_bufs, hw_bufs, wt_bufs, ready_bars, empty_bars,
-                         gu_ready, gu_empty, wt_ready, wt_empty, d_w_part_ptr, block_range_ptr, H, I, 0, SPLIT, GROUP_M,
-                         BLOCK_M, BLOCK_N, BLOCK_K, ROUTER, STORE_H_W, GU_RELEASE_STEP)),
-            (_consumer, (d_gu_desc, h_w_desc, a_bufs, b_bufs, gu_bufs, hw_bufs, wt_bufs, ready_bars, empty_bars,
-                         gu_ready, gu_empty, wt_ready, wt_empty, d_w_part_ptr, block_range_ptr, H, I, 1, SPLIT, GROUP_M,
-                         BLOCK_M, BLOCK_N, BLOCK_K, ROUTER, STORE_H_W, GU_RELEASE_STEP)),
-            (_producer, (d_y_desc, w_desc, gu_desc, a_bufs, b_bufs, gu_bufs, ready_bars, empty_bars, gu_ready,
-                         gu_empty, block_expert_ptr, block_range_ptr, SPLIT, GROUP_M, GU_PREFETCH_STEP)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    gl.warp_specialize([
+        (_mma, (a_bufs, b_bufs, acc_out, ready_bars, empty_bars, acc_ready, acc_empty, block_range_ptr, H, I, SPLIT,
+                GROUP_M, BLOCK_M, BLOCK_N, BLOCK_K)),
+        (_epilogue, (gu_desc, d_gu_desc, h_w_desc, acc_out, stage0, acc_ready, acc_empty, gu_ready0, row_src_ptr,
+                     weights_ptr, d_w_part_ptr, block_range_ptr, I, 0, SPLIT, GROUP_M, BLOCK_M, BLOCK_N, ROUTER,
+                     STORE_H_W)),
+        (_epilogue, (gu_desc, d_gu_desc, h_w_desc, acc_out, stage1, acc_ready, acc_empty, gu_ready1, row_src_ptr,
+                     weights_ptr, d_w_part_ptr, block_range_ptr, I, 1, SPLIT, GROUP_M, BLOCK_M, BLOCK_N, ROUTER,
+                     STORE_H_W)),
+        (_producer, (d_y_desc, w_desc, a_bufs, b_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr,
+                     SPLIT, GROUP_M)),
+    ], [4, 4, 1], [EPILOGUE_REGS, EPILOGUE_REGS, PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -346,33 +360,23 @@ def down_dgrad_ws_kernel(d_y_desc, w_desc, gu_desc, d_gu_desc, h_w_desc, row_src
 @dataclasses.dataclass(frozen=True)
 class GluonDownDgradConfig:
     """The tile (128 x 128 x 64: the TMA table's down_dgrad tile, which d_w_part's column blocks and the
-    bitwise match depend on), the ring depth (stages with h_w staging buffers; without them a deeper ring
-    fits the same shared memory) and the gate_up prefetch points (K steps of a tile, see the module
-    docstring)."""
+    bitwise match depend on), the ring depth and the registers of the epilogue warpgroups and the producer
+    (the MMA warpgroup gets the rest)."""
 
     stages: int = 4
-    stages_without_h_w: int = 5
-    gu_prefetch_step: int = 4
-    gu_release_step: int = 2
     group_m: int = 8
     producer_regs: int = 40
-    consumer_regs: int = 232
+    epilogue_regs: int = 152
     block_m: int = 128
     block_n: int = 128
     block_k: int = 64
 
-    def ring_stages(self, h_w: bool) -> int:
-        """Ring depth when the kernel stages h_w (ROUTER and STORE_H_W) or not."""
-        return self.stages if h_w else self.stages_without_h_w
-
-    def smem_bytes(self, router: bool, store_h_w: bool, elem: int = 2) -> int:
-        """Ring + gate_up buffers + h_w buffers + router weights (without the barriers)."""
-        h_w = router and store_h_w
-        ring = self.ring_stages(h_w) * (self.block_m + self.block_n) * self.block_k * elem
-        gate_up = self.block_m * self.block_n * 2 * elem
-        h_w_bufs = self.block_m * self.block_n * elem if h_w else 0
-        weights = 2 * self.block_m * 4 if router else 0
-        return ring + gate_up + h_w_bufs + weights
+    def smem_bytes(self, elem: int = 2) -> int:
+        """Ring + accumulator pieces (fp32) + staging (without the barriers)."""
+        ring = self.stages * (self.block_m + self.block_n) * self.block_k * elem
+        acc = self.block_m * self.block_n * 4
+        staging = self.block_m * self.block_n * elem
+        return ring + acc + staging
 
 
 DEFAULT_CONFIG = GluonDownDgradConfig()
@@ -380,9 +384,8 @@ DEFAULT_CONFIG = GluonDownDgradConfig()
 
 def constexprs(cfg: GluonDownDgradConfig, split: int, router: bool, store_h_w: bool) -> dict:
     """The kernel's constexpr arguments (the launcher and tests/test_gluon_down_dgrad_compile.py share them)."""
-    return dict(ROUTER=router, STORE_H_W=store_h_w, SPLIT=split, GROUP_M=cfg.group_m,
-                STAGES=cfg.ring_stages(router and store_h_w), GU_PREFETCH_STEP=cfg.gu_prefetch_step,
-                GU_RELEASE_STEP=cfg.gu_release_step, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
+    return dict(ROUTER=router, STORE_H_W=store_h_w, SPLIT=split, GROUP_M=cfg.group_m, STAGES=cfg.stages,
+                PRODUCER_REGS=cfg.producer_regs, EPILOGUE_REGS=cfg.epilogue_regs)
 
 
 def _desc(t: torch.Tensor, shape: list, strides: list, block: list) -> TensorDescriptor:
@@ -397,14 +400,25 @@ def _pairs_desc(t_R2I: torch.Tensor, block_m: int, block_n: int) -> TensorDescri
 
 def descriptors(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, h_w_RI, cfg: GluonDownDgradConfig) -> dict:
     """Host-side TMA descriptors (Gluon's TensorDescriptor carries the shared-memory layout)."""
-    half_n, wg_m = cfg.block_n // 2, cfg.block_m // NUM_CONSUMERS.value
+    half_n, piece_m = cfg.block_n // 2, PIECE_M.value
     return dict(
         d_y_desc=_desc(d_rows_RH, list(d_rows_RH.shape), list(d_rows_RH.stride()), [cfg.block_m, cfg.block_k]),
         w_desc=_desc(w_down_EHI, list(w_down_EHI.shape), list(w_down_EHI.stride()), [1, cfg.block_k, cfg.block_n]),
-        gu_desc=_pairs_desc(gate_up_R2I, cfg.block_m, half_n),
-        d_gu_desc=_pairs_desc(d_gate_up_R2I, wg_m, half_n),
-        h_w_desc=_desc(h_w_RI, list(h_w_RI.shape), list(h_w_RI.stride()), [wg_m, half_n]),
+        gu_desc=_pairs_desc(gate_up_R2I, piece_m, half_n),
+        d_gu_desc=_pairs_desc(d_gate_up_R2I, piece_m, half_n),
+        h_w_desc=_desc(h_w_RI, list(h_w_RI.shape), list(h_w_RI.stride()), [piece_m, half_n]),
     )
+
+
+def _run(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, row_src, weights, h_w_RI, d_w_part, block_expert,
+         block_range, split, cfg, router: bool, store_h_w: bool):
+    check(tma_addressable(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, h_w_RI),
+          "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8 in bf16)")
+    descs = descriptors(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, h_w_RI, cfg)
+    tiles = d_rows_RH.shape[0] // cfg.block_m * triton.cdiv(w_down_EHI.shape[2], cfg.block_n)
+    return down_dgrad_ws_kernel[(max(1, min(num_sms(d_rows_RH.device), tiles)), )](
+        descs["d_y_desc"], descs["w_desc"], descs["gu_desc"], descs["d_gu_desc"], descs["h_w_desc"], row_src, weights,
+        d_w_part, block_expert, block_range, **constexprs(cfg, split, router, store_h_w), num_warps=4)
 
 
 def _launch(d_rows_RH, w_down_EHI, gate_up_R2I, router, block_expert, blocks, store_h_w, cfg, return_kernel):
@@ -424,14 +438,8 @@ def _launch(d_rows_RH, w_down_EHI, gate_up_R2I, router, block_expert, blocks, st
     d_w_part = torch.empty(rows if router else 1, triton.cdiv(inter, cfg.block_n), dtype=torch.float32,
                            device=d_rows_RH.device)
     row_src, weights = router if router else (block_expert, d_w_part)
-    check(tma_addressable(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up, h_w),
-          "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8 in bf16)")
-    descs = descriptors(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up, h_w, cfg)
-    tiles = rows // cfg.block_m * triton.cdiv(inter, cfg.block_n)
-    grid = (max(1, min(num_sms(d_rows_RH.device), tiles)), )
-    kernel = down_dgrad_ws_kernel[grid](
-        descs["d_y_desc"], descs["w_desc"], descs["gu_desc"], descs["d_gu_desc"], descs["h_w_desc"], row_src, weights,
-        d_w_part, block_expert, block_range, **constexprs(cfg, split, router is not None, store_h_w), num_warps=4)
+    kernel = _run(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up, row_src, weights, h_w, d_w_part, block_expert,
+                  block_range, split, cfg, router is not None, store_h_w)
     out = d_gate_up, (h_w if store_h_w else None), d_w_part
     return (out, kernel) if return_kernel else out
 
@@ -442,13 +450,8 @@ def launch_down_dgrad(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, row_src
     (its placeholders where router / store_h_w are off); the tile table's entry as this kernel's tile."""
     cfg = GluonDownDgradConfig(stages=config.num_stages, group_m=config.group_m, block_m=config.block_m,
                                block_n=config.block_n, block_k=config.block_k)
-    check(tma_addressable(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, h_w_RI),
-          "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8 in bf16)")
-    descs = descriptors(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, h_w_RI, cfg)
-    tiles = d_rows_RH.shape[0] // cfg.block_m * triton.cdiv(w_down_EHI.shape[2], cfg.block_n)
-    down_dgrad_ws_kernel[(max(1, min(num_sms(d_rows_RH.device), tiles)),)](
-        descs["d_y_desc"], descs["w_desc"], descs["gu_desc"], descs["d_gu_desc"], descs["h_w_desc"], row_src, weights,
-        d_w_part, block_expert, block_range, **constexprs(cfg, split, router, store_h_w), num_warps=4)
+    _run(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, row_src, weights, h_w_RI, d_w_part, block_expert,
+         block_range, split, cfg, router, store_h_w)
 
 
 def down_dgrad_router_gluon(d_out_rows_RH: torch.Tensor, w_down_EHI: torch.Tensor, gate_up_R2I: torch.Tensor,
