@@ -97,7 +97,7 @@ _SM90_TMA = KernelConfigs(
     # h200-gluon-rows-v1.json); ping-pong (128 x 128, alternate tiles) 609-635, below.
     down_fwd=TileConfig(128, 256, 64, num_warps=4, num_stages=3, tma=True, gluon=True),
     # down_dgrad (the router epilogue, h_w stored): the Gluon kernel (kernels/gluon_down_dgrad.py), one
-    # warpgroup on the tensor cores and two on the SwiGLU-backward epilogue beside it: 1.04-1.09x the
+    # warpgroup on the tensor cores and two on the SwiGLU-backward epilogue beside it: 1.00-1.09x the
     # cooperative Gluon kernel before it (which ran 1.28x / 1.18x the flattened Triton kernel at
     # qwen3-30b-a3b / qwen3-235b-a22b), bitwise equal (h200-down-dgrad-split-ab-v1.json,
     # h200-down-dgrad-split-prefetch-ab-v1.json).

@@ -41,10 +41,11 @@ device block range are never visited, so no host sync):
 
 Why this split (benchmarks/results/h200-down-dgrad-*-v1.json, docs/perf-notes.md "GEMM core v4"): in the
 previous, cooperative design both warpgroups ran the main loop on 64 rows each and then the epilogue
-together, leaving the tensor cores idle for ~5 us of every ~20 us tile at qwen3-30b-a3b; here the epilogue
-(~9 us a tile) runs beside the next main loop, 1.04-1.09x faster at every workload. A ping-pong of two
-warpgroups with a 128-row tile each lost (its one-warpgroup epilogue, 128 accumulator registers live, took
-28 us a tile).
+together, the tensor cores idle meanwhile; here the epilogue (~9 us a tile at qwen3-30b-a3b, against a
+~16 us main loop) runs beside the next main loop: 1.00-1.09x and 1.04-1.08x the old kernel in two A/B
+runs. A ping-pong of two warpgroups with a 128-row tile each lost (its one-warpgroup epilogue, with 128
+accumulator registers live, took 28 us a tile). What is left: the epilogue's traffic slows the main loop
+it runs beside (16.2 us a tile against 11.2 with no epilogue at all, 13.3 without its stores).
 
 Shared memory (bf16, the default 4 stages): ring 4 x (128 x 64 + 64 x 128) x 2 B = 128 KB, accumulator
 pieces 4 x 64 x 64 x 4 B = 64 KB (reused for d_gate_up), staging 2 warpgroups x (g, u) x 64 x 64 x 2 B =
