@@ -1,0 +1,402 @@
+"""gate_up_fwd as a warp-specialized Hopper kernel in Gluon: the production TMA kernel's GEMM and SwiGLU epilogue
+(tma_gemm.gate_up_fwd_tma_kernel), bit for bit, with a producer/consumer pipeline of its own.
+
+The computation (grouped_gemm.gate_up_fwd with the TMA tile config):
+
+    g = x_rows[r] . w_gate_up[e, n],  u = x_rows[r] . w_gate_up[e, I + n]     (fp32, K = H in order)
+    g, u rounded to the dtype;  h[r, n] = swiglu(g, u) (kernels/_common.py, from the rounded values)
+    gate_up[r] = [g, u] too with STORE_GATE_UP
+
+for the rows of the schedule blocks in the device range `blocks` (e = block_expert[r // 128]); x_rows [R, H]
+by TMA, or with GATHER the token rows x [T, H] gathered in the loads: row r reads x[row_src[r] // top_k], zeros
+where row_src[r] is -1 (padding). Tiles of 128 rows x BLOCK_N gate columns (and the BLOCK_N matching up
+columns), in the order of _common.tile_coords, over a persistent grid; tiles past the range exit, so the
+block count never leaves the device.
+
+Structure of a CTA (gl.warp_specialize, 12 warps):
+  * producer (worker partition): walks the CTA's tiles and K steps in order; per step it waits for a free
+    slot of the STAGES-deep shared-memory ring ("empty" mbarrier), arms the slot's "ready" mbarrier with
+    the TMA byte count and copies the weights' gate tile [1, BLOCK_N, 64] (rows col..) and up tile (rows
+    I + col..) of the expert by TMA (3-D descriptor over [E, 2I, H]: an H tail reads zeros; gate columns
+    past I read up rows that the stores clip away, as in the Triton kernel), and the A tile [128, 64]:
+      - GATHER=False: 1 warp; A by TMA from x_rows [R, H] (the same barrier, count 1);
+      - GATHER=True: 4 warps (Hopper's TMA has no row gather); the warp-group loads the tile's row_src
+        once per tile and copies A with cp.async (16 bytes per copy, zero-fill for padding rows and the H
+        tail), each thread then arrives on the slot's "ready" barrier when its copies have landed
+        (cp.async.mbarrier.arrive.noinc): count 1 (the TMA expect) + 128 (the threads).
+  * consumers (the default partition and one worker): 2 warpgroups in the CUTLASS "cooperative" split, each
+    rows [64 WG, 64 WG + 64) of every tile, holding two fp32 accumulators of 64 x BLOCK_N (gate and up
+    columns of one output block). Per K step: wait "ready", two async wgmma m64nBLOCK_Nk16 x 4 from the
+    slot (B: the K-major weight tile viewed transposed), keep that step's two wgmma groups in flight, and
+    release the previous step's slot ("empty", count 2: one arrive per consumer) once its groups retired.
+  * epilogue, per consumer: g, u -> dtype; with STORE_GATE_UP TMA stores of g and u (the [R, 2, I] view of
+    gate_up, box [64, 1, BLOCK_N]: the gate and up halves clip at I separately), then h = swiglu(g, u)
+    and its TMA store (h viewed [R, 1, I], the same box). Each store goes through a rotating set of
+    OUT_BUFS shared-memory staging buffers of the consumer: before writing a buffer it waits only for the
+    store issued OUT_BUFS stores earlier (cp.async.bulk.wait_group.read OUT_BUFS - 1), and it never waits
+    for its stores' global writes, so the next tile's main loop starts as soon as the last store is issued.
+
+Tile: BLOCK_N 128 (what the Triton kernel runs: 128 rows x 128 gate + 128 up columns). A consumer's two 64 x 128
+fp32 accumulators take 128 of the 232 registers a thread gets with setmaxnreg (232 + 232 for the consumers, 40
+for the producer warpgroup), which leaves room for addresses, the epilogue's 16-bit g, u and the fp32 SwiGLU
+without spills (tests/test_gluon_gate_up_compile.py). BLOCK_N 256 would need 256 accumulator registers alone,
+more than a thread can hold. BLOCK_N 64 fits in half the registers but moves more bytes per flop: a ring
+stage brings 32 KB per 2.1 MFLOP instead of 48 KB per 4.2 (a third more from L2), and each m64n64k16 wgmma
+re-reads its A tile from shared memory for half as many columns. Shared memory (227 KB): a ring stage is 16 KB
+of A + 2 x 16 KB of weights; a staging buffer 16 KB. With STORE_GATE_UP (three stores per tile) 3 stages + 2
+buffers per consumer (208 KB); h alone 4 stages + 1 buffer per consumer (224 KB): its one store per tile is
+waited for only at the next tile's epilogue. The benchmark (benchmarks/gluon_gate_up_bench.py) times the
+alternatives (TILES).
+
+The gather: TMA on Hopper copies boxes, not lists of rows. One 1-row TMA copy per row would be 128 copies
+per K step issued by one thread; cp.async by a warpgroup is 8 copies per thread, with the same zero-fill
+semantics as the Triton kernel's masked pointer loads. cp.async writes shared memory through the generic
+proxy and wgmma reads it through the async proxy, so the consumers fence (fence.proxy.async) after the
+"ready" wait in this mode.
+
+Numerics, against the Triton kernel: the same fp32 accumulation (zero-initialised accumulators, wgmma k16
+steps over K in order, gate then up per step, each element summed by the same instruction sequence),
+the same rounding (cvt.rn to the dtype), the same SwiGLU (the production swiglu function itself, called
+from Gluon, as are tile_coords and load_range: 0 - g, exp as ex2.approx of x * log2(e), 1 + e, div.full, two
+multiplies), and the same zero-filled operands (TMA or cp.async zero-fill): h and gate_up are bitwise equal.
+
+Compile-only checks (CPU): tests/test_gluon_gate_up_compile.py. GPU check and timing against the Triton
+kernel: benchmarks/gluon_gate_up_bench.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from megamoe.backends.triton.configs import TileConfig
+from megamoe.backends.triton.kernels._common import (
+    check, check_matrix, check_rows, check_weight, load_range, persistent_grid, swiglu,
+)
+from megamoe.backends.triton.kernels.gluon_common import nvmma_layout, tile_origin
+from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
+
+BLOCK_M = 128  # rows per tile: two consumer warpgroups of 64 (wgmma's M); the kernels read it from x_desc
+BLOCK_K = 64  # 128-byte rows of 16-bit operands: the widest shared-memory swizzle
+CONSUMER_ROWS = BLOCK_M // 2  # rows of one consumer warpgroup, the TMA store box (h_desc's)
+GATHER_WARPS = 4  # the gathering producer: one warpgroup of cp.async threads
+_GATHER_WARPS = gl.constexpr(GATHER_WARPS)  # the same, as the kernels see it
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernel partitions
+
+
+@gluon.jit
+def _producer_tma(x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, block_expert_ptr,
+                  block_range_ptr, H, I, SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
+    """One warp: TMA copies of the A, gate and up tiles of every (tile, K step) of this CTA, in order."""
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    BLOCK_M: gl.constexpr = a_bufs.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.shape[2]
+    BLOCK_N: gl.constexpr = gate_bufs.shape[2]
+    NBYTES: gl.constexpr = x_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes
+    first_m, end_m = load_range(block_range_ptr, SPLIT)
+    num_m = end_m - first_m
+    num_n = gl.cdiv(I, BLOCK_N)
+    k_steps = gl.cdiv(H, BLOCK_K)
+    p = 0  # slot counter: slot p % STAGES, its use number p // STAGES
+    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        row, col, m = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
+        expert = gl.load(block_expert_ptr + m // SPLIT)
+        for ki in range(k_steps):
+            s = p % STAGES
+            # A fresh mbarrier counts as having completed the phase before phase 0: the first pass over the
+            # ring (parity 1) does not wait.
+            mbarrier.wait(empty_bars.index(s), ((p // STAGES) & 1) ^ 1)
+            bar = ready_bars.index(s)
+            mbarrier.expect(bar, NBYTES)
+            k = ki * BLOCK_K
+            tma.async_copy_global_to_shared(x_desc, [row, k], bar, a_bufs.index(s))
+            tma.async_copy_global_to_shared(w_desc, [expert, col, k], bar, gate_bufs.index(s))
+            tma.async_copy_global_to_shared(w_desc, [expert, I + col, k], bar, up_bufs.index(s))
+            p += 1
+
+
+@gluon.jit
+def _producer_gather(x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars,
+                     block_expert_ptr, block_range_ptr, H, I, top_k, SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
+    """One warpgroup: the weight tiles by TMA (one thread) and the gathered A tile by cp.async (every thread,
+    8 16-byte copies per K step), x_rows[r] = x[row_src[r] // top_k] or zeros where row_src[r] = -1."""
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    BLOCK_M: gl.constexpr = a_bufs.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.shape[2]
+    BLOCK_N: gl.constexpr = gate_bufs.shape[2]
+    NBYTES: gl.constexpr = 2 * w_desc.block_type.nbytes
+    VEC: gl.constexpr = 128 // w_desc.dtype.primitive_bitwidth  # elements per 16-byte copy
+    COL_THREADS: gl.constexpr = BLOCK_K // VEC
+    copy_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, VEC], threads_per_warp=[32 // COL_THREADS, COL_THREADS],
+                                                 warps_per_cta=[_GATHER_WARPS, 1], order=[1, 0])
+    tile_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, copy_layout))
+    step_cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, copy_layout))
+    # H is a multiple of VEC (the launcher's TMA check: 16-byte row strides); written as one, the compiler sees
+    # that a row's copies are 16-byte aligned and the H tail masks whole copies, also where the launch did not
+    # specialise H as a multiple of 16.
+    H = H // VEC * VEC
+    first_m, end_m = load_range(block_range_ptr, SPLIT)
+    num_m = end_m - first_m
+    num_n = gl.cdiv(I, BLOCK_N)
+    k_steps = gl.cdiv(H, BLOCK_K)
+    p = 0  # slot counter, as in _producer_tma
+    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        row, col, m = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
+        expert = gl.load(block_expert_ptr + m // SPLIT)
+        src = gl.load(row_src_ptr + row + tile_rows)
+        has_src = gl.expand_dims(src >= 0, 1)
+        row_ptrs = gl.expand_dims(x_ptr + (gl.where(src >= 0, src, 0) // top_k).to(gl.int64) * H, 1)
+        for ki in range(k_steps):
+            s = p % STAGES
+            mbarrier.wait(empty_bars.index(s), ((p // STAGES) & 1) ^ 1)
+            bar = ready_bars.index(s)
+            mbarrier.expect(bar, NBYTES)
+            k = ki * BLOCK_K
+            tma.async_copy_global_to_shared(w_desc, [expert, col, k], bar, gate_bufs.index(s))
+            tma.async_copy_global_to_shared(w_desc, [expert, I + col, k], bar, up_bufs.index(s))
+            cols = gl.expand_dims(k + step_cols, 0)
+            async_copy.async_copy_global_to_shared(a_bufs.index(s), row_ptrs + cols, mask=has_src & (cols < H))
+            # This thread's copies (all it issued so far) complete -> one arrive; .noinc: the barrier's count
+            # includes these _GATHER_WARPS * 32 arrivals.
+            async_copy.mbarrier_arrive(bar, increment_count=False)
+            p += 1
+
+
+@gluon.jit
+def _stage_store(desc, row, plane, col, value, out_bufs, n_stored):
+    """TMA store of value [64, BLOCK_N] at [row, plane, col] through staging buffer n_stored % OUT_BUFS; waits
+    only for the store that last used that buffer. Returns the consumer's store count."""
+    OUT_BUFS: gl.constexpr = out_bufs.shape[0]
+    buf = out_bufs.index(n_stored % OUT_BUFS)
+    tma.store_wait(pendings=OUT_BUFS - 1)  # the store OUT_BUFS stores back has read this buffer
+    buf.reshape(value.shape).store(value)
+    fence_async_shared()  # the generic-proxy writes are visible to the TMA engine
+    tma.async_copy_shared_to_global(desc, [row, plane, col], buf)
+    return n_stored + 1
+
+
+@gluon.jit
+def _consumer(h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs, ready_bars, empty_bars, block_range_ptr, H, I,
+              WG: gl.constexpr, STORE_GATE_UP: gl.constexpr, GATHER: gl.constexpr, SPLIT: gl.constexpr,
+              GROUP_M: gl.constexpr):
+    """One warpgroup: rows [64 WG, 64 WG + 64) of every tile of this CTA: the gate and up wgmma over the ring's
+    slots, then the epilogue (g, u rounded, h = swiglu(g, u), TMA stores)."""
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    BLOCK_M: gl.constexpr = a_bufs.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.shape[2]
+    BLOCK_N: gl.constexpr = gate_bufs.shape[2]
+    CONSUMER_ROWS: gl.constexpr = h_desc.block_type.shape[0]
+    dtype: gl.constexpr = h_desc.dtype
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    first_m, end_m = load_range(block_range_ptr, SPLIT)
+    num_m = end_m - first_m
+    num_n = gl.cdiv(I, BLOCK_N)
+    k_steps = gl.cdiv(H, BLOCK_K)
+    c = 0  # slot counter: the producer's p for the same (tile, K step)
+    n_stored = 0
+    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        row, col, _ = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
+        acc_g = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, acc_layout)
+        acc_u = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, acc_layout)
+        for ki in range(k_steps):
+            s = c % STAGES
+            mbarrier.wait(ready_bars.index(s), (c // STAGES) & 1)
+            if GATHER:
+                # A was written by cp.async (generic proxy); wgmma reads shared memory through the async proxy.
+                fence_async_shared()
+            a = a_bufs.index(s).slice(WG * CONSUMER_ROWS, CONSUMER_ROWS)
+            b_gate = gate_bufs.index(s).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
+            b_up = up_bufs.index(s).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
+            acc_g = warpgroup_mma(a, b_gate, acc_g, is_async=True)
+            acc_u = warpgroup_mma(a, b_up, acc_u, is_async=True)
+            # Step c's two wgmma groups stay in flight; step c - 1's have retired: its slot goes back.
+            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
+            mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=ki > 0)
+            c += 1
+        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+        mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES))
+        g = acc_g.to(dtype)
+        u = acc_u.to(dtype)
+        out_row = row + WG * CONSUMER_ROWS
+        if STORE_GATE_UP:
+            n_stored = _stage_store(gu_desc, out_row, 0, col, g, out_bufs, n_stored)
+            n_stored = _stage_store(gu_desc, out_row, 1, col, u, out_bufs, n_stored)
+        n_stored = _stage_store(h_desc, out_row, 0, col, swiglu(g, u).to(dtype), out_bufs, n_stored)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def gate_up_fwd_ws_kernel(x_desc, w_desc, h_desc, gu_desc, x_ptr, row_src_ptr, block_expert_ptr, block_range_ptr,
+                          H, I, top_k,
+                          STORE_GATE_UP: gl.constexpr, GATHER: gl.constexpr, SPLIT: gl.constexpr,
+                          GROUP_M: gl.constexpr, STAGES: gl.constexpr, OUT_BUFS: gl.constexpr,
+                          PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """h (and gate_up) of the row blocks in block_range (int32 [first, end] schedule blocks), tma_gemm's
+    gate_up_fwd_tma_kernel semantics. x_desc: x_rows [R, H] (GATHER: x [T, H], its layout only; x_ptr, row_src_ptr
+    and top_k gather), block [128, 64]; w_desc: [E, 2I, H] block [1, BLOCK_N, 64]; h_desc: h as [R, 1, I],
+    gu_desc: gate_up as [R, 2, I] (without STORE_GATE_UP: any descriptor of h_desc's type), block [64, 1,
+    BLOCK_N]. Launch with num_warps=4 (the default partition is consumer 0)."""
+    dtype: gl.constexpr = x_desc.dtype
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    gate_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    up_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    out_bufs0 = gl.allocate_shared_memory(dtype, [OUT_BUFS] + h_desc.block_type.shape, h_desc.layout)
+    out_bufs1 = gl.allocate_shared_memory(dtype, [OUT_BUFS] + h_desc.block_type.shape, h_desc.layout)
+    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        # ready: the producer's expect (the TMA bytes complete it), plus every gathering thread's cp.async arrive
+        mbarrier.init(ready_bars.index(i), count=1 + GATHER * _GATHER_WARPS * 32)
+        mbarrier.init(empty_bars.index(i), count=2)  # one arrive per consumer warpgroup
+    fence_async_shared()  # the initialised barriers are visible to the async proxy (TMA) before use
+    if GATHER:
+        gl.warp_specialize([
+            (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs0, ready_bars, empty_bars, block_range_ptr,
+                         H, I, 0, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
+            (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs1, ready_bars, empty_bars, block_range_ptr,
+                         H, I, 1, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
+            (_producer_gather, (x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars,
+                                block_expert_ptr, block_range_ptr, H, I, top_k, SPLIT, GROUP_M)),
+        ], [4, _GATHER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs0, ready_bars, empty_bars, block_range_ptr,
+                         H, I, 0, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
+            (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs1, ready_bars, empty_bars, block_range_ptr,
+                         H, I, 1, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
+            (_producer_tma, (x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, block_expert_ptr,
+                             block_range_ptr, H, I, SPLIT, GROUP_M)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tiles and the host launcher
+
+
+@dataclasses.dataclass(frozen=True)
+class GateUpTile:
+    """The Gluon kernel's shape: BLOCK_N gate (and as many up) columns per 128-row tile, a STAGES-deep ring,
+    OUT_BUFS staging buffers per consumer warpgroup, the registers setmaxnreg gives each partition."""
+
+    block_n: int = 128
+    stages: int = 3
+    out_bufs: int = 2
+    group_m: int = 8
+    producer_regs: int = 40
+    consumer_regs: int = 232
+
+    def smem_bytes(self, elem: int = 2) -> int:
+        """Operand ring + both consumers' staging buffers (without the barriers)."""
+        ring = self.stages * (BLOCK_M + 2 * self.block_n) * BLOCK_K * elem
+        return ring + 2 * self.out_bufs * CONSUMER_ROWS * self.block_n * elem
+
+
+# The tiles the benchmark compares (name: tile); each fits 227 KB of shared memory. Registers: Triton starts
+# the 12 warps at 168 a thread (64K / 384, rounded down to 8); the default partition (consumer 0) gets what the
+# others free: 168 x 4 warps + (168 - 232) x 4 + (168 - 40) x 4 = 232 x 4, so both consumers run with 232
+# only while the producer warpgroup (1 padded or 4 gathering warps) keeps 40.
+TILES = {
+    "s3b2": GateUpTile(stages=3, out_bufs=2),  # gate_up stores: 3 stages, g and u and h through 2 buffers
+    "s4b1": GateUpTile(stages=4, out_bufs=1),  # h alone: 4 stages, 1 buffer (its store has a main loop to drain)
+    "n64-s5b3": GateUpTile(block_n=64, stages=5, out_bufs=3),  # the narrow tile, for the register argument
+}
+
+
+def default_tile(store_gate_up: bool) -> GateUpTile:
+    """The launcher's tile: three stores per tile need two staging buffers (3 stages fit beside them); h alone
+    needs one, and a 4th stage fits."""
+    return TILES["s3b2"] if store_gate_up else TILES["s4b1"]
+
+
+def constexprs(tile: GateUpTile, split: int, store_gate_up: bool, gather: bool) -> dict:
+    """The kernel's constexpr arguments (the launcher and tests/test_gluon_gate_up_compile.py share them)."""
+    return dict(STORE_GATE_UP=store_gate_up, GATHER=gather, SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages,
+                OUT_BUFS=tile.out_bufs, PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs)
+
+
+def descriptors(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, h_RI: torch.Tensor, gate_up_R2I: torch.Tensor | None,
+                tile: GateUpTile) -> tuple:
+    """Host-side TMA descriptors (x_desc, w_desc, h_desc, gu_desc); without gate_up, gu_desc is h's."""
+    rows, inter = h_RI.shape
+    a_block = [BLOCK_M, BLOCK_K]
+    w_block = [1, tile.block_n, BLOCK_K]
+    out_block = [CONSUMER_ROWS, 1, tile.block_n]
+    out_layout = nvmma_layout(out_block, h_RI.dtype)
+    h_desc = TensorDescriptor(h_RI, [rows, 1, inter], [inter, inter, 1], out_block, out_layout)
+    gu_desc = h_desc
+    if gate_up_R2I is not None:
+        gu_desc = TensorDescriptor(gate_up_R2I, [rows, 2, inter], [2 * inter, inter, 1], out_block, out_layout)
+    return (TensorDescriptor.from_tensor(x_RH, a_block, nvmma_layout(a_block, x_RH.dtype)),
+            TensorDescriptor.from_tensor(w_gate_up_E2IH, w_block, nvmma_layout(w_block, x_RH.dtype)), h_desc, gu_desc)
+
+
+def launch_gate_up_fwd(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, block_expert, block_range, split, config: TileConfig,
+                       store_gate_up: bool, gather: tuple[torch.Tensor, int] | None) -> None:
+    """grouped_gemm.gate_up_fwd's Gluon branch (config.gluon): operands validated and outputs allocated there
+    (gate_up_R2I unread without store_gate_up); the tile table's entry as this kernel's tile: 4 stages beside
+    one staging buffer per consumer, or 3 beside two (the shared memory holds one or the other)."""
+    check(config.block_m == BLOCK_M and config.block_k == BLOCK_K,
+          f"the Gluon gate_up_fwd runs {BLOCK_M} x n x {BLOCK_K} tiles, got {config}")
+    tile = GateUpTile(block_n=config.block_n, stages=config.num_stages, out_bufs=1 if config.num_stages >= 4 else 2,
+                      group_m=config.group_m)
+    check(tma_addressable(x_RH, w_gate_up_E2IH, h_RI, *([gate_up_R2I] if store_gate_up else [])),
+          "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8)")
+    row_src, top_k = gather if gather is not None else (block_expert, 1)  # unread without gather
+    descs = descriptors(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I if store_gate_up else None, tile)
+    grid = persistent_grid(x_RH.device, h_RI.shape[0] // BLOCK_M * triton.cdiv(h_RI.shape[1], tile.block_n))
+    gate_up_fwd_ws_kernel[grid](*descs, x_RH, row_src, block_expert, block_range, x_RH.shape[1], h_RI.shape[1], top_k,
+                                **constexprs(tile, split, store_gate_up, gather is not None), num_warps=4)
+
+
+def gate_up_fwd_gluon(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_expert: torch.Tensor,
+                      blocks: torch.Tensor, *, store_gate_up: bool, gather: tuple[torch.Tensor, int] | None = None,
+                      tile: GateUpTile | None = None, out: tuple[torch.Tensor, torch.Tensor | None] | None = None):
+    """(h [R, I], gate_up [R, 2I] or None): grouped_gemm.gate_up_fwd's results (bit for bit, its TMA config) for
+    the rows of the schedule blocks in `blocks` (int32 [1] count or [2] range, on the device: no host sync).
+    x_RH: the rows [R, H] (padding rows zero), or with gather = (row_src int32 [R], top_k) the tokens x [T, H],
+    row r reading x[row_src[r] // top_k]. out: (h, gate_up) to write into (rows outside the range keep their
+    values); else both are allocated."""
+    check(x_RH.dtype in (torch.bfloat16, torch.float16), f"16-bit activations, got {x_RH.dtype}")
+    check_matrix(x_RH, None, None, "x_rows")
+    rows, hidden = x_RH.shape
+    if gather is not None:
+        row_src, top_k = gather
+        check(row_src.dtype == torch.int32 and row_src.dim() == 1 and row_src.is_contiguous(), "row_src: int32 [R]")
+        check(top_k >= 1, f"top_k must be >= 1, got {top_k}")
+        rows = row_src.numel()
+    else:
+        row_src, top_k = block_expert, 1  # unread without gather
+    check(w_gate_up_E2IH.dim() == 3 and w_gate_up_E2IH.shape[1] % 2 == 0, "w_gate_up must be [E_l, 2I, H]")
+    inter = w_gate_up_E2IH.shape[1] // 2
+    check_weight(w_gate_up_E2IH, x_RH, (w_gate_up_E2IH.shape[0], 2 * inter, hidden), "w_gate_up")
+    split, block_range = check_rows(rows, block_expert, blocks, BLOCK_M)
+    tile = tile or default_tile(store_gate_up)
+    if out is None:
+        h = torch.empty(rows, inter, dtype=x_RH.dtype, device=x_RH.device)
+        gate_up = torch.empty(rows, 2 * inter, dtype=x_RH.dtype, device=x_RH.device) if store_gate_up else None
+    else:
+        h, gate_up = out
+        check(all(t.dtype == x_RH.dtype for t in out if t is not None), "outputs in the activations' dtype")
+        check_matrix(h, rows, inter, "h")
+        check(not store_gate_up or gate_up is not None, "store_gate_up needs a gate_up output")
+        if store_gate_up:
+            check_matrix(gate_up, rows, 2 * inter, "gate_up")
+    check(tma_addressable(x_RH, w_gate_up_E2IH, h, *([gate_up] if store_gate_up else [])),
+          "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8)")
+    descs = descriptors(x_RH, w_gate_up_E2IH, h, gate_up if store_gate_up else None, tile)
+    grid = persistent_grid(x_RH.device, rows // BLOCK_M * triton.cdiv(inter, tile.block_n))
+    gate_up_fwd_ws_kernel[grid](*descs, x_RH, row_src, block_expert, block_range, hidden, inter, top_k,
+                                **constexprs(tile, split, store_gate_up, gather is not None), num_warps=4)
+    return h, (gate_up if store_gate_up else None)
