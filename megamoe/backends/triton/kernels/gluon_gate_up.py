@@ -174,28 +174,38 @@ def _producer_gather(x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, rea
 
 
 @gluon.jit
-def _mma(gu_desc, a_bufs, gate_bufs, up_bufs, gu_stage, ready_bars, empty_bars, gu_ready, gu_empty, block_range_ptr,
-         H, I, WG: gl.constexpr, STORE_GATE_UP: gl.constexpr, GATHER: gl.constexpr, SPLIT: gl.constexpr,
-         GROUP_M: gl.constexpr):
+def _stage_store(desc, row, plane, col, value, out_bufs, n_stored):
+    """TMA store of value [64, BLOCK_N] at [row, plane, col] through staging buffer n_stored % OUT_BUFS; waits
+    only for the store that last used that buffer. Returns the consumer's store count."""
+    OUT_BUFS: gl.constexpr = out_bufs.shape[0]
+    buf = out_bufs.index(n_stored % OUT_BUFS)
+    tma.store_wait(pendings=OUT_BUFS - 1)  # the store OUT_BUFS stores back has read this buffer
+    buf.reshape(value.shape).store(value)
+    fence_async_shared()  # the generic-proxy writes are visible to the TMA engine
+    tma.async_copy_shared_to_global(desc, [row, plane, col], buf)
+    return n_stored + 1
+
+
+@gluon.jit
+def _consumer(h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs, ready_bars, empty_bars, block_range_ptr, H, I,
+              WG: gl.constexpr, STORE_GATE_UP: gl.constexpr, GATHER: gl.constexpr, SPLIT: gl.constexpr,
+              GROUP_M: gl.constexpr):
     """One warpgroup: rows [64 WG, 64 WG + 64) of every tile of this CTA: the gate and up wgmma over the ring's
-    slots, then g, u rounded into this warpgroup's staging buffers (TMA-stored from there with STORE_GATE_UP)
-    for the epilogue warpgroup, and on to the next tile."""
+    slots, then the epilogue (g, u rounded, h = swiglu(g, u), TMA stores)."""
     STAGES: gl.constexpr = a_bufs.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
     BLOCK_N: gl.constexpr = gate_bufs.shape[2]
-    CONSUMER_ROWS: gl.constexpr = gu_desc.block_type.shape[0]
-    dtype: gl.constexpr = gu_desc.dtype
+    CONSUMER_ROWS: gl.constexpr = h_desc.block_type.shape[0]
+    dtype: gl.constexpr = h_desc.dtype
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
     num_n = gl.cdiv(I, BLOCK_N)
     k_steps = gl.cdiv(H, BLOCK_K)
-    g_buf = gu_stage.index(2 * WG)
-    u_buf = gu_stage.index(2 * WG + 1)
     c = 0  # slot counter: the producer's p for the same (tile, K step)
-    j = 0  # this CTA's tile counter
+    n_stored = 0
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         row, col, _ = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
         acc_g = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, acc_layout)
@@ -217,53 +227,13 @@ def _mma(gu_desc, a_bufs, gate_bufs, up_bufs, gu_stage, ready_bars, empty_bars, 
             c += 1
         acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
         mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES))
-        # The epilogue warpgroup has read this warpgroup's previous g, u, and their TMA stores have read them.
-        mbarrier.wait(gu_empty.index(WG), (j & 1) ^ 1)
-        tma.store_wait(pendings=0)
-        g_buf.reshape([CONSUMER_ROWS, BLOCK_N]).store(acc_g.to(dtype))
-        u_buf.reshape([CONSUMER_ROWS, BLOCK_N]).store(acc_u.to(dtype))
-        # Every thread's generic-proxy writes, its proxy fence, a barrier of the warpgroup, then the TMA stores
-        # (one thread) and the epilogue's go.
-        fence_async_shared()
-        gl.thread_barrier()
+        g = acc_g.to(dtype)
+        u = acc_u.to(dtype)
+        out_row = row + WG * CONSUMER_ROWS
         if STORE_GATE_UP:
-            out_row = row + WG * CONSUMER_ROWS
-            tma.async_copy_shared_to_global(gu_desc, [out_row, 0, col], g_buf)
-            tma.async_copy_shared_to_global(gu_desc, [out_row, 1, col], u_buf)
-        mbarrier.arrive(gu_ready.index(WG))
-        j += 1
-    tma.store_wait(pendings=0)
-
-
-@gluon.jit
-def _epilogue(h_desc, gu_stage, h_buf, gu_ready, gu_empty, block_range_ptr, I, SPLIT: gl.constexpr,
-              GROUP_M: gl.constexpr):
-    """One warpgroup: per tile and MMA warpgroup, h = swiglu(g, u) from the staged g, u, TMA-stored through
-    h_buf (the previous h store has read it first)."""
-    ROWS: gl.constexpr = h_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = h_desc.block_type.shape[2]
-    BLOCK_M: gl.constexpr = 2 * ROWS
-    dtype: gl.constexpr = h_desc.dtype
-    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 * 8 // BLOCK_N, BLOCK_N // 8],
-                                            warps_per_cta=[4, 1], order=[1, 0])
-    first_m, end_m = load_range(block_range_ptr, SPLIT)
-    num_m = end_m - first_m
-    num_n = gl.cdiv(I, BLOCK_N)
-    j = 0
-    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        row, col, _ = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
-        for wg in gl.static_range(2):
-            mbarrier.wait(gu_ready.index(wg), j & 1)
-            g = gu_stage.index(2 * wg).reshape([ROWS, BLOCK_N]).load(layout)
-            u = gu_stage.index(2 * wg + 1).reshape([ROWS, BLOCK_N]).load(layout)
-            mbarrier.arrive(gu_empty.index(wg))
-            h = swiglu(g, u).to(dtype)
-            tma.store_wait(pendings=0)
-            h_buf.reshape([ROWS, BLOCK_N]).store(h)
-            fence_async_shared()
-            gl.thread_barrier()
-            tma.async_copy_shared_to_global(h_desc, [row + wg * ROWS, 0, col], h_buf)
-        j += 1
+            n_stored = _stage_store(gu_desc, out_row, 0, col, g, out_bufs, n_stored)
+            n_stored = _stage_store(gu_desc, out_row, 1, col, u, out_bufs, n_stored)
+        n_stored = _stage_store(h_desc, out_row, 0, col, swiglu(g, u).to(dtype), out_bufs, n_stored)
     tma.store_wait(pendings=0)
 
 
@@ -271,51 +241,44 @@ def _epilogue(h_desc, gu_stage, h_buf, gu_ready, gu_empty, block_range_ptr, I, S
 def gate_up_fwd_ws_kernel(x_desc, w_desc, h_desc, gu_desc, x_ptr, row_src_ptr, block_expert_ptr, block_range_ptr,
                           H, I, top_k,
                           STORE_GATE_UP: gl.constexpr, GATHER: gl.constexpr, SPLIT: gl.constexpr,
-                          GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                          PRODUCER_REGS: gl.constexpr, MMA_REGS: gl.constexpr, EPILOGUE_REGS: gl.constexpr):
+                          GROUP_M: gl.constexpr, STAGES: gl.constexpr, OUT_BUFS: gl.constexpr,
+                          PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """h (and gate_up) of the row blocks in block_range (int32 [first, end] schedule blocks), tma_gemm's
     gate_up_fwd_tma_kernel semantics. x_desc: x_rows [R, H] (GATHER: x [T, H], its layout only; x_ptr, row_src_ptr
     and top_k gather), block [128, 64]; w_desc: [E, 2I, H] block [1, BLOCK_N, 64]; h_desc: h as [R, 1, I],
     gu_desc: gate_up as [R, 2, I] (without STORE_GATE_UP: any descriptor of h_desc's type), block [64, 1,
-    BLOCK_N]. Launch with num_warps=4 (the default partition is MMA warpgroup 0)."""
+    BLOCK_N]. Launch with num_warps=4 (the default partition is consumer 0)."""
     dtype: gl.constexpr = x_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     gate_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     up_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    gu_stage = gl.allocate_shared_memory(dtype, [4] + h_desc.block_type.shape, h_desc.layout)  # (g, u) x 2 warpgroups
-    h_buf = gl.allocate_shared_memory(dtype, h_desc.block_type.shape, h_desc.layout)
+    out_bufs0 = gl.allocate_shared_memory(dtype, [OUT_BUFS] + h_desc.block_type.shape, h_desc.layout)
+    out_bufs1 = gl.allocate_shared_memory(dtype, [OUT_BUFS] + h_desc.block_type.shape, h_desc.layout)
     ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    gu_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    gu_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         # ready: the producer's expect (the TMA bytes complete it), plus every gathering thread's cp.async arrive
         mbarrier.init(ready_bars.index(i), count=1 + GATHER * _GATHER_WARPS * 32)
-        mbarrier.init(empty_bars.index(i), count=2)  # one arrive per MMA warpgroup
-    for i in gl.static_range(2):
-        mbarrier.init(gu_ready.index(i), count=1)
-        mbarrier.init(gu_empty.index(i), count=1)
+        mbarrier.init(empty_bars.index(i), count=2)  # one arrive per consumer warpgroup
     fence_async_shared()  # the initialised barriers are visible to the async proxy (TMA) before use
     if GATHER:
         gl.warp_specialize([
-            (_mma, (gu_desc, a_bufs, gate_bufs, up_bufs, gu_stage, ready_bars, empty_bars, gu_ready, gu_empty,
-                    block_range_ptr, H, I, 0, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
-            (_mma, (gu_desc, a_bufs, gate_bufs, up_bufs, gu_stage, ready_bars, empty_bars, gu_ready, gu_empty,
-                    block_range_ptr, H, I, 1, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
-            (_epilogue, (h_desc, gu_stage, h_buf, gu_ready, gu_empty, block_range_ptr, I, SPLIT, GROUP_M)),
+            (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs0, ready_bars, empty_bars, block_range_ptr,
+                         H, I, 0, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
+            (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs1, ready_bars, empty_bars, block_range_ptr,
+                         H, I, 1, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
             (_producer_gather, (x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars,
                                 block_expert_ptr, block_range_ptr, H, I, top_k, SPLIT, GROUP_M)),
-        ], [4, 4, _GATHER_WARPS], [MMA_REGS, EPILOGUE_REGS, PRODUCER_REGS])
+        ], [4, _GATHER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_mma, (gu_desc, a_bufs, gate_bufs, up_bufs, gu_stage, ready_bars, empty_bars, gu_ready, gu_empty,
-                    block_range_ptr, H, I, 0, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
-            (_mma, (gu_desc, a_bufs, gate_bufs, up_bufs, gu_stage, ready_bars, empty_bars, gu_ready, gu_empty,
-                    block_range_ptr, H, I, 1, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
-            (_epilogue, (h_desc, gu_stage, h_buf, gu_ready, gu_empty, block_range_ptr, I, SPLIT, GROUP_M)),
+            (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs0, ready_bars, empty_bars, block_range_ptr,
+                         H, I, 0, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
+            (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs1, ready_bars, empty_bars, block_range_ptr,
+                         H, I, 1, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
             (_producer_tma, (x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, block_expert_ptr,
                              block_range_ptr, H, I, SPLIT, GROUP_M)),
-        ], [4, 4, 1], [MMA_REGS, EPILOGUE_REGS, PRODUCER_REGS])
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -324,29 +287,43 @@ def gate_up_fwd_ws_kernel(x_desc, w_desc, h_desc, gu_desc, x_ptr, row_src_ptr, b
 
 @dataclasses.dataclass(frozen=True)
 class GateUpTile:
-    """The Gluon kernel's shape: BLOCK_N gate (and as many up) columns per 128-row tile, a STAGES-deep ring, the
-    registers setmaxnreg gives the worker partitions (the default one, MMA warpgroup 0, gets the rest)."""
+    """The Gluon kernel's shape: BLOCK_N gate (and as many up) columns per 128-row tile, a STAGES-deep ring,
+    OUT_BUFS staging buffers per consumer warpgroup, the registers setmaxnreg gives each partition."""
 
     block_n: int = 128
     stages: int = 3
+    out_bufs: int = 2
     group_m: int = 8
     producer_regs: int = 40
-    mma_regs: int = 168
-    epilogue_regs: int = 136
+    consumer_regs: int = 232
 
     def smem_bytes(self, elem: int = 2) -> int:
-        """Operand ring + the MMA warpgroups' g, u staging + the epilogue's h buffer (without the barriers)."""
+        """Operand ring + both consumers' staging buffers (without the barriers)."""
         ring = self.stages * (BLOCK_M + 2 * self.block_n) * BLOCK_K * elem
-        return ring + 5 * CONSUMER_ROWS * self.block_n * elem
+        return ring + 2 * self.out_bufs * CONSUMER_ROWS * self.block_n * elem
 
 
-DEFAULT_TILE = GateUpTile()
+# The tiles the benchmark compares (name: tile); each fits 227 KB of shared memory. Registers: Triton starts
+# the 12 warps at 168 a thread (64K / 384, rounded down to 8); the default partition (consumer 0) gets what the
+# others free: 168 x 4 warps + (168 - 232) x 4 + (168 - 40) x 4 = 232 x 4, so both consumers run with 232
+# only while the producer warpgroup (1 padded or 4 gathering warps) keeps 40.
+TILES = {
+    "s3b2": GateUpTile(stages=3, out_bufs=2),  # gate_up stores: 3 stages, g and u and h through 2 buffers
+    "s4b1": GateUpTile(stages=4, out_bufs=1),  # h alone: 4 stages, 1 buffer (its store has a main loop to drain)
+    "n64-s5b3": GateUpTile(block_n=64, stages=5, out_bufs=3),  # the narrow tile, for the register argument
+}
+
+
+def default_tile(store_gate_up: bool) -> GateUpTile:
+    """The launcher's tile: three stores per tile need two staging buffers (3 stages fit beside them); h alone
+    needs one, and a 4th stage fits."""
+    return TILES["s3b2"] if store_gate_up else TILES["s4b1"]
 
 
 def constexprs(tile: GateUpTile, split: int, store_gate_up: bool, gather: bool) -> dict:
     """The kernel's constexpr arguments (the launcher and tests/test_gluon_gate_up_compile.py share them)."""
     return dict(STORE_GATE_UP=store_gate_up, GATHER=gather, SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages,
-                PRODUCER_REGS=tile.producer_regs, MMA_REGS=tile.mma_regs, EPILOGUE_REGS=tile.epilogue_regs)
+                OUT_BUFS=tile.out_bufs, PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs)
 
 
 def descriptors(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, h_RI: torch.Tensor, gate_up_R2I: torch.Tensor | None,
@@ -372,7 +349,8 @@ def launch_gate_up_fwd(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, block_expert, bl
     one staging buffer per consumer, or 3 beside two (the shared memory holds one or the other)."""
     check(config.block_m == BLOCK_M and config.block_k == BLOCK_K,
           f"the Gluon gate_up_fwd runs {BLOCK_M} x n x {BLOCK_K} tiles, got {config}")
-    tile = GateUpTile(block_n=config.block_n, stages=min(config.num_stages, 3), group_m=config.group_m)
+    tile = GateUpTile(block_n=config.block_n, stages=config.num_stages, out_bufs=1 if config.num_stages >= 4 else 2,
+                      group_m=config.group_m)
     check(tma_addressable(x_RH, w_gate_up_E2IH, h_RI, *([gate_up_R2I] if store_gate_up else [])),
           "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8)")
     row_src, top_k = gather if gather is not None else (block_expert, 1)  # unread without gather
@@ -404,7 +382,7 @@ def gate_up_fwd_gluon(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_ex
     inter = w_gate_up_E2IH.shape[1] // 2
     check_weight(w_gate_up_E2IH, x_RH, (w_gate_up_E2IH.shape[0], 2 * inter, hidden), "w_gate_up")
     split, block_range = check_rows(rows, block_expert, blocks, BLOCK_M)
-    tile = tile or DEFAULT_TILE
+    tile = tile or default_tile(store_gate_up)
     if out is None:
         h = torch.empty(rows, inter, dtype=x_RH.dtype, device=x_RH.device)
         gate_up = torch.empty(rows, 2 * inter, dtype=x_RH.dtype, device=x_RH.device) if store_gate_up else None
