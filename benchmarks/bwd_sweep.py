@@ -30,8 +30,8 @@ for name in sys.argv[1].split(","):
     cfg = one_gpu_configs(x, wgu, wd, s)
     blocks = (s.block_expert, s.num_blocks)
     in_use = s.expert_offsets[-1:]
-    x_rows = kernels.gather_rows(x, s.row_src, None, in_use, div=k)
-    d_rows = kernels.gather_rows(d_out, s.row_src, None, in_use, div=k)
+    x_rows = kernels.spread_rows(x, s.dest_row, s.row_src, in_use)
+    d_rows = kernels.spread_rows(d_out, s.dest_row, s.row_src, in_use)
     _, gate_up = kernels.gate_up_fwd(x_rows, wgu, *blocks, store_gate_up=True, config=cfg.gate_up_fwd)
     gemm = 2 * T * k * H * I
 

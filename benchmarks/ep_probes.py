@@ -87,6 +87,6 @@ def comm_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_d
     else:
         weight_rows = exchange.dispatch_pair_weights(ws, weights, schedule)
         d_out_rows = exchange.dispatch(ws, d_out, schedule, "push")
-    kernels.gather_rows(d_out_rows, None, weight_rows, rows_in_use(schedule), out=d_y_rows)
+    kernels.scale_rows(d_out_rows, weight_rows, rows_in_use(schedule), out=d_y_rows)
     d_x_rows = x.new_empty(rows, hidden)  # the gate/up data grad's rows, never computed
     return d_y_rows, exchange.combine(ws, d_x_rows, schedule, ep._direction(config, "combine"))

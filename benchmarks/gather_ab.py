@@ -1,4 +1,4 @@
-"""gate_up_fwd on gathered rows (gather_rows, then the GEMM reads x_rows by TMA) against gate_up_fwd gathering
+"""gate_up_fwd on gathered rows (spread_rows, then the GEMM reads x_rows by TMA) against gate_up_fwd gathering
 x inside its loads (gather=(row_src, k): A by pointer, the weights by TMA), same tiles: bitwise equal h and
 gate_up, and the time of each (balanced routing, bf16, a Hopper GPU; triton.testing.do_bench medians), with
 tile variants of the gathering kernel.
@@ -30,7 +30,7 @@ for name in sys.argv[1].split(","):
     flops = 2 * T * k * H * 2 * I
 
     def rows_then_gemm():
-        return kernels.gate_up_fwd(kernels.gather_rows(x, s.row_src, None, in_use, div=k), wgu, *blocks,
+        return kernels.gate_up_fwd(kernels.spread_rows(x, s.dest_row, s.row_src, in_use), wgu, *blocks,
                                    store_gate_up=True, config=cfg)
 
     want = rows_then_gemm()
@@ -42,7 +42,7 @@ for name in sys.argv[1].split(","):
         got = fn()
         same = v is None or all(torch.equal(a[:used], b[:used]) for a, b in zip(got, want))
         ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-        r = dict(workload=name, mode="gather_rows + gemm" if v is None else "gather in loads", tile=str(c),
+        r = dict(workload=name, mode="spread_rows + gemm" if v is None else "gather in loads", tile=str(c),
                  ms=ms, tflops=flops / ms / 1e9, bitwise_equal=same)
         out.append(r); print(json.dumps(r), flush=True)
     torch.cuda.empty_cache()

@@ -75,8 +75,9 @@ def problem(name: str, routing: str, tokens: int | None):
     bm = block_m_for(H, I, dt)
     s = build_schedule(ids, E, block_m=bm)
     in_use = s.expert_offsets[-1:]
-    x_rows = kernels.gather_rows(x, s.row_src, None, in_use, div=k)
-    d_y = kernels.gather_rows(d_out, s.row_src, tw.reshape(-1), in_use, div=k)
+    x_rows = kernels.spread_rows(x, s.dest_row, s.row_src, in_use)
+    d_y = (kernels.spread_rows(d_out, s.dest_row, s.row_src, in_use).float()
+           * torch.where(s.row_src >= 0, tw.reshape(-1)[s.row_src.clamp(min=0).long()], 0.0)[:, None]).to(dt)
     cfg = kernel_configs(H, I, dt, dev, bm)
     tma_cfg = tma_kernel_configs(H, I, dt, dev, bm)
     blocks = (s.block_expert, range_of(s.num_blocks, "num_blocks"))

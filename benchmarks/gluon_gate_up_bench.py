@@ -66,7 +66,7 @@ def _schedule_problem(name: str, topk_ids, num_experts: int, top_k: int, hidden:
     w = (torch.randn(num_experts, 2 * inter, hidden, device=device, generator=generator) * hidden**-0.5).to(torch.bfloat16)
     s = build_schedule(topk_ids, num_experts, block_m=128)
     in_use = s.expert_offsets[-1:]
-    x_rows = kernels.gather_rows(x, s.row_src, None, in_use, div=top_k)
+    x_rows = kernels.spread_rows(x, s.dest_row, s.row_src, in_use)
     used = int(s.num_blocks.item())  # host reads: setup, outside anything timed
     return dict(name=name, x=x, w=w, x_rows=x_rows, s=s, top_k=top_k, H=hidden, I=inter, used_blocks=used,
                 rows_used=used * 128, rows=s.row_src.numel(), offs=s.expert_offsets[1:].to(torch.int32).contiguous())

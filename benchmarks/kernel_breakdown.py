@@ -40,8 +40,8 @@ def breakdown(name: str, tokens: int | None, experts_cap: int | None) -> list[di
     cfg = one_gpu_configs(x, wgu, wd, s)  # the tiles (and core) the one-GPU backend runs here: TMA on Hopper
     in_use = s.expert_offsets[-1:]
     blocks = (s.block_expert, s.num_blocks)
-    x_rows = kernels.gather_rows(x, s.row_src, None, in_use, div=k)
-    d_out_rows = kernels.gather_rows(d_out, s.row_src, None, in_use, div=k)
+    x_rows = kernels.spread_rows(x, s.dest_row, s.row_src, in_use)
+    d_out_rows = kernels.spread_rows(d_out, s.dest_row, s.row_src, in_use)
     h, gate_up = kernels.gate_up_fwd(x_rows, wgu, *blocks, store_gate_up=True, config=cfg.gate_up_fwd)
     y = kernels.down_fwd(h, wd, *blocks, config=cfg.down_fwd)
 
@@ -59,16 +59,16 @@ def breakdown(name: str, tokens: int | None, experts_cap: int | None) -> list[di
     steps = {
         "schedule": (lambda: build_schedule(ids, E, block_m=bm, place_routing=place_routing), 0, 0, "fwd"),
         "schedule_torch": (lambda: build_schedule(ids, E, block_m=bm), 0, 0, "alt"),
-        "gather_x": (lambda: kernels.gather_rows(x, s.row_src, None, in_use, div=k), 0, rows_bytes, "fwd"),
+        "gather_x": (lambda: kernels.spread_rows(x, s.dest_row, s.row_src, in_use), 0, rows_bytes, "fwd"),
         "gate_up_fwd": (lambda: kernels.gate_up_fwd(x_rows, wgu, *blocks, store_gate_up=True, config=cfg.gate_up_fwd), 2 * gemm, 0, "fwd"),
         "down_fwd": (lambda: kernels.down_fwd(h, wd, *blocks, config=cfg.down_fwd), gemm, 0, "fwd"),
         "combine": (lambda: kernels.combine(y, tw, s.dest_row, None, config=cfg.combine), 0, combine_bytes, "fwd"),
-        "gather_d_out": (lambda: kernels.gather_rows(d_out, s.row_src, None, in_use, div=k), 0, rows_bytes, "bwd"),
+        "gather_d_out": (lambda: kernels.spread_rows(d_out, s.dest_row, s.row_src, in_use), 0, rows_bytes, "bwd"),
         "down_dgrad": (down_dgrad, gemm, 0, "bwd"),
         "router_grad": (lambda: router_grad(d_w_part, s.dest_row), 0, 0, "bwd"),
         "gate_up_dgrad": (lambda: kernels.gate_up_dgrad(d_gu, wgu, *blocks, config=cfg.gate_up_dgrad), 2 * gemm, 0, "bwd"),
         "dw_down": (lambda: kernels.dw_down(d_out_rows, h_w, s.expert_offsets, E, config=cfg.dw_down), gemm, 0, "bwd"),
-        "gather_x_again": (lambda: kernels.gather_rows(x, s.row_src, None, in_use, div=k), 0, rows_bytes, "bwd"),
+        "gather_x_again": (lambda: kernels.spread_rows(x, s.dest_row, s.row_src, in_use), 0, rows_bytes, "bwd"),
         "dw_gate_up": (lambda: kernels.dw_gate_up(d_gu, x_rows, s.expert_offsets, E, config=cfg.dw_gate_up), 2 * gemm, 0, "bwd"),
         "combine_dx": (lambda: kernels.combine(d_x_rows, None, s.dest_row, None, config=cfg.combine), 0, combine_bytes, "bwd"),
     }

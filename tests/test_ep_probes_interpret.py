@@ -70,7 +70,7 @@ def _spy(monkeypatch) -> tuple[collections.Counter, collections.Counter]:
 
         return counted
 
-    for name in GEMMS + SLOT_SUMS + FUSED + ["gather_rows"]:
+    for name in GEMMS + SLOT_SUMS + FUSED + ["scale_rows"]:
         monkeypatch.setattr(kernels, name, wrap(launches, name, getattr(kernels, name)))
     for name in EXCHANGE:
         monkeypatch.setattr(exchange, name, wrap(steps, name, getattr(exchange, name)))
@@ -100,7 +100,7 @@ def test_comm_probe_moves_the_rows_and_runs_no_gemm(directions, monkeypatch):
     launches, steps = _spy(monkeypatch)
     _, (x_rows,) = ep_probes.comm_fwd(*inputs, s, None, config)
     d_y_rows, _ = ep_probes.comm_bwd(d_out, x, *inputs[1:], s, None, config, ())
-    assert launches == {"gather_rows": 1}, f"the comm probe computed: {dict(launches)} (only the d_y row gather)"
+    assert launches == {"scale_rows": 1}, f"the comm probe computed: {dict(launches)} (only the d_y row scale)"
     assert steps["publish" if directions == "pull-push" else "dispatch"] >= 2, dict(steps)
     assert steps["combine"] == 2, f"the forward's and the backward's combines: {dict(steps)}"
     used, k = int(s.expert_offsets[-1]), s.top_k

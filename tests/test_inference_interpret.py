@@ -70,7 +70,7 @@ class Counter:
 
 def spy_one_gpu(monkeypatch, counter: Counter) -> None:
     """Every GEMM launcher experts.py calls (whichever core its tiles select) and the gather/combine kernels."""
-    for name in (*GEMMS, "gather_rows", "combine", "combine_bwd"):
+    for name in (*GEMMS, "spread_rows", "combine", "combine_bwd"):
         monkeypatch.setattr(kernels, name, counter.wrap(name, getattr(kernels, name)))
 
 
@@ -105,7 +105,7 @@ def test_inference_forward_same_bits_nothing_saved(case, dtype, monkeypatch):
     assert torch.equal(got, want), f"out: inference differs (max diff {(got.double() - want.double()).abs().max():.3e})"
     # gate_up is not stored (the SwiGLU epilogue alone), every other kernel runs once.
     assert [c["store_gate_up"] for c in counter.calls["gate_up_fwd"]] == [False]
-    assert counter.count("down_fwd") == 1 and counter.count("combine") == 1 and counter.count("gather_rows") == 1
+    assert counter.count("down_fwd") == 1 and counter.count("combine") == 1 and counter.count("spread_rows") == 1
     assert all(counter.count(n) == 0 for n in ("down_dgrad", "gate_up_dgrad", "dw_down", "dw_gate_up", "combine_bwd"))
 
 
@@ -148,7 +148,7 @@ def test_partial_backward(needed, dtype, recompute, monkeypatch):
     # h_w (d_w_down's operand) is stored only for d_w_down
     assert [c["store_h_w"] for c in counter.calls.get("down_dgrad_router", [])] == [need_d] * rows_part
     # the d_out gather, one of x for dw_gate_up, and (recompute) one of x for the gate/up GEMM
-    assert counter.count("gather_rows") == rows_part + need_gu + (recompute and rows_part)
+    assert counter.count("spread_rows") == rows_part + need_gu + (recompute and rows_part)
     assert counter.count("gate_up_fwd") == (rows_part and recompute)
 
 

@@ -67,11 +67,12 @@ PIPELINED = {"gate_up_fwd", "down_fwd", "down_dgrad", "down_dgrad-router", "gate
 OTHER_KERNELS = {
     "combine": kernels.combine_kernel,
     "combine_bwd": kernels.combine_bwd_kernel,
-    "gather_rows": kernels.gather_rows_kernel,
+    "scale_rows": kernels.scale_rows_kernel,
+    "spread_rows": kernels.spread_rows_kernel,
 }
 # Pointer arguments that are not activations/weights (bf16).
 _POINTER_TYPES = {
-    "row_src_ptr": "*i32", "block_expert_ptr": "*i32", "num_blocks_ptr": "*i32", "block_range_ptr": "*i32",
+    "row_src_ptr": "*i32", "dest_row_ptr": "*i32", "block_expert_ptr": "*i32", "num_blocks_ptr": "*i32", "block_range_ptr": "*i32",
     "expert_offsets_ptr": "*i32", "weights_ptr": "*fp32", "d_w_part_ptr": "*fp32",
     "index_ptr": "*i32", "rows_in_use_ptr": "*i32", "scale_ptr": "*fp32",
     "w_ptr": "*bf16", "d_w_ptr": "*fp32",
@@ -286,8 +287,10 @@ def test_spills_stay_out_of_k_loops(name):
 def test_memory_kernel_sm90_compiles_without_spills(name):
     fn = OTHER_KERNELS[name]
     cfg = _SM90.combine
-    if fn is kernels.gather_rows_kernel:
-        consts = dict(HAS_INDEX=True, HAS_SCALE=True, BLOCK_R=8, BLOCK_H=256)
+    if fn is kernels.scale_rows_kernel:
+        consts = dict(BLOCK_R=8, BLOCK_H=256)
+    elif fn is kernels.spread_rows_kernel:
+        consts = dict(BLOCK_T=8, BLOCK_H=256)
     else:
         consts = dict(BLOCK_T=cfg.block_m, BLOCK_H=cfg.block_n)
     if "HAS_WEIGHTS" in fn.arg_names:

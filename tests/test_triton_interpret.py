@@ -119,31 +119,38 @@ def random_rows(s, k, cols, dtype, seed=1):
 
 @interpreted
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
-@pytest.mark.parametrize("mode", ["index", "index-scale", "scale-only"])
-def test_gather_rows(dtype, mode):
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_spread_rows_is_the_gather_token_major(dtype, block_m):
+    """spread_rows writes every row in use exactly as the row-major gather does (padding rows zero), token
+    rows read once; nothing past the rows in use."""
+    T, H, E, k = 23, 300, 5, 3  # H > BLOCK_H and not a multiple of it; block_m 32: more padding rows
+    x, ids, _, _, _, _, _ = make_problem(T, H, 8, E, k, dtype)
+    s = build_schedule(ids, E, block_m=block_m)
+    used, src, valid, token, expert = row_info(s, k)
+    with poisoned_empty():
+        got = kernels.spread_rows(x, s.dest_row, s.row_src, s.expert_offsets[-1:])
+    assert got.shape == (s.num_rows, H) and got.dtype == dtype
+    assert torch.equal(got[:used], rows_of(x, s, k)[:used]), "spread_rows differs from the gather"
+    assert (got[:used][~valid] == 0).all() and (~valid).any(), "padding rows must be zero (and exist here)"
+    assert torch.isnan(got[used:]).all(), "spread_rows wrote rows past the rows in use"
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+def test_scale_rows(dtype):
     T, H, E, k = 23, 300, 4, 3  # H > BLOCK_H and not a multiple of it
-    x, ids, weights, _, _, _, _ = make_problem(T, H, 8, E, k, dtype)
+    x, ids, _, _, _, _, _ = make_problem(T, H, 8, E, k, dtype)
     s = build_schedule(ids, E, block_m=16)
     used, src, valid, token, expert = row_info(s, k)
-    in_use = s.expert_offsets[-1:]
+    placed = rows_of(x, s, k)
+    scale = torch.rand(s.num_rows)
     with poisoned_empty():
-        if mode == "index":
-            got = kernels.gather_rows(x, s.row_src, None, in_use, div=k)
-            want = rows_of(x, s, k)[:used]
-        elif mode == "index-scale":
-            got = kernels.gather_rows(x, s.row_src, weights.view(-1), in_use, div=k)
-            scale = torch.where(valid, weights.view(-1)[src.clamp(min=0)], 0.0)
-            want = (x.float()[token] * scale[:, None]).to(dtype)
-        else:
-            placed = rows_of(x, s, k)
-            scale = torch.rand(s.num_rows)
-            got = kernels.gather_rows(placed, None, scale, in_use)
-            want = (placed[:used].float() * scale[:used, None]).to(dtype)
+        got = kernels.scale_rows(placed, scale, s.expert_offsets[-1:])
     assert got.shape == (s.num_rows, H) and got.dtype == dtype
-    # One fp32 product rounded once: bitwise what torch computes; padding rows exact zeros.
-    assert torch.equal(got[:used], want), f"gather_rows[{mode}]: differs from torch"
-    assert (got[:used][~valid] == 0).all(), f"gather_rows[{mode}]: padding rows must be zero"
-    assert torch.isnan(got[used:]).all(), f"gather_rows[{mode}]: wrote rows past the rows in use"
+    # One fp32 product rounded once: bitwise what torch computes; padding rows (zero) stay zero.
+    assert torch.equal(got[:used], (placed[:used].float() * scale[:used, None]).to(dtype)), "scale_rows differs"
+    assert (got[:used][~valid] == 0).all(), "padding rows must stay zero"
+    assert torch.isnan(got[used:]).all(), "scale_rows wrote rows past the rows in use"
 
 
 @interpreted
@@ -640,7 +647,7 @@ def test_overlap_knobs():
 @interpreted
 def test_ranges_write_only_their_rows():
     """A device range (first, end), of schedule blocks for the GEMM launchers and of rows for
-    gather_rows: the launch writes exactly those rows, bitwise as a whole launch does, and leaves the
+    scale_rows: the launch writes exactly those rows, bitwise as a whole launch does, and leaves the
     rest poisoned."""
     T, H, I, E, k = 40, 32, 16, 4, 2
     x, ids, _, wgu, _, _, _ = make_problem(T, H, I, E, k, torch.float16)
@@ -657,7 +664,7 @@ def test_ranges_write_only_their_rows():
     assert torch.isnan(h[:first]).all() and torch.isnan(h[end:]).all(), "gate_up_fwd wrote outside its blocks"
     scale = torch.rand(s.num_rows)
     gathered = torch.full_like(x_rows, float("nan"))
-    kernels.gather_rows(x_rows, None, scale, torch.tensor([first, end], dtype=torch.int32), out=gathered)
-    want = kernels.gather_rows(x_rows, None, scale, s.expert_offsets[-1:])
-    assert torch.equal(gathered[first:end], want[first:end]), "ranged gather_rows differs"
-    assert torch.isnan(gathered[:first]).all() and torch.isnan(gathered[end:]).all(), "gather_rows wrote outside its range"
+    kernels.scale_rows(x_rows, scale, torch.tensor([first, end], dtype=torch.int32), out=gathered)
+    want = kernels.scale_rows(x_rows, scale, s.expert_offsets[-1:])
+    assert torch.equal(gathered[first:end], want[first:end]), "ranged scale_rows differs"
+    assert torch.isnan(gathered[:first]).all() and torch.isnan(gathered[end:]).all(), "scale_rows wrote outside its range"

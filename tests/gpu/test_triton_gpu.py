@@ -263,7 +263,7 @@ def test_gluon_dw_gate_up_gathering_x_equals_it_on_gathered_rows(case):
     d_gate_up = torch.randn(schedule.num_rows, 2 * I, generator=gen, device="cuda").to(DTYPE)
     d_gate_up[schedule.row_src < 0] = 0  # padding rows are zero, as down_dgrad writes them
     in_use = schedule.expert_offsets[-1:]
-    x_rows = kernels.gather_rows(x, schedule.row_src, None, in_use, div=k)
+    x_rows = kernels.spread_rows(x, schedule.dest_row, schedule.row_src, in_use)
     want = torch.full((E, 2 * I, H), float("nan"), dtype=DTYPE, device="cuda")
     got = torch.full_like(want, float("nan"))
     gluon_dw.launch_dw(d_gate_up, x_rows, want, schedule.expert_offsets, cfg)

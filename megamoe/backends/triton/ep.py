@@ -245,10 +245,10 @@ def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, share
             d_out_rows, weight_rows = x.new_empty(rows, hidden), weights.new_empty(rows)
             pull_rows(ws.tokens, maps, d_out_rows, by_token=True)
             pull_rows(ws.weights, maps, weight_rows, by_token=False)
-            kernels.gather_rows(d_out_rows, None, weight_rows, in_use, out=d_y_rows)
+            kernels.scale_rows(d_out_rows, weight_rows, in_use, out=d_y_rows)
         else:
             weight_rows = dispatch_pair_weights(ws, weights, schedule)
-            kernels.gather_rows(dispatch(ws, d_out, schedule, "push"), None, weight_rows, in_use, out=d_y_rows)
+            kernels.scale_rows(dispatch(ws, d_out, schedule, "push"), weight_rows, in_use, out=d_y_rows)
         d_gate_up = kernels.down_dgrad(d_y_rows, w_down, gate_up, schedule.block_expert, blocks, config=cfg.down_dgrad)
         d_x_rows = kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad)
         # the weight grads need every row of an expert: kernels of their own here (local: skipped when not needed)

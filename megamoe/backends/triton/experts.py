@@ -96,7 +96,7 @@ def _check_group(group, schedule: Schedule, w_gate_up: torch.Tensor) -> None:
 
 
 def _x_rows(x: torch.Tensor, schedule: Schedule) -> torch.Tensor:
-    return kernels.gather_rows(x, schedule.row_src, None, rows_in_use(schedule), div=schedule.top_k)
+    return kernels.spread_rows(x, schedule.dest_row, schedule.row_src, rows_in_use(schedule))
 
 
 def _gate_up(x, w_gate_up, w_down, schedule: Schedule, cfg: KernelConfigs, *, store_gate_up: bool):
@@ -217,7 +217,7 @@ def experts_bwd(
         kept = gate_up.shape[0] > 0 and gate_up.untyped_storage().nbytes() > 0
         if not kept:  # MoEConfig.recompute, or a second backward through this forward (see _release)
             gate_up = _gate_up(x, w_gate_up, w_down, schedule, cfg, store_gate_up=True)[1]
-        d_out_rows = kernels.gather_rows(d_out, schedule.row_src, None, rows_in_use(schedule), div=schedule.top_k)
+        d_out_rows = kernels.spread_rows(d_out, schedule.dest_row, schedule.row_src, rows_in_use(schedule))
         d_gate_up, h_w, d_w_part = kernels.down_dgrad_router(
             d_out_rows, w_down, gate_up, schedule.row_src, topk_weights.contiguous(), schedule.block_expert, blocks,
             store_h_w=need_w_down, config=cfg.down_dgrad,

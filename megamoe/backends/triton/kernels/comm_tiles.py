@@ -15,7 +15,7 @@ finishes.
 
 Determinism: every element is still written by one program, with the values and reduction order of the
 unfused kernels (copies are bit copies; the backward's router-weight scale is the same fp32 product
-rounded to the dtype as gather_rows'), so results do not depend on the split or the granularity.
+rounded to the dtype as scale_rows'), so results do not depend on the split or the granularity.
 
 No deadlock by construction: a tile only ever waits for a group that a communication program of its
 own grid has claimed or will claim (or, in the second GEMM, for first-GEMM tiles claimed before it:

@@ -1,18 +1,20 @@
-"""Row gather with an optional fp32 row scale: materialises the GEMMs' token-sourced operands once,
-expert-contiguous, so that every GEMM reads its rows contiguously (cp.async/TMA-friendly, software
-pipelined) instead of gathering them by pointer inside its K loop.
+"""The row passes that materialise the GEMMs' token-sourced operands once, expert-contiguous, so that every
+GEMM reads its rows contiguously (TMA-friendly, software pipelined) instead of gathering them by pointer
+inside its K loop.
 
-For receive row r in [first, end) (a device range, no host sync), with p = index[r] (p = r when there
-is no index):
-    out[r] = scale[p] * src[p // div]        (fp32 product, rounded to src's dtype)
-    out[r] = 0                               where p < 0 (padding)
-Rows outside the range are left unwritten. Both drivers pass [0, rows in use].
+spread_rows (one GPU): x_rows = x[row_src // k] (forward, where gate_up_fwd does not gather x in its own
+loads; backward, for dw_gate_up) and d_out_rows = d_out[row_src // k] (backward), computed token-major:
+    out[dest_row[t, j]] = src[t]    for every pair (t, j) with a row
+    out[r] = 0                      for the rows r in use with row_src[r] < 0 (padding)
+Each token row is read once and written to its k rows; a row-major gather (row r reads src[row_src[r] // k])
+reads every token row k times, from HBM once the tokens outgrow L2: 1.16-1.49x slower on the benchmark
+workloads (h200-spread-ab-v1.json; the A/B script is in the commit that added spread_rows).
 
-Uses: x_rows = x[row_src // k] (one GPU, forward); d_y_rows = topk_weights.flat[row_src] *
-d_out[row_src // k] (one GPU, backward: the router weight of the pair, rounded to the dtype as autograd
-of the reference rounds it); d_y_rows = weight_rows[r] * d_out_rows[r] (expert parallel, ep.py's
-unfused paths: the whole dispatched rows, scale only; its fused path scales in the pull of the fused
-backward kernel, kernels/ep_fused.py).
+scale_rows (expert parallel, ep.py's unfused paths): d_y_rows[r] = weight_rows[r] * d_out_rows[r] over the
+dispatched rows (the fused path scales in the pull of the fused backward kernel, kernels/ep_fused.py):
+    out[r] = scale[r] * src[r]      (fp32 product, rounded to src's dtype)
+Both write the rows in use only (a device range, no host sync); rows past it are left unwritten. Every row
+is written by one program: no order between programs matters, and the results are bitwise reproducible.
 """
 
 from __future__ import annotations
@@ -23,94 +25,11 @@ import triton.language as tl
 
 from megamoe.backends.triton.kernels._common import check, load_range, num_sms, range_of
 
-
-@triton.jit
-def gather_rows_kernel(
-    src_ptr, index_ptr, scale_ptr, rows_in_use_ptr, out_ptr,
-    H, div,
-    HAS_INDEX: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    first, end = load_range(rows_in_use_ptr, 1)  # rows_in_use_ptr: int32 [2], the rows [first, end)
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_h = tl.arange(0, BLOCK_H)
-    for r0 in range(first + tl.program_id(0) * BLOCK_R, end, tl.num_programs(0) * BLOCK_R):
-        rows = r0 + offs_r
-        row_ok = rows < end
-        if HAS_INDEX:
-            p = tl.load(index_ptr + rows, mask=row_ok, other=-1)
-        else:
-            p = rows
-        valid = row_ok & (p >= 0)
-        safe_p = tl.where(valid, p, 0)
-        src_row = (safe_p // div).to(tl.int64)
-        if HAS_SCALE:
-            scale = tl.load(scale_ptr + safe_p, mask=valid, other=0.0)
-        rows64 = rows.to(tl.int64)
-        for h0 in range(0, H, BLOCK_H):
-            cols = h0 + offs_h
-            col_ok = (cols < H)[None, :]
-            v = tl.load(src_ptr + src_row[:, None] * H + cols[None, :], mask=valid[:, None] & col_ok, other=0.0)
-            if HAS_SCALE:
-                v = (v.to(tl.float32) * scale[:, None]).to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + rows64[:, None] * H + cols[None, :], v, mask=row_ok[:, None] & col_ok)
-
-
-# Rows per program step and columns per inner step (8 x 256 16-bit values: 32 bytes per thread of 4
-# warps), and programs per SM: a copy needs several CTAs per SM in flight to reach HBM bandwidth.
+# Rows (tokens) per program step and columns per inner step (8 x 256 16-bit values: 32 bytes per thread of
+# 4 warps), and programs per SM: a copy needs several CTAs per SM in flight to reach HBM bandwidth.
 _BLOCK_R = 8
 _BLOCK_H = 256
 _PROGRAMS_PER_SM = 8
-
-
-def gather_rows(
-    src_NH: torch.Tensor,
-    index_R: torch.Tensor | None,
-    scale: torch.Tensor | None,
-    rows_in_use: torch.Tensor,
-    *,
-    num_rows: int | None = None,
-    div: int = 1,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """out [R, H] in src's dtype (see the module docstring for the formula).
-
-    src [N, H]: token rows (x or d_out, N = T) or already-placed rows (N = R). index [R] int32, -1 for
-    padding, or None (identity: row r reads src row r, then R = N). scale fp32, indexed by p (the
-    pair index when index is row_src: topk_weights flattened [T*k]; the row when index is None: [R]),
-    or None. rows_in_use: on the device, int32 [2] (first, end) or int32 [1] (end, first = 0;
-    schedule.expert_offsets[-1:]). div: source row = p // div (top_k when index holds pair indices).
-    num_rows: R when index is None and R != N. out: the [R, H] buffer to write (None: allocated; the
-    expert-parallel backward's unfused paths scale their dispatched rows into one allocated beforehand).
-    """
-    check(src_NH.dim() == 2 and src_NH.is_contiguous(), "src must be a contiguous [N, H] tensor")
-    hidden = src_NH.shape[1]
-    if index_R is not None:
-        check(index_R.dtype == torch.int32 and index_R.dim() == 1 and index_R.is_contiguous(),
-              f"index must be a contiguous int32 [R] tensor, got {index_R.dtype} {tuple(index_R.shape)}")
-        rows = index_R.numel()
-    else:
-        rows = src_NH.shape[0] if num_rows is None else num_rows
-        check(rows <= src_NH.shape[0], f"identity gather of {rows} rows from {src_NH.shape[0]}")
-    check(div >= 1, f"div must be >= 1, got {div}")
-    if scale is not None:
-        check(scale.dtype == torch.float32 and scale.dim() == 1 and scale.is_contiguous(),
-              f"scale must be a contiguous float32 1-d tensor, got {scale.dtype} {tuple(scale.shape)}")
-    row_range = range_of(rows_in_use, "rows_in_use")
-    if out is None:
-        out = torch.empty(rows, hidden, dtype=src_NH.dtype, device=src_NH.device)
-    check(out.dtype == src_NH.dtype and tuple(out.shape) == (rows, hidden) and out.is_contiguous(),
-          f"out must be a contiguous {src_NH.dtype} [{rows}, {hidden}] tensor, got {out.dtype} {tuple(out.shape)}")
-    # NOTE: the row range stays on the device; the grid is the worst case.
-    programs = _PROGRAMS_PER_SM * num_sms(src_NH.device)
-    grid = (max(1, min(programs, triton.cdiv(rows, _BLOCK_R))),)
-    gather_rows_kernel[grid](
-        src_NH, index_R if index_R is not None else row_range, scale if scale is not None else src_NH,
-        row_range, out,
-        hidden, div,
-        HAS_INDEX=index_R is not None, HAS_SCALE=scale is not None, BLOCK_R=_BLOCK_R, BLOCK_H=_BLOCK_H,
-        num_warps=4,
-    )
-    return out
 
 
 @triton.jit
@@ -166,4 +85,46 @@ def spread_rows(src_TH: torch.Tensor, dest_row_TK: torch.Tensor, row_src_R: torc
         src_TH, dest_row_TK, row_src_R, row_range, out, tokens, hidden, dest_row_TK.shape[1],
         BLOCK_T=_BLOCK_R, BLOCK_H=_BLOCK_H, num_warps=4,
     )
+    return out
+
+
+@triton.jit
+def scale_rows_kernel(
+    src_ptr, scale_ptr, rows_in_use_ptr, out_ptr, H,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    first, end = load_range(rows_in_use_ptr, 1)  # rows_in_use_ptr: int32 [2], the rows [first, end)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_h = tl.arange(0, BLOCK_H)
+    for r0 in range(first + tl.program_id(0) * BLOCK_R, end, tl.num_programs(0) * BLOCK_R):
+        rows = r0 + offs_r
+        row_ok = rows < end
+        scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
+        rows64 = rows.to(tl.int64)
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + offs_h
+            mask = row_ok[:, None] & (cols < H)[None, :]
+            v = tl.load(src_ptr + rows64[:, None] * H + cols[None, :], mask=mask, other=0.0)
+            v = (v.to(tl.float32) * scale[:, None]).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + rows64[:, None] * H + cols[None, :], v, mask=mask)
+
+
+def scale_rows(src_RH: torch.Tensor, scale_R: torch.Tensor, rows_in_use: torch.Tensor, *,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """out [R, H] in src's dtype: out[r] = scale[r] * src[r] (fp32 product, rounded once) for the rows in use
+    (rows_in_use as in spread_rows). scale: fp32 [R]. out: the [R, H] buffer to write (None: allocated; the
+    expert-parallel backward's unfused paths scale their dispatched rows into one allocated beforehand)."""
+    check(src_RH.dim() == 2 and src_RH.is_contiguous(), "src must be a contiguous [R, H] tensor")
+    rows, hidden = src_RH.shape
+    check(scale_R.dtype == torch.float32 and scale_R.dim() == 1 and scale_R.is_contiguous() and scale_R.numel() >= rows,
+          f"scale must be a contiguous float32 [{rows}] tensor, got {scale_R.dtype} {tuple(scale_R.shape)}")
+    row_range = range_of(rows_in_use, "rows_in_use")
+    if out is None:
+        out = torch.empty(rows, hidden, dtype=src_RH.dtype, device=src_RH.device)
+    check(out.dtype == src_RH.dtype and tuple(out.shape) == (rows, hidden) and out.is_contiguous(),
+          f"out must be a contiguous {src_RH.dtype} [{rows}, {hidden}] tensor, got {out.dtype} {tuple(out.shape)}")
+    # NOTE: the row range stays on the device; the grid is the worst case.
+    programs = _PROGRAMS_PER_SM * num_sms(src_RH.device)
+    grid = (max(1, min(programs, triton.cdiv(rows, _BLOCK_R))),)
+    scale_rows_kernel[grid](src_RH, scale_R, row_range, out, hidden, BLOCK_R=_BLOCK_R, BLOCK_H=_BLOCK_H, num_warps=4)
     return out
