@@ -119,13 +119,16 @@ def random_rows(s, k, cols, dtype, seed=1):
 
 @interpreted
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
-@pytest.mark.parametrize("block_m", [16, 32])
-def test_spread_rows_is_the_gather_token_major(dtype, block_m):
-    """spread_rows writes every row in use exactly as the row-major gather does (padding rows zero), token
-    rows read once; nothing past the rows in use."""
-    T, H, E, k = 23, 300, 5, 3  # H > BLOCK_H and not a multiple of it; block_m 32: more padding rows
+@pytest.mark.parametrize("T,E,k,block_m,capacity", [(23, 5, 3, 16, None), (23, 5, 3, 32, None), (48, 3, 2, 16, 0.1)],
+                         ids=["b16", "b32", "capacity"])  # the capacity case: 64 rows for 96 pairs
+def test_spread_rows_is_the_gather_token_major(dtype, T, E, k, block_m, capacity):
+    """spread_rows writes every row in use exactly as the row-major gather (row r = x[row_src[r] // k]) does:
+    padding rows zero, pairs without a row (a capacity cut them: dest_row -1) written nowhere, nothing past
+    the rows in use."""
+    H = 300  # > BLOCK_H and not a multiple of it; block_m 32: more padding rows
     x, ids, _, _, _, _, _ = make_problem(T, H, 8, E, k, dtype)
-    s = build_schedule(ids, E, block_m=block_m)
+    s = build_schedule(ids, E, block_m=block_m, config=MoEConfig(capacity_factor=capacity))
+    assert (s.dest_row < 0).any() == (capacity is not None), "the capacity case must cut pairs"
     used, src, valid, token, expert = row_info(s, k)
     with poisoned_empty():
         got = kernels.spread_rows(x, s.dest_row, s.row_src, s.expert_offsets[-1:])
