@@ -22,7 +22,6 @@ Every variant is checked against cuBLAS before it is timed (relative Frobenius e
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
 import torch
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 import triton
 
 from megamoe.backends.triton import kernels
-from megamoe.backends.triton.configs import TileConfig, block_m_for, kernel_configs, tma_kernel_configs
+from megamoe.backends.triton.configs import TileConfig, block_m_for, kernel_configs, tma_kernel_configs, triton_tile
 from megamoe.backends.triton.kernels._common import range_of
 from megamoe.bench.routing import route
 from megamoe.bench.workloads import WORKLOADS
@@ -131,8 +130,7 @@ def gemms(p, sweep: bool) -> dict:
         entry = getattr(tma_cfg, name)
         variants["fused"] = make_tma(entry)
         if entry.gluon:
-            variants["tma"] = make_tma(dataclasses.replace(entry, gluon=False, pingpong=False, num_warps=8,
-                                                           num_stages=min(entry.num_stages, 3)))
+            variants["tma"] = make_tma(triton_tile(entry))
         for t in SWEEP[name] if sweep else ():
             for flat in (False, True):
                 variants[f"tma{'-flat' if flat else ''} {t}"] = make_tma(tile(t, flat))

@@ -9,11 +9,11 @@ then qwen3-30b-a3b and qwen3-235b-a22b (every variant). Variants:
     router-h_w  kernels.down_dgrad_router(store_h_w=True)   against down_dgrad_router_gluon  (the one-GPU backward)
     router      kernels.down_dgrad_router(store_h_w=False)  against down_dgrad_router_gluon
     plain       kernels.down_dgrad                          against down_dgrad_gluon
-The production side runs through the launchers of kernels/grouped_gemm.py with the TMA table's config
-(configs.tma_kernel_configs(...).down_dgrad). Per job: the production outputs and timing first, then the
-Gluon kernel: every output (d_gate_up, h_w, d_w_part) over the rows of the block range must be bitwise equal
-(torch.equal) and bitwise repeatable, then it is timed (triton.testing.do_bench, median). TF/s counts
-2 * rows in use * H * I (padding rows included: both kernels compute them).
+The production side runs through the launchers of kernels/grouped_gemm.py with the Triton TMA kernel's
+tile (configs.triton_tile of configs.tma_kernel_configs(...).down_dgrad). Per job: the production outputs
+and timing first, then the Gluon kernel: every output (d_gate_up, h_w, d_w_part) over the rows of the block
+range must be bitwise equal (torch.equal) and bitwise repeatable, then it is timed (triton.testing.do_bench,
+median). TF/s counts 2 * rows in use * H * I (padding rows included: both kernels compute them).
 
 Crashes and hangs: the jobs run in a child process that appends each record to a JSON-lines file as it
 finishes (and a "started" line before). The parent watches it: a child that dies (a launch failure
@@ -175,11 +175,11 @@ def run_job(p: dict, variant: str, skip_gluon: bool, rec: dict, emit) -> None:
 
     import torch
 
-    from megamoe.backends.triton.configs import tma_kernel_configs
+    from megamoe.backends.triton.configs import tma_kernel_configs, triton_tile
     from megamoe.backends.triton.kernels import gluon_down_dgrad as gdd
 
     H, I = p["H"], p["I"]
-    tma_cfg = tma_kernel_configs(H, I, torch.bfloat16, p["d_rows"].device, BLOCK_M).down_dgrad
+    tma_cfg = triton_tile(tma_kernel_configs(H, I, torch.bfloat16, p["d_rows"].device, BLOCK_M).down_dgrad)
     rows = p["row_range"][1] - p["row_range"][0]
     flops = 2 * rows * H * I
     rec.update(rows=rows, H=H, I=I, experts=p["E"], triton_config=dataclasses.asdict(tma_cfg),

@@ -48,7 +48,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from megamoe.backends.triton import kernels  # noqa: E402
-from megamoe.backends.triton.configs import tma_kernel_configs  # noqa: E402
+from megamoe.backends.triton.configs import tma_kernel_configs, triton_tile  # noqa: E402
 from megamoe.backends.triton.kernels import gluon_dw  # noqa: E402
 from megamoe.bench.routing import route  # noqa: E402
 from megamoe.schedule import build_schedule  # noqa: E402
@@ -169,7 +169,7 @@ def check_gemm(p: dict, gemm: str, cfg: gluon_dw.GluonDwTile, with_reference: bo
     """The Gluon output (into a NaN-filled buffer) against the production kernel's, bitwise; repeatable."""
     production, gluon = _gemm_fns(gemm)
     args = _args(gemm, p)
-    want = production(*args, config=getattr(p["tma_cfgs"], gemm))
+    want = production(*args, config=triton_tile(getattr(p["tma_cfgs"], gemm)))
     got = torch.full_like(want, float("nan"))
     _, kernel = gluon_dw.dw_gluon(*args, cfg, out=got, return_kernel=True)
     again = gluon(*args, cfg)
@@ -263,7 +263,7 @@ def time_production(workloads: list[str], device) -> list[dict]:
         p = workload_problem(name, device)
         for gemm in ("dw_down", "dw_gate_up"):
             production, args = _gemm_fns(gemm)[0], _args(gemm, p)
-            tile = getattr(p["tma_cfgs"], gemm)
+            tile = triton_tile(getattr(p["tma_cfgs"], gemm))
             rec = _record(p, gemm, "megamoe-tma")
             rec["tile"] = dataclasses.asdict(tile)
             ms = _time(lambda: production(*args, config=tile))

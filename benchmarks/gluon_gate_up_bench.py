@@ -98,9 +98,9 @@ def workload_problem(name: str, device) -> dict:
 def _tma_config(p):
     import torch
 
-    from megamoe.backends.triton.configs import tma_kernel_configs
+    from megamoe.backends.triton.configs import tma_kernel_configs, triton_tile
 
-    return tma_kernel_configs(p["H"], p["I"], torch.bfloat16, p["x"].device, 128).gate_up_fwd
+    return triton_tile(tma_kernel_configs(p["H"], p["I"], torch.bfloat16, p["x"].device, 128).gate_up_fwd)
 
 
 def run_production(p, store_gate_up: bool, gather: bool, blocks=None):

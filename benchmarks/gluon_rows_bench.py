@@ -4,8 +4,9 @@ Usage (one H200, torch + Triton 3.6):  PYTHONPATH=$PWD python3 benchmarks/gluon_
     [--tile NAME ...] [--workload NAME ...]
 
 For both GEMMs, down_fwd (y_rows = h @ w_down[e]^T) and gate_up_dgrad (d_x_rows = d_gate_up @ w_gate_up[e]),
-every Gluon tile of gluon_rows.TILES is compared with the Triton kernel the one-GPU path runs on Hopper
-(kernels.down_fwd / kernels.gate_up_dgrad with tma_kernel_configs' tile, i.e. tma_gemm.row_gemm_tma_kernel):
+every Gluon tile of gluon_rows.TILES is compared with the Triton TMA kernel of the same tile
+(kernels.down_fwd / kernels.gate_up_dgrad with configs.triton_tile of tma_kernel_configs' entry, i.e.
+tma_gemm.row_gemm_tma_kernel):
 
   * small irregular problem (6 experts of 300, 0, 129, 1, 640 and 77 rows, unused blocks at the end,
     H 2880: column tails for 128- and 256-wide tiles, I 552: K tails for both GEMMs): bitwise equal to
@@ -174,7 +175,7 @@ def worker(part_path: str, tile_names: list[str], baselines: bool, workloads: li
     import triton
 
     from megamoe.backends.triton import kernels
-    from megamoe.backends.triton.configs import tma_kernel_configs
+    from megamoe.backends.triton.configs import tma_kernel_configs, triton_tile
     from megamoe.backends.triton.kernels import gluon_rows
     from megamoe.backends.triton.kernels._common import range_of
 
@@ -186,7 +187,8 @@ def worker(part_path: str, tile_names: list[str], baselines: bool, workloads: li
     gluon_fns = {"down_fwd": gluon_rows.down_fwd, "gate_up_dgrad": gluon_rows.gate_up_dgrad}
 
     def triton_fn(p, gemm):
-        cfg = getattr(tma_kernel_configs(p["hidden"], p["inter"], torch.bfloat16, device, SCHEDULE_BLOCK_M), gemm)
+        table = tma_kernel_configs(p["hidden"], p["inter"], torch.bfloat16, device, SCHEDULE_BLOCK_M)
+        cfg = triton_tile(getattr(table, gemm))
         launcher = getattr(kernels, gemm)
         return lambda a, w, block_expert, blocks: launcher(a, w, block_expert, blocks, config=cfg)
 

@@ -324,14 +324,3 @@ def interpreter_suite(test_file: str):
         run_interpreted(test_file)
 
     return test_interpreter_suite
-
-
-def triton_tile(cfg):
-    """The Triton TMA kernel's version of a tile-table entry that runs a Gluon kernel (TileConfig.gluon): the same
-    tile and K step, hence the same bits, with the 8 warps the Triton kernels run and at most 3 stages (the
-    two-accumulator gate_up_fwd tile fits no more in shared memory)."""
-    import dataclasses
-
-    if not cfg.gluon:
-        return cfg
-    return dataclasses.replace(cfg, gluon=False, pingpong=False, num_warps=8, num_stages=min(cfg.num_stages, 3))

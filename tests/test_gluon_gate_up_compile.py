@@ -42,8 +42,7 @@ pytest.importorskip("triton.experimental.gluon")
 import torch  # noqa: E402
 from triton.runtime.jit import mangle_type  # noqa: E402
 
-from megamoe.backends.triton.configs import _SM90_TMA  # noqa: E402
-from conftest import triton_tile  # noqa: E402
+from megamoe.backends.triton.configs import _SM90_TMA, triton_tile  # noqa: E402
 from megamoe.backends.triton.kernels import gluon_gate_up as G  # noqa: E402
 from megamoe.backends.triton.kernels import tma_gemm  # noqa: E402
 from compile_checks import (  # noqa: E402

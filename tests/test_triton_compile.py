@@ -22,9 +22,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 triton = pytest.importorskip("triton")
 
 from megamoe.backends.triton import kernels  # noqa: E402
-from megamoe.backends.triton.configs import _SM90, _SM90_TMA, TileConfig  # noqa: E402
+from megamoe.backends.triton.configs import _SM90, _SM90_TMA, TileConfig, triton_tile  # noqa: E402
 from megamoe.backends.triton.kernels import tma_gemm  # noqa: E402
-from conftest import triton_tile  # noqa: E402
 from compile_checks import SMEM_LIMIT, compile_triton, ptxas_report, sass  # noqa: E402
 
 
@@ -197,7 +196,7 @@ TMA_CONSTEXPRS = {"gate_up_fwd": {"STORE_GATE_UP": True, "GATHER": False}, "down
                   "down_fwd": {"W_NK": True}, "gate_up_dgrad": {"W_NK": False}}
 # Every entry of the TMA table, plus gate_up_fwd gathering x in its loads. Entries that run a Gluon kernel
 # (checked by tests/test_gluon_*_compile.py) are compiled here as the Triton TMA kernel of the same tile
-# (conftest.triton_tile): the bitwise reference of the Gluon kernel on the GPU (tests/gpu/test_triton_gpu.py)
+# (configs.triton_tile): the bitwise reference of the Gluon kernel on the GPU (tests/gpu/test_triton_gpu.py)
 # and the TMA core the interpreter suites run.
 TMA_ENTRIES = {name: triton_tile(getattr(_SM90_TMA, name)) for name in TMA_KERNELS}
 TMA_ENTRIES["gate_up_fwd-gather"] = TMA_ENTRIES["gate_up_fwd"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import poisoned_empty, triton_tile
+from conftest import poisoned_empty
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,6 +21,7 @@ pytestmark = [
 
 if torch.cuda.is_available():
     from megamoe.backends.triton import block_m_for
+    from megamoe.backends.triton.configs import triton_tile
     from megamoe.backends.triton.experts import experts_bwd, experts_fwd, one_gpu_configs
     from megamoe.reference import experts as reference_experts
     from megamoe.schedule import build_schedule

@@ -165,6 +165,16 @@ def tma_kernel_configs(
     return table
 
 
+def triton_tile(cfg: TileConfig) -> TileConfig:
+    """The Triton TMA kernel's version of a tile-table entry that runs a Gluon kernel (TileConfig.gluon): the same
+    tile and K step, hence the same bits (the Gluon kernels' reference in the GPU tests and the benchmarks), with
+    the 8 warps the Triton kernels run and at most 3 stages (the two-accumulator gate_up_fwd tile fits no more in
+    shared memory). Any other entry as it is."""
+    if not cfg.gluon:
+        return cfg
+    return dataclasses.replace(cfg, gluon=False, pingpong=False, num_warps=8, num_stages=min(cfg.num_stages, 3))
+
+
 def _arch(device: torch.device) -> tuple[int, int] | None:
     if device.type != "cuda":
         return None
