@@ -139,6 +139,26 @@ def test_spread_rows_is_the_gather_token_major(dtype, T, E, k, block_m, capacity
 
 
 @interpreted
+def test_row_passes_refuse_bad_maps():
+    """spread_rows / scale_rows: a map or scale of another dtype or shape is a ValueError naming it, before any
+    launch."""
+    x, ids, _, _, _, _, _ = make_problem(23, 64, 8, 5, 3, torch.float32)
+    s = build_schedule(ids, 5, block_m=16)
+    in_use = s.expert_offsets[-1:]
+    with pytest.raises(ValueError, match=r"dest_row must be a contiguous int32 \[23, k\] tensor, got torch.int64"):
+        kernels.spread_rows(x, s.dest_row.long(), s.row_src, in_use)
+    with pytest.raises(ValueError, match=r"dest_row must be a contiguous int32 \[23, k\]"):
+        kernels.spread_rows(x, s.dest_row[:5], s.row_src, in_use)
+    with pytest.raises(ValueError, match=r"row_src must be a contiguous int32 \[R\] tensor, got torch.int64"):
+        kernels.spread_rows(x, s.dest_row, s.row_src.long(), in_use)
+    rows = rows_of(x, s, 3)
+    with pytest.raises(ValueError, match=r"scale must be a contiguous float32 \[\d+\] tensor, got torch.float16"):
+        kernels.scale_rows(rows, torch.ones(s.num_rows, dtype=torch.float16), in_use)
+    with pytest.raises(ValueError, match=r"scale must be a contiguous float32 \[\d+\] tensor, got torch.float32 \(3,\)"):
+        kernels.scale_rows(rows, torch.ones(3), in_use)
+
+
+@interpreted
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
 def test_scale_rows(dtype):
     T, H, E, k = 23, 300, 4, 3  # H > BLOCK_H and not a multiple of it
