@@ -8,7 +8,9 @@ torch._grouped_mm (offsets = the schedule's expert_offsets). Each GEMM is timed 
 (with its epilogue: SwiGLU after gate/up fwd, the SwiGLU backward after down dgrad) and as cuBLAS plus
 the torch ops that epilogue replaces. Variants:
     "fused"        the tile table's kernel as the one-GPU path runs it (on Hopper: the Gluon kernels,
-                   kernels/gluon_*.py)
+                   kernels/gluon_*.py; the weight grads given the schedule's row_src, which skip an expert's
+                   last row step where it is padding only)
+    "fused-noskip" the Gluon weight-grad kernel without row_src (every padding row step computed)
     "tma"          the Triton TMA kernel (kernels/tma_gemm.py) of the same tile, 8 warps, at most 3 stages (the
                    Gluon kernels' bitwise reference)
     "pointer"      the pointer-load core (kernels/grouped_gemm.py + weight_grad.py; the EP kernels' core)
@@ -16,7 +18,7 @@ the torch ops that epilogue replaces. Variants:
     "cublas-gemm"  torch._grouped_mm alone (the GEMMs with an epilogue only)
     "tma (tile)"   with --sweep: the TMA kernels with candidate tiles, flattened ("tma-flat") or not
 Every variant is checked against cuBLAS before it is timed (relative Frobenius error). TF/s counts
-2*M*N*K over the rows in use (padding included: both sides compute it).
+2*M*N*K over the rows in use, padding included (cuBLAS computes it; the fused weight grads skip some of it).
 """
 
 from __future__ import annotations
@@ -119,16 +121,21 @@ def gemms(p, sweep: bool) -> dict:
         "dw_down": (2 * R * H * I, {
             "pointer": lambda: kernels.dw_down(d_y, h, s.expert_offsets, E, config=cfg.dw_down),
             "cublas": lambda: torch._grouped_mm(d_y.t(), h, offs=offs),
-        }, lambda c: lambda: kernels.dw_down(d_y, h, s.expert_offsets, E, config=c)),
+        }, lambda c, rs=None: lambda: kernels.dw_down(d_y, h, s.expert_offsets, E, config=c, row_src=rs)),
         "dw_gate_up": (2 * 2 * R * H * I, {
             "pointer": lambda: kernels.dw_gate_up(d_gu, x_rows, s.expert_offsets, E, config=cfg.dw_gate_up),
             "cublas": lambda: torch._grouped_mm(d_gu.t(), x_rows, offs=offs),
-        }, lambda c: lambda: kernels.dw_gate_up(d_gu, x_rows, s.expert_offsets, E, config=c)),
+        }, lambda c, rs=None: lambda: kernels.dw_gate_up(d_gu, x_rows, s.expert_offsets, E, config=c, row_src=rs)),
     }
     out = {}
     for name, (flops, variants, make_tma) in table.items():
         entry = getattr(tma_cfg, name)
-        variants["fused"] = make_tma(entry)
+        if name.startswith("dw_"):
+            variants["fused"] = make_tma(entry, s.row_src)
+            if entry.gluon:
+                variants["fused-noskip"] = make_tma(entry)
+        else:
+            variants["fused"] = make_tma(entry)
         if entry.gluon:
             variants["tma"] = make_tma(triton_tile(entry))
         for t in SWEEP[name] if sweep else ():
@@ -166,12 +173,33 @@ def run(name: str, routing: str, tokens: int | None, sweep: bool) -> list[dict]:
     return records
 
 
+def skip_ab(name: str, routing: str, tokens: int | None, rounds: int) -> list[dict]:
+    """--skip-ab: "fused" against "fused-noskip" of the weight grads, alternating (order rotated) over `rounds`
+    rounds of do_bench medians; the best of the rounds per variant."""
+    p = problem(name, routing, tokens)
+    records = []
+    for gemm, (flops, variants) in gemms(p, False).items():
+        if "fused-noskip" not in variants:
+            continue
+        pair = ["fused", "fused-noskip"]
+        times = {v: [] for v in pair}
+        for r in range(rounds):
+            for v in pair[r % len(pair):] + pair[:r % len(pair)]:
+                times[v].append(triton.testing.do_bench(variants[v], warmup=10, rep=60, return_mode="median"))
+        for v, ms in times.items():
+            rec = {"workload": name, "routing": routing, "gemm": gemm, "variant": v, "ms_rounds": ms, "ms": min(ms),
+                   "tflops": flops / min(ms) / 1e9}
+            records.append(rec)
+            print(json.dumps(rec), flush=True)
+    return records
+
+
 def summary(records: list[dict]) -> str:
     """TF/s per (workload, GEMM): cuBLAS with the torch epilogue, cuBLAS's GEMM alone, the pointer core, the
     Triton TMA kernel, the fused path's kernel (the table's: Gluon on Hopper) and its ratio to cuBLAS (with
     epilogue), and the best swept tile."""
-    lines = [f"{'workload':16} {'gemm':14} {'cublas':>7} {'(gemm)':>7} {'pointer':>8} {'tma':>6} {'fused':>6} "
-             f"{'fused/cublas':>12}  best swept"]
+    lines = [f"{'workload':16} {'gemm':14} {'cublas':>7} {'(gemm)':>7} {'pointer':>8} {'tma':>6} {'noskip':>6} "
+             f"{'fused':>6} {'fused/cublas':>12}  best swept"]
     for key in dict.fromkeys((r["workload"], r["gemm"]) for r in records):
         rs = [r for r in records if (r["workload"], r["gemm"]) == key and r.get("tflops")]
         by = {r["variant"]: r["tflops"] for r in rs}
@@ -180,7 +208,7 @@ def summary(records: list[dict]) -> str:
         ratio = by.get("fused", 0) / by["cublas"] if by.get("cublas") else 0
         gemm_only = f"{by['cublas-gemm']:7.0f}" if "cublas-gemm" in by else f"{'-':>7}"
         lines.append(f"{key[0]:16} {key[1]:14} {by.get('cublas', 0):7.0f} {gemm_only} {by.get('pointer', 0):8.0f} "
-                     f"{by.get('tma', 0):6.0f} {by.get('fused', 0):6.0f} {ratio:11.2f}x  "
+                     f"{by.get('tma', 0):6.0f} {by.get('fused-noskip', 0):6.0f} {by.get('fused', 0):6.0f} {ratio:11.2f}x  "
                      f"{swept['variant'] if swept else '-'}")
     return "\n".join(lines)
 
@@ -191,13 +219,22 @@ def main() -> None:
     parser.add_argument("--routing", default="balanced", choices=("balanced", "skewed"))
     parser.add_argument("--tokens", type=int)
     parser.add_argument("--sweep", action="store_true", help="also time the SWEEP tiles of the TMA kernels")
+    parser.add_argument("--skip-ab", type=int, metavar="ROUNDS",
+                        help="only time the fused weight grads with and without row_src, alternating over ROUNDS rounds")
     parser.add_argument("--json")
     args = parser.parse_args()
     records = []
     for name in args.workload or ["qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b", "deepseek-v3", "mixtral-8x7b"]:
-        records += run(name, args.routing, args.tokens, args.sweep)
+        if args.skip_ab:
+            records += skip_ab(name, args.routing, args.tokens, args.skip_ab)
+        else:
+            records += run(name, args.routing, args.tokens, args.sweep)
         torch.cuda.empty_cache()
-    print(summary(records))
+    if args.skip_ab:
+        for r in records:
+            print(f"{r['workload']:16} {r['gemm']:14} {r['variant']:13} {r['ms']:7.3f} ms {r['tflops']:5.0f} TF/s")
+    else:
+        print(summary(records))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -8,14 +8,26 @@ Variants (each a change to the tile choice that every run reads through the publ
   pointer   the pointer-load core (configs.tma_kernel_configs answers None, so experts.one_gpu_configs picks it)
   rows      gate_up_fwd on gathered rows (a gather pass) where the table gathers x inside the kernel's loads
   gather-s3 the gathering gate_up_fwd with 3 stages and two staging buffers per consumer (the table: 4 and 1)
+  no-skip   the Gluon weight grads without the schedule's row_src: an expert's last row step computed even where
+            it holds padding rows only (the default skips it)
 """
-import dataclasses, json, statistics, sys, torch, megamoe
+import dataclasses, functools, json, statistics, sys, torch, megamoe
 from megamoe.backends.triton import configs
 from megamoe.backends.triton import experts as te
+from megamoe.backends.triton import kernels
 from megamoe.bench.problem import make_weights, make_tokens, forward_backward
 from megamoe.bench.workloads import WORKLOADS, layer_flops
 
 SHIPPED = (te.tma_kernel_configs, configs._GATHER_X_MAX_H)
+SHIPPED_DW = {name: getattr(kernels, name) for name in ("dw_down", "dw_gate_up")}  # given row_src by experts_bwd
+
+
+def without_row_src(fn):
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        kwargs.pop("row_src", None)
+        return fn(*args, **kwargs)
+    return call
 
 
 def gather_s3(*args):
@@ -27,14 +39,19 @@ def gather_s3(*args):
 
 def select(variant: str) -> None:
     te.tma_kernel_configs, configs._GATHER_X_MAX_H = SHIPPED
+    for name, fn in SHIPPED_DW.items():
+        setattr(kernels, name, fn)
     if variant == "pointer":
         te.tma_kernel_configs = lambda *a: None
     elif variant == "rows":
         configs._GATHER_X_MAX_H = 0
     elif variant == "gather-s3":
         te.tma_kernel_configs = gather_s3
+    elif variant == "no-skip":
+        for name, fn in SHIPPED_DW.items():
+            setattr(kernels, name, without_row_src(fn))
     elif variant != "default":
-        raise ValueError(f"unknown variant {variant!r}: default, pointer, rows or gather-s3")
+        raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, gather-s3 or no-skip")
 
 
 out = []

@@ -60,14 +60,15 @@ T = 256  # tokens of the gathered operand (R / top_k)
 WGMMA_RE = r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+, (%p\d+), (\d), (\d), (\d), (\d);"
 
 
-def _compile_gluon(cfg, gather: bool = False):
-    """gather: the producer gathers b (its descriptor over the tokens [T, N], as the launcher builds it)."""
+def _compile_gluon(cfg, gather: bool = False, skip_padding: bool = True):
+    """gather: the producer gathers b (its descriptor over the tokens [T, N], as the launcher builds it);
+    skip_padding: an expert's last row step of padding skipped (what the one-GPU path runs)."""
     a = torch.empty(R, M, dtype=torch.bfloat16)
     b = torch.empty(T if gather else R, N, dtype=torch.bfloat16)
     dw = torch.empty(E, M, N, dtype=torch.bfloat16)
     descs = dict(zip(("a_desc", "b_desc", "dw_desc"), G.descriptors(a, b, dw, cfg)))
     fn = G.dw_ws_kernel
-    consts = G.constexprs(cfg, gather)
+    consts = G.constexprs(cfg, gather, skip_padding)
     signature = kernel_signature(fn, consts, {name: mangle_type(d) for name, d in descs.items()}, _arg_type)
     return compile_gluon(fn, signature, consts, divisible_by_16(fn, pointers(fn)))
 
@@ -159,6 +160,37 @@ def test_gluon_dw_kernel_sm90a(name):
     assert cfg.smem_bytes() <= meta.shared <= SMEM_LIMIT, f"{name}: shared {meta.shared} B (ring + epilogue {cfg.smem_bytes()})"
 
 
+def _inner_loop_bounds_per_tile(ttgir: str) -> list[bool]:
+    """For every row-step loop nested in a tile loop: whether its trip count changes from tile to tile, i.e. is
+    one of the tile loop's iter_args or is computed inside its body (not a value fixed before the loop)."""
+    lines = ttgir.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        outer = re.search(r"scf\.for %[\w]+ = [^\n]*iter_args\(([^)]*)\)", line)
+        if not outer or "%ki" in line:
+            continue
+        carried = set(re.findall(r"(%[\w]+) = ", outer.group(1)))
+        for inner in lines[i + 1:]:
+            bound = re.search(r"scf\.for %ki = %[\w]+ to (%[\w]+)", inner)
+            if bound:
+                body = "\n".join(lines[i + 1:lines.index(inner)])
+                name = bound.group(1)
+                found.append(name in carried or re.search(rf"^\s*{name}(:\d+)? = ", body, re.M) is not None)
+                break
+    return found
+
+
+@pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathering"])
+def test_every_partition_recomputes_the_row_steps_per_tile(gather):
+    """Each partition's row-step loop runs the steps of its own tile's expert (SKIP_PADDING's trimmed count): a
+    trip count fixed before the tile loop makes the producer and the consumers disagree -- the deadlock a
+    loop-carried prefetch of the producer's (start, steps) compiled to under Triton 3.6, which carried only
+    start across the tile loop."""
+    ttgir = _compile_gluon(G.CONFIGS["coop"], gather=gather).asm["ttgir"]
+    per_tile = _inner_loop_bounds_per_tile(ttgir)
+    assert len(per_tile) == 3 and all(per_tile), f"row-step loops per partition (bound varies per tile): {per_tile}"
+
+
 def test_gluon_dw_kernel_gathering_b_sm90a():
     """The gathering variant (MoEConfig.recompute's dw_gate_up on the production tile): the same wgmma as
     "coop", the a tile by TMA, the b tile by cp.async from a 4-warp producer (16-byte copies: BLOCK_K x BLOCK_N
@@ -233,17 +265,19 @@ def _tile_of(tile, num_m, num_n, group_m):
     return expert, first_m + in_group % size_m, in_group // size_m
 
 
-def _expert_rows(offsets, expert, block_k):
+def _expert_rows(offsets, expert, block_k, padded_last):
+    """The kernel's _expert_rows; padded_last: the experts whose last row step holds padding rows only."""
     start, end = offsets[expert], offsets[expert + 1]
-    return start, max(-(-(end - start) // block_k), 0)
+    steps = max(-(-(end - start) // block_k), 0)
+    return start, steps - (steps > 0 and expert in padded_last)
 
 
-def _producer(st, p_id, nprog, num_m, num_n, num_experts, offsets, cfg):
+def _producer(st, p_id, nprog, num_m, num_n, num_experts, offsets, padded_last, cfg):
     """Yields ("wait", barrier, parity, phase it must have completed) or ("do", action)."""
     stages, p = cfg.stages, 0
     for tile in range(p_id, num_experts * num_m * num_n, nprog):
         expert, _, _ = _tile_of(tile, num_m, num_n, cfg.group_m)
-        _, k_steps = _expert_rows(offsets, expert, cfg.block_k)
+        _, k_steps = _expert_rows(offsets, expert, cfg.block_k, padded_last)
         for ki in range(k_steps):
             s = p % stages
             yield ("wait", st["empty"][s], ((p // stages) & 1) ^ 1, p // stages - 1)
@@ -253,17 +287,17 @@ def _producer(st, p_id, nprog, num_m, num_n, num_experts, offsets, cfg):
             yield ("do", None)
 
 
-def _consumer(st, wg, p_id, nprog, num_m, num_n, num_experts, offsets, cfg, reads):
+def _consumer(st, wg, p_id, nprog, num_m, num_n, num_experts, offsets, padded_last, cfg, reads):
     stages, c, turn = cfg.stages, 0, 0
     first, stride = (p_id + wg * nprog, 2 * nprog) if cfg.pingpong else (p_id, nprog)
     for tile in range(first, num_experts * num_m * num_n, stride):
         expert, _, _ = _tile_of(tile, num_m, num_n, cfg.group_m)
-        _, k_steps = _expert_rows(offsets, expert, cfg.block_k)
+        _, k_steps = _expert_rows(offsets, expert, cfg.block_k, padded_last)
         if cfg.pingpong:
             other = tile - nprog
             if other >= p_id:
                 other_expert, _, _ = _tile_of(other, num_m, num_n, cfg.group_m)
-                c += _expert_rows(offsets, other_expert, cfg.block_k)[1]
+                c += _expert_rows(offsets, other_expert, cfg.block_k, padded_last)[1]
             yield ("wait", st["order"][wg], (turn & 1) ^ (1 - wg), turn - (1 - wg))
         for ki in range(k_steps):
             s = c % stages
@@ -287,7 +321,7 @@ def _consumer(st, wg, p_id, nprog, num_m, num_n, num_experts, offsets, cfg, read
         yield ("do", None)
 
 
-def _simulate(cfg, offsets, num_m, num_n, p_id, nprog, seed):
+def _simulate(cfg, offsets, padded_last, num_m, num_n, p_id, nprog, seed):
     """Run the three partitions of one CTA in a random interleaving; returns the (tile, step, wg) reads."""
     rng = random.Random(seed)
     st = dict(ready=[_MBarrier(1) for _ in range(cfg.stages)],
@@ -296,8 +330,9 @@ def _simulate(cfg, offsets, num_m, num_n, p_id, nprog, seed):
               data=[None] * cfg.stages, in_flight=[])
     num_experts = len(offsets) - 1
     reads: list = []
-    agents = [_producer(st, p_id, nprog, num_m, num_n, num_experts, offsets, cfg)]
-    agents += [_consumer(st, wg, p_id, nprog, num_m, num_n, num_experts, offsets, cfg, reads) for wg in range(2)]
+    agents = [_producer(st, p_id, nprog, num_m, num_n, num_experts, offsets, padded_last, cfg)]
+    agents += [_consumer(st, wg, p_id, nprog, num_m, num_n, num_experts, offsets, padded_last, cfg, reads)
+               for wg in range(2)]
     blocked = {i: None for i in range(len(agents))}  # agent -> the wait it is blocked on
     live = set(blocked)
     while live or st["in_flight"]:
@@ -339,15 +374,16 @@ def test_barrier_protocol_model(name):
     for trial in range(60):
         num_experts = rng.randint(1, 5)
         offsets = _random_offsets(rng, num_experts, cfg.block_k, max_steps=rng.choice([1, 3, cfg.stages + 2, 12]))
+        padded_last = {e for e in range(num_experts) if rng.random() < 0.5}  # SKIP_PADDING's trimmed experts
         num_m, num_n = rng.randint(1, 3), rng.randint(1, 3)
         nprog = rng.randint(1, 4)
         p_id = rng.randrange(nprog)
-        reads = _simulate(cfg, offsets, num_m, num_n, p_id, nprog, seed=trial)
+        reads = _simulate(cfg, offsets, padded_last, num_m, num_n, p_id, nprog, seed=trial)
         # Every (tile, row step) of this CTA read by its consumers: both (coop) or the tile's warpgroup.
         want = []
         for j, tile in enumerate(range(p_id, num_experts * num_m * num_n, nprog)):
             expert, _, _ = _tile_of(tile, num_m, num_n, cfg.group_m)
             readers = [j % 2] if cfg.pingpong else [0, 1]
-            want += [(tile, ki, wg) for ki in range(_expert_rows(offsets, expert, cfg.block_k)[1]) for wg in readers]
+            want += [(tile, ki, wg) for ki in range(_expert_rows(offsets, expert, cfg.block_k, padded_last)[1]) for wg in readers]
         assert sorted(reads) == sorted(want), (name, trial)
 

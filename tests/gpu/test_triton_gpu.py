@@ -273,6 +273,49 @@ def test_gluon_dw_gate_up_gathering_x_equals_it_on_gathered_rows(case):
     assert torch.equal(got.view(torch.int16), want.view(torch.int16)), "gathering in the loads changed the bits"
 
 
+@pytest.mark.parametrize("case", ["qwen3-30b-a3b-T512-E16", "gpt-oss-120b-T256-E8", "qwen3-30b-skewed-T512-E16",
+                                  "empty-experts-T300-E16", "T129-not-multiple-of-block-k3"])
+def test_gluon_weight_grads_skipping_padding_give_the_same_bits(case):
+    """Given the schedule's row_src, the Gluon weight-grad kernel skips an expert's last row step where it holds
+    padding rows only; every element is bitwise what the kernel gives summing every row (outputs start as NaN:
+    each is written either way), on gathered rows and gathering x in the loads."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels are in the Hopper (sm_90) table")
+    from megamoe.backends.triton import kernels
+    from megamoe.backends.triton.configs import tma_kernel_configs
+    from megamoe.backends.triton.kernels._common import range_of
+
+    T, H, I, E, k, _, kind = {**WORKLOADS, **EDGES}[case]
+    x, ids, weights, wgu, wd, *_, d_out = make_inputs(T, H, I, E, k, 0, kind)
+    s = build_schedule(ids, E, block_m=block_m_for(H, I, DTYPE))
+    # The case must hold what is skipped: an expert whose last block's second half is padding.
+    tails = s.expert_counts[s.expert_counts > 0] % s.block_m
+    assert ((tails > 0) & (tails <= s.block_m // 2)).any(), f"{case}: no row step of padding only"
+    table = tma_kernel_configs(H, I, DTYPE, x.device, s.block_m)
+    assert table.dw_down.gluon and table.dw_gate_up.gluon
+    blocks = (s.block_expert, range_of(s.num_blocks, "num_blocks"))
+    in_use = s.expert_offsets[-1:]
+    x_rows = kernels.spread_rows(x, s.dest_row, s.row_src, in_use)
+    d_out_rows = kernels.spread_rows(d_out, s.dest_row, s.row_src, in_use)
+    _, gate_up = kernels.gate_up_fwd(x_rows, wgu, *blocks, store_gate_up=True, config=table.gate_up_fwd)
+    d_gate_up, h_w, _ = kernels.down_dgrad_router(d_out_rows, wd, gate_up, s.row_src, weights, *blocks,
+                                                  store_h_w=True, config=table.down_dgrad)
+    runs = {
+        "dw_down": lambda rs: kernels.dw_down(d_out_rows, h_w, s.expert_offsets, E, config=table.dw_down, row_src=rs),
+        "dw_gate_up": lambda rs: kernels.dw_gate_up(d_gate_up, x_rows, s.expert_offsets, E, config=table.dw_gate_up,
+                                                    row_src=rs),
+        "dw_gate_up gathering x": lambda rs: kernels.dw_gate_up(d_gate_up, x, s.expert_offsets, E,
+                                                                config=table.dw_gate_up, gather=(s.row_src, k),
+                                                                row_src=rs),
+    }
+    for name, run in runs.items():
+        with poisoned_empty():
+            want = run(None)
+            got = run(s.row_src)
+        assert not want.isnan().any() and not got.isnan().any(), f"{name}: an element left unwritten"
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"{name}: skipping padding changed the bits"
+
+
 _NEVER_RAISED = """
 import time, torch, triton, triton.language as tl
 from megamoe.backends.triton.kernels.comm_tiles import wait_ready

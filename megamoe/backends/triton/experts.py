@@ -226,7 +226,8 @@ def experts_bwd(
             _release(gate_up)
         del gate_up
         if need_w_down:
-            d_w_down = kernels.dw_down(d_out_rows, h_w, schedule.expert_offsets, num_experts, config=cfg.dw_down)
+            d_w_down = kernels.dw_down(d_out_rows, h_w, schedule.expert_offsets, num_experts, config=cfg.dw_down,
+                                       row_src=schedule.row_src)
         del d_out_rows, h_w
         if need_weights:
             d_topk_weights = router_grad(d_w_part, schedule.dest_row).to(topk_weights.dtype)
@@ -240,5 +241,5 @@ def experts_bwd(
             else:
                 x_rows, gather = _x_rows(x, schedule), None  # into d_x_rows' freed memory
             d_w_gate_up = kernels.dw_gate_up(d_gate_up, x_rows, schedule.expert_offsets, num_experts,
-                                             config=cfg.dw_gate_up, gather=gather)
+                                             config=cfg.dw_gate_up, gather=gather, row_src=schedule.row_src)
     return d_x, d_topk_weights, d_w_gate_up, d_w_down, d_shared_gate_up, d_shared_down

@@ -135,6 +135,14 @@ def check_rows(rows: int, block_expert: torch.Tensor, blocks: torch.Tensor, bloc
     return sched_block // block_m, range_of(blocks, "blocks")
 
 
+def check_row_src(row_src: torch.Tensor, rows: int) -> None:
+    """The schedule's row_src as the kernels read it: a contiguous int32 [rows] tensor."""
+    check(isinstance(row_src, torch.Tensor) and row_src.dtype == torch.int32 and tuple(row_src.shape) == (rows,)
+          and row_src.is_contiguous(),
+          f"row_src must be a contiguous int32 [{rows}] tensor, got "
+          f"{getattr(row_src, 'dtype', type(row_src))} {tuple(getattr(row_src, 'shape', ()))}")
+
+
 def check_weight(w: torch.Tensor, x: torch.Tensor, shape: tuple, name: str) -> None:
     check(w.is_contiguous(), f"{name} must be contiguous")
     check(tuple(w.shape) == shape, f"{name} must have shape {shape}, got {tuple(w.shape)}")

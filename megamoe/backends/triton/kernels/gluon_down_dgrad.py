@@ -80,7 +80,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import (
-    check, check_matrix, check_rows, check_weight, column_halves, load_range, num_sms, pair_weights, router_epilogue,
+    check, check_matrix, check_row_src, check_rows, check_weight, column_halves, load_range, num_sms, pair_weights, router_epilogue,
     swiglu_bwd, tile_coords,
 )
 from megamoe.backends.triton.kernels.gluon_common import nvmma_layout
@@ -461,9 +461,7 @@ def down_dgrad_router_gluon(d_out_rows_RH: torch.Tensor, w_down_EHI: torch.Tenso
                             return_kernel: bool = False):
     """grouped_gemm.down_dgrad_router on this kernel: (d_gate_up [R, 2I], h_w [R, I] or None, d_w_part fp32
     [R, cdiv(I, 128)]); the same arguments and results, bit for bit (with the TMA table's config there)."""
-    rows = d_out_rows_RH.shape[0]
-    check(row_src.dtype == torch.int32 and tuple(row_src.shape) == (rows, ) and row_src.is_contiguous(),
-          f"row_src must be a contiguous int32 [{rows}] tensor, got {row_src.dtype} {tuple(row_src.shape)}")
+    check_row_src(row_src, d_out_rows_RH.shape[0])
     check(weights_TK.is_floating_point() and weights_TK.is_contiguous(), "weights must be a contiguous float tensor")
     return _launch(d_out_rows_RH, w_down_EHI, gate_up_R2I, (row_src, weights_TK), block_expert, blocks, store_h_w,
                    config, return_kernel)

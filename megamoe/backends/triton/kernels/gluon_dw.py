@@ -86,7 +86,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import (
-    check, check_expert_offsets, check_row_operands, persistent_grid,
+    check, check_expert_offsets, check_row_operands, check_row_src, persistent_grid,
 )
 from megamoe.backends.triton.kernels.gluon_common import nvmma_layout
 from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
@@ -116,16 +116,34 @@ def _tile_of(tile, num_m, num_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _expert_rows(expert_offsets_ptr, expert, BLOCK_K: gl.constexpr):
-    """(first row, row steps) of an expert's segment: the trip count of range(start, end, BLOCK_K)."""
+def _expert_rows(expert_offsets_ptr, row_src_ptr, expert, BLOCK_K: gl.constexpr, SKIP_PADDING: gl.constexpr):
+    """(first row, row steps) of an expert's segment: the trip count of range(start, end, BLOCK_K), less the
+    last step where SKIP_PADDING and that step holds padding rows only (row_src of its first row is -1: a
+    segment's rows in use come first, and the schedule pads it by fewer than block_m rows, so with BLOCK_K =
+    block_m / 2 at most that one step is padding). Padding rows are zero in both operands: the sum is the
+    same without them."""
     start = gl.load(expert_offsets_ptr + expert)
     end = gl.load(expert_offsets_ptr + expert + 1)
-    return start, gl.maximum(gl.cdiv(end - start, BLOCK_K), 0)
+    steps = gl.maximum(gl.cdiv(end - start, BLOCK_K), 0)
+    if SKIP_PADDING:
+        last_src = gl.load(row_src_ptr + start + (steps - 1) * BLOCK_K, mask=steps > 0, other=0)
+        steps -= (last_src < 0).to(gl.int32)
+    return start, steps
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_offsets_ptr, num_experts,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+def _expert_at(tile, num_tiles, num_m, num_n, GROUP_M: gl.constexpr):
+    """The expert of tile `tile` (of the last tile past the end): the consumers load the next tile's row steps
+    while the current one runs, so the loads' latency is not paid at the tile's start. (Only the consumers: in
+    the producer, Triton 3.6's Gluon frontend carried next_start across the tile loop but not next_steps -- the
+    CTA's first tile's row steps for every tile, a deadlock -- and the producer runs STAGES steps ahead anyway.)"""
+    expert, _, _ = _tile_of(gl.minimum(tile, num_tiles - 1), num_m, num_n, GROUP_M)
+    return expert
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_offsets_ptr, row_src_ptr, num_experts,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, SKIP_PADDING: gl.constexpr):
     """One warp: the TMA copies of every (tile, row step) of this CTA, in order, into the slot ring."""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[0]
     STAGES: gl.constexpr = a_bufs.shape[0]
@@ -134,8 +152,9 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_off
     num_n = gl.cdiv(b_desc.shape[1], BLOCK_N)
     p = 0  # slot counter: slot p % STAGES, its use number p // STAGES
     for tile in range(gl.program_id(0), num_experts * num_m * num_n, gl.num_programs(0)):
+        # (Loaded here, not a tile ahead as the consumers do: the producer runs STAGES steps ahead of them.)
         expert, pid_m, pid_n = _tile_of(tile, num_m, num_n, GROUP_M)
-        start, k_steps = _expert_rows(expert_offsets_ptr, expert, BLOCK_K)
+        start, k_steps = _expert_rows(expert_offsets_ptr, row_src_ptr, expert, BLOCK_K, SKIP_PADDING)
         for ki in range(k_steps):
             s = p % STAGES
             mbarrier.wait(empty_bars.index(s), ((p // STAGES) & 1) ^ 1)
@@ -148,9 +167,9 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_off
 
 
 @gluon.jit
-def _producer_gather(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_offsets_ptr, num_experts,
-                     src_ptr, row_src_ptr, top_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     GROUP_M: gl.constexpr):
+def _producer_gather(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_offsets_ptr, row_src_ptr,
+                     num_experts, src_ptr, top_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     GROUP_M: gl.constexpr, SKIP_PADDING: gl.constexpr):
     """One warpgroup: per (tile, row step) of this CTA, in order, the a tile by TMA (one thread) and the
     gathered b tile [BLOCK_K, BLOCK_N] by cp.async (every thread, 16-byte copies): row r of it is
     src[row_src[r] // top_k], zeros where row_src[r] is -1 (padding) and past column N."""
@@ -178,10 +197,11 @@ def _producer_gather(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, exp
     p = 0  # slot counter, as in _producer
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         expert, pid_m, pid_n = _tile_of(tile, num_m, num_n, GROUP_M)
-        start, k_steps = _expert_rows(expert_offsets_ptr, expert, BLOCK_K)
+        start, k_steps = _expert_rows(expert_offsets_ptr, row_src_ptr, expert, BLOCK_K, SKIP_PADDING)
         next_tile = tile + gl.num_programs(0)
-        next_expert, _, _ = _tile_of(gl.minimum(next_tile, num_tiles - 1), num_m, num_n, GROUP_M)
-        next_start, next_steps = _expert_rows(expert_offsets_ptr, next_expert, BLOCK_K)
+        next_start, next_steps = _expert_rows(expert_offsets_ptr, row_src_ptr,
+                                              _expert_at(next_tile, num_tiles, num_m, num_n, GROUP_M), BLOCK_K,
+                                              SKIP_PADDING)
         next_ok = (next_tile < num_tiles) & (next_steps > 0)
         cols = pid_n * BLOCK_N + tile_cols
         col_ok = cols < C
@@ -210,9 +230,9 @@ def _producer_gather(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, exp
 
 
 @gluon.jit
-def _consumer(dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_smem, expert_offsets_ptr,
+def _consumer(dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_smem, expert_offsets_ptr, row_src_ptr,
               num_experts, M, N, WG: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, GATHER: gl.constexpr):
+              BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, GATHER: gl.constexpr, SKIP_PADDING: gl.constexpr):
     """One warpgroup (4 warps): async wgmma over the slots of its tiles, then the TMA-store epilogue.
     PINGPONG: whole tiles, the CTA's local tiles WG, WG + 2, ...; else output rows [WG * 64, WG * 64 + 64)
     of every tile."""
@@ -232,17 +252,22 @@ def _consumer(dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_sme
     else:
         first = pid
         stride = nprog
+    num_tiles = num_experts * num_m * num_n
+    _, next_steps = _expert_rows(expert_offsets_ptr, row_src_ptr, _expert_at(first, num_tiles, num_m, num_n, GROUP_M),
+                                 BLOCK_K, SKIP_PADDING)
     c = 0  # the producer's slot counter at this warpgroup's next row step
     turn = 0  # pingpong: this warpgroup's tiles so far (the order barrier's phase)
-    for tile in range(first, num_experts * num_m * num_n, stride):
+    for tile in range(first, num_tiles, stride):
         expert, pid_m, pid_n = _tile_of(tile, num_m, num_n, GROUP_M)
-        start, k_steps = _expert_rows(expert_offsets_ptr, expert, BLOCK_K)
+        k_steps = next_steps
+        _, next_steps = _expert_rows(expert_offsets_ptr, row_src_ptr,
+                                     _expert_at(tile + stride, num_tiles, num_m, num_n, GROUP_M), BLOCK_K, SKIP_PADDING)
         if PINGPONG:
             # The other warpgroup's tile since this one's previous tile: its row steps took slots too.
             other = tile - nprog
             if other >= pid:
                 other_expert, _, _ = _tile_of(other, num_m, num_n, GROUP_M)
-                _, other_steps = _expert_rows(expert_offsets_ptr, other_expert, BLOCK_K)
+                _, other_steps = _expert_rows(expert_offsets_ptr, row_src_ptr, other_expert, BLOCK_K, SKIP_PADDING)
                 c += other_steps
             # Wait until the other warpgroup has waited for every slot of the tile before this one
             # (warpgroup 0's first tile: parity 1 on a fresh barrier, no wait).
@@ -276,15 +301,16 @@ def _consumer(dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_sme
 
 
 @gluon.jit
-def dw_ws_kernel(a_desc, b_desc, dw_desc, expert_offsets_ptr, num_experts, src_ptr, row_src_ptr, top_k,
+def dw_ws_kernel(a_desc, b_desc, dw_desc, expert_offsets_ptr, row_src_ptr, num_experts, src_ptr, top_k,
                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, GATHER: gl.constexpr,
-                 PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                 SKIP_PADDING: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """dw[e] = a[rows of e]^T b[rows of e] for every expert e < num_experts, one tile per output element.
     a_desc: [R, M] block [BLOCK_K, BLOCK_M]; b_desc: [R, N] block [BLOCK_K, BLOCK_N]; dw_desc: [E, M, N]
-    block [1, BLOCK_M (pingpong) or BLOCK_M / 2 (coop), BLOCK_N]. GATHER: b is gathered, row r =
-    src[row_src[r] // top_k] (src_ptr: the tokens [T, N], which b_desc describes for the tile shape and the
-    shared layout only); else src_ptr, row_src_ptr, top_k are unread. Launch with num_warps=4 (the default
-    partition is consumer 0)."""
+    block [1, BLOCK_M (pingpong) or BLOCK_M / 2 (coop), BLOCK_N]. row_src_ptr: int32 [R], the schedule's
+    row_src (-1: padding), read with GATHER or SKIP_PADDING (an expert's last row step skipped where it holds
+    padding rows only). GATHER: b is gathered, row r = src[row_src[r] // top_k] (src_ptr: the tokens [T, N],
+    which b_desc describes for the tile shape and the shared layout only); else src_ptr and top_k are unread.
+    Launch with num_warps=4 (the default partition is consumer 0)."""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
@@ -311,20 +337,24 @@ def dw_ws_kernel(a_desc, b_desc, dw_desc, expert_offsets_ptr, num_experts, src_p
     if GATHER:
         gl.warp_specialize([
             (_consumer, (dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_bufs.index(0),
-                         expert_offsets_ptr, num_experts, M, N, 0, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M, GATHER)),
+                         expert_offsets_ptr, row_src_ptr, num_experts, M, N, 0, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M,
+                         GATHER, SKIP_PADDING)),
             (_consumer, (dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_bufs.index(1),
-                         expert_offsets_ptr, num_experts, M, N, 1, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M, GATHER)),
+                         expert_offsets_ptr, row_src_ptr, num_experts, M, N, 1, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M,
+                         GATHER, SKIP_PADDING)),
             (_producer_gather, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_offsets_ptr,
-                                num_experts, src_ptr, row_src_ptr, top_k, BLOCK_M, BLOCK_N, GROUP_M)),
+                                row_src_ptr, num_experts, src_ptr, top_k, BLOCK_M, BLOCK_N, GROUP_M, SKIP_PADDING)),
         ], [4, _GATHER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_bufs.index(0),
-                         expert_offsets_ptr, num_experts, M, N, 0, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M, GATHER)),
+                         expert_offsets_ptr, row_src_ptr, num_experts, M, N, 0, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M,
+                         GATHER, SKIP_PADDING)),
             (_consumer, (dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_bufs.index(1),
-                         expert_offsets_ptr, num_experts, M, N, 1, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M, GATHER)),
-            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_offsets_ptr, num_experts,
-                         BLOCK_M, BLOCK_N, GROUP_M)),
+                         expert_offsets_ptr, row_src_ptr, num_experts, M, N, 1, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M,
+                         GATHER, SKIP_PADDING)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_offsets_ptr, row_src_ptr,
+                         num_experts, BLOCK_M, BLOCK_N, GROUP_M, SKIP_PADDING)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -371,11 +401,11 @@ CONFIGS = {
 DEFAULT_CONFIG = "coop"
 
 
-def constexprs(cfg: GluonDwTile, gather: bool = False) -> dict:
+def constexprs(cfg: GluonDwTile, gather: bool = False, skip_padding: bool = False) -> dict:
     """The kernel's constexpr arguments for a tile (the launcher and tests/test_gluon_dw_compile.py share them);
-    gather: b gathered in the loads."""
+    gather: b gathered in the loads; skip_padding: row steps of padding only are skipped (row_src read)."""
     return dict(GROUP_M=cfg.group_m, STAGES=cfg.stages, PINGPONG=cfg.pingpong, GATHER=gather,
-                PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
+                SKIP_PADDING=skip_padding, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
 
 
 def descriptors(a_RM: torch.Tensor, b_RN: torch.Tensor, dw_EMN: torch.Tensor, cfg: GluonDwTile) -> tuple:
@@ -387,23 +417,31 @@ def descriptors(a_RM: torch.Tensor, b_RN: torch.Tensor, dw_EMN: torch.Tensor, cf
 
 def dw_gluon(a_RM: torch.Tensor, b_RN: torch.Tensor, expert_offsets: torch.Tensor, num_experts: int,
              cfg: GluonDwTile = CONFIGS[DEFAULT_CONFIG], out: torch.Tensor | None = None, return_kernel: bool = False,
-             gather_b: tuple[torch.Tensor, int] | None = None):
+             gather_b: tuple[torch.Tensor, int] | None = None, row_src: torch.Tensor | None = None):
     """dw [E_l, M, N] = a^T b per expert, in a's dtype (weight_grad._launch's contract: a [R, M], b [R, N]
     contiguous, zero on padding rows; expert_offsets int32 [E_l + 1] on the device, segments multiples of
     cfg.block_k). gather_b = (row_src int32 [R], top_k): b is the tokens [T, N] instead, its row r read as
-    row row_src[r] // top_k (zeros where row_src[r] is -1) inside the kernel's loads. out, if given, is
-    written in full (an empty expert's slice with zeros). No host sync."""
+    row row_src[r] // top_k (zeros where row_src[r] is -1) inside the kernel's loads. row_src (the schedule's,
+    the same tensor as gather_b's if both are given): an expert's last row step is skipped where it holds
+    padding rows only (the same sum: they are zero). out, if given, is written in full (an empty expert's
+    slice with zeros). No host sync."""
     check(a_RM.dtype in (torch.bfloat16, torch.float16), f"bf16/fp16 operands, got {a_RM.dtype}")
+    skip_padding = row_src is not None
+    if gather_b is not None:
+        check(row_src is None or row_src is gather_b[0], "row_src and gather_b's row_src must be one tensor")
+        row_src, top_k = gather_b
+    else:
+        top_k = 1  # unread
+    if row_src is None:
+        row_src = expert_offsets  # unread
+    else:
+        check_row_src(row_src, a_RM.shape[0])
     if gather_b is None:
         check_row_operands(a_RM, b_RN, ("a", "b"))
-        row_src, top_k = expert_offsets, 1  # unread
     else:
-        row_src, top_k = gather_b
-        check(row_src.dtype == torch.int32 and row_src.dim() == 1 and row_src.is_contiguous(), "row_src: int32 [R]")
         check(top_k >= 1, f"top_k must be >= 1, got {top_k}")
         for t, name in ((a_RM, "a"), (b_RN, "b")):
             check(t.dim() == 2 and t.is_contiguous(), f"{name} must be a contiguous 2-D tensor, got {tuple(t.shape)}")
-        check(a_RM.shape[0] == row_src.numel(), f"a has {a_RM.shape[0]} rows, row_src {row_src.numel()}")
         check(a_RM.dtype == b_RN.dtype, f"a ({a_RM.dtype}) and b ({b_RN.dtype}) must have one dtype")
     check(num_experts >= 1, f"num_experts must be >= 1, got {num_experts}")
     check_expert_offsets(expert_offsets, a_RM.shape[0], num_experts, cfg.block_k)
@@ -415,18 +453,19 @@ def dw_gluon(a_RM: torch.Tensor, b_RN: torch.Tensor, expert_offsets: torch.Tenso
     check(tma_addressable(a_RM, b_RN, out), "TMA needs 16-byte aligned operands and row strides (M, N multiples of 8)")
     max_tiles = num_experts * triton.cdiv(m_dim, cfg.block_m) * triton.cdiv(n_dim, cfg.block_n)
     kernel = dw_ws_kernel[persistent_grid(a_RM.device, max_tiles)](
-        *descriptors(a_RM, b_RN, out, cfg), expert_offsets, num_experts, b_RN, row_src, top_k,
-        **constexprs(cfg, gather_b is not None), num_warps=4)
+        *descriptors(a_RM, b_RN, out, cfg), expert_offsets, row_src, num_experts, b_RN, top_k,
+        **constexprs(cfg, gather_b is not None, skip_padding), num_warps=4)
     return (out, kernel) if return_kernel else out
 
 
 def launch_dw(a_RM: torch.Tensor, b_RN: torch.Tensor, dw_EMN: torch.Tensor, expert_offsets: torch.Tensor,
-              config: TileConfig, gather_b: tuple[torch.Tensor, int] | None = None) -> None:
+              config: TileConfig, gather_b: tuple[torch.Tensor, int] | None = None,
+              row_src: torch.Tensor | None = None) -> None:
     """weight_grad._launch's Gluon branch: dw_EMN = a^T b per expert, with the tile table's entry (gluon=True);
-    gather_b as dw_gluon's."""
+    gather_b and row_src as dw_gluon's."""
     tile = GluonDwTile(config.block_m, config.block_n, stages=config.num_stages, pingpong=config.pingpong,
                        block_k=config.block_k, group_m=config.group_m)
-    dw_gluon(a_RM, b_RN, expert_offsets, dw_EMN.shape[0], tile, out=dw_EMN, gather_b=gather_b)
+    dw_gluon(a_RM, b_RN, expert_offsets, dw_EMN.shape[0], tile, out=dw_EMN, gather_b=gather_b, row_src=row_src)
 
 
 def dw_down_gluon(d_y_rows_RH: torch.Tensor, h_RI: torch.Tensor, expert_offsets: torch.Tensor, num_experts: int,

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import (
-    check, check_matrix, check_rows, check_weight, column_halves, load_range, pair_weights, persistent_grid, router_epilogue, swiglu, swiglu_bwd,
+    check, check_matrix, check_row_src, check_rows, check_weight, column_halves, load_range, pair_weights, persistent_grid, router_epilogue, swiglu, swiglu_bwd,
     tile_coords,
 )
 from megamoe.backends.triton.kernels import gluon_down_dgrad, gluon_gate_up, gluon_rows, tma_gemm
@@ -450,9 +450,7 @@ def down_dgrad_router(
     each row (-1: padding), whose router weight weights.flat[pair] (fp32 or the activations' dtype) is w;
     gate_up as in down_dgrad.
     """
-    rows = d_out_rows_RH.shape[0]
-    check(row_src.dtype == torch.int32 and tuple(row_src.shape) == (rows,) and row_src.is_contiguous(),
-          f"row_src must be a contiguous int32 [{rows}] tensor, got {row_src.dtype} {tuple(row_src.shape)}")
+    check_row_src(row_src, d_out_rows_RH.shape[0])
     check(weights_TK.is_floating_point() and weights_TK.is_contiguous(), "weights must be a contiguous float tensor")
     return _down_dgrad(d_out_rows_RH, w_down_EHI, gate_up_R2I, (row_src, weights_TK), block_expert, blocks, store_h_w,
                        config)
