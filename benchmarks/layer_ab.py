@@ -10,6 +10,7 @@ Variants (each a change to the tile choice that every run reads through the publ
   gather-s3 the gathering gate_up_fwd with 3 stages and two staging buffers per consumer (the table: 4 and 1)
   no-skip   the Gluon weight grads without the schedule's row_src: an expert's last row step computed even where
             it holds padding rows only (the default skips it)
+  group_m:N every GEMM's tiles swept N row blocks per column block (the table: 8)
 """
 import dataclasses, functools, json, statistics, sys, torch, megamoe
 from megamoe.backends.triton import configs
@@ -37,6 +38,16 @@ def gather_s3(*args):
     return dataclasses.replace(table, gate_up_fwd=dataclasses.replace(table.gate_up_fwd, num_stages=3))
 
 
+def with_group_m(group_m: int):
+    def table(*args):
+        t = SHIPPED[0](*args)
+        if t is None:
+            return t
+        return dataclasses.replace(t, **{f.name: dataclasses.replace(getattr(t, f.name), group_m=group_m)
+                                         for f in dataclasses.fields(t) if f.name != "combine"})
+    return table
+
+
 def select(variant: str) -> None:
     te.tma_kernel_configs, configs._GATHER_X_MAX_H = SHIPPED
     for name, fn in SHIPPED_DW.items():
@@ -50,8 +61,10 @@ def select(variant: str) -> None:
     elif variant == "no-skip":
         for name, fn in SHIPPED_DW.items():
             setattr(kernels, name, without_row_src(fn))
+    elif variant.startswith("group_m:"):
+        te.tma_kernel_configs = with_group_m(int(variant[len("group_m:"):]))
     elif variant != "default":
-        raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, gather-s3 or no-skip")
+        raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, gather-s3, no-skip or group_m:N")
 
 
 out = []
