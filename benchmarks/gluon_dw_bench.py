@@ -50,6 +50,7 @@ if str(REPO) not in sys.path:
 from megamoe.backends.triton import kernels  # noqa: E402
 from megamoe.backends.triton.configs import tma_kernel_configs, triton_tile  # noqa: E402
 from megamoe.backends.triton.kernels import gluon_dw  # noqa: E402
+from megamoe.backends.triton.kernels.gluon_common import ConsumerTile  # noqa: E402
 from megamoe.bench.routing import route  # noqa: E402
 from megamoe.schedule import build_schedule  # noqa: E402
 
@@ -165,7 +166,7 @@ def _reference_fp32(a, b, offsets_host: list[int]):
     return out
 
 
-def check_gemm(p: dict, gemm: str, cfg: gluon_dw.GluonDwTile, with_reference: bool) -> dict:
+def check_gemm(p: dict, gemm: str, cfg: ConsumerTile, with_reference: bool) -> dict:
     """The Gluon output (into a NaN-filled buffer) against the production kernel's, bitwise; repeatable."""
     production, gluon = _gemm_fns(gemm)
     args = _args(gemm, p)

@@ -49,6 +49,7 @@ from triton.runtime.jit import mangle_type  # noqa: E402
 
 from megamoe.backends.triton.configs import _SM90_TMA  # noqa: E402
 from megamoe.backends.triton.kernels import gluon_dw as G  # noqa: E402
+from megamoe.backends.triton.kernels.gluon_common import NUM_CONSUMERS  # noqa: E402
 from megamoe.backends.triton.kernels import tma_gemm  # noqa: E402
 from compile_checks import (  # noqa: E402
     SMEM_LIMIT, assert_no_spills_or_serialisation, assert_register_split, compile_gluon, compile_triton, count,
@@ -119,7 +120,7 @@ def _report(name: str) -> dict:
 
 
 def _wgmma_per_step(cfg) -> int:
-    return G.NUM_CONSUMERS * (cfg.store_m // G.WGMMA_M) * (cfg.block_k // 16)
+    return NUM_CONSUMERS * (cfg.store_m // G.WGMMA_M) * (cfg.block_k // 16)
 
 
 @pytest.mark.parametrize("name", list(G.CONFIGS))
@@ -144,14 +145,14 @@ def test_gluon_dw_kernel_sm90a(name):
     # 3-D bulk tensor stores clipped per expert.
     assert r["tma_load_2d"] == (cfg.block_m + cfg.block_n) // 64 and r["tma_load_other"] == 0, (
         f"{name}: TMA loads 2d {r['tma_load_2d']}, other {r['tma_load_other']}")
-    assert r["tma_store_3d"] == G.NUM_CONSUMERS, f"{name}: {r['tma_store_3d']} TMA stores"
+    assert r["tma_store_3d"] == NUM_CONSUMERS, f"{name}: {r['tma_store_3d']} TMA stores"
     assert r["cp_async"] == 0, f"{name}: cp.async copies besides TMA"
-    assert r["utmaldg_2d"] >= 2 and r["utmastg_3d"] >= G.NUM_CONSUMERS
+    assert r["utmaldg_2d"] >= 2 and r["utmastg_3d"] >= NUM_CONSUMERS
     # mbarriers: ready + empty per stage (+ the order pair); waits in the producer and both consumers; the
     # producer's expect; the consumers' releases (in the loop and after the last step, + the order arrives).
     assert r["mbar_init"] == 2 * cfg.stages + (2 if cfg.pingpong else 0), f"{name}: {r['mbar_init']} mbarrier.init"
-    assert r["mbar_wait"] >= 1 + G.NUM_CONSUMERS * (2 if cfg.pingpong else 1), f"{name}: {r['mbar_wait']} waits"
-    assert r["mbar_expect"] >= 1 and r["mbar_arrive"] >= G.NUM_CONSUMERS * (3 if cfg.pingpong else 2)
+    assert r["mbar_wait"] >= 1 + NUM_CONSUMERS * (2 if cfg.pingpong else 1), f"{name}: {r['mbar_wait']} waits"
+    assert r["mbar_expect"] >= 1 and r["mbar_arrive"] >= NUM_CONSUMERS * (3 if cfg.pingpong else 2)
     # Warp specialization and its register split.
     assert meta.num_warps == cfg.num_warps, f"{name}: {meta.num_warps} warps"
     assert_register_split(name, r, cfg.producer_regs, cfg.consumer_regs)
@@ -207,7 +208,7 @@ def test_gluon_dw_kernel_gathering_b_sm90a():
     assert set(forms) == {(f"m64n{cfg.block_n}k16", True, "1", "1", "1", "1")}, forms
     assert r["cp_async"] == cfg.block_k * cfg.block_n // 8 // (G.GATHER_WARPS * 32), f"{r['cp_async']} cp.async"
     assert count(r"cp\.async\.mbarrier\.arrive\.noinc\.shared", ptx) == 1
-    assert count(r"fence\.proxy\.async", ptx) >= 1 + G.NUM_CONSUMERS  # the barriers' init + each consumer's
+    assert count(r"fence\.proxy\.async", ptx) >= 1 + NUM_CONSUMERS  # the barriers' init + each consumer's
     # The a tile (BLOCK_M wide) by TMA, issued by one thread of the producer warpgroup per 128-byte box.
     assert r["tma_load_2d"] >= 1
     assert r["mbar_init"] == 2 * cfg.stages

@@ -78,7 +78,7 @@ def _compile(gemm: str, tile):
     w_nk = GEMMS[gemm]
     descs = dict(zip(("a_desc", "w_desc", "out_desc"), gluon_rows.descriptors(*_operands(gemm), w_nk, tile)))
     fn = gluon_rows.row_gemm_ws_kernel
-    consts = tile.constexprs(w_nk, SCHEDULE_BLOCK_M // tile.block_m)
+    consts = gluon_rows.constexprs(tile, w_nk, SCHEDULE_BLOCK_M // tile.block_m)
     signature = kernel_signature(fn, consts, {name: mangle_type(d) for name, d in descs.items()}, _int32_pointer)
     return compile_gluon(fn, signature, consts, divisible_by_16(fn, pointers(fn)))
 

@@ -1,12 +1,16 @@
 """Helpers shared by the Gluon kernels (gluon_rows.py, gluon_gate_up.py, gluon_down_dgrad.py, gluon_dw.py):
-the tile origin of a row-block GEMM (jit) and the shared-memory layouts of their TMA descriptors (host)."""
+the tile origin of a row-block GEMM (jit), the tile of the two-consumer kernels (gluon_rows.py, gluon_dw.py)
+and the shared-memory layouts of their TMA descriptors (host)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import tile_coords
 
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}  # the 16-bit operands wgmma and TMA take
@@ -24,3 +28,46 @@ def tile_origin(tile, first_m, num_m, num_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.
 def nvmma_layout(block: list[int], dtype: torch.dtype) -> gl.NVMMASharedLayout:
     """The shared-memory layout (widest swizzle) a TMA descriptor of `block` boxes of 16-bit `dtype` carries."""
     return gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[dtype])
+
+
+NUM_CONSUMERS = 2  # consumer warpgroups of a two-consumer kernel's CTA (gluon_rows.py, gluon_dw.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConsumerTile:
+    """The launch shape of a kernel with a producer warp and two consumer warpgroups (gluon_rows.py, gluon_dw.py):
+    the output tile block_m x block_n of one tile index ("coop": both warpgroups on its row halves;
+    "pingpong": one warpgroup's whole tile, the two alternating), block_k per K step (the Triton kernel's
+    BLOCK_K: the K steps must match for equal bits), a ring of `stages` slots, group_m row blocks swept per
+    column block (tile_coords), the register split (setmaxnreg) between the producer's warpgroup and the
+    consumers."""
+
+    block_m: int
+    block_n: int
+    stages: int
+    pingpong: bool
+    block_k: int = 64
+    group_m: int = 8
+    producer_regs: int = 40
+    consumer_regs: int = 232
+
+    @classmethod
+    def of(cls, config: TileConfig) -> "ConsumerTile":
+        """The tile of a tile-table entry that runs a Gluon kernel (TileConfig.gluon)."""
+        return cls(config.block_m, config.block_n, stages=config.num_stages, pingpong=config.pingpong,
+                   block_k=config.block_k, group_m=config.group_m)
+
+    @property
+    def store_m(self) -> int:
+        """Rows of one consumer's output tile (its TMA store box)."""
+        return self.block_m if self.pingpong else self.block_m // NUM_CONSUMERS
+
+    @property
+    def num_warps(self) -> int:
+        """Warps the kernel runs with: the consumers' warpgroups + the producer's (rounded up to a warpgroup)."""
+        return 4 * NUM_CONSUMERS + 4
+
+    def smem_bytes(self, elem: int = 2) -> int:
+        """Operand ring + the consumers' epilogue buffers (without the barriers)."""
+        ring = self.stages * (self.block_m + self.block_n) * self.block_k * elem
+        return ring + NUM_CONSUMERS * self.store_m * self.block_n * elem

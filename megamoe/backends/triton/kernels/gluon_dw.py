@@ -39,7 +39,7 @@ Structure of a CTA (gl.warp_specialize, 12 warps):
     the previous step's slot ("empty" arrive) once its wgmma has retired; after the last step: the epilogue
     fp32 -> dtype in registers -> the warpgroup's own shared buffer -> TMA store (the previous store is
     waited for just before the buffer is rewritten, so a store overlaps the next tile's main loop).
-  Two ways to split the work between the consumers (GluonDwTile.pingpong):
+  Two ways to split the work between the consumers (ConsumerTile.pingpong):
   * "coop" (CUTLASS "cooperative"): both warpgroups work on every tile, warpgroup w on the tile's output
     rows [64 w, 64 w + 64) (the a tile's columns: a slice of the MN-major operand along M). Each slot is
     read by both, so its "empty" mbarrier counts 2 arrivals. A 128 x 256 tile is 128 fp32 accumulator
@@ -73,8 +73,6 @@ benchmarks/gluon_dw_bench.py checks the pingpong configs' 128- and 64-row tiles 
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -88,10 +86,9 @@ from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import (
     check, check_expert_offsets, check_row_operands, check_row_src, persistent_grid,
 )
-from megamoe.backends.triton.kernels.gluon_common import nvmma_layout
+from megamoe.backends.triton.kernels.gluon_common import ConsumerTile, nvmma_layout
 from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
 
-NUM_CONSUMERS = 2  # consumer warpgroups per CTA
 WGMMA_M = 64  # rows of one wgmma instruction (a warpgroup's row granule)
 GATHER_WARPS = 4  # the gathering producer: one warpgroup of cp.async threads
 _GATHER_WARPS = gl.constexpr(GATHER_WARPS)  # the same, as the kernels see it
@@ -362,53 +359,23 @@ def dw_ws_kernel(a_desc, b_desc, dw_desc, expert_offsets_ptr, row_src_ptr, num_e
 # Configs and the host launcher
 
 
-@dataclasses.dataclass(frozen=True)
-class GluonDwTile:
-    """block_m x block_n: the output tile of one tile index (coop: the CTA's, both warpgroups; pingpong:
-    one warpgroup's); block_k: rows per step; stages: slots of the operand ring."""
-
-    block_m: int
-    block_n: int
-    stages: int
-    pingpong: bool
-    block_k: int = 64
-    group_m: int = 8
-    producer_regs: int = 40
-    consumer_regs: int = 232
-
-    @property
-    def store_m(self) -> int:
-        """Rows of one consumer's output tile (its TMA store box)."""
-        return self.block_m if self.pingpong else self.block_m // NUM_CONSUMERS
-
-    @property
-    def num_warps(self) -> int:
-        """Warps the kernel runs with: the consumers' warpgroups + the producer's (rounded up to a warpgroup)."""
-        return 4 * NUM_CONSUMERS + 4
-
-    def smem_bytes(self, elem: int = 2) -> int:
-        """Operand ring + epilogue buffers (without the barriers)."""
-        ring = self.stages * (self.block_m + self.block_n) * self.block_k * elem
-        return ring + NUM_CONSUMERS * self.store_m * self.block_n * elem
-
-
 # NAME: tile. Shared memory (ring + epilogue buffers) within the 227 KB of an SM.
 CONFIGS = {
-    "coop": GluonDwTile(128, 256, stages=3, pingpong=False),  # the production tile, 2 x 64 rows: 208 KB
-    "pingpong": GluonDwTile(128, 128, stages=4, pingpong=True),  # 2 warpgroups, alternate tiles: 192 KB
-    "pingpong-64x256": GluonDwTile(64, 256, stages=4, pingpong=True),  # m64n256 wgmma per warpgroup: 224 KB
+    "coop": ConsumerTile(128, 256, stages=3, pingpong=False),  # the production tile, 2 x 64 rows: 208 KB
+    "pingpong": ConsumerTile(128, 128, stages=4, pingpong=True),  # 2 warpgroups, alternate tiles: 192 KB
+    "pingpong-64x256": ConsumerTile(64, 256, stages=4, pingpong=True),  # m64n256 wgmma per warpgroup: 224 KB
 }
 DEFAULT_CONFIG = "coop"
 
 
-def constexprs(cfg: GluonDwTile, gather: bool = False, skip_padding: bool = False) -> dict:
+def constexprs(cfg: ConsumerTile, gather: bool = False, skip_padding: bool = False) -> dict:
     """The kernel's constexpr arguments for a tile (the launcher and tests/test_gluon_dw_compile.py share them);
     gather: b gathered in the loads; skip_padding: row steps of padding only are skipped (row_src read)."""
     return dict(GROUP_M=cfg.group_m, STAGES=cfg.stages, PINGPONG=cfg.pingpong, GATHER=gather,
                 SKIP_PADDING=skip_padding, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
 
 
-def descriptors(a_RM: torch.Tensor, b_RN: torch.Tensor, dw_EMN: torch.Tensor, cfg: GluonDwTile) -> tuple:
+def descriptors(a_RM: torch.Tensor, b_RN: torch.Tensor, dw_EMN: torch.Tensor, cfg: ConsumerTile) -> tuple:
     """Host-side TMA descriptors of a [R, M], b [R, N] and dw [E, M, N] (Gluon's carry the shared layout)."""
     blocks = ([cfg.block_k, cfg.block_m], [cfg.block_k, cfg.block_n], [1, cfg.store_m, cfg.block_n])
     return tuple(TensorDescriptor.from_tensor(t, block, nvmma_layout(block, a_RM.dtype))
@@ -416,7 +383,7 @@ def descriptors(a_RM: torch.Tensor, b_RN: torch.Tensor, dw_EMN: torch.Tensor, cf
 
 
 def dw_gluon(a_RM: torch.Tensor, b_RN: torch.Tensor, expert_offsets: torch.Tensor, num_experts: int,
-             cfg: GluonDwTile = CONFIGS[DEFAULT_CONFIG], out: torch.Tensor | None = None, return_kernel: bool = False,
+             cfg: ConsumerTile = CONFIGS[DEFAULT_CONFIG], out: torch.Tensor | None = None, return_kernel: bool = False,
              gather_b: tuple[torch.Tensor, int] | None = None, row_src: torch.Tensor | None = None):
     """dw [E_l, M, N] = a^T b per expert, in a's dtype (weight_grad._launch's contract: a [R, M], b [R, N]
     contiguous, zero on padding rows; expert_offsets int32 [E_l + 1] on the device, segments multiples of
@@ -463,19 +430,18 @@ def launch_dw(a_RM: torch.Tensor, b_RN: torch.Tensor, dw_EMN: torch.Tensor, expe
               row_src: torch.Tensor | None = None) -> None:
     """weight_grad._launch's Gluon branch: dw_EMN = a^T b per expert, with the tile table's entry (gluon=True);
     gather_b and row_src as dw_gluon's."""
-    tile = GluonDwTile(config.block_m, config.block_n, stages=config.num_stages, pingpong=config.pingpong,
-                       block_k=config.block_k, group_m=config.group_m)
-    dw_gluon(a_RM, b_RN, expert_offsets, dw_EMN.shape[0], tile, out=dw_EMN, gather_b=gather_b, row_src=row_src)
+    dw_gluon(a_RM, b_RN, expert_offsets, dw_EMN.shape[0], ConsumerTile.of(config), out=dw_EMN, gather_b=gather_b,
+             row_src=row_src)
 
 
 def dw_down_gluon(d_y_rows_RH: torch.Tensor, h_RI: torch.Tensor, expert_offsets: torch.Tensor, num_experts: int,
-                  cfg: GluonDwTile = CONFIGS[DEFAULT_CONFIG], out: torch.Tensor | None = None) -> torch.Tensor:
+                  cfg: ConsumerTile = CONFIGS[DEFAULT_CONFIG], out: torch.Tensor | None = None) -> torch.Tensor:
     """d_w_down [E_l, H, I] = d_y_rows^T h per expert (weight_grad.dw_down)."""
     return dw_gluon(d_y_rows_RH, h_RI, expert_offsets, num_experts, cfg, out)
 
 
 def dw_gate_up_gluon(d_gate_up_R2I: torch.Tensor, x_rows_RH: torch.Tensor, expert_offsets: torch.Tensor,
-                     num_experts: int, cfg: GluonDwTile = CONFIGS[DEFAULT_CONFIG],
+                     num_experts: int, cfg: ConsumerTile = CONFIGS[DEFAULT_CONFIG],
                      out: torch.Tensor | None = None, gather: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """d_w_gate_up [E_l, 2I, H] = d_gate_up^T x_rows per expert (weight_grad.dw_gate_up); with gather =
     (row_src, top_k), x_rows is the tokens x [T, H], gathered in the loads."""

@@ -31,7 +31,7 @@ Structure of a CTA (gl.warp_specialize, 12 warps = 3 warpgroups):
     Gluon issues an mbarrier.arrive from one thread after a warpgroup-wide bar.sync, so one arrive per
     warpgroup covers all its warps.
 
-Two ways to use the two consumers (RowTile.pingpong):
+Two ways to use the two consumers (ConsumerTile.pingpong):
   * "coop" (CUTLASS "cooperative"): both warpgroups work on every tile, rows [0, BLOCK_M/2) and
     [BLOCK_M/2, BLOCK_M) of it (128 x 256: 64 x 256 each, 128 fp32 accumulator registers per thread); both
     read every slot, whose "empty" barrier counts 2 arrives.
@@ -91,7 +91,6 @@ kernels and timings: benchmarks/gluon_rows_bench.py.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
@@ -107,7 +106,7 @@ from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import (
     check, check_matrix, check_rows, check_weight, load_range, persistent_grid,
 )
-from megamoe.backends.triton.kernels.gluon_common import GL_DTYPES, nvmma_layout, tile_origin
+from megamoe.backends.triton.kernels.gluon_common import GL_DTYPES, ConsumerTile, nvmma_layout, tile_origin
 from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
 
 
@@ -258,49 +257,23 @@ def row_gemm_ws_kernel(a_desc, w_desc, out_desc, block_expert_ptr, block_range_p
 # Tiles and the host launchers
 
 
-@dataclasses.dataclass(frozen=True)
-class RowTile:
-    """The CTA's output tile block_m x block_n (pingpong: each warpgroup's whole tile; coop: split in two
-    row halves), block_k per K step (the Triton kernel's BLOCK_K: the K steps must match for equal bits),
-    a ring of `stages` slots, group_m row blocks swept per column block (tile_coords), the register split
-    (setmaxnreg) between the producer warp's warpgroup and the two consumer warpgroups."""
-
-    block_m: int
-    block_n: int
-    stages: int
-    pingpong: bool
-    block_k: int = 64
-    group_m: int = 8
-    producer_regs: int = 40
-    consumer_regs: int = 232
-
-    @property
-    def store_m(self) -> int:
-        """Rows of one consumer's output tile (its TMA store box)."""
-        return self.block_m if self.pingpong else self.block_m // 2
-
-    def smem_bytes(self, elem: int = 2) -> int:
-        """Operand ring + the two epilogue buffers (without the barriers)."""
-        ring = self.stages * (self.block_m + self.block_n) * self.block_k * elem
-        return ring + 2 * self.store_m * self.block_n * elem
-
-    def constexprs(self, w_nk: bool, split: int) -> dict:
-        """The kernel's constexpr arguments (the launcher and the compile tests share them)."""
-        return dict(W_NK=w_nk, SPLIT=split, GROUP_M=self.group_m, STAGES=self.stages, PINGPONG=self.pingpong,
-                    PRODUCER_REGS=self.producer_regs, CONSUMER_REGS=self.consumer_regs)
+def constexprs(tile: ConsumerTile, w_nk: bool, split: int) -> dict:
+    """The kernel's constexpr arguments (the launcher and the compile tests share them)."""
+    return dict(W_NK=w_nk, SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages, PINGPONG=tile.pingpong,
+                PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs)
 
 
 # The tiles the benchmark compares (benchmarks/gluon_rows_bench.py). Accumulators: 128 fp32 registers per
 # consumer thread in each (64 x 256 or 128 x 128 per warpgroup); shared memory within 227 KB.
 TILES = {
-    "coop": RowTile(128, 256, stages=3, pingpong=False),  # ring 144 KB + 2 x 32 KB
-    "pingpong": RowTile(128, 128, stages=4, pingpong=True),  # ring 128 KB + 2 x 32 KB
-    "pingpong-s5": RowTile(128, 128, stages=5, pingpong=True),  # ring 160 KB + 2 x 32 KB
-    "pingpong-64x256": RowTile(64, 256, stages=4, pingpong=True),  # ring 160 KB + 2 x 32 KB
+    "coop": ConsumerTile(128, 256, stages=3, pingpong=False),  # ring 144 KB + 2 x 32 KB
+    "pingpong": ConsumerTile(128, 128, stages=4, pingpong=True),  # ring 128 KB + 2 x 32 KB
+    "pingpong-s5": ConsumerTile(128, 128, stages=5, pingpong=True),  # ring 160 KB + 2 x 32 KB
+    "pingpong-64x256": ConsumerTile(64, 256, stages=4, pingpong=True),  # ring 160 KB + 2 x 32 KB
 }
 
 
-def descriptors(a_RK: torch.Tensor, w: torch.Tensor, out_RN: torch.Tensor, w_nk: bool, tile: RowTile) -> tuple:
+def descriptors(a_RK: torch.Tensor, w: torch.Tensor, out_RN: torch.Tensor, w_nk: bool, tile: ConsumerTile) -> tuple:
     """Host-side TMA descriptors (a Gluon TensorDescriptor carries its shared-memory layout): a [R, K],
     w [E_l, N, K] (w_nk) or [E_l, K, N], out [R, N]."""
     blocks = ([tile.block_m, tile.block_k],
@@ -326,7 +299,7 @@ def _launch(a_RK, w, out_RN, w_nk, block_expert, blocks, tile):
     split, block_range = check_rows(a_RK.shape[0], block_expert, blocks, tile.block_m)
     max_tiles = a_RK.shape[0] // tile.block_m * triton.cdiv(out_RN.shape[1], tile.block_n)
     row_gemm_ws_kernel[persistent_grid(device, max_tiles)](
-        *descriptors(a_RK, w, out_RN, w_nk, tile), block_expert, block_range, **tile.constexprs(w_nk, split),
+        *descriptors(a_RK, w, out_RN, w_nk, tile), block_expert, block_range, **constexprs(tile, w_nk, split),
         num_warps=4,
     )
     return out_RN
@@ -336,9 +309,7 @@ def launch(a_RK: torch.Tensor, w: torch.Tensor, out_RN: torch.Tensor, w_nk: bool
            blocks: torch.Tensor, config: TileConfig) -> torch.Tensor:
     """grouped_gemm.down_fwd's and gate_up_dgrad's Gluon branch (config.gluon): the tile table's entry as this
     kernel's tile; operands validated there."""
-    tile = RowTile(config.block_m, config.block_n, stages=config.num_stages, pingpong=config.pingpong,
-                   block_k=config.block_k, group_m=config.group_m)
-    return _launch(a_RK, w, out_RN, w_nk, block_expert, blocks, tile)
+    return _launch(a_RK, w, out_RN, w_nk, block_expert, blocks, ConsumerTile.of(config))
 
 
 # Shared by both launchers (as grouped_gemm.down_fwd / gate_up_dgrad with a TMA config):
@@ -349,7 +320,7 @@ def launch(a_RK: torch.Tensor, w: torch.Tensor, out_RN: torch.Tensor, w_nk: bool
 
 
 def down_fwd(h_RI: torch.Tensor, w_down_EHI: torch.Tensor, block_expert: torch.Tensor, blocks: torch.Tensor, *,
-             tile: RowTile = TILES["coop"], out: torch.Tensor | None = None) -> torch.Tensor:
+             tile: ConsumerTile = TILES["coop"], out: torch.Tensor | None = None) -> torch.Tensor:
     """y_rows [R, H] = h[r] @ w_down[e]^T; bitwise equal to grouped_gemm.down_fwd with the TMA config."""
     check_matrix(h_RI, None, None, "h")
     rows, inter = h_RI.shape
@@ -361,7 +332,7 @@ def down_fwd(h_RI: torch.Tensor, w_down_EHI: torch.Tensor, block_expert: torch.T
 
 
 def gate_up_dgrad(d_gate_up_R2I: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_expert: torch.Tensor,
-                  blocks: torch.Tensor, *, tile: RowTile = TILES["coop"],
+                  blocks: torch.Tensor, *, tile: ConsumerTile = TILES["coop"],
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """d_x_rows [R, H] = d_gate_up[r] @ w_gate_up[e]; bitwise equal to grouped_gemm.gate_up_dgrad with the TMA
     config."""
