@@ -12,7 +12,9 @@ divides; padding rows are zero). An expert without rows writes zeros. Uses: d_w_
 [E, 2I, H]). One program owns each output tile and reduces over its expert's rows in a fixed order (no
 split-K, no atomics); the persistent grid walks the tiles in the production kernel's order: expert-major,
 then kernels/_common.tile_coords (GROUP_M row blocks swept per column block) inside an expert. The row
-range comes from expert_offsets on the device: nothing is read back to the host.
+range comes from expert_offsets on the device: nothing is read back to the host. With SKIP_PADDING (the
+launch given the schedule's row_src, as the one-GPU path does) an expert's last row step is left out where
+it holds padding rows only (_expert_rows): zero rows, so the sum and its bits are the same.
 
 Operands, by TMA (host-built Gluon TensorDescriptors carrying the NVMMA shared-memory layout):
     a  [R, M]     block [BLOCK_K, BLOCK_M]  (M contiguous)
