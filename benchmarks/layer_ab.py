@@ -11,20 +11,16 @@ Variants (each a change to the tile choice that every run reads through the publ
   no-skip   the Gluon weight grads without the schedule's row_src: an expert's last row step computed even where
             it holds padding rows only (the default skips it)
   group_m:N every GEMM's tiles swept N row blocks per column block (the table: 8)
-  ptr-stores down_dgrad's epilogue copying its outputs out by the threads' 16-byte stores, evict-first in L2
-            (GluonDownDgradConfig.pointer_stores), instead of TMA stores
 """
 import dataclasses, functools, json, statistics, sys, torch, megamoe
 from megamoe.backends.triton import configs
 from megamoe.backends.triton import experts as te
 from megamoe.backends.triton import kernels
-from megamoe.backends.triton.kernels import gluon_down_dgrad
 from megamoe.bench.problem import make_weights, make_tokens, forward_backward
 from megamoe.bench.workloads import WORKLOADS, layer_flops
 
 SHIPPED = (te.tma_kernel_configs, configs._GATHER_X_MAX_H)
 SHIPPED_DW = {name: getattr(kernels, name) for name in ("dw_down", "dw_gate_up")}  # given row_src by experts_bwd
-SHIPPED_DOWN_DGRAD_CONFIG = gluon_down_dgrad.GluonDownDgradConfig
 
 
 def without_row_src(fn):
@@ -56,7 +52,6 @@ def select(variant: str) -> None:
     te.tma_kernel_configs, configs._GATHER_X_MAX_H = SHIPPED
     for name, fn in SHIPPED_DW.items():
         setattr(kernels, name, fn)
-    gluon_down_dgrad.GluonDownDgradConfig = SHIPPED_DOWN_DGRAD_CONFIG
     if variant == "pointer":
         te.tma_kernel_configs = lambda *a: None
     elif variant == "rows":
@@ -66,12 +61,10 @@ def select(variant: str) -> None:
     elif variant == "no-skip":
         for name, fn in SHIPPED_DW.items():
             setattr(kernels, name, without_row_src(fn))
-    elif variant == "ptr-stores":
-        gluon_down_dgrad.GluonDownDgradConfig = functools.partial(SHIPPED_DOWN_DGRAD_CONFIG, pointer_stores=True)
     elif variant.startswith("group_m:"):
         te.tma_kernel_configs = with_group_m(int(variant[len("group_m:"):]))
     elif variant != "default":
-        raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, gather-s3, no-skip, ptr-stores or group_m:N")
+        raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, gather-s3, no-skip or group_m:N")
 
 
 out = []

@@ -63,7 +63,7 @@ from compile_checks import (  # noqa: E402
 # A qwen3-30b-a3b-like problem: the descriptors' block shapes and layouts are what matters, not the sizes.
 R, H, I, E = 2048, 2048, 768, 4
 VARIANTS = {"router-h_w": (True, True), "router": (True, False), "plain": (False, False)}
-_POINTERS = {"weights_ptr": "*fp32", "d_w_part_ptr": "*fp32", "d_gu_ptr": "*bf16", "h_w_ptr": "*bf16"}  # else int32
+_POINTERS = {"weights_ptr": "*fp32", "d_w_part_ptr": "*fp32"}  # every other pointer: int32
 
 
 def _pointer_type(name: str) -> str:

@@ -94,10 +94,6 @@ PIECE_M = gl.constexpr(64)  # rows of an epilogue warpgroup's part of a tile
 HALF_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [8, 0], [0, 8], [0, 16], [0, 32]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
     warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 64]))
-# The copy-out of a stored piece by the threads (POINTER_STORES): 8 consecutive bf16 (16 bytes) a thread, 8 threads
-# a 128-byte row.
-STORE_LAYOUT = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
-                                             order=[1, 0]))
 # An fp32 piece in shared memory: offset bits 0-5 are one HALF_LAYOUT access's 8 rows x 8 columns (column
 # bits 0-2, row bits 0-2), so each 8-byte store of the MMA warpgroup and load of an epilogue warpgroup is two
 # wavefronts of 32 banks, the fewest 256 bytes take.
@@ -226,8 +222,8 @@ def _load_gate_up(gu_desc, stage, gu_ready, row, col):
 
 
 @gluon.jit
-def _epilogue_piece(acc_out, P: gl.constexpr, stage, weight, d_gu_desc, h_w_desc, d_gu_ptr, h_w_ptr, row, col, I,
-                    ROUTER: gl.constexpr, STORE_H_W: gl.constexpr, POINTER_STORES: gl.constexpr):
+def _epilogue_piece(acc_out, P: gl.constexpr, stage, weight, d_gu_desc, h_w_desc, row, col, ROUTER: gl.constexpr,
+                    STORE_H_W: gl.constexpr):
     """tma_gemm._down_dgrad_half on accumulator piece P (this warpgroup's rows, one column half) with g, u
     from the staging buffers: d_g, d_u written over the piece (d_gate_up boxes 2P, 2P + 1), h_w over g, and
     TMA-stored from there. Returns the router-weight gradient's partial sum over the half's columns
@@ -249,22 +245,6 @@ def _epilogue_piece(acc_out, P: gl.constexpr, stage, weight, d_gu_desc, h_w_desc
     d_u_box = acc_out.index(2 * P + 1)
     d_g_box.reshape([PM, HALF_N]).store(d_g.to(d_gu_desc.dtype))
     d_u_box.reshape([PM, HALF_N]).store(d_u.to(d_gu_desc.dtype))
-    if POINTER_STORES:
-        # Copied out by the warpgroup's threads, 16 bytes a store, marked evict-first in L2 (no TMA).
-        gl.thread_barrier()
-        I = I // 8 * 8  # a multiple of 8 (16-byte rows, the launcher's TMA check), written so the stores vectorize
-        rows = gl.expand_dims(gl.arange(0, PM, layout=gl.SliceLayout(1, STORE_LAYOUT)), 1)
-        cols = gl.expand_dims(col + gl.arange(0, HALF_N, layout=gl.SliceLayout(0, STORE_LAYOUT)), 0)
-        ok = (cols < I) & (rows >= 0)
-        d_g_ptrs = d_gu_ptr + row.to(gl.int64) * (2 * I) + (rows * (2 * I) + cols)
-        gl.store(d_g_ptrs, d_g_box.reshape([PM, HALF_N]).load(STORE_LAYOUT), mask=ok, eviction_policy="evict_first")
-        gl.store(d_g_ptrs + I, d_u_box.reshape([PM, HALF_N]).load(STORE_LAYOUT), mask=ok,
-                 eviction_policy="evict_first")
-        if ROUTER and STORE_H_W:
-            gl.store(h_w_ptr + row.to(gl.int64) * I + (rows * I + cols), hw_buf.reshape([PM, HALF_N]).load(STORE_LAYOUT),
-                     mask=ok, eviction_policy="evict_first")
-        gl.thread_barrier()  # every thread has copied out before the buffers are reused
-        return d_w_part
     # Every thread's generic-proxy writes, then its proxy fence, then a barrier of the warpgroup, then the
     # TMA stores (issued by one thread).
     fence_async_shared()
@@ -277,10 +257,9 @@ def _epilogue_piece(acc_out, P: gl.constexpr, stage, weight, d_gu_desc, h_w_desc
 
 
 @gluon.jit
-def _epilogue(gu_desc, d_gu_desc, h_w_desc, d_gu_ptr, h_w_ptr, acc_out, stage, acc_ready, acc_empty, gu_ready,
-              row_src_ptr, weights_ptr, d_w_part_ptr, block_range_ptr, I, WG: gl.constexpr, SPLIT: gl.constexpr,
-              GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROUTER: gl.constexpr,
-              STORE_H_W: gl.constexpr, POINTER_STORES: gl.constexpr):
+def _epilogue(gu_desc, d_gu_desc, h_w_desc, acc_out, stage, acc_ready, acc_empty, gu_ready, row_src_ptr, weights_ptr,
+              d_w_part_ptr, block_range_ptr, I, WG: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROUTER: gl.constexpr, STORE_H_W: gl.constexpr):
     """One warpgroup: rows [64 WG, 64 WG + 64) of every tile, its two pieces (column halves) in turn, and the
     d_w_part store."""
     HALF_N: gl.constexpr = BLOCK_N // 2
@@ -304,13 +283,12 @@ def _epilogue(gu_desc, d_gu_desc, h_w_desc, d_gu_ptr, h_w_ptr, acc_out, stage, a
             weight = pair_weights(row_src_ptr, weights_ptr, rows)
         mbarrier.wait(acc_ready, j & 1)
         mbarrier.wait(gu_ready, 0)
-        d_w_part = _epilogue_piece(acc_out, 2 * WG, stage, weight, d_gu_desc, h_w_desc, d_gu_ptr, h_w_ptr, row, col, I,
-                                   ROUTER, STORE_H_W, POINTER_STORES)
+        d_w_part = _epilogue_piece(acc_out, 2 * WG, stage, weight, d_gu_desc, h_w_desc, row, col, ROUTER, STORE_H_W)
         tma.store_wait(pendings=0)  # h_w has left the staging buffer
         _load_gate_up(gu_desc, stage, gu_ready, row, col + HALF_N)
         mbarrier.wait(gu_ready, 1)
-        d_w_part += _epilogue_piece(acc_out, 2 * WG + 1, stage, weight, d_gu_desc, h_w_desc, d_gu_ptr, h_w_ptr, row,
-                                    col + HALF_N, I, ROUTER, STORE_H_W, POINTER_STORES)
+        d_w_part += _epilogue_piece(acc_out, 2 * WG + 1, stage, weight, d_gu_desc, h_w_desc, row, col + HALF_N,
+                                    ROUTER, STORE_H_W)
         if ROUTER:
             gl.store(d_w_part_ptr + rows * num_n + pid_n, d_w_part)
         tma.store_wait(pendings=0)  # the pieces and the staging buffers are read: free them
@@ -322,10 +300,10 @@ def _epilogue(gu_desc, d_gu_desc, h_w_desc, d_gu_ptr, h_w_ptr, acc_out, stage, a
 
 
 @gluon.jit
-def down_dgrad_ws_kernel(d_y_desc, w_desc, gu_desc, d_gu_desc, h_w_desc, d_gu_ptr, h_w_ptr, row_src_ptr, weights_ptr,
-                         d_w_part_ptr, block_expert_ptr, block_range_ptr, ROUTER: gl.constexpr, STORE_H_W: gl.constexpr,
+def down_dgrad_ws_kernel(d_y_desc, w_desc, gu_desc, d_gu_desc, h_w_desc, row_src_ptr, weights_ptr, d_w_part_ptr,
+                         block_expert_ptr, block_range_ptr, ROUTER: gl.constexpr, STORE_H_W: gl.constexpr,
                          SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                         POINTER_STORES: gl.constexpr, PRODUCER_REGS: gl.constexpr, EPILOGUE_REGS: gl.constexpr):
+                         PRODUCER_REGS: gl.constexpr, EPILOGUE_REGS: gl.constexpr):
     """down_dgrad_tma_kernel's tiles (module docstring). Descriptors: d_y_desc d_y_rows [R, H] block
     [128, BLOCK_K]; w_desc w_down [E, H, I] block [1, BLOCK_K, BLOCK_N]; gu_desc gate_up and d_gu_desc
     d_gate_up, both as [R, 2, I] with block [64, 1, BLOCK_N / 2]; h_w_desc h_w [*, I] block [64, BLOCK_N / 2]
@@ -365,12 +343,12 @@ def down_dgrad_ws_kernel(d_y_desc, w_desc, gu_desc, d_gu_desc, h_w_desc, d_gu_pt
     gl.warp_specialize([
         (_mma, (a_bufs, b_bufs, acc_out, ready_bars, empty_bars, acc_ready, acc_empty, block_range_ptr, H, I, SPLIT,
                 GROUP_M, BLOCK_M, BLOCK_N, BLOCK_K)),
-        (_epilogue, (gu_desc, d_gu_desc, h_w_desc, d_gu_ptr, h_w_ptr, acc_out, stage0, acc_ready, acc_empty, gu_ready0,
-                     row_src_ptr, weights_ptr, d_w_part_ptr, block_range_ptr, I, 0, SPLIT, GROUP_M, BLOCK_M, BLOCK_N,
-                     ROUTER, STORE_H_W, POINTER_STORES)),
-        (_epilogue, (gu_desc, d_gu_desc, h_w_desc, d_gu_ptr, h_w_ptr, acc_out, stage1, acc_ready, acc_empty, gu_ready1,
-                     row_src_ptr, weights_ptr, d_w_part_ptr, block_range_ptr, I, 1, SPLIT, GROUP_M, BLOCK_M, BLOCK_N,
-                     ROUTER, STORE_H_W, POINTER_STORES)),
+        (_epilogue, (gu_desc, d_gu_desc, h_w_desc, acc_out, stage0, acc_ready, acc_empty, gu_ready0, row_src_ptr,
+                     weights_ptr, d_w_part_ptr, block_range_ptr, I, 0, SPLIT, GROUP_M, BLOCK_M, BLOCK_N, ROUTER,
+                     STORE_H_W)),
+        (_epilogue, (gu_desc, d_gu_desc, h_w_desc, acc_out, stage1, acc_ready, acc_empty, gu_ready1, row_src_ptr,
+                     weights_ptr, d_w_part_ptr, block_range_ptr, I, 1, SPLIT, GROUP_M, BLOCK_M, BLOCK_N, ROUTER,
+                     STORE_H_W)),
         (_producer, (d_y_desc, w_desc, a_bufs, b_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr,
                      SPLIT, GROUP_M)),
     ], [4, 4, 1], [EPILOGUE_REGS, EPILOGUE_REGS, PRODUCER_REGS])
@@ -390,7 +368,6 @@ class GluonDownDgradConfig:
     group_m: int = 8
     producer_regs: int = 40
     epilogue_regs: int = 152
-    pointer_stores: bool = False
     block_m: int = 128
     block_n: int = 128
     block_k: int = 64
@@ -409,7 +386,7 @@ DEFAULT_CONFIG = GluonDownDgradConfig()
 def constexprs(cfg: GluonDownDgradConfig, split: int, router: bool, store_h_w: bool) -> dict:
     """The kernel's constexpr arguments (the launcher and tests/test_gluon_down_dgrad_compile.py share them)."""
     return dict(ROUTER=router, STORE_H_W=store_h_w, SPLIT=split, GROUP_M=cfg.group_m, STAGES=cfg.stages,
-                POINTER_STORES=cfg.pointer_stores, PRODUCER_REGS=cfg.producer_regs, EPILOGUE_REGS=cfg.epilogue_regs)
+                PRODUCER_REGS=cfg.producer_regs, EPILOGUE_REGS=cfg.epilogue_regs)
 
 
 def _desc(t: torch.Tensor, shape: list, strides: list, block: list) -> TensorDescriptor:
@@ -441,8 +418,8 @@ def _run(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, row_src, weights, h_
     descs = descriptors(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, h_w_RI, cfg)
     tiles = d_rows_RH.shape[0] // cfg.block_m * triton.cdiv(w_down_EHI.shape[2], cfg.block_n)
     return down_dgrad_ws_kernel[(max(1, min(num_sms(d_rows_RH.device), tiles)), )](
-        descs["d_y_desc"], descs["w_desc"], descs["gu_desc"], descs["d_gu_desc"], descs["h_w_desc"], d_gate_up_R2I, h_w_RI,
-        row_src, weights, d_w_part, block_expert, block_range, **constexprs(cfg, split, router, store_h_w), num_warps=4)
+        descs["d_y_desc"], descs["w_desc"], descs["gu_desc"], descs["d_gu_desc"], descs["h_w_desc"], row_src, weights,
+        d_w_part, block_expert, block_range, **constexprs(cfg, split, router, store_h_w), num_warps=4)
 
 
 def _launch(d_rows_RH, w_down_EHI, gate_up_R2I, router, block_expert, blocks, store_h_w, cfg, return_kernel):
