@@ -80,8 +80,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import (
-    check, check_matrix, check_row_src, check_rows, check_weight, column_halves, load_range, num_sms, pair_weights, router_epilogue,
-    swiglu_bwd, tile_coords,
+    check, check_matrix, check_row_src, check_rows, check_weight, column_halves, load_range, num_sms, pair_weights,
+    router_epilogue, swiglu_bwd, tile_coords,
 )
 from megamoe.backends.triton.kernels.gluon_common import nvmma_layout
 from megamoe.backends.triton.kernels.tma_gemm import tma_addressable

@@ -29,8 +29,8 @@ import triton.language as tl
 
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import (
-    check, check_matrix, check_row_src, check_rows, check_weight, column_halves, load_range, pair_weights, persistent_grid, router_epilogue, swiglu, swiglu_bwd,
-    tile_coords,
+    check, check_matrix, check_row_src, check_rows, check_weight, column_halves, load_range, pair_weights, persistent_grid,
+    router_epilogue, swiglu, swiglu_bwd, tile_coords,
 )
 from megamoe.backends.triton.kernels import gluon_down_dgrad, gluon_gate_up, gluon_rows, tma_gemm
 from megamoe.backends.triton.kernels.comm_tiles import push_pointers
