@@ -137,13 +137,15 @@ def test_gluon_down_dgrad_sm90a(name):
     assert r["wgmma"] == r["wgmma_any"] == 2 * 8, f"{name}: wgmma {r['wgmma']}/{r['wgmma_any']}"
     assert r["hgmma"] == 2 * 8, f"{name}: {r['hgmma']} HGMMA in the SASS"
     assert 1 in r["wait_groups"], f"{name}: wgmma not kept in flight across K steps ({r['wait_groups']})"
-    # TMA: d_y (2-D) and the weight tile (3-D, two 64-column messages) in the producer; g and u (3-D) at three
-    # call sites in each epilogue partition; d_gate_up (3-D) and h_w (2-D) out, per partition and piece.
-    assert r["tma_load_2d"] == 1 and r["tma_load_3d"] == 2 + 2 * 3 * 2, (
+    # TMA: d_y (2-D) and the weight tile (3-D, two 64-column messages) in the producer; g and u (3-D) once per
+    # piece in each epilogue partition; d_gate_up (3-D) and h_w (2-D) out, per partition and piece.
+    assert r["tma_load_2d"] == 1 and r["tma_load_3d"] == 2 + 2 * 2 * 2, (
         f"{name}: TMA loads {r['tma_load_2d']}/{r['tma_load_3d']}")
     assert r["tma_store_3d"] == 2 * 2 * 2, f"{name}: {r['tma_store_3d']} d_gate_up stores"
     assert r["tma_store_2d"] == (2 * 2 if h_w else 0), f"{name}: {r['tma_store_2d']} h_w stores"
-    assert r["store_wait_read"] == 2 * 2 and r["cp_async"] == 0, f"{name}: store waits / cp.async"
+    # The stores' reads awaited: per partition at the end of a tile, and with h_w after each piece's h_w store
+    # (d_g goes into the box it was read from).
+    assert r["store_wait_read"] == 2 * (1 + (2 if h_w else 0)) and r["cp_async"] == 0, f"{name}: store waits"
     assert r["utmaldg"] >= 3 and r["utmastg"] >= 2 * 2 * 2
     # The accumulator through shared memory in 8-byte accesses (128 fp32 registers: 64 stores in the MMA
     # partition; 2 pieces x 32 registers: 32 loads in each epilogue partition); g, u by ldmatrix, the outputs
@@ -152,8 +154,8 @@ def test_gluon_down_dgrad_sm90a(name):
     assert r["ldmatrix"] > 0 and r["stmatrix"] > 0, f"{name}: ldmatrix {r['ldmatrix']}, stmatrix {r['stmatrix']}"
     # mbarriers: ready + empty per stage, acc_ready, acc_empty, gu_ready x 2.
     assert r["mbar_init"] == 2 * cfg.stages + 4, f"{name}: {r['mbar_init']} mbarrier.init"
-    assert r["mbar_expect"] >= 1 + 2 * 3, f"{name}: expect_tx for the ring and for each g, u copy"
-    assert r["mbar_wait"] >= 2 + 2 + 2 * 3 and r["mbar_arrive"] >= 2 + 2
+    assert r["mbar_expect"] >= 1 + 2 * 2, f"{name}: expect_tx for the ring and for each g, u copy"
+    assert r["mbar_wait"] >= 2 + 2 + 2 * 2 and r["mbar_arrive"] >= 2 + 2
     # Warp specialization and its register split.
     assert meta.num_warps == 16, f"{name}: {meta.num_warps} warps"
     assert_register_split(name, r, cfg.producer_regs, cfg.epilogue_regs)
@@ -255,18 +257,18 @@ class _Cell:
 class _Model:
     """The kernel's four partitions: producer, MMA warpgroup, epilogue warpgroups 0 and 1."""
 
-    def __init__(self, tiles: int, k_steps: int, stages: int, router: bool, seed: int):
-        self.tiles, self.k_steps, self.stages, self.router = tiles, k_steps, stages, router
+    def __init__(self, tiles: int, k_steps: int, stages: int, router: bool, seed: int, store_h_w: bool = True):
+        self.tiles, self.k_steps, self.stages, self.router, self.store_h_w = tiles, k_steps, stages, router, store_h_w
         self.rng = random.Random(seed)
         self.ready = [_MBarrier(1) for _ in range(stages)]
         self.empty = [_MBarrier(1) for _ in range(stages)]
         self.acc_ready, self.acc_empty = _MBarrier(1), _MBarrier(2)
         self.gu_ready = [_MBarrier(1), _MBarrier(1)]
         self.slots = [_Cell() for _ in range(stages)]
-        self.pieces = [_Cell() for _ in range(4)]  # accumulator piece p, then its d_g / d_u
-        self.staging = [[_Cell(), _Cell()] for _ in range(2)]  # per warpgroup: g (then h_w), u
+        # Accumulator piece p is boxes 2p (g, then h_w, then d_g) and 2p + 1 (u, then d_u).
+        self.boxes = [_Cell() for _ in range(8)]
         self.events: list = []  # async completions: TMA copies landing, TMA stores reading shared memory
-        self.stores_in_flight = [0, 0]
+        self.stores = [[], []]  # per warpgroup, in issue order: [done] of each TMA store
 
     # async operations
     def _tma_load(self, cells, tag, bar) -> None:
@@ -278,12 +280,13 @@ class _Model:
 
     def _tma_store(self, wg: int, cell: _Cell, tag) -> None:
         cell.readers += 1
-        self.stores_in_flight[wg] += 1
+        done = [False]
+        self.stores[wg].append(done)
 
         def read():
             assert cell.tag == tag, f"a TMA store read {cell.tag}, not {tag}"
             cell.readers -= 1
-            self.stores_in_flight[wg] -= 1
+            done[0] = True
         self.events.append(read)
 
     # the partitions (their loops as the kernel's, waits yielded)
@@ -317,36 +320,34 @@ class _Model:
             assert in_flight[0].tag == in_flight[1]
             self.empty[(c + self.stages - 1) % self.stages].arrive()
             yield ("bar", self.acc_empty, (j & 1) ^ 1)
-            for piece in self.pieces:
-                piece.write(("acc", j))
+            for box in self.boxes:
+                box.write(("acc", j))
             self.acc_ready.arrive()
 
-    def _load_gate_up(self, wg: int, j: int, half: int) -> None:
-        self.gu_ready[wg].expect(2)
-        for cell in self.staging[wg]:
-            self._tma_load([cell], ("gate_up", j, half), self.gu_ready[wg])
-
     def epilogue(self, wg: int):
-        if self.tiles > 0:
-            self._load_gate_up(wg, 0, 0)
         for j in range(self.tiles):
             yield ("bar", self.acc_ready, j & 1)
             for half in range(2):
+                g_box, u_box = self.boxes[4 * wg + 2 * half], self.boxes[4 * wg + 2 * half + 1]
+                assert g_box.tag == u_box.tag == ("acc", j), f"tile {j} read the accumulator {g_box.tag} / {u_box.tag}"
+                # (fence, barrier) then g and u by TMA into the piece's boxes
+                self.gu_ready[wg].expect(2)
+                self._tma_load([g_box], ("g", j, half), self.gu_ready[wg])
+                self._tma_load([u_box], ("u", j, half), self.gu_ready[wg])
                 yield ("bar", self.gu_ready[wg], half)
-                piece, (g, u) = self.pieces[2 * wg + half], self.staging[wg]
-                assert piece.tag == ("acc", j), f"tile {j} read the accumulator {piece.tag}"
-                assert g.tag == u.tag == ("gate_up", j, half), f"tile {j} half {half} read {g.tag} / {u.tag}"
-                outputs = [(piece, ("d_gate_up", j, half))] + ([(g, ("h_w", j, half))] if self.router else [])
-                for cell, tag in outputs:
-                    cell.write(tag)
-                for cell, tag in outputs:
-                    self._tma_store(wg, cell, tag)
-                yield ("stores", wg)  # tma.store_wait(0)
-                if half == 0:
-                    self._load_gate_up(wg, j, 1)
+                assert (g_box.tag, u_box.tag) == (("g", j, half), ("u", j, half)), f"read {g_box.tag} / {u_box.tag}"
+                h_w = self.router and self.store_h_w
+                if h_w:
+                    g_box.write(("h_w", j, half))
+                    self._tma_store(wg, g_box, ("h_w", j, half))
+                u_box.write(("d_u", j, half))
+                if h_w:
+                    yield ("stores", wg, 0, "h_w")  # tma.store_wait(0): the h_w store has read the g box
+                g_box.write(("d_g", j, half))
+                self._tma_store(wg, g_box, ("d_g", j, half))
+                self._tma_store(wg, u_box, ("d_u", j, half))
+            yield ("stores", wg, 0, "tile")  # every store has read its box
             self.acc_empty.arrive()
-            if j + 1 < self.tiles:
-                self._load_gate_up(wg, j + 1, 0)
 
     def run(self) -> None:
         procs = [self.producer(), self.mma(), self.epilogue(0), self.epilogue(1)]
@@ -358,7 +359,8 @@ class _Model:
                 return True
             if w[0] == "bar":
                 return w[1].passed(w[2])
-            return self.stores_in_flight[w[1]] == 0
+            stores = self.stores[w[1]]  # ("stores", wg, n): all but the n most recent stores have read
+            return all(done[0] for done in stores[:len(stores) - w[2]])
 
         while waiting:
             ready = [i for i in waiting if runnable(i)]
@@ -387,13 +389,15 @@ def test_barrier_protocol_model(router):
     print(f"\n{runs} random interleavings of the partitions: no deadlock, no stale or overwritten buffer")
 
 
-def test_barrier_protocol_model_catches_a_missing_wait():
-    """The model fails where the kernel would: without the epilogue's store wait before reloading the
-    staging buffers, a TMA store still reading h_w meets the next g."""
+@pytest.mark.parametrize("dropped", ["h_w", "tile"])
+def test_barrier_protocol_model_catches_a_missing_wait(dropped):
+    """The model fails where the kernel would without either of the epilogue's store waits: d_g written over
+    the g box while the h_w store still reads it ("h_w"), or the next tile's accumulator over boxes whose
+    stores have not read them ("tile")."""
     class Unwaited(_Model):
         def epilogue(self, wg):
             for item in super().epilogue(wg):
-                if item != ("stores", wg):
+                if item[0] != "stores" or item[3] != dropped:
                     yield item
 
     failures = 0

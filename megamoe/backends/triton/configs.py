@@ -100,8 +100,9 @@ _SM90_TMA = KernelConfigs(
     # warpgroup on the tensor cores and two on the SwiGLU-backward epilogue beside it: 1.00-1.09x the
     # cooperative Gluon kernel before it (which ran 1.28x / 1.18x the flattened Triton kernel at
     # qwen3-30b-a3b / qwen3-235b-a22b), bitwise equal (h200-down-dgrad-split-ab-v1.json,
-    # h200-down-dgrad-split-prefetch-ab-v1.json).
-    down_dgrad=TileConfig(128, 128, 64, num_warps=4, num_stages=4, tma=True, gluon=True),
+    # h200-down-dgrad-split-prefetch-ab-v1.json); 5 stages, g and u passing through the accumulator's shared
+    # memory instead of staging buffers (3 stages against 4: 1.2-1.24x slower, h200-down-dgrad-stages-ab-v1.json).
+    down_dgrad=TileConfig(128, 128, 64, num_warps=4, num_stages=5, tma=True, gluon=True),
     gate_up_dgrad=TileConfig(128, 256, 64, num_warps=4, num_stages=3, tma=True, gluon=True),
     # The Gluon weight-grad kernel (kernels/gluon_dw.py), the same 128 x 256 x 64 tile, bitwise equal:
     # qwen3-30b-a3b dw_down 0.669 ms against 0.689, dw_gate_up 1.342 against 1.385; qwen3-235b-a22b 2.641

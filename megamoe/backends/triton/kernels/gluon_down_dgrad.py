@@ -31,36 +31,39 @@ device block range are never visited, so no host sync):
     HALF_LAYOUT, then conflict-free 8-byte stores) and arrives on "acc_ready" -- about 0.3 us -- and goes on
     with the next tile's main loop.
   * epilogue warpgroups 0 and 1: rows [64 w, 64 w + 64) of every tile, one column half (piece) at a time:
-    g and u of the piece by TMA into the warpgroup's staging buffers ("gu_ready"), the rows' router weights
-    by pointer loads, acc from its piece, the math in registers, then d_g and d_u written over the
-    accumulator piece (bf16, the bytes of the fp32 piece it was computed from) and h_w over g, and three TMA
-    stores (clipped at I and at the rows' end). Before the second piece's g and u overwrite the staging
-    buffers, the first piece's stores must have read them (cp.async.bulk.wait_group.read); after the second
-    piece, the same wait, then "acc_empty", and the next tile's first g, u copies are issued at once, so they
-    land while the warpgroup waits for the next accumulator.
+    acc from its piece into registers, then (proxy fence, warpgroup barrier) g and u of the piece by TMA
+    into the piece's own two bf16 boxes ("gu_ready"), the rows' router weights by pointer loads, the math in
+    registers, then h_w written over g and TMA-stored, d_u over u, and d_g over g once the h_w store has read
+    it (cp.async.bulk.wait_group.read), both TMA-stored (clipped at I and at the rows' end). After the second
+    piece, every store's read is awaited, then "acc_empty". There are no staging buffers: their 32 KB are the
+    ring's 5th stage, and g, u are no longer prefetched (each piece waits for its copies; the epilogue runs
+    beside the main loop, so its length matters only past the main loop's).
 
 Why this split (benchmarks/results/h200-down-dgrad-*-v1.json, docs/perf-notes.md "GEMM core v4"): in the
 previous, cooperative design both warpgroups ran the main loop on 64 rows each and then the epilogue
 together, the tensor cores idle meanwhile; here the epilogue (~9 us a tile at qwen3-30b-a3b, against a
 ~16 us main loop) runs beside the next main loop: 1.00-1.09x and 1.04-1.08x the old kernel in two A/B
 runs. A ping-pong of two warpgroups with a 128-row tile each lost (its one-warpgroup epilogue, with 128
-accumulator registers live, took 28 us a tile). What is left: the epilogue's traffic slows the main loop
-it runs beside (16.2 us a tile against 11.2 with no epilogue at all, 13.3 without its stores).
+accumulator registers live, took 28 us a tile). The main loop beside the epilogue is bound by the bytes the
+ring keeps in flight (16.2 us a tile against 11.2 with no epilogue at all; 3 stages instead of 4 made the
+kernel 1.2-1.24x slower, h200-down-dgrad-stages-ab-v1.json), hence the 5th stage.
 
-Shared memory (bf16, the default 4 stages): ring 4 x (128 x 64 + 64 x 128) x 2 B = 128 KB, accumulator
-pieces 4 x 64 x 64 x 4 B = 64 KB (reused for d_gate_up), staging 2 warpgroups x (g, u) x 64 x 64 x 2 B =
-32 KB (g's reused for h_w), barriers: 224 KB of the 227 KB an SM allows.
+Shared memory (bf16, the default 5 stages): ring 5 x (128 x 64 + 64 x 128) x 2 B = 160 KB, accumulator
+pieces 4 x 64 x 64 x 4 B = 64 KB (each piece's bytes then hold g and u, then h_w, d_g and d_u), barriers:
+224 KB of the 227 KB an SM allows.
 
 Registers: 16 warps (the MMA warpgroup, two epilogue warpgroups, the producer's warp padded to a fourth);
-setmaxnreg gives the epilogue warpgroups 152, the producer 40 and the MMA warpgroup the rest, 168 (its
-accumulator takes 128).
+setmaxnreg gives the epilogue warpgroups 160 (the accumulator piece stays in registers while g and u
+arrive; at 152 ptxas spilled 16 bytes), the producer 24 and the MMA warpgroup the rest, 168 (its accumulator
+takes 128).
 
 Barrier protocol (phase parities; a fresh mbarrier counts as having completed the phase before phase 0):
   ready[s] (count 1: expect + TMA bytes)   MMA waits parity (c // STAGES) & 1 for slot counter c
   empty[s] (count 1)                       producer waits ((p // STAGES) & 1) ^ 1
   acc_ready (count 1)                      epilogue warpgroups wait parity j & 1 for the CTA's j-th tile
   acc_empty (count 2: one per epilogue)    MMA waits (j & 1) ^ 1 before writing tile j's accumulator
-  gu_ready[w] (count 1: expect + bytes)    warpgroup w's two pieces a tile: parities 0, then 1
+  gu_ready[w] (count 1: expect + bytes)    warpgroup w's two pieces a tile: parities 0, then 1 (each copy is
+                                           issued after the previous one was waited for)
 Every partition walks the same tiles in the same order, so the counters agree.
 """
 
@@ -214,50 +217,55 @@ def _mma(a_bufs, b_bufs, acc_out, ready_bars, empty_bars, acc_ready, acc_empty, 
 
 
 @gluon.jit
-def _load_gate_up(gu_desc, stage, gu_ready, row, col):
-    """TMA copies of a piece's g and u ([64, 1, 64] boxes of gate_up as [R, 2, I]) into the staging buffers."""
-    mbarrier.expect(gu_ready, 2 * gu_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(gu_desc, [row, 0, col], gu_ready, stage.index(0))
-    tma.async_copy_global_to_shared(gu_desc, [row, 1, col], gu_ready, stage.index(1))
-
-
-@gluon.jit
-def _epilogue_piece(acc_out, P: gl.constexpr, stage, weight, d_gu_desc, h_w_desc, row, col, ROUTER: gl.constexpr,
-                    STORE_H_W: gl.constexpr):
-    """tma_gemm._down_dgrad_half on accumulator piece P (this warpgroup's rows, one column half) with g, u
-    from the staging buffers: d_g, d_u written over the piece (d_gate_up boxes 2P, 2P + 1), h_w over g, and
-    TMA-stored from there. Returns the router-weight gradient's partial sum over the half's columns
-    (ROUTER), else 0. The caller has waited for the accumulator and for g, u."""
-    PM: gl.constexpr = stage.shape[1]
-    HALF_N: gl.constexpr = stage.shape[3]
+def _epilogue_piece(acc_out, P: gl.constexpr, gu_desc, gu_ready, PARITY: gl.constexpr, weight, d_gu_desc, h_w_desc,
+                    row, col, ROUTER: gl.constexpr, STORE_H_W: gl.constexpr):
+    """tma_gemm._down_dgrad_half on accumulator piece P (this warpgroup's rows, one column half): the fp32
+    piece into registers, then g and u by TMA into the piece's own two boxes (no staging buffers: their 32 KB
+    are the ring's 5th stage), h_w written over g and TMA-stored, d_u over u, d_g over g once the h_w store has
+    read it, and both TMA-stored. Returns the router-weight gradient's partial sum over the half's columns (ROUTER), else
+    0. The caller has waited for the accumulator; gu_ready's phase for this piece has parity PARITY."""
+    g_box = acc_out.index(2 * P)
+    u_box = acc_out.index(2 * P + 1)
+    PM: gl.constexpr = g_box.shape[0]
+    HALF_N: gl.constexpr = g_box.shape[2]
     acc = _acc_piece(acc_out, P).load(HALF_LAYOUT)
-    g = stage.index(0).reshape([PM, HALF_N]).load(HALF_LAYOUT)
-    u = stage.index(1).reshape([PM, HALF_N]).load(HALF_LAYOUT)
-    gl.thread_barrier()  # every thread has read the piece and g before any thread writes over them
+    # Every thread's reads of the piece, ordered before the async proxy's writes over it (the TMA copies),
+    # and done before one thread issues them.
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.expect(gu_ready, 2 * gu_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(gu_desc, [row, 0, col], gu_ready, g_box)
+    tma.async_copy_global_to_shared(gu_desc, [row, 1, col], gu_ready, u_box)
+    mbarrier.wait(gu_ready, PARITY)
+    g = g_box.reshape([PM, HALF_N]).load(HALF_LAYOUT)
+    u = u_box.reshape([PM, HALF_N]).load(HALF_LAYOUT)
+    gl.thread_barrier()  # every thread has read g and u before any thread writes over them
     d_w_part = gl.zeros([PM], gl.float32, gl.SliceLayout(1, HALF_LAYOUT))
     if ROUTER:
         acc, h_w, d_w_part = router_epilogue(acc, g, u, weight)
-        if STORE_H_W:
-            hw_buf = stage.index(0)._reinterpret(h_w_desc.dtype, h_w_desc.block_type.shape, h_w_desc.layout)
+        if STORE_H_W:  # first, through the g box: its registers are free before d_g and d_u take theirs
+            hw_buf = g_box._reinterpret(h_w_desc.dtype, h_w_desc.block_type.shape, h_w_desc.layout)
             hw_buf.store(h_w.to(h_w_desc.dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(h_w_desc, [row, col], hw_buf)
     d_g, d_u = swiglu_bwd(acc, g, u)
-    d_g_box = acc_out.index(2 * P)
-    d_u_box = acc_out.index(2 * P + 1)
-    d_g_box.reshape([PM, HALF_N]).store(d_g.to(d_gu_desc.dtype))
-    d_u_box.reshape([PM, HALF_N]).store(d_u.to(d_gu_desc.dtype))
+    u_box.reshape([PM, HALF_N]).store(d_u.to(d_gu_desc.dtype))
+    if ROUTER and STORE_H_W:
+        tma.store_wait(pendings=0)  # the h_w store has read the g box
+        gl.thread_barrier()
+    g_box.reshape([PM, HALF_N]).store(d_g.to(d_gu_desc.dtype))
     # Every thread's generic-proxy writes, then its proxy fence, then a barrier of the warpgroup, then the
     # TMA stores (issued by one thread).
     fence_async_shared()
     gl.thread_barrier()
-    if ROUTER and STORE_H_W:
-        tma.async_copy_shared_to_global(h_w_desc, [row, col], hw_buf)
-    tma.async_copy_shared_to_global(d_gu_desc, [row, 0, col], d_g_box)
-    tma.async_copy_shared_to_global(d_gu_desc, [row, 1, col], d_u_box)
+    tma.async_copy_shared_to_global(d_gu_desc, [row, 0, col], g_box)
+    tma.async_copy_shared_to_global(d_gu_desc, [row, 1, col], u_box)
     return d_w_part
 
 
 @gluon.jit
-def _epilogue(gu_desc, d_gu_desc, h_w_desc, acc_out, stage, acc_ready, acc_empty, gu_ready, row_src_ptr, weights_ptr,
+def _epilogue(gu_desc, d_gu_desc, h_w_desc, acc_out, acc_ready, acc_empty, gu_ready, row_src_ptr, weights_ptr,
               d_w_part_ptr, block_range_ptr, I, WG: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROUTER: gl.constexpr, STORE_H_W: gl.constexpr):
     """One warpgroup: rows [64 WG, 64 WG + 64) of every tile, its two pieces (column halves) in turn, and the
@@ -266,14 +274,8 @@ def _epilogue(gu_desc, d_gu_desc, h_w_desc, acc_out, stage, acc_ready, acc_empty
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
     num_n = gl.cdiv(I, BLOCK_N)
-    num_tiles = num_m * num_n
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    if pid < num_tiles:
-        pid_m, pid_n = tile_coords(pid, num_m, num_n, GROUP_M)
-        _load_gate_up(gu_desc, stage, gu_ready, (first_m + pid_m) * BLOCK_M + WG * PIECE_M, pid_n * BLOCK_N)
     j = 0  # this CTA's tile counter
-    for tile in range(pid, num_tiles, nprog):
+    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
         row = (first_m + pid_m) * BLOCK_M + WG * PIECE_M
         col = pid_n * BLOCK_N
@@ -282,20 +284,14 @@ def _epilogue(gu_desc, d_gu_desc, h_w_desc, acc_out, stage, acc_ready, acc_empty
         if ROUTER:
             weight = pair_weights(row_src_ptr, weights_ptr, rows)
         mbarrier.wait(acc_ready, j & 1)
-        mbarrier.wait(gu_ready, 0)
-        d_w_part = _epilogue_piece(acc_out, 2 * WG, stage, weight, d_gu_desc, h_w_desc, row, col, ROUTER, STORE_H_W)
-        tma.store_wait(pendings=0)  # h_w has left the staging buffer
-        _load_gate_up(gu_desc, stage, gu_ready, row, col + HALF_N)
-        mbarrier.wait(gu_ready, 1)
-        d_w_part += _epilogue_piece(acc_out, 2 * WG + 1, stage, weight, d_gu_desc, h_w_desc, row, col + HALF_N,
-                                    ROUTER, STORE_H_W)
+        d_w_part = _epilogue_piece(acc_out, 2 * WG, gu_desc, gu_ready, 0, weight, d_gu_desc, h_w_desc, row, col,
+                                   ROUTER, STORE_H_W)
+        d_w_part += _epilogue_piece(acc_out, 2 * WG + 1, gu_desc, gu_ready, 1, weight, d_gu_desc, h_w_desc, row,
+                                    col + HALF_N, ROUTER, STORE_H_W)
         if ROUTER:
             gl.store(d_w_part_ptr + rows * num_n + pid_n, d_w_part)
-        tma.store_wait(pendings=0)  # the pieces and the staging buffers are read: free them
+        tma.store_wait(pendings=0)  # every store has read its box: the pieces are free
         mbarrier.arrive(acc_empty)
-        if tile + nprog < num_tiles:
-            next_m, next_n = tile_coords(tile + nprog, num_m, num_n, GROUP_M)
-            _load_gate_up(gu_desc, stage, gu_ready, (first_m + next_m) * BLOCK_M + WG * PIECE_M, next_n * BLOCK_N)
         j += 1
 
 
@@ -322,8 +318,6 @@ def down_dgrad_ws_kernel(d_y_desc, w_desc, gu_desc, d_gu_desc, h_w_desc, row_src
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     # The accumulator's four fp32 pieces; piece P is reused for its d_g and d_u (boxes 2P and 2P + 1).
     acc_out = gl.allocate_shared_memory(dtype, [8] + d_gu_desc.block_type.shape, d_gu_desc.layout)
-    stage0 = gl.allocate_shared_memory(dtype, [2] + gu_desc.block_type.shape, gu_desc.layout)
-    stage1 = gl.allocate_shared_memory(dtype, [2] + gu_desc.block_type.shape, gu_desc.layout)
     ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     acc_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -343,10 +337,10 @@ def down_dgrad_ws_kernel(d_y_desc, w_desc, gu_desc, d_gu_desc, h_w_desc, row_src
     gl.warp_specialize([
         (_mma, (a_bufs, b_bufs, acc_out, ready_bars, empty_bars, acc_ready, acc_empty, block_range_ptr, H, I, SPLIT,
                 GROUP_M, BLOCK_M, BLOCK_N, BLOCK_K)),
-        (_epilogue, (gu_desc, d_gu_desc, h_w_desc, acc_out, stage0, acc_ready, acc_empty, gu_ready0, row_src_ptr,
+        (_epilogue, (gu_desc, d_gu_desc, h_w_desc, acc_out, acc_ready, acc_empty, gu_ready0, row_src_ptr,
                      weights_ptr, d_w_part_ptr, block_range_ptr, I, 0, SPLIT, GROUP_M, BLOCK_M, BLOCK_N, ROUTER,
                      STORE_H_W)),
-        (_epilogue, (gu_desc, d_gu_desc, h_w_desc, acc_out, stage1, acc_ready, acc_empty, gu_ready1, row_src_ptr,
+        (_epilogue, (gu_desc, d_gu_desc, h_w_desc, acc_out, acc_ready, acc_empty, gu_ready1, row_src_ptr,
                      weights_ptr, d_w_part_ptr, block_range_ptr, I, 1, SPLIT, GROUP_M, BLOCK_M, BLOCK_N, ROUTER,
                      STORE_H_W)),
         (_producer, (d_y_desc, w_desc, a_bufs, b_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr,
@@ -364,20 +358,18 @@ class GluonDownDgradConfig:
     bitwise match depend on), the ring depth and the registers of the epilogue warpgroups and the producer
     (the MMA warpgroup gets the rest)."""
 
-    stages: int = 4
+    stages: int = 5
     group_m: int = 8
-    producer_regs: int = 40
-    epilogue_regs: int = 152
+    producer_regs: int = 24
+    epilogue_regs: int = 160
     block_m: int = 128
     block_n: int = 128
     block_k: int = 64
 
     def smem_bytes(self, elem: int = 2) -> int:
-        """Ring + accumulator pieces (fp32) + staging (without the barriers)."""
+        """Ring + accumulator pieces (fp32; g, u and the outputs pass through them too), without the barriers."""
         ring = self.stages * (self.block_m + self.block_n) * self.block_k * elem
-        acc = self.block_m * self.block_n * 4
-        staging = self.block_m * self.block_n * elem
-        return ring + acc + staging
+        return ring + self.block_m * self.block_n * 4
 
 
 DEFAULT_CONFIG = GluonDownDgradConfig()
