@@ -20,8 +20,6 @@ from megamoe.bench.problem import make_weights, make_tokens, forward_backward
 from megamoe.bench.workloads import WORKLOADS, layer_flops
 
 SHIPPED = (te.tma_kernel_configs, configs._GATHER_X_MAX_H)
-from megamoe.backends.triton.kernels import grouped_gemm, gluon_down_dgrad4
-SHIPPED_DGRAD = grouped_gemm.gluon_down_dgrad
 SHIPPED_DW = {name: getattr(kernels, name) for name in ("dw_down", "dw_gate_up")}  # given row_src by experts_bwd
 
 
@@ -50,14 +48,8 @@ def with_group_m(group_m: int):
     return table
 
 
-def dgrad4(*args):
-    t = SHIPPED[0](*args)
-    return None if t is None else dataclasses.replace(t, down_dgrad=dataclasses.replace(t.down_dgrad, num_stages=4))
-
-
 def select(variant: str) -> None:
     te.tma_kernel_configs, configs._GATHER_X_MAX_H = SHIPPED
-    grouped_gemm.gluon_down_dgrad = SHIPPED_DGRAD
     for name, fn in SHIPPED_DW.items():
         setattr(kernels, name, fn)
     if variant == "pointer":
@@ -69,9 +61,6 @@ def select(variant: str) -> None:
     elif variant == "no-skip":
         for name, fn in SHIPPED_DW.items():
             setattr(kernels, name, without_row_src(fn))
-    elif variant == "dgrad4":
-        grouped_gemm.gluon_down_dgrad = gluon_down_dgrad4
-        te.tma_kernel_configs = dgrad4
     elif variant.startswith("group_m:"):
         te.tma_kernel_configs = with_group_m(int(variant[len("group_m:"):]))
     elif variant != "default":

@@ -101,7 +101,9 @@ _SM90_TMA = KernelConfigs(
     # cooperative Gluon kernel before it (which ran 1.28x / 1.18x the flattened Triton kernel at
     # qwen3-30b-a3b / qwen3-235b-a22b), bitwise equal (h200-down-dgrad-split-ab-v1.json,
     # h200-down-dgrad-split-prefetch-ab-v1.json); 5 stages, g and u passing through the accumulator's shared
-    # memory instead of staging buffers (3 stages against 4: 1.2-1.24x slower, h200-down-dgrad-stages-ab-v1.json).
+    # memory instead of staging buffers: against the 4-stage kernel, best of 6 alternating, qwen3-30b-a3b
+    # 1.19x, gpt-oss-120b 1.03x, qwen3-235b-a22b 0.97x (h200-down-dgrad-5stage-ab-v1.json); the layer faster
+    # on 13 of 18 workload-routings (h200-down-dgrad-5stage-layer-ab-v1/v2.json).
     down_dgrad=TileConfig(128, 128, 64, num_warps=4, num_stages=5, tma=True, gluon=True),
     gate_up_dgrad=TileConfig(128, 256, 64, num_warps=4, num_stages=3, tma=True, gluon=True),
     # The Gluon weight-grad kernel (kernels/gluon_dw.py), the same 128 x 256 x 64 tile, bitwise equal:
