@@ -11,6 +11,7 @@ Variants (each a change to the tile choice that every run reads through the publ
   no-skip   the Gluon weight grads without the schedule's row_src: an expert's last row step computed even where
             it holds padding rows only (the default skips it)
   group_m:N every GEMM's tiles swept N row blocks per column block (the table: 8)
+  GEMM.group_m:N  the same for one GEMM of the table (e.g. down_dgrad.group_m:4)
 """
 import dataclasses, functools, json, statistics, sys, torch, megamoe
 from megamoe.backends.triton import configs
@@ -38,13 +39,14 @@ def gather_s3(*args):
     return dataclasses.replace(table, gate_up_fwd=dataclasses.replace(table.gate_up_fwd, num_stages=3))
 
 
-def with_group_m(group_m: int):
+def with_group_m(group_m: int, gemm: str | None):
+    """The table with group_m on every GEMM's entry (gemm None) or on the one named."""
     def table(*args):
         t = SHIPPED[0](*args)
         if t is None:
             return t
-        return dataclasses.replace(t, **{f.name: dataclasses.replace(getattr(t, f.name), group_m=group_m)
-                                         for f in dataclasses.fields(t) if f.name != "combine"})
+        names = [f.name for f in dataclasses.fields(t) if f.name != "combine"] if gemm is None else [gemm]
+        return dataclasses.replace(t, **{name: dataclasses.replace(getattr(t, name), group_m=group_m) for name in names})
     return table
 
 
@@ -61,10 +63,12 @@ def select(variant: str) -> None:
     elif variant == "no-skip":
         for name, fn in SHIPPED_DW.items():
             setattr(kernels, name, without_row_src(fn))
-    elif variant.startswith("group_m:"):
-        te.tma_kernel_configs = with_group_m(int(variant[len("group_m:"):]))
+    elif "group_m:" in variant:
+        gemm, _, n = variant.rpartition("group_m:")
+        te.tma_kernel_configs = with_group_m(int(n), gemm.removesuffix(".") or None)
     elif variant != "default":
-        raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, gather-s3, no-skip or group_m:N")
+        raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, gather-s3, no-skip, group_m:N or "
+                         "GEMM.group_m:N")
 
 
 out = []
