@@ -28,7 +28,7 @@ class TileConfig:
     rows a gather pass wrote; gluon (with tma): the warp-specialized Gluon kernel of kernels/gluon_*.py runs
     (a producer warp feeding two consumer warpgroups through an mbarrier ring; num_warps is then its
     default partition's, 4), its two warpgroups on alternate tiles with pingpong, else on halves of each
-    tile, with stagger the second a K step behind the first (their epilogues at different times)."""
+    tile."""
 
     block_m: int
     block_n: int
@@ -41,7 +41,6 @@ class TileConfig:
     gather: bool = False
     gluon: bool = False
     pingpong: bool = False
-    stagger: bool = False
 
     def with_block_m(self, block_m: int) -> "TileConfig":
         return dataclasses.replace(self, block_m=block_m)

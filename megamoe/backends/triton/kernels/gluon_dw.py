@@ -231,8 +231,7 @@ def _producer_gather(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, exp
 @gluon.jit
 def _consumer(dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_smem, expert_offsets_ptr, row_src_ptr,
               num_experts, M, N, WG: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, GATHER: gl.constexpr, SKIP_PADDING: gl.constexpr,
-              STAGGER: gl.constexpr):
+              BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, GATHER: gl.constexpr, SKIP_PADDING: gl.constexpr):
     """One warpgroup (4 warps): async wgmma over the slots of its tiles, then the TMA-store epilogue.
     PINGPONG: whole tiles, the CTA's local tiles WG, WG + 2, ...; else output rows [WG * 64, WG * 64 + 64)
     of every tile."""
@@ -257,9 +256,6 @@ def _consumer(dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_sme
                                  BLOCK_K, SKIP_PADDING)
     c = 0  # the producer's slot counter at this warpgroup's next row step
     turn = 0  # pingpong: this warpgroup's tiles so far (the order barrier's phase)
-    if STAGGER:
-        if WG == 1:
-            mbarrier.wait(order_bars.index(1), 0)  # warpgroup 0 is a row step ahead
     for tile in range(first, num_tiles, stride):
         expert, pid_m, pid_n = _tile_of(tile, num_m, num_n, GROUP_M)
         k_steps = next_steps
@@ -289,9 +285,6 @@ def _consumer(dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_sme
             # The wgmma of step c - 1 has retired: its slot goes back to the producer.
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
             mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=ki > 0)
-            if STAGGER:
-                if WG == 0:
-                    mbarrier.arrive(order_bars.index(1), pred=c == 1)
             c += 1
         if PINGPONG:
             mbarrier.arrive(order_bars.index(1 - WG))  # the other warpgroup's main loop may start
@@ -303,17 +296,13 @@ def _consumer(dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_sme
         c_smem.reshape([WG_M, BLOCK_N]).store(out)
         fence_async_shared()
         tma.async_copy_shared_to_global(dw_desc, [expert, pid_m * BLOCK_M + ROW_IN_TILE, pid_n * BLOCK_N], c_smem)
-    if STAGGER:
-        if WG == 0:
-            mbarrier.arrive(order_bars.index(1), pred=c < 2)  # fewer than 2 row steps: not arrived above
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def dw_ws_kernel(a_desc, b_desc, dw_desc, expert_offsets_ptr, row_src_ptr, num_experts, src_ptr, top_k,
                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, GATHER: gl.constexpr,
-                 SKIP_PADDING: gl.constexpr, STAGGER: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                 CONSUMER_REGS: gl.constexpr):
+                 SKIP_PADDING: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """dw[e] = a[rows of e]^T b[rows of e] for every expert e < num_experts, one tile per output element.
     a_desc: [R, M] block [BLOCK_K, BLOCK_M]; b_desc: [R, N] block [BLOCK_K, BLOCK_N]; dw_desc: [E, M, N]
     block [1, BLOCK_M (pingpong) or BLOCK_M / 2 (coop), BLOCK_N]. row_src_ptr: int32 [R], the schedule's
@@ -337,7 +326,7 @@ def dw_ws_kernel(a_desc, b_desc, dw_desc, expert_offsets_ptr, row_src_ptr, num_e
         # ready: the producer's expect (the TMA bytes complete it), plus every gathering thread's cp.async arrive
         mbarrier.init(ready_bars.index(i), count=1 + GATHER * _GATHER_WARPS * 32)
         mbarrier.init(empty_bars.index(i), count=1 if PINGPONG else 2)  # one arrive per reader
-    if PINGPONG or STAGGER:
+    if PINGPONG:
         for i in gl.static_range(2):
             mbarrier.init(order_bars.index(i), count=1)
     fence_async_shared()  # the initialised barriers are visible to the async proxy (TMA) before use
@@ -348,10 +337,10 @@ def dw_ws_kernel(a_desc, b_desc, dw_desc, expert_offsets_ptr, row_src_ptr, num_e
         gl.warp_specialize([
             (_consumer, (dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_bufs.index(0),
                          expert_offsets_ptr, row_src_ptr, num_experts, M, N, 0, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M,
-                         GATHER, SKIP_PADDING, STAGGER)),
+                         GATHER, SKIP_PADDING)),
             (_consumer, (dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_bufs.index(1),
                          expert_offsets_ptr, row_src_ptr, num_experts, M, N, 1, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M,
-                         GATHER, SKIP_PADDING, STAGGER)),
+                         GATHER, SKIP_PADDING)),
             (_producer_gather, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_offsets_ptr,
                                 row_src_ptr, num_experts, src_ptr, top_k, BLOCK_M, BLOCK_N, GROUP_M, SKIP_PADDING)),
         ], [4, _GATHER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
@@ -359,10 +348,10 @@ def dw_ws_kernel(a_desc, b_desc, dw_desc, expert_offsets_ptr, row_src_ptr, num_e
         gl.warp_specialize([
             (_consumer, (dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_bufs.index(0),
                          expert_offsets_ptr, row_src_ptr, num_experts, M, N, 0, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M,
-                         GATHER, SKIP_PADDING, STAGGER)),
+                         GATHER, SKIP_PADDING)),
             (_consumer, (dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_bufs.index(1),
                          expert_offsets_ptr, row_src_ptr, num_experts, M, N, 1, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M,
-                         GATHER, SKIP_PADDING, STAGGER)),
+                         GATHER, SKIP_PADDING)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_offsets_ptr, row_src_ptr,
                          num_experts, BLOCK_M, BLOCK_N, GROUP_M, SKIP_PADDING)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -385,8 +374,7 @@ def constexprs(cfg: ConsumerTile, gather: bool = False, skip_padding: bool = Fal
     """The kernel's constexpr arguments for a tile (the launcher and tests/test_gluon_dw_compile.py share them);
     gather: b gathered in the loads; skip_padding: row steps of padding only are skipped (row_src read)."""
     return dict(GROUP_M=cfg.group_m, STAGES=cfg.stages, PINGPONG=cfg.pingpong, GATHER=gather,
-                SKIP_PADDING=skip_padding, STAGGER=cfg.stagger, PRODUCER_REGS=cfg.producer_regs,
-                CONSUMER_REGS=cfg.consumer_regs)
+                SKIP_PADDING=skip_padding, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
 
 
 def descriptors(a_RM: torch.Tensor, b_RN: torch.Tensor, dw_EMN: torch.Tensor, cfg: ConsumerTile) -> tuple:

@@ -150,7 +150,7 @@ def _producer(a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, block_expe
 @gluon.jit
 def _consumer(out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_smem, block_range_ptr, N, K,
               WG: gl.constexpr, PINGPONG: gl.constexpr, W_NK: gl.constexpr, SPLIT: gl.constexpr,
-              GROUP_M: gl.constexpr, STAGGER: gl.constexpr):
+              GROUP_M: gl.constexpr):
     """Consumer warpgroup WG (0 or 1): async wgmma over the slots of its tiles, then the TMA-store epilogue.
     PINGPONG: whole tiles, the CTA's local tiles WG, WG + 2, ..., main loops in turn with the other
     warpgroup (order_bars); else rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of every tile."""
@@ -176,9 +176,6 @@ def _consumer(out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_
         c = 0
         skip = 0
     turn = 0  # PINGPONG: tiles of this warpgroup so far
-    if STAGGER:
-        if WG == 1:
-            mbarrier.wait(order_bars.index(1), 0)  # warpgroup 0 is a K step ahead
     for tile in range(first, num_m * num_n, stride):
         row, col, _ = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
         if PINGPONG:
@@ -201,9 +198,6 @@ def _consumer(out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_
             # The wgmma group of step c - 1 has retired: its slot goes back to the producer.
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
             mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=ki > 0)
-            if STAGGER:
-                if WG == 0:
-                    mbarrier.arrive(order_bars.index(1), pred=c == 1)
             c += 1
         if PINGPONG:
             mbarrier.arrive(order_bars.index(1 - WG))  # the whole K loop is issued: the other's turn
@@ -218,17 +212,13 @@ def _consumer(out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_
         if not PINGPONG:
             row += WG * WG_M
         tma.async_copy_shared_to_global(out_desc, [row, col], out_smem)
-    if STAGGER:
-        if WG == 0:
-            mbarrier.arrive(order_bars.index(1), pred=c < 2)  # fewer than 2 K steps: not arrived above
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def row_gemm_ws_kernel(a_desc, w_desc, out_desc, block_expert_ptr, block_range_ptr,
                        W_NK: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                       PINGPONG: gl.constexpr, STAGGER: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr):
+                       PINGPONG: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """out_rows[r, n] = a_rows[r] . w[e][:, n] over K for the row blocks of the range (module docstring).
 
     a_desc: a [R, K], block [BLOCK_M, BLOCK_K]; w_desc: w [E_l, N, K] block [1, BLOCK_N, BLOCK_K] (W_NK)
@@ -244,7 +234,7 @@ def row_gemm_ws_kernel(a_desc, w_desc, out_desc, block_expert_ptr, block_range_p
     for i in gl.static_range(STAGES):
         mbarrier.init(ready_bars.index(i), count=1)  # the producer's expect; the copied bytes complete it
         mbarrier.init(empty_bars.index(i), count=1 if PINGPONG else 2)  # one arrive per reading warpgroup
-    if PINGPONG or STAGGER:
+    if PINGPONG:
         order_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(order_bars.index(0), count=1)
         mbarrier.init(order_bars.index(1), count=1)
@@ -255,9 +245,9 @@ def row_gemm_ws_kernel(a_desc, w_desc, out_desc, block_expert_ptr, block_range_p
     K = a_desc.shape[1]
     gl.warp_specialize([
         (_consumer, (out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_bufs.index(0),
-                     block_range_ptr, N, K, 0, PINGPONG, W_NK, SPLIT, GROUP_M, STAGGER)),
+                     block_range_ptr, N, K, 0, PINGPONG, W_NK, SPLIT, GROUP_M)),
         (_consumer, (out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_bufs.index(1),
-                     block_range_ptr, N, K, 1, PINGPONG, W_NK, SPLIT, GROUP_M, STAGGER)),
+                     block_range_ptr, N, K, 1, PINGPONG, W_NK, SPLIT, GROUP_M)),
         (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr, N, K,
                      W_NK, SPLIT, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -270,7 +260,7 @@ def row_gemm_ws_kernel(a_desc, w_desc, out_desc, block_expert_ptr, block_range_p
 def constexprs(tile: ConsumerTile, w_nk: bool, split: int) -> dict:
     """The kernel's constexpr arguments (the launcher and the compile tests share them)."""
     return dict(W_NK=w_nk, SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages, PINGPONG=tile.pingpong,
-                STAGGER=tile.stagger, PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs)
+                PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs)
 
 
 # The tiles the benchmark compares (benchmarks/gluon_rows_bench.py). Accumulators: 128 fp32 registers per
