@@ -46,7 +46,10 @@ together, the tensor cores idle meanwhile; here the epilogue (~9 us a tile at qw
 runs. A ping-pong of two warpgroups with a 128-row tile each lost (its one-warpgroup epilogue, with 128
 accumulator registers live, took 28 us a tile). The main loop beside the epilogue is bound by the bytes the
 ring keeps in flight (16.2 us a tile against 11.2 with no epilogue at all; 3 stages instead of 4 made the
-kernel 1.2-1.24x slower, h200-down-dgrad-stages-ab-v1.json), hence the 5th stage.
+kernel 1.2-1.24x slower, h200-down-dgrad-stages-ab-v1.json), hence the 5th stage (against 4: 1.19x at
+qwen3-30b-a3b, 1.03x at gpt-oss-120b, 0.97x at qwen3-235b-a22b, h200-down-dgrad-5stage-ab-v1.json). What bounds
+it now is L2 throughput (83% of peak at mixtral-8x7b under Nsight Compute, the tensor pipe 80%): a 128 x 128
+tile asks a third more operand bytes per FLOP than the row GEMMs' 128 x 256.
 
 Shared memory (bf16, the default 5 stages): ring 5 x (128 x 64 + 64 x 128) x 2 B = 160 KB, accumulator
 pieces 4 x 64 x 64 x 4 B = 64 KB (each piece's bytes then hold g and u, then h_w, d_g and d_u), barriers:
