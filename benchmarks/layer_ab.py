@@ -50,14 +50,6 @@ def with_group_m(group_m: int, gemm: str | None):
     return table
 
 
-def deferred(*args):
-    t = SHIPPED[0](*args)
-    if t is None:
-        return t
-    names = ("down_fwd", "gate_up_dgrad", "dw_down", "dw_gate_up")
-    return dataclasses.replace(t, **{n: dataclasses.replace(getattr(t, n), defer_store=True) for n in names})
-
-
 def select(variant: str) -> None:
     te.tma_kernel_configs, configs._GATHER_X_MAX_H = SHIPPED
     for name, fn in SHIPPED_DW.items():
@@ -71,8 +63,6 @@ def select(variant: str) -> None:
     elif variant == "no-skip":
         for name, fn in SHIPPED_DW.items():
             setattr(kernels, name, without_row_src(fn))
-    elif variant == "defer":
-        te.tma_kernel_configs = deferred
     elif "group_m:" in variant:
         gemm, _, n = variant.rpartition("group_m:")
         te.tma_kernel_configs = with_group_m(int(n), gemm.removesuffix(".") or None)

@@ -41,7 +41,6 @@ class TileConfig:
     gather: bool = False
     gluon: bool = False
     pingpong: bool = False
-    defer_store: bool = False
 
     def with_block_m(self, block_m: int) -> "TileConfig":
         return dataclasses.replace(self, block_m=block_m)

@@ -50,13 +50,12 @@ class ConsumerTile:
     group_m: int = 8
     producer_regs: int = 40
     consumer_regs: int = 232
-    defer_store: bool = False
 
     @classmethod
     def of(cls, config: TileConfig) -> "ConsumerTile":
         """The tile of a tile-table entry that runs a Gluon kernel (TileConfig.gluon)."""
         return cls(config.block_m, config.block_n, stages=config.num_stages, pingpong=config.pingpong,
-                   block_k=config.block_k, group_m=config.group_m, defer_store=config.defer_store)
+                   block_k=config.block_k, group_m=config.group_m)
 
     @property
     def store_m(self) -> int:

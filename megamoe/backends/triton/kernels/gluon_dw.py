@@ -231,8 +231,7 @@ def _producer_gather(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, exp
 @gluon.jit
 def _consumer(dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_smem, expert_offsets_ptr, row_src_ptr,
               num_experts, M, N, WG: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, GATHER: gl.constexpr, SKIP_PADDING: gl.constexpr,
-              DEFER: gl.constexpr):
+              BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, GATHER: gl.constexpr, SKIP_PADDING: gl.constexpr):
     """One warpgroup (4 warps): async wgmma over the slots of its tiles, then the TMA-store epilogue.
     PINGPONG: whole tiles, the CTA's local tiles WG, WG + 2, ...; else output rows [WG * 64, WG * 64 + 64)
     of every tile."""
@@ -257,13 +256,6 @@ def _consumer(dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_sme
                                  BLOCK_K, SKIP_PADDING)
     c = 0  # the producer's slot counter at this warpgroup's next row step
     turn = 0  # pingpong: this warpgroup's tiles so far (the order barrier's phase)
-    # DEFER: a tile's output waits in registers (pend, at [pend_e, pend_m, pend_n]) until the next tile's first
-    # wgmma is in flight (or that tile turns out to have no row steps), so its trip through shared memory
-    # overlaps that wgmma.
-    pend = gl.zeros([WG_M, BLOCK_N], dw_desc.dtype, acc_layout)
-    pend_e = 0
-    pend_m = 0
-    pend_n = 0
     for tile in range(first, num_tiles, stride):
         expert, pid_m, pid_n = _tile_of(tile, num_m, num_n, GROUP_M)
         k_steps = next_steps
@@ -293,47 +285,24 @@ def _consumer(dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_sme
             # The wgmma of step c - 1 has retired: its slot goes back to the producer.
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
             mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=ki > 0)
-            if DEFER:
-                if ki == 0:
-                    if tile != first:
-                        _store_tile(dw_desc, c_smem, pend, pend_e, pend_m, pend_n)
             c += 1
-        if DEFER:
-            if k_steps == 0:
-                if tile != first:
-                    _store_tile(dw_desc, c_smem, pend, pend_e, pend_m, pend_n)
         if PINGPONG:
             mbarrier.arrive(order_bars.index(1 - WG))  # the other warpgroup's main loop may start
             turn += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=k_steps > 0)
-        if DEFER:
-            pend = acc.to(dw_desc.dtype)
-            pend_e = expert
-            pend_m = pid_m * BLOCK_M + ROW_IN_TILE
-            pend_n = pid_n * BLOCK_N
-        else:
-            _store_tile(dw_desc, c_smem, acc.to(dw_desc.dtype), expert, pid_m * BLOCK_M + ROW_IN_TILE, pid_n * BLOCK_N)
-    if DEFER:
-        if first < num_tiles:
-            _store_tile(dw_desc, c_smem, pend, pend_e, pend_m, pend_n)
+        out = acc.to(dw_desc.dtype)
+        tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
+        c_smem.reshape([WG_M, BLOCK_N]).store(out)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dw_desc, [expert, pid_m * BLOCK_M + ROW_IN_TILE, pid_n * BLOCK_N], c_smem)
     tma.store_wait(pendings=0)
-
-
-@gluon.jit
-def _store_tile(dw_desc, c_smem, out, expert, row, col):
-    """out (registers) -> c_smem -> TMA store at [expert, row, col], once the previous store has read c_smem."""
-    tma.store_wait(pendings=0)
-    c_smem.reshape([out.shape[0], out.shape[1]]).store(out)
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dw_desc, [expert, row, col], c_smem)
 
 
 @gluon.jit
 def dw_ws_kernel(a_desc, b_desc, dw_desc, expert_offsets_ptr, row_src_ptr, num_experts, src_ptr, top_k,
                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, GATHER: gl.constexpr,
-                 SKIP_PADDING: gl.constexpr, DEFER: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                 CONSUMER_REGS: gl.constexpr):
+                 SKIP_PADDING: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """dw[e] = a[rows of e]^T b[rows of e] for every expert e < num_experts, one tile per output element.
     a_desc: [R, M] block [BLOCK_K, BLOCK_M]; b_desc: [R, N] block [BLOCK_K, BLOCK_N]; dw_desc: [E, M, N]
     block [1, BLOCK_M (pingpong) or BLOCK_M / 2 (coop), BLOCK_N]. row_src_ptr: int32 [R], the schedule's
@@ -368,10 +337,10 @@ def dw_ws_kernel(a_desc, b_desc, dw_desc, expert_offsets_ptr, row_src_ptr, num_e
         gl.warp_specialize([
             (_consumer, (dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_bufs.index(0),
                          expert_offsets_ptr, row_src_ptr, num_experts, M, N, 0, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M,
-                         GATHER, SKIP_PADDING, DEFER)),
+                         GATHER, SKIP_PADDING)),
             (_consumer, (dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_bufs.index(1),
                          expert_offsets_ptr, row_src_ptr, num_experts, M, N, 1, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M,
-                         GATHER, SKIP_PADDING, DEFER)),
+                         GATHER, SKIP_PADDING)),
             (_producer_gather, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_offsets_ptr,
                                 row_src_ptr, num_experts, src_ptr, top_k, BLOCK_M, BLOCK_N, GROUP_M, SKIP_PADDING)),
         ], [4, _GATHER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
@@ -379,10 +348,10 @@ def dw_ws_kernel(a_desc, b_desc, dw_desc, expert_offsets_ptr, row_src_ptr, num_e
         gl.warp_specialize([
             (_consumer, (dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_bufs.index(0),
                          expert_offsets_ptr, row_src_ptr, num_experts, M, N, 0, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M,
-                         GATHER, SKIP_PADDING, DEFER)),
+                         GATHER, SKIP_PADDING)),
             (_consumer, (dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_bufs.index(1),
                          expert_offsets_ptr, row_src_ptr, num_experts, M, N, 1, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M,
-                         GATHER, SKIP_PADDING, DEFER)),
+                         GATHER, SKIP_PADDING)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_offsets_ptr, row_src_ptr,
                          num_experts, BLOCK_M, BLOCK_N, GROUP_M, SKIP_PADDING)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -405,8 +374,7 @@ def constexprs(cfg: ConsumerTile, gather: bool = False, skip_padding: bool = Fal
     """The kernel's constexpr arguments for a tile (the launcher and tests/test_gluon_dw_compile.py share them);
     gather: b gathered in the loads; skip_padding: row steps of padding only are skipped (row_src read)."""
     return dict(GROUP_M=cfg.group_m, STAGES=cfg.stages, PINGPONG=cfg.pingpong, GATHER=gather,
-                SKIP_PADDING=skip_padding, DEFER=cfg.defer_store, PRODUCER_REGS=cfg.producer_regs,
-                CONSUMER_REGS=cfg.consumer_regs)
+                SKIP_PADDING=skip_padding, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
 
 
 def descriptors(a_RM: torch.Tensor, b_RN: torch.Tensor, dw_EMN: torch.Tensor, cfg: ConsumerTile) -> tuple:

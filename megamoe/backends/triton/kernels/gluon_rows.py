@@ -150,7 +150,7 @@ def _producer(a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, block_expe
 @gluon.jit
 def _consumer(out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_smem, block_range_ptr, N, K,
               WG: gl.constexpr, PINGPONG: gl.constexpr, W_NK: gl.constexpr, SPLIT: gl.constexpr,
-              GROUP_M: gl.constexpr, DEFER: gl.constexpr):
+              GROUP_M: gl.constexpr):
     """Consumer warpgroup WG (0 or 1): async wgmma over the slots of its tiles, then the TMA-store epilogue.
     PINGPONG: whole tiles, the CTA's local tiles WG, WG + 2, ..., main loops in turn with the other
     warpgroup (order_bars); else rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of every tile."""
@@ -176,12 +176,6 @@ def _consumer(out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_
         c = 0
         skip = 0
     turn = 0  # PINGPONG: tiles of this warpgroup so far
-    # DEFER: a tile's output waits in registers (pend, at pend_row, pend_col) until the next tile's first
-    # wgmma is in flight, so its trip through shared memory overlaps that wgmma.
-    pend = gl.zeros([WG_M, BLOCK_N], out_desc.dtype, gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]))
-    pend_row = 0
-    pend_col = 0
     for tile in range(first, num_m * num_n, stride):
         row, col, _ = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
         if PINGPONG:
@@ -204,10 +198,6 @@ def _consumer(out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_
             # The wgmma group of step c - 1 has retired: its slot goes back to the producer.
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
             mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=ki > 0)
-            if DEFER:
-                if ki == 0:
-                    if tile != first:
-                        _store_tile(out_desc, out_smem, pend, pend_row, pend_col)
             c += 1
         if PINGPONG:
             mbarrier.arrive(order_bars.index(1 - WG))  # the whole K loop is issued: the other's turn
@@ -215,34 +205,20 @@ def _consumer(out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES))
         c += skip
+        out = acc.to(out_desc.dtype)
+        tma.store_wait(pendings=0)  # the previous tile's store has read out_smem
+        out_smem.store(out)
+        fence_async_shared()
         if not PINGPONG:
             row += WG * WG_M
-        if DEFER:
-            pend = acc.to(out_desc.dtype)
-            pend_row = row
-            pend_col = col
-        else:
-            _store_tile(out_desc, out_smem, acc.to(out_desc.dtype), row, col)
-    if DEFER:
-        if first < num_m * num_n:
-            _store_tile(out_desc, out_smem, pend, pend_row, pend_col)
+        tma.async_copy_shared_to_global(out_desc, [row, col], out_smem)
     tma.store_wait(pendings=0)
-
-
-@gluon.jit
-def _store_tile(out_desc, out_smem, out, row, col):
-    """out (registers) -> out_smem -> TMA store at [row, col], once the previous store has read out_smem."""
-    tma.store_wait(pendings=0)
-    out_smem.store(out)
-    fence_async_shared()
-    tma.async_copy_shared_to_global(out_desc, [row, col], out_smem)
 
 
 @gluon.jit
 def row_gemm_ws_kernel(a_desc, w_desc, out_desc, block_expert_ptr, block_range_ptr,
                        W_NK: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                       PINGPONG: gl.constexpr, DEFER: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr):
+                       PINGPONG: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """out_rows[r, n] = a_rows[r] . w[e][:, n] over K for the row blocks of the range (module docstring).
 
     a_desc: a [R, K], block [BLOCK_M, BLOCK_K]; w_desc: w [E_l, N, K] block [1, BLOCK_N, BLOCK_K] (W_NK)
@@ -269,9 +245,9 @@ def row_gemm_ws_kernel(a_desc, w_desc, out_desc, block_expert_ptr, block_range_p
     K = a_desc.shape[1]
     gl.warp_specialize([
         (_consumer, (out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_bufs.index(0),
-                     block_range_ptr, N, K, 0, PINGPONG, W_NK, SPLIT, GROUP_M, DEFER)),
+                     block_range_ptr, N, K, 0, PINGPONG, W_NK, SPLIT, GROUP_M)),
         (_consumer, (out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_bufs.index(1),
-                     block_range_ptr, N, K, 1, PINGPONG, W_NK, SPLIT, GROUP_M, DEFER)),
+                     block_range_ptr, N, K, 1, PINGPONG, W_NK, SPLIT, GROUP_M)),
         (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr, N, K,
                      W_NK, SPLIT, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -284,7 +260,7 @@ def row_gemm_ws_kernel(a_desc, w_desc, out_desc, block_expert_ptr, block_range_p
 def constexprs(tile: ConsumerTile, w_nk: bool, split: int) -> dict:
     """The kernel's constexpr arguments (the launcher and the compile tests share them)."""
     return dict(W_NK=w_nk, SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages, PINGPONG=tile.pingpong,
-                DEFER=tile.defer_store, PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs)
+                PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs)
 
 
 # The tiles the benchmark compares (benchmarks/gluon_rows_bench.py). Accumulators: 128 fp32 registers per
