@@ -78,6 +78,11 @@ def sass(cubin: bytes) -> str:
         return subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
 
 
+# A TMA load into shared memory in the PTX (Triton 3.6 names the destination shared::cluster, 3.8 and later
+# shared::cta).
+TMA_LOAD = r"cp\.async\.bulk\.tensor\.{dims}d\.shared::(?:cluster|cta)\.global\.mbarrier::complete_tx::bytes"
+
+
 def count(pattern: str, text: str) -> int:
     return len(re.findall(pattern, text))
 
@@ -91,8 +96,8 @@ def warp_specialized_report(compiled) -> dict:
         compiled=compiled, ptx=ptx, sass=code, ptxas=ptxas_report(ptx),
         wgmma_any=count(r"wgmma\.mma_async", ptx),
         wait_groups=sorted(set(int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx))),
-        tma_load_2d=count(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.mbarrier::complete_tx::bytes", ptx),
-        tma_load_3d=count(r"cp\.async\.bulk\.tensor\.3d\.shared::cluster\.global\.mbarrier::complete_tx::bytes", ptx),
+        tma_load_2d=count(TMA_LOAD.format(dims=2), ptx),
+        tma_load_3d=count(TMA_LOAD.format(dims=3), ptx),
         cp_async=count(r"cp\.async\.(ca|cg)\.shared\.global", ptx),
         mbar_init=count(r"mbarrier\.init\.shared", ptx),
         mbar_wait=count(r"mbarrier\.try_wait\.parity", ptx),

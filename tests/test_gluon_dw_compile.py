@@ -109,7 +109,7 @@ def _report(name: str) -> dict:
         _CACHE[name] = dict(
             r, cfg=cfg, forms=_wgmma_forms(ptx),
             wgmma=count(rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg.block_n}k16\.f32\.bf16\.bf16", ptx),
-            tma_load_other=count(r"cp\.async\.bulk\.tensor\.[13-5]d\.shared::cluster\.global", ptx),
+            tma_load_other=count(r"cp\.async\.bulk\.tensor\.[13-5]d\.shared::(?:cluster|cta)\.global", ptx),
             tma_store_3d=count(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta\.bulk_group", ptx),
             hgmma=count(rf"HGMMA\.64x{cfg.block_n}x16\.F32\.BF16 \S+, gdesc\[UR\d+\]\.tnspA\.tnspB", sass),
             hgmma_any=count(r"HGMMA\.", sass),

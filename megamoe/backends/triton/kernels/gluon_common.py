@@ -1,6 +1,7 @@
 """Helpers shared by the Gluon kernels (gluon_rows.py, gluon_gate_up.py, gluon_down_dgrad.py, gluon_dw.py):
-the tile origin of a row-block GEMM (jit), the tile of the two-consumer kernels (gluon_rows.py, gluon_dw.py)
-and the shared-memory layouts of their TMA descriptors (host)."""
+the TMA copies under the name of the installed Triton, the tile origin of a row-block GEMM (jit), the tile of
+the two-consumer kernels (gluon_rows.py, gluon_dw.py) and the shared-memory layouts of their TMA descriptors
+(host)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,26 @@ import dataclasses
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import tma
 
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import tile_coords
 
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}  # the 16-bit operands wgmma and TMA take
+
+# The asynchronous copies: TMA (global -> shared, completing an mbarrier; shared -> global) and cp.async
+# (per-thread, global -> shared). Triton 3.8 renamed them (async_copy_global_to_shared -> async_load,
+# async_copy_shared_to_global -> async_store) and 3.9 removed the old names; the kernels call them through
+# these, so they compile on either side of the rename.
+tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
+cp_async_load = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
+# smem_reinterpret(buffer, dtype, shape, layout): the same shared memory seen with another dtype, shape and
+# layout (a method, renamed from _reinterpret to reinterpret in Triton 3.8).
+smem_reinterpret = getattr(gl.shared_memory_descriptor, "reinterpret", None) or gl.shared_memory_descriptor._reinterpret
+# thread_barrier(): a bar.sync of the partition's threads (gl.thread_barrier, gl.barrier from Triton 3.8).
+thread_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 
 @gluon.jit

@@ -89,7 +89,9 @@ from megamoe.backends.triton.kernels._common import (
     check, check_matrix, check_row_src, check_rows, check_weight, column_halves, load_range, num_sms, pair_weights,
     router_epilogue, swiglu_bwd, tile_coords,
 )
-from megamoe.backends.triton.kernels.gluon_common import nvmma_layout
+from megamoe.backends.triton.kernels.gluon_common import (
+    nvmma_layout, smem_reinterpret, thread_barrier, tma_load, tma_store,
+)
 from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
 
 PIECE_M = gl.constexpr(64)  # rows of an epilogue warpgroup's part of a tile
@@ -144,8 +146,8 @@ def _producer(d_y_desc, w_desc, a_bufs, b_bufs, ready_bars, empty_bars, block_ex
             mbarrier.wait(empty_bars.index(s), ((p // STAGES) & 1) ^ 1)
             bar = ready_bars.index(s)
             mbarrier.expect(bar, STEP_BYTES)
-            tma.async_copy_global_to_shared(d_y_desc, [row, ki * BLOCK_K], bar, a_bufs.index(s))
-            tma.async_copy_global_to_shared(w_desc, [expert, ki * BLOCK_K, col], bar, b_bufs.index(s))
+            tma_load(d_y_desc, [row, ki * BLOCK_K], bar, a_bufs.index(s))
+            tma_load(w_desc, [expert, ki * BLOCK_K, col], bar, b_bufs.index(s))
             p += 1
 
 
@@ -171,7 +173,7 @@ def _acc_piece(acc_out, i: gl.constexpr):
     2i and 2i + 1."""
     PM: gl.constexpr = acc_out.shape[1]
     HALF_N: gl.constexpr = acc_out.shape[3]
-    return acc_out._reinterpret(gl.float32, [4, PM, HALF_N], ACC_SMEM_LAYOUT).index(i)
+    return smem_reinterpret(acc_out, gl.float32, [4, PM, HALF_N], ACC_SMEM_LAYOUT).index(i)
 
 
 @gluon.jit
@@ -235,35 +237,35 @@ def _epilogue_piece(acc_out, P: gl.constexpr, gu_desc, gu_ready, PARITY: gl.cons
     # Every thread's reads of the piece, ordered before the async proxy's writes over it (the TMA copies),
     # and done before one thread issues them.
     fence_async_shared()
-    gl.thread_barrier()
+    thread_barrier()
     mbarrier.expect(gu_ready, 2 * gu_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(gu_desc, [row, 0, col], gu_ready, g_box)
-    tma.async_copy_global_to_shared(gu_desc, [row, 1, col], gu_ready, u_box)
+    tma_load(gu_desc, [row, 0, col], gu_ready, g_box)
+    tma_load(gu_desc, [row, 1, col], gu_ready, u_box)
     mbarrier.wait(gu_ready, PARITY)
     g = g_box.reshape([PM, HALF_N]).load(HALF_LAYOUT)
     u = u_box.reshape([PM, HALF_N]).load(HALF_LAYOUT)
-    gl.thread_barrier()  # every thread has read g and u before any thread writes over them
+    thread_barrier()  # every thread has read g and u before any thread writes over them
     d_w_part = gl.zeros([PM], gl.float32, gl.SliceLayout(1, HALF_LAYOUT))
     if ROUTER:
         acc, h_w, d_w_part = router_epilogue(acc, g, u, weight)
         if STORE_H_W:  # first, through the g box: its registers are free before d_g and d_u take theirs
-            hw_buf = g_box._reinterpret(h_w_desc.dtype, h_w_desc.block_type.shape, h_w_desc.layout)
+            hw_buf = smem_reinterpret(g_box, h_w_desc.dtype, h_w_desc.block_type.shape, h_w_desc.layout)
             hw_buf.store(h_w.to(h_w_desc.dtype))
             fence_async_shared()
-            gl.thread_barrier()
-            tma.async_copy_shared_to_global(h_w_desc, [row, col], hw_buf)
+            thread_barrier()
+            tma_store(h_w_desc, [row, col], hw_buf)
     d_g, d_u = swiglu_bwd(acc, g, u)
     u_box.reshape([PM, HALF_N]).store(d_u.to(d_gu_desc.dtype))
     if ROUTER and STORE_H_W:
         tma.store_wait(pendings=0)  # the h_w store has read the g box
-        gl.thread_barrier()
+        thread_barrier()
     g_box.reshape([PM, HALF_N]).store(d_g.to(d_gu_desc.dtype))
     # Every thread's generic-proxy writes, then its proxy fence, then a barrier of the warpgroup, then the
     # TMA stores (issued by one thread).
     fence_async_shared()
-    gl.thread_barrier()
-    tma.async_copy_shared_to_global(d_gu_desc, [row, 0, col], g_box)
-    tma.async_copy_shared_to_global(d_gu_desc, [row, 1, col], u_box)
+    thread_barrier()
+    tma_store(d_gu_desc, [row, 0, col], g_box)
+    tma_store(d_gu_desc, [row, 1, col], u_box)
     return d_w_part
 
 

@@ -88,7 +88,9 @@ from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import (
     check, check_expert_offsets, check_row_operands, check_row_src, persistent_grid,
 )
-from megamoe.backends.triton.kernels.gluon_common import ConsumerTile, nvmma_layout
+from megamoe.backends.triton.kernels.gluon_common import (
+    ConsumerTile, cp_async_load, nvmma_layout, tma_load, tma_store,
+)
 from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
 
 WGMMA_M = 64  # rows of one wgmma instruction (a warpgroup's row granule)
@@ -160,8 +162,8 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_off
             bar = ready_bars.index(s)
             mbarrier.expect(bar, NBYTES)
             row = start + ki * BLOCK_K
-            tma.async_copy_global_to_shared(a_desc, [row, pid_m * BLOCK_M], bar, a_bufs.index(s))
-            tma.async_copy_global_to_shared(b_desc, [row, pid_n * BLOCK_N], bar, b_bufs.index(s))
+            tma_load(a_desc, [row, pid_m * BLOCK_M], bar, a_bufs.index(s))
+            tma_load(b_desc, [row, pid_n * BLOCK_N], bar, b_bufs.index(s))
             p += 1
 
 
@@ -218,8 +220,8 @@ def _producer_gather(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, exp
             mbarrier.wait(empty_bars.index(s), ((p // STAGES) & 1) ^ 1)
             bar = ready_bars.index(s)
             mbarrier.expect(bar, a_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [row, pid_m * BLOCK_M], bar, a_bufs.index(s))
-            async_copy.async_copy_global_to_shared(b_bufs.index(s), row_ptrs + cols, mask=has_src & col_ok)
+            tma_load(a_desc, [row, pid_m * BLOCK_M], bar, a_bufs.index(s))
+            cp_async_load(b_bufs.index(s), row_ptrs + cols, mask=has_src & col_ok)
             # This thread's copies (all it issued so far) complete -> one arrive; .noinc: the barrier's count
             # includes these _GATHER_WARPS * 32 arrivals.
             async_copy.mbarrier_arrive(bar, increment_count=False)
@@ -295,7 +297,7 @@ def _consumer(dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_sme
         tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
         c_smem.reshape([WG_M, BLOCK_N]).store(out)
         fence_async_shared()
-        tma.async_copy_shared_to_global(dw_desc, [expert, pid_m * BLOCK_M + ROW_IN_TILE, pid_n * BLOCK_N], c_smem)
+        tma_store(dw_desc, [expert, pid_m * BLOCK_M + ROW_IN_TILE, pid_n * BLOCK_N], c_smem)
     tma.store_wait(pendings=0)
 
 

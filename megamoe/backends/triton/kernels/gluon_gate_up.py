@@ -81,7 +81,9 @@ from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import (
     check, check_matrix, check_rows, check_weight, load_range, persistent_grid, swiglu,
 )
-from megamoe.backends.triton.kernels.gluon_common import nvmma_layout, tile_origin
+from megamoe.backends.triton.kernels.gluon_common import (
+    cp_async_load, nvmma_layout, tile_origin, tma_load, tma_store,
+)
 from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
 
 BLOCK_M = 128  # rows per tile: two consumer warpgroups of 64 (wgmma's M); the kernels read it from x_desc
@@ -120,9 +122,9 @@ def _producer_tma(x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_
             bar = ready_bars.index(s)
             mbarrier.expect(bar, NBYTES)
             k = ki * BLOCK_K
-            tma.async_copy_global_to_shared(x_desc, [row, k], bar, a_bufs.index(s))
-            tma.async_copy_global_to_shared(w_desc, [expert, col, k], bar, gate_bufs.index(s))
-            tma.async_copy_global_to_shared(w_desc, [expert, I + col, k], bar, up_bufs.index(s))
+            tma_load(x_desc, [row, k], bar, a_bufs.index(s))
+            tma_load(w_desc, [expert, col, k], bar, gate_bufs.index(s))
+            tma_load(w_desc, [expert, I + col, k], bar, up_bufs.index(s))
             p += 1
 
 
@@ -163,10 +165,10 @@ def _producer_gather(x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, rea
             bar = ready_bars.index(s)
             mbarrier.expect(bar, NBYTES)
             k = ki * BLOCK_K
-            tma.async_copy_global_to_shared(w_desc, [expert, col, k], bar, gate_bufs.index(s))
-            tma.async_copy_global_to_shared(w_desc, [expert, I + col, k], bar, up_bufs.index(s))
+            tma_load(w_desc, [expert, col, k], bar, gate_bufs.index(s))
+            tma_load(w_desc, [expert, I + col, k], bar, up_bufs.index(s))
             cols = gl.expand_dims(k + step_cols, 0)
-            async_copy.async_copy_global_to_shared(a_bufs.index(s), row_ptrs + cols, mask=has_src & (cols < H))
+            cp_async_load(a_bufs.index(s), row_ptrs + cols, mask=has_src & (cols < H))
             # This thread's copies (all it issued so far) complete -> one arrive; .noinc: the barrier's count
             # includes these _GATHER_WARPS * 32 arrivals.
             async_copy.mbarrier_arrive(bar, increment_count=False)
@@ -182,7 +184,7 @@ def _stage_store(desc, row, plane, col, value, out_bufs, n_stored):
     tma.store_wait(pendings=OUT_BUFS - 1)  # the store OUT_BUFS stores back has read this buffer
     buf.reshape(value.shape).store(value)
     fence_async_shared()  # the generic-proxy writes are visible to the TMA engine
-    tma.async_copy_shared_to_global(desc, [row, plane, col], buf)
+    tma_store(desc, [row, plane, col], buf)
     return n_stored + 1
 
 

@@ -106,7 +106,9 @@ from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import (
     check, check_matrix, check_rows, check_weight, load_range, persistent_grid,
 )
-from megamoe.backends.triton.kernels.gluon_common import GL_DTYPES, ConsumerTile, nvmma_layout, tile_origin
+from megamoe.backends.triton.kernels.gluon_common import (
+    GL_DTYPES, ConsumerTile, nvmma_layout, tile_origin, tma_load, tma_store,
+)
 from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
 
 
@@ -139,11 +141,11 @@ def _producer(a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, block_expe
             ready = ready_bars.index(s)
             mbarrier.expect(ready, NBYTES)
             k = ki * BLOCK_K
-            tma.async_copy_global_to_shared(a_desc, [row, k], ready, a_bufs.index(s))
+            tma_load(a_desc, [row, k], ready, a_bufs.index(s))
             if W_NK:
-                tma.async_copy_global_to_shared(w_desc, [expert, col, k], ready, w_bufs.index(s))
+                tma_load(w_desc, [expert, col, k], ready, w_bufs.index(s))
             else:
-                tma.async_copy_global_to_shared(w_desc, [expert, k, col], ready, w_bufs.index(s))
+                tma_load(w_desc, [expert, k, col], ready, w_bufs.index(s))
             p += 1
 
 
@@ -211,7 +213,7 @@ def _consumer(out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_
         fence_async_shared()
         if not PINGPONG:
             row += WG * WG_M
-        tma.async_copy_shared_to_global(out_desc, [row, col], out_smem)
+        tma_store(out_desc, [row, col], out_smem)
     tma.store_wait(pendings=0)
 
 
