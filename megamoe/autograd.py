@@ -30,21 +30,22 @@ class CapacityOverflowError(RuntimeError):
     """Routing sent more (token, slot) pairs to a rank than MoEConfig.capacity_factor allows."""
 
 
-def _load_backends() -> dict:
-    """The backends importable here: torch always, triton when Triton is installed."""
+def _load_backends() -> tuple[dict, str]:
+    """(the backends importable here: torch always, triton when a recent enough Triton is installed; why
+    triton is not, "" when it is)."""
     from megamoe.backends import torch_native
 
     backends = {"torch": torch_native}
     try:
         from megamoe.backends import triton as triton_backend
-    except ImportError:
-        return backends
+    except ImportError as error:
+        return backends, str(error)
     backends["triton"] = triton_backend
-    return backends
+    return backends, ""
 
 
 # Imported once, here, so that backend selection is plain dict lookups that torch.compile can trace.
-BACKENDS = _load_backends()
+BACKENDS, TRITON_UNAVAILABLE = _load_backends()
 
 
 def triton_runs_on(device: torch.device) -> bool:
@@ -60,7 +61,7 @@ def resolve_backend(config: MoEConfig, x: torch.Tensor, group) -> str:
     one_host = _on_one_host(None if group is None else group.group_name, x.device)
     if config.backend != "auto":
         if config.backend not in BACKENDS and config.backend != "reference":
-            raise ValueError(f"MoEConfig.backend={config.backend!r} is not available here (needs Triton)")
+            raise ValueError(f"MoEConfig.backend={config.backend!r} is not available here ({TRITON_UNAVAILABLE})")
         if config.backend == "triton" and not triton_runs_on(x.device):
             # A host-side device query (as "auto" makes), no sync: fail here, not in Triton's driver lookup.
             where = str(x.device)

@@ -44,3 +44,26 @@ def test_importing_the_hf_adapter_registers_megamoe():
         "import megamoe.parallel\n"
         "assert megamoe.parallel._HF_PATCH_ATTR == hf._PATCH_ATTR\n"
     )
+
+
+def test_a_triton_too_old_for_the_kernels_leaves_the_torch_backend_and_says_why():
+    """With a Triton older than the Gluon API the kernels use (3.5's Gluon lacks SharedLinearLayout, so the
+    kernel modules fail while imported), `import megamoe` still works, "auto" has the torch backend, and
+    backend="triton" is a ValueError naming the versions (here a 3.6 install reporting "3.5.1")."""
+    pytest.importorskip("triton")
+    _run(
+        "import triton\n"
+        "triton.__version__ = '3.5.1'\n"
+        "import torch, megamoe\n"
+        "assert sorted(megamoe.autograd.BACKENDS) == ['torch'], megamoe.autograd.BACKENDS\n"
+        "x = torch.randn(4, 8)\n"
+        "w_gu, w_d = torch.randn(2, 6, 8), torch.randn(2, 8, 3)\n"
+        "ids, w = torch.tensor([[0], [1], [0], [1]]), torch.ones(4, 1)\n"
+        "assert megamoe.experts(x, ids, w, w_gu, w_d).shape == (4, 8)\n"
+        "try:\n"
+        "    megamoe.experts(x, ids, w, w_gu, w_d, config=megamoe.MoEConfig(backend='triton'))\n"
+        "except ValueError as e:\n"
+        "    assert 'triton >= 3.6' in str(e) and '3.5.1' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('backend=triton ran on a Triton reported as 3.5.1')\n"
+    )

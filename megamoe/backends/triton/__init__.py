@@ -7,10 +7,21 @@ tiles (kernels/ep_fused.py; the slot sums are the one-GPU kernels), and the rout
 exchange that build_schedule uses (`routing_exchange`).
 """
 
-from megamoe.backends.triton import ep, experts
-from megamoe.backends.triton.configs import block_m_for
-from megamoe.backends.triton.ep import routing_exchange
-from megamoe.backends.triton.kernels.schedule import place_routing
+import re
+
+import triton
+
+# The oldest Triton whose Gluon API the Hopper kernels use (SharedLinearLayout, warp_specialize's form); older
+# ones fail while the kernels' modules are imported, so the backend reports it here as an ImportError.
+MIN_TRITON = (3, 6)
+if tuple(int(n) for n in re.findall(r"\d+", triton.__version__)[:2]) < MIN_TRITON:
+    raise ImportError(f"megamoe's Triton backend needs triton >= {'.'.join(map(str, MIN_TRITON))}, "
+                      f"found triton {triton.__version__}")
+
+from megamoe.backends.triton import ep, experts  # noqa: E402
+from megamoe.backends.triton.configs import block_m_for  # noqa: E402
+from megamoe.backends.triton.ep import routing_exchange  # noqa: E402
+from megamoe.backends.triton.kernels.schedule import place_routing  # noqa: E402
 
 
 def _path(schedule):
