@@ -102,8 +102,7 @@ class _Watchdog:
 
 def _gemm_fns(gemm: str):
     """(production launcher, Gluon launcher) of one weight gradient."""
-    return {"dw_down": (kernels.dw_down, gluon_dw.dw_down_gluon),
-            "dw_gate_up": (kernels.dw_gate_up, gluon_dw.dw_gate_up_gluon)}[gemm]
+    return {"dw_down": kernels.dw_down, "dw_gate_up": kernels.dw_gate_up}[gemm], gluon_dw.dw_gluon
 
 
 def _args(gemm: str, p: dict) -> tuple:

@@ -437,17 +437,3 @@ def launch_dw(a_RM: torch.Tensor, b_RN: torch.Tensor, dw_EMN: torch.Tensor, expe
     dw_gluon(a_RM, b_RN, expert_offsets, dw_EMN.shape[0], ConsumerTile.of(config), out=dw_EMN, gather_b=gather_b,
              row_src=row_src)
 
-
-def dw_down_gluon(d_y_rows_RH: torch.Tensor, h_RI: torch.Tensor, expert_offsets: torch.Tensor, num_experts: int,
-                  cfg: ConsumerTile = CONFIGS[DEFAULT_CONFIG], out: torch.Tensor | None = None) -> torch.Tensor:
-    """d_w_down [E_l, H, I] = d_y_rows^T h per expert (weight_grad.dw_down)."""
-    return dw_gluon(d_y_rows_RH, h_RI, expert_offsets, num_experts, cfg, out)
-
-
-def dw_gate_up_gluon(d_gate_up_R2I: torch.Tensor, x_rows_RH: torch.Tensor, expert_offsets: torch.Tensor,
-                     num_experts: int, cfg: ConsumerTile = CONFIGS[DEFAULT_CONFIG],
-                     out: torch.Tensor | None = None, gather: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
-    """d_w_gate_up [E_l, 2I, H] = d_gate_up^T x_rows per expert (weight_grad.dw_gate_up); with gather =
-    (row_src, top_k), x_rows is the tokens x [T, H], gathered in the loads."""
-    check(d_gate_up_R2I.shape[1] % 2 == 0, f"d_gate_up must have 2I columns, got {d_gate_up_R2I.shape[1]}")
-    return dw_gluon(d_gate_up_R2I, x_rows_RH, expert_offsets, num_experts, cfg, out, gather_b=gather)
