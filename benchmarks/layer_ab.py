@@ -10,8 +10,6 @@ Variants (each a change to the tile choice that every run reads through the publ
   gather-s3 the gathering gate_up_fwd with 3 stages and two staging buffers per consumer (the table: 4 and 1)
   no-skip   the Gluon weight grads without the schedule's row_src: an expert's last row step computed even where
             it holds padding rows only (the default skips it)
-  wide-tail the Gluon row GEMMs' and weight grads' last column tile as wide as the others (ConsumerTile.tail_n
-            0; the default narrows it where N % BLOCK_N fills at most half a tile, e.g. H = 2880)
   group_m:N every GEMM's tiles swept N row blocks per column block (the table: 8)
   GEMM.group_m:N  the same for one GEMM of the table (e.g. down_dgrad.group_m:4)
 """
@@ -19,13 +17,11 @@ import dataclasses, functools, json, statistics, sys, torch, megamoe
 from megamoe.backends.triton import configs
 from megamoe.backends.triton import experts as te
 from megamoe.backends.triton import kernels
-from megamoe.backends.triton.kernels.gluon_common import ConsumerTile
 from megamoe.bench.problem import make_weights, make_tokens, forward_backward
 from megamoe.bench.workloads import WORKLOADS, layer_flops
 
 SHIPPED = (te.tma_kernel_configs, configs._GATHER_X_MAX_H)
 SHIPPED_DW = {name: getattr(kernels, name) for name in ("dw_down", "dw_gate_up")}  # given row_src by experts_bwd
-SHIPPED_TAIL_N = ConsumerTile.tail_n
 
 
 def without_row_src(fn):
@@ -56,7 +52,6 @@ def with_group_m(group_m: int, gemm: str | None):
 
 def select(variant: str) -> None:
     te.tma_kernel_configs, configs._GATHER_X_MAX_H = SHIPPED
-    ConsumerTile.tail_n = SHIPPED_TAIL_N
     for name, fn in SHIPPED_DW.items():
         setattr(kernels, name, fn)
     if variant == "pointer":
@@ -68,13 +63,11 @@ def select(variant: str) -> None:
     elif variant == "no-skip":
         for name, fn in SHIPPED_DW.items():
             setattr(kernels, name, without_row_src(fn))
-    elif variant == "wide-tail":
-        ConsumerTile.tail_n = lambda self, n: 0
     elif "group_m:" in variant:
         gemm, _, n = variant.rpartition("group_m:")
         te.tma_kernel_configs = with_group_m(int(n), gemm.removesuffix(".") or None)
     elif variant != "default":
-        raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, gather-s3, no-skip, wide-tail, group_m:N or "
+        raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, gather-s3, no-skip, group_m:N or "
                          "GEMM.group_m:N")
 
 

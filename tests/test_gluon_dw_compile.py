@@ -61,15 +61,15 @@ T = 256  # tokens of the gathered operand (R / top_k)
 WGMMA_RE = r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+, (%p\d+), (\d), (\d), (\d), (\d);"
 
 
-def _compile_gluon(cfg, gather: bool = False, skip_padding: bool = True, n: int = N):
-    """gather: the producer gathers b (its descriptor over the tokens [T, n], as the launcher builds it);
+def _compile_gluon(cfg, gather: bool = False, skip_padding: bool = True):
+    """gather: the producer gathers b (its descriptor over the tokens [T, N], as the launcher builds it);
     skip_padding: an expert's last row step of padding skipped (what the one-GPU path runs)."""
     a = torch.empty(R, M, dtype=torch.bfloat16)
-    b = torch.empty(T if gather else R, n, dtype=torch.bfloat16)
-    dw = torch.empty(E, M, n, dtype=torch.bfloat16)
+    b = torch.empty(T if gather else R, N, dtype=torch.bfloat16)
+    dw = torch.empty(E, M, N, dtype=torch.bfloat16)
     descs = dict(zip(("a_desc", "b_desc", "dw_desc"), G.descriptors(a, b, dw, cfg)))
     fn = G.dw_ws_kernel
-    consts = G.constexprs(cfg, n, gather, skip_padding)
+    consts = G.constexprs(cfg, gather, skip_padding)
     signature = kernel_signature(fn, consts, {name: mangle_type(d) for name, d in descs.items()}, _arg_type)
     return compile_gluon(fn, signature, consts, divisible_by_16(fn, pointers(fn)))
 
@@ -159,26 +159,6 @@ def test_gluon_dw_kernel_sm90a(name):
     # No spills, nothing serialised, shared memory within the SM.
     assert_no_spills_or_serialisation(name, r)
     assert cfg.smem_bytes() <= meta.shared <= SMEM_LIMIT, f"{name}: shared {meta.shared} B (ring + epilogue {cfg.smem_bytes()})"
-
-
-@pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathering"])
-def test_narrow_last_column_tile(gather):
-    """N = 2880 (gpt-oss-120b's H: 11 x 256 + 64): the coop tile also carries a loop of m64n64k16 wgmma for
-    the last column tile (ConsumerTile.tail_n), in the same form, its B operand a 64-wide part of the slot's
-    tile; still no spills or serialised wgmma."""
-    cfg = G.CONFIGS["coop"]
-    assert cfg.tail_n(2880) == 64 and cfg.tail_n(N) == 0
-    name = f"coop/N=2880/{'gathering' if gather else 'rows'}"
-    r = warp_specialized_report(_compile_gluon(cfg, gather=gather, n=2880))
-    forms = _wgmma_forms(r["ptx"])
-    per_step = _wgmma_per_step(cfg)
-    for width in (cfg.block_n, 64):
-        assert forms.count((f"m64n{width}k16", True, "1", "1", "1", "1")) == per_step, f"{name}: wgmma forms {forms}"
-    assert len(forms) == 2 * per_step, f"{name}: wgmma forms {forms}"
-    assert count(r"HGMMA\.64x64x16\.F32\.BF16", r["sass"]) == per_step, f"{name}: HGMMA 64x64 in the SASS"
-    assert 1 in r["wait_groups"], f"{name}: wgmma not kept in flight across row steps ({r['wait_groups']})"
-    assert_register_split(name, r, cfg.producer_regs, cfg.consumer_regs)
-    assert_no_spills_or_serialisation(name, r)
 
 
 def _inner_loop_bounds_per_tile(ttgir: str) -> list[bool]:

@@ -83,16 +83,6 @@ class ConsumerTile:
         """Warps the kernel runs with: the consumers' warpgroups + the producer's (rounded up to a warpgroup)."""
         return 4 * NUM_CONSUMERS + 4
 
-    def tail_n(self, n: int) -> int:
-        """The wgmma width of the last column tile of an n-column output where n % block_n fills at most half
-        a tile: the power of two covering it, at least 64 (one 128-byte swizzle span of 16-bit elements, so
-        the narrower operand and output are whole spans of the tile's shared memory); 0 otherwise (the last
-        tile as wide as the others). At gpt-oss-120b's H = 2880 (11 x 256 + 64) the last of 12 column tiles
-        multiplies 64 columns instead of 256, three quarters of them TMA's zero fill."""
-        rem = n % self.block_n
-        width = max(64, 1 << (rem - 1).bit_length()) if rem else 0
-        return width if width <= self.block_n // 2 else 0
-
     def smem_bytes(self, elem: int = 2) -> int:
         """Operand ring + the consumers' epilogue buffers (without the barriers)."""
         ring = self.stages * (self.block_m + self.block_n) * self.block_k * elem

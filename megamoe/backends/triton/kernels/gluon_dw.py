@@ -231,66 +231,18 @@ def _producer_gather(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, exp
 
 
 @gluon.jit
-def _tile(dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_smem, expert, pid_m, pid_n, c, turn, k_steps,
-          WG: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr, GATHER: gl.constexpr,
-          WIDTH: gl.constexpr):
-    """One tile of consumer warpgroup WG (_consumer): its row steps of wgmma WIDTH columns wide (the tile's
-    BLOCK_N, or the narrow last column tile's TAIL_N) and its TMA-store epilogue. Returns (c, turn)."""
-    BLOCK_N: gl.constexpr = b_bufs.shape[2]
+def _consumer(dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_smem, expert_offsets_ptr, row_src_ptr,
+              num_experts, M, N, WG: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, GATHER: gl.constexpr, SKIP_PADDING: gl.constexpr):
+    """One warpgroup (4 warps): async wgmma over the slots of its tiles, then the TMA-store epilogue.
+    PINGPONG: whole tiles, the CTA's local tiles WG, WG + 2, ...; else output rows [WG * 64, WG * 64 + 64)
+    of every tile."""
+    BLOCK_K: gl.constexpr = a_bufs.shape[1]
     STAGES: gl.constexpr = a_bufs.shape[0]
     WG_M: gl.constexpr = BLOCK_M if PINGPONG else BLOCK_M // 2
     ROW_IN_TILE: gl.constexpr = 0 if PINGPONG else WG * WG_M  # the tile's first output row of this warpgroup
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, WIDTH, 16])
-    if PINGPONG:
-        # Wait until the other warpgroup has waited for every slot of the tile before this one
-        # (warpgroup 0's first tile: parity 1 on a fresh barrier, no wait).
-        mbarrier.wait(order_bars.index(WG), (turn & 1) ^ (1 - WG))
-    acc = gl.zeros([WG_M, WIDTH], gl.float32, acc_layout)
-    for ki in range(k_steps):
-        s = c % STAGES
-        mbarrier.wait(ready_bars.index(s), (c // STAGES) & 1)
-        if GATHER:
-            # The gathered tile was written by cp.async (generic proxy); wgmma reads through the async proxy.
-            fence_async_shared()
-        a = a_bufs.index(s)  # [BLOCK_K, BLOCK_M], M contiguous
-        if not PINGPONG:
-            a = a.slice(ROW_IN_TILE, WG_M, dim=1)
-        b = b_bufs.index(s)  # [BLOCK_K, BLOCK_N], N contiguous
-        if WIDTH < BLOCK_N:
-            b = b.slice(0, WIDTH, dim=1)
-        acc = warpgroup_mma(a.permute((1, 0)), b, acc, is_async=True)
-        # The wgmma of step c - 1 has retired: its slot goes back to the producer.
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-        mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=ki > 0)
-        c += 1
-    if PINGPONG:
-        mbarrier.arrive(order_bars.index(1 - WG))  # the other warpgroup's main loop may start
-        turn += 1
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=k_steps > 0)
-    out = acc.to(dw_desc.dtype)
-    tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
-    if WIDTH < BLOCK_N:
-        # The box's other columns hold stale values; they lie past N, where the TMA store clips.
-        c_smem.reshape([WG_M, BLOCK_N]).slice(0, WIDTH, dim=1).store(out)
-    else:
-        c_smem.reshape([WG_M, BLOCK_N]).store(out)
-    fence_async_shared()
-    tma_store(dw_desc, [expert, pid_m * BLOCK_M + ROW_IN_TILE, pid_n * BLOCK_N], c_smem)
-    return c, turn
-
-
-@gluon.jit
-def _consumer(dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_smem, expert_offsets_ptr, row_src_ptr,
-              num_experts, M, N, WG: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, GATHER: gl.constexpr, SKIP_PADDING: gl.constexpr,
-              TAIL_N: gl.constexpr):
-    """One warpgroup (4 warps): async wgmma over the slots of its tiles, then the TMA-store epilogue.
-    PINGPONG: whole tiles, the CTA's local tiles WG, WG + 2, ...; else output rows [WG * 64, WG * 64 + 64)
-    of every tile. TAIL_N > 0: the last column tile (N % BLOCK_N <= TAIL_N columns) runs wgmma TAIL_N
-    columns wide."""
-    BLOCK_K: gl.constexpr = a_bufs.shape[1]
+                                                         instr_shape=[16, BLOCK_N, 16])
     num_m = gl.cdiv(M, BLOCK_M)
     num_n = gl.cdiv(N, BLOCK_N)
     pid = gl.program_id(0)
@@ -318,25 +270,41 @@ def _consumer(dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_sme
                 other_expert, _, _ = _tile_of(other, num_m, num_n, GROUP_M)
                 _, other_steps = _expert_rows(expert_offsets_ptr, row_src_ptr, other_expert, BLOCK_K, SKIP_PADDING)
                 c += other_steps
-        width: gl.constexpr = BLOCK_N
-        if TAIL_N > 0:
-            if (pid_n + 1) * BLOCK_N > N:
-                c, turn = _tile(dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_smem, expert, pid_m,
-                                pid_n, c, turn, k_steps, WG, PINGPONG, BLOCK_M, GATHER, TAIL_N)
-            else:
-                c, turn = _tile(dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_smem, expert, pid_m,
-                                pid_n, c, turn, k_steps, WG, PINGPONG, BLOCK_M, GATHER, width)
-        else:
-            c, turn = _tile(dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_smem, expert, pid_m, pid_n,
-                            c, turn, k_steps, WG, PINGPONG, BLOCK_M, GATHER, width)
+            # Wait until the other warpgroup has waited for every slot of the tile before this one
+            # (warpgroup 0's first tile: parity 1 on a fresh barrier, no wait).
+            mbarrier.wait(order_bars.index(WG), (turn & 1) ^ (1 - WG))
+        acc = gl.zeros([WG_M, BLOCK_N], gl.float32, acc_layout)
+        for ki in range(k_steps):
+            s = c % STAGES
+            mbarrier.wait(ready_bars.index(s), (c // STAGES) & 1)
+            if GATHER:
+                # The gathered tile was written by cp.async (generic proxy); wgmma reads through the async proxy.
+                fence_async_shared()
+            a = a_bufs.index(s)  # [BLOCK_K, BLOCK_M], M contiguous
+            if not PINGPONG:
+                a = a.slice(ROW_IN_TILE, WG_M, dim=1)
+            acc = warpgroup_mma(a.permute((1, 0)), b_bufs.index(s), acc, is_async=True)
+            # The wgmma of step c - 1 has retired: its slot goes back to the producer.
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=ki > 0)
+            c += 1
+        if PINGPONG:
+            mbarrier.arrive(order_bars.index(1 - WG))  # the other warpgroup's main loop may start
+            turn += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=k_steps > 0)
+        out = acc.to(dw_desc.dtype)
+        tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
+        c_smem.reshape([WG_M, BLOCK_N]).store(out)
+        fence_async_shared()
+        tma_store(dw_desc, [expert, pid_m * BLOCK_M + ROW_IN_TILE, pid_n * BLOCK_N], c_smem)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def dw_ws_kernel(a_desc, b_desc, dw_desc, expert_offsets_ptr, row_src_ptr, num_experts, src_ptr, top_k,
                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, GATHER: gl.constexpr,
-                 SKIP_PADDING: gl.constexpr, TAIL_N: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                 CONSUMER_REGS: gl.constexpr):
+                 SKIP_PADDING: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """dw[e] = a[rows of e]^T b[rows of e] for every expert e < num_experts, one tile per output element.
     a_desc: [R, M] block [BLOCK_K, BLOCK_M]; b_desc: [R, N] block [BLOCK_K, BLOCK_N]; dw_desc: [E, M, N]
     block [1, BLOCK_M (pingpong) or BLOCK_M / 2 (coop), BLOCK_N]. row_src_ptr: int32 [R], the schedule's
@@ -371,10 +339,10 @@ def dw_ws_kernel(a_desc, b_desc, dw_desc, expert_offsets_ptr, row_src_ptr, num_e
         gl.warp_specialize([
             (_consumer, (dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_bufs.index(0),
                          expert_offsets_ptr, row_src_ptr, num_experts, M, N, 0, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M,
-                         GATHER, SKIP_PADDING, TAIL_N)),
+                         GATHER, SKIP_PADDING)),
             (_consumer, (dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_bufs.index(1),
                          expert_offsets_ptr, row_src_ptr, num_experts, M, N, 1, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M,
-                         GATHER, SKIP_PADDING, TAIL_N)),
+                         GATHER, SKIP_PADDING)),
             (_producer_gather, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_offsets_ptr,
                                 row_src_ptr, num_experts, src_ptr, top_k, BLOCK_M, BLOCK_N, GROUP_M, SKIP_PADDING)),
         ], [4, _GATHER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
@@ -382,10 +350,10 @@ def dw_ws_kernel(a_desc, b_desc, dw_desc, expert_offsets_ptr, row_src_ptr, num_e
         gl.warp_specialize([
             (_consumer, (dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_bufs.index(0),
                          expert_offsets_ptr, row_src_ptr, num_experts, M, N, 0, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M,
-                         GATHER, SKIP_PADDING, TAIL_N)),
+                         GATHER, SKIP_PADDING)),
             (_consumer, (dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_bufs.index(1),
                          expert_offsets_ptr, row_src_ptr, num_experts, M, N, 1, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M,
-                         GATHER, SKIP_PADDING, TAIL_N)),
+                         GATHER, SKIP_PADDING)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_offsets_ptr, row_src_ptr,
                          num_experts, BLOCK_M, BLOCK_N, GROUP_M, SKIP_PADDING)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -404,13 +372,11 @@ CONFIGS = {
 DEFAULT_CONFIG = "coop"
 
 
-def constexprs(cfg: ConsumerTile, n: int, gather: bool = False, skip_padding: bool = False) -> dict:
-    """The kernel's constexpr arguments for a tile and an output of n columns (the launcher and
-    tests/test_gluon_dw_compile.py share them); gather: b gathered in the loads; skip_padding: row steps of
-    padding only are skipped (row_src read)."""
+def constexprs(cfg: ConsumerTile, gather: bool = False, skip_padding: bool = False) -> dict:
+    """The kernel's constexpr arguments for a tile (the launcher and tests/test_gluon_dw_compile.py share them);
+    gather: b gathered in the loads; skip_padding: row steps of padding only are skipped (row_src read)."""
     return dict(GROUP_M=cfg.group_m, STAGES=cfg.stages, PINGPONG=cfg.pingpong, GATHER=gather,
-                SKIP_PADDING=skip_padding, TAIL_N=cfg.tail_n(n), PRODUCER_REGS=cfg.producer_regs,
-                CONSUMER_REGS=cfg.consumer_regs)
+                SKIP_PADDING=skip_padding, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
 
 
 def descriptors(a_RM: torch.Tensor, b_RN: torch.Tensor, dw_EMN: torch.Tensor, cfg: ConsumerTile) -> tuple:
@@ -459,7 +425,7 @@ def dw_gluon(a_RM: torch.Tensor, b_RN: torch.Tensor, expert_offsets: torch.Tenso
     max_tiles = num_experts * triton.cdiv(m_dim, cfg.block_m) * triton.cdiv(n_dim, cfg.block_n)
     kernel = dw_ws_kernel[persistent_grid(a_RM.device, max_tiles)](
         *descriptors(a_RM, b_RN, out, cfg), expert_offsets, row_src, num_experts, b_RN, top_k,
-        **constexprs(cfg, n_dim, gather_b is not None, skip_padding), num_warps=4)
+        **constexprs(cfg, gather_b is not None, skip_padding), num_warps=4)
     return (out, kernel) if return_kernel else out
 
 

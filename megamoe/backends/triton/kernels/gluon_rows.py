@@ -150,72 +150,19 @@ def _producer(a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, block_expe
 
 
 @gluon.jit
-def _tile(out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_smem, row, col, c, turn, k_steps,
-          WG: gl.constexpr, PINGPONG: gl.constexpr, W_NK: gl.constexpr, WIDTH: gl.constexpr):
-    """One tile of consumer warpgroup WG (_consumer): its K loop of wgmma WIDTH columns wide (the tile's
-    BLOCK_N, or the narrow last column tile's TAIL_N) and its TMA-store epilogue. Returns (c, turn)."""
+def _consumer(out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_smem, block_range_ptr, N, K,
+              WG: gl.constexpr, PINGPONG: gl.constexpr, W_NK: gl.constexpr, SPLIT: gl.constexpr,
+              GROUP_M: gl.constexpr):
+    """Consumer warpgroup WG (0 or 1): async wgmma over the slots of its tiles, then the TMA-store epilogue.
+    PINGPONG: whole tiles, the CTA's local tiles WG, WG + 2, ..., main loops in turn with the other
+    warpgroup (order_bars); else rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of every tile."""
+    BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
     BLOCK_N: gl.constexpr = out_smem.shape[1]
     STAGES: gl.constexpr = a_bufs.shape[0]
     WG_M: gl.constexpr = out_smem.shape[0]  # this warpgroup's rows of a tile
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, WIDTH, 16])
-    if PINGPONG:
-        # Turn `turn` of this warpgroup = phase `turn` (warpgroup 1) or `turn - 1` (warpgroup 0, whose
-        # turn 0 passes on the fresh barrier) of order[WG], completed when the other warpgroup has
-        # issued its previous tile's K loop.
-        mbarrier.wait(order_bars.index(WG), (turn & 1) ^ (1 - WG))
-    acc = gl.zeros([WG_M, WIDTH], gl.float32, acc_layout)
-    for ki in range(k_steps):
-        s = c % STAGES
-        mbarrier.wait(ready_bars.index(s), (c // STAGES) & 1)
-        a = a_bufs.index(s)
-        if not PINGPONG:
-            a = a.slice(WG * WG_M, WG_M)
-        if W_NK:
-            b = w_bufs.index(s).reshape([BLOCK_N, BLOCK_K])
-            if WIDTH < BLOCK_N:
-                b = b.slice(0, WIDTH)
-            b = b.permute((1, 0))
-        else:
-            b = w_bufs.index(s).reshape([BLOCK_K, BLOCK_N])
-            if WIDTH < BLOCK_N:
-                b = b.slice(0, WIDTH, dim=1)
-        acc = warpgroup_mma(a, b, acc, is_async=True)
-        # The wgmma group of step c - 1 has retired: its slot goes back to the producer.
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-        mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=ki > 0)
-        c += 1
-    if PINGPONG:
-        mbarrier.arrive(order_bars.index(1 - WG))  # the whole K loop is issued: the other's turn
-        turn += 1
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES))
-    out = acc.to(out_desc.dtype)
-    tma.store_wait(pendings=0)  # the previous tile's store has read out_smem
-    if WIDTH < BLOCK_N:
-        # The box's other columns hold stale values; they lie past N, where the TMA store clips.
-        out_smem.slice(0, WIDTH, dim=1).store(out)
-    else:
-        out_smem.store(out)
-    fence_async_shared()
-    if not PINGPONG:
-        row += WG * WG_M
-    tma_store(out_desc, [row, col], out_smem)
-    return c, turn
-
-
-@gluon.jit
-def _consumer(out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_smem, block_range_ptr, N, K,
-              WG: gl.constexpr, PINGPONG: gl.constexpr, W_NK: gl.constexpr, SPLIT: gl.constexpr,
-              GROUP_M: gl.constexpr, TAIL_N: gl.constexpr):
-    """Consumer warpgroup WG (0 or 1): async wgmma over the slots of its tiles, then the TMA-store epilogue.
-    PINGPONG: whole tiles, the CTA's local tiles WG, WG + 2, ..., main loops in turn with the other
-    warpgroup (order_bars); else rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of every tile.
-    TAIL_N > 0: the last column tile (N % BLOCK_N <= TAIL_N columns) runs wgmma TAIL_N columns wide."""
-    BLOCK_M: gl.constexpr = a_bufs.shape[1]
-    BLOCK_K: gl.constexpr = a_bufs.shape[2]
-    BLOCK_N: gl.constexpr = out_smem.shape[1]
+                                                         instr_shape=[16, BLOCK_N, 16])
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
     num_n = gl.cdiv(N, BLOCK_N)
@@ -233,26 +180,47 @@ def _consumer(out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_
     turn = 0  # PINGPONG: tiles of this warpgroup so far
     for tile in range(first, num_m * num_n, stride):
         row, col, _ = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
-        width: gl.constexpr = BLOCK_N
-        if TAIL_N > 0:
-            if col + BLOCK_N > N:
-                c, turn = _tile(out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_smem, row, col, c,
-                                turn, k_steps, WG, PINGPONG, W_NK, TAIL_N)
+        if PINGPONG:
+            # Turn `turn` of this warpgroup = phase `turn` (warpgroup 1) or `turn - 1` (warpgroup 0, whose
+            # turn 0 passes on the fresh barrier) of order[WG], completed when the other warpgroup has
+            # issued its previous tile's K loop.
+            mbarrier.wait(order_bars.index(WG), (turn & 1) ^ (1 - WG))
+        acc = gl.zeros([WG_M, BLOCK_N], gl.float32, acc_layout)
+        for ki in range(k_steps):
+            s = c % STAGES
+            mbarrier.wait(ready_bars.index(s), (c // STAGES) & 1)
+            a = a_bufs.index(s)
+            if not PINGPONG:
+                a = a.slice(WG * WG_M, WG_M)
+            if W_NK:
+                b = w_bufs.index(s).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
             else:
-                c, turn = _tile(out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_smem, row, col, c,
-                                turn, k_steps, WG, PINGPONG, W_NK, width)
-        else:
-            c, turn = _tile(out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_smem, row, col, c,
-                            turn, k_steps, WG, PINGPONG, W_NK, width)
+                b = w_bufs.index(s).reshape([BLOCK_K, BLOCK_N])
+            acc = warpgroup_mma(a, b, acc, is_async=True)
+            # The wgmma group of step c - 1 has retired: its slot goes back to the producer.
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=ki > 0)
+            c += 1
+        if PINGPONG:
+            mbarrier.arrive(order_bars.index(1 - WG))  # the whole K loop is issued: the other's turn
+            turn += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES))
         c += skip
+        out = acc.to(out_desc.dtype)
+        tma.store_wait(pendings=0)  # the previous tile's store has read out_smem
+        out_smem.store(out)
+        fence_async_shared()
+        if not PINGPONG:
+            row += WG * WG_M
+        tma_store(out_desc, [row, col], out_smem)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def row_gemm_ws_kernel(a_desc, w_desc, out_desc, block_expert_ptr, block_range_ptr,
                        W_NK: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                       PINGPONG: gl.constexpr, TAIL_N: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr):
+                       PINGPONG: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """out_rows[r, n] = a_rows[r] . w[e][:, n] over K for the row blocks of the range (module docstring).
 
     a_desc: a [R, K], block [BLOCK_M, BLOCK_K]; w_desc: w [E_l, N, K] block [1, BLOCK_N, BLOCK_K] (W_NK)
@@ -279,9 +247,9 @@ def row_gemm_ws_kernel(a_desc, w_desc, out_desc, block_expert_ptr, block_range_p
     K = a_desc.shape[1]
     gl.warp_specialize([
         (_consumer, (out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_bufs.index(0),
-                     block_range_ptr, N, K, 0, PINGPONG, W_NK, SPLIT, GROUP_M, TAIL_N)),
+                     block_range_ptr, N, K, 0, PINGPONG, W_NK, SPLIT, GROUP_M)),
         (_consumer, (out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_bufs.index(1),
-                     block_range_ptr, N, K, 1, PINGPONG, W_NK, SPLIT, GROUP_M, TAIL_N)),
+                     block_range_ptr, N, K, 1, PINGPONG, W_NK, SPLIT, GROUP_M)),
         (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr, N, K,
                      W_NK, SPLIT, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -291,11 +259,10 @@ def row_gemm_ws_kernel(a_desc, w_desc, out_desc, block_expert_ptr, block_range_p
 # Tiles and the host launchers
 
 
-def constexprs(tile: ConsumerTile, w_nk: bool, split: int, n: int) -> dict:
-    """The kernel's constexpr arguments for an output of n columns (the launcher and the compile tests share
-    them)."""
+def constexprs(tile: ConsumerTile, w_nk: bool, split: int) -> dict:
+    """The kernel's constexpr arguments (the launcher and the compile tests share them)."""
     return dict(W_NK=w_nk, SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages, PINGPONG=tile.pingpong,
-                TAIL_N=tile.tail_n(n), PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs)
+                PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs)
 
 
 # The tiles the benchmark compares (benchmarks/gluon_rows_bench.py). Accumulators: 128 fp32 registers per
@@ -334,8 +301,7 @@ def _launch(a_RK, w, out_RN, w_nk, block_expert, blocks, tile):
     split, block_range = check_rows(a_RK.shape[0], block_expert, blocks, tile.block_m)
     max_tiles = a_RK.shape[0] // tile.block_m * triton.cdiv(out_RN.shape[1], tile.block_n)
     row_gemm_ws_kernel[persistent_grid(device, max_tiles)](
-        *descriptors(a_RK, w, out_RN, w_nk, tile), block_expert, block_range,
-        **constexprs(tile, w_nk, split, out_RN.shape[1]),
+        *descriptors(a_RK, w, out_RN, w_nk, tile), block_expert, block_range, **constexprs(tile, w_nk, split),
         num_warps=4,
     )
     return out_RN
