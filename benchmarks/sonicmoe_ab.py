@@ -129,6 +129,10 @@ parser.add_argument("json_path")
 parser.add_argument("--routing", default="balanced,skewed")
 parser.add_argument("--sonic", default="fixed-k", help=f"SonicMoE entry points, comma-separated: {', '.join(SONIC_PATHS)}")
 args = parser.parse_args()
+if unknown := set(args.sonic.split(",")) - set(SONIC_PATHS):
+    parser.error(f"--sonic: unknown entry points {sorted(unknown)}; allowed: {', '.join(SONIC_PATHS)}")
+if unknown := set(args.workloads.split(",")) - set(WORKLOADS):
+    parser.error(f"unknown workloads {sorted(unknown)}; allowed: {', '.join(WORKLOADS)}")
 out = []
 for name in args.workloads.split(","):
     if WORKLOADS[name].shared_intermediate:
