@@ -16,6 +16,10 @@ shared expert: workloads with one are skipped, not timed without it.
 
 Usage: python benchmarks/sonicmoe_ab.py WORKLOAD[,WORKLOAD...] OUT.json [--routing balanced,skewed]
        [--sonic fixed-k,general]   (an sm_90 GPU; sonicmoe, quack and cutlass importable)
+Set-up: `pip install nvidia-cutlass-dsl==4.2.1` (its `cutlass` package lives in nvidia_cutlass_dsl/python_packages,
+which a .pth file adds to the path; with `pip install --target DIR` put DIR/nvidia_cutlass_dsl/python_packages on
+PYTHONPATH yourself), and sonic-moe's `sonicmoe/` (8565e84) and quack's `quack/` (3d0ab3ec) on PYTHONPATH
+(`git archive` of each). SonicMoE builds a small CUDA extension (count_cumsum) with nvcc on first use.
 """
 import argparse, functools, json, statistics, torch, megamoe
 from megamoe.bench.problem import Tokens, forward_backward, make_tokens, make_weights
