@@ -1,7 +1,8 @@
-"""fwd+bwd of megamoe's fused path and of SonicMoE side by side: one process, one GPU, the same weights, tokens
-and routing, the paths alternating (order rotated every round) over 4 rounds of 10 iterations after 3 untimed
-ones; median per path and its peak memory above the inputs. Before timing, each SonicMoE path's output and
-four gradients (d_x, d_topk_weights, d_w_gate_up, d_w_down) are compared with megamoe's.
+"""megamoe, SonicMoE and the TorchTitan-style path side by side: one process, one device, the same weights,
+tokens and routing, the paths alternating (order rotated every round) over ROUNDS rounds of ITERS iterations
+after 3 untimed ones; median per path, and on GPUs its peak memory above the inputs. Before timing, each other
+path's output (and, for fwd+bwd, its four gradients d_x, d_topk_weights, d_w_gate_up, d_w_down) is compared with
+megamoe's.
 
 SonicMoE (Dao-AILab/sonic-moe at 8565e84: CuTe DSL kernels, with quack at 3d0ab3ec, the commit its requirements
 pin, and nvidia-cutlass-dsl 4.2.1; no quack-kernels release on PyPI has the modules it imports) computes the
@@ -10,30 +11,36 @@ the weighted sum over a token's k experts. Two entry points (--sonic):
   fixed-k  its top-k layer (moe_TC_softmax_topk_layer) after the router: count_cumsum, TC_topk_router_metadata,
            _UpProjection, _DownProjection with fixed k, on the given top-k ids and scores (the default)
   general  moe_general_routing_inputs on the flattened (token, expert, score) triples
+  none     no SonicMoE (megamoe against the TorchTitan-style path only; runs on a CPU too)
 Its gate/up weight interleaves gate and up rows (row 2j gate j, row 2j + 1 up j); it gets a copy of megamoe's
 w_gate_up in that order, made once before timing (its w_down layout is megamoe's, shared as is). It has no
-shared expert: workloads with one are skipped, not timed without it.
+shared expert: with SonicMoE, workloads with one are skipped, not timed without it. --torchtitan adds the
+TorchTitan-style path (megamoe.bench.baselines, the bench's headline baseline) to the alternation.
 
 Usage: python benchmarks/sonicmoe_ab.py WORKLOAD[,WORKLOAD...] OUT.json [--routing balanced,skewed]
-       [--sonic fixed-k,general]   (an sm_90 GPU; sonicmoe, quack and cutlass importable)
-Set-up: `pip install nvidia-cutlass-dsl==4.2.1` (its `cutlass` package lives in nvidia_cutlass_dsl/python_packages,
-which a .pth file adds to the path; with `pip install --target DIR` put DIR/nvidia_cutlass_dsl/python_packages on
-PYTHONPATH yourself), and sonic-moe's `sonicmoe/` (8565e84) and quack's `quack/` (3d0ab3ec) on PYTHONPATH
-(`git archive` of each). SonicMoE builds a small CUDA extension (count_cumsum) with nvcc on first use.
+       [--sonic fixed-k,general|none] [--torchtitan] [--pass fwd+bwd|fwd] [--backend auto] [--rounds 4] [--iters 10]
+Set-up for SonicMoE (an sm_90 GPU): `pip install nvidia-cutlass-dsl==4.2.1` (its `cutlass` package lives in
+nvidia_cutlass_dsl/python_packages, which a .pth file adds to the path; with `pip install --target DIR` put
+DIR/nvidia_cutlass_dsl/python_packages on PYTHONPATH yourself), and sonic-moe's `sonicmoe/` (8565e84) and
+quack's `quack/` (3d0ab3ec) on PYTHONPATH (`git archive` of each). SonicMoE builds a small CUDA extension
+(count_cumsum) with nvcc on first use.
 """
-import argparse, functools, json, statistics, torch, megamoe
-from megamoe.bench.problem import Tokens, forward_backward, make_tokens, make_weights
+import argparse, functools, json, statistics, time, torch
+from megamoe.bench.gate import experts_fn
+from megamoe.bench.problem import Tokens, forward_TH, forward_backward, make_tokens, make_weights
 from megamoe.bench.workloads import WORKLOADS, layer_flops
-from sonicmoe.count_cumsum import count_cumsum
-from sonicmoe.enums import ActivationType
-from sonicmoe.functional import TC_topk_router_metadata, _DownProjection, _UpProjection, moe_general_routing_inputs
 
-MAX_REL_DIFF = 2e-2  # two bf16 paths with fp32 accumulation in different orders; NaN fails
+MAX_REL_DIFF = 2e-2  # bf16 paths with fp32 accumulation in different orders; NaN fails
+WARMUP = 3
 
 
 def sonic_fixed_k(x, ids, scores, w1, w2):
     """SonicMoE's top-k layer (moe_TC_softmax_topk_layer) after its router: the fixed-k metadata and kernels
     (is_varlen_K False) on the given ids and scores instead of its own softmax top-k."""
+    from sonicmoe.count_cumsum import count_cumsum
+    from sonicmoe.enums import ActivationType
+    from sonicmoe.functional import TC_topk_router_metadata, _DownProjection, _UpProjection
+
     num_tokens, k = ids.shape
     stream = torch.cuda.current_stream().cuda_stream
     ids = ids.to(torch.int32)
@@ -46,6 +53,9 @@ def sonic_fixed_k(x, ids, scores, w1, w2):
 
 def sonic_general(x, ids, scores, w1, w2):
     """SonicMoE's general-routing entry point on the flattened (token, expert, score) triples."""
+    from sonicmoe.enums import ActivationType
+    from sonicmoe.functional import moe_general_routing_inputs
+
     num_tokens, k = ids.shape
     token_indices = torch.arange(num_tokens, device=x.device, dtype=torch.int32).repeat_interleave(k)
     out, _ = moe_general_routing_inputs(x, scores.flatten(), token_indices, ids.flatten().to(torch.int32), w1, None,
@@ -57,11 +67,13 @@ def sonic_general(x, ids, scores, w1, w2):
 SONIC_PATHS = {"fixed-k": sonic_fixed_k, "general": sonic_general}
 
 
-def sonic_forward_backward(path, w_gate_up_interleaved, w_down, tokens: Tokens) -> dict[str, torch.Tensor]:
-    """SonicMoE's output and the gradients of sum(out * d_out), keyed as problem.forward_backward's."""
+def sonic_run(entry: str, backward: bool, w_gate_up_interleaved, w_down, tokens: Tokens) -> dict[str, torch.Tensor]:
+    """SonicMoE's output (and the gradients of sum(out * d_out)), keyed as problem.forward_backward's."""
     x, scores = tokens.x_TH, tokens.topk_weights_TK
-    out = SONIC_PATHS[path](x, tokens.topk_ids_TK, scores, w_gate_up_interleaved.permute(1, 2, 0),
-                            w_down.permute(1, 2, 0))
+    out = SONIC_PATHS[entry](x, tokens.topk_ids_TK, scores, w_gate_up_interleaved.permute(1, 2, 0),
+                             w_down.permute(1, 2, 0))
+    if not backward:
+        return {"out": out.detach()}
     leaves = [x, scores, w_gate_up_interleaved, w_down]
     d_x, d_scores, d_w1, d_w_down = torch.autograd.grad(out, leaves, tokens.d_out_TH)
     num_experts, two_inter, hidden = d_w1.shape
@@ -70,86 +82,133 @@ def sonic_forward_backward(path, w_gate_up_interleaved, w_down, tokens: Tokens) 
             "d_w_down": d_w_down}
 
 
+def bench_run(fn, backward: bool, weights, tokens: Tokens) -> dict[str, torch.Tensor]:
+    """megamoe or a baseline of the bench (an experts fn) on the problem: problem.forward_backward's dict, or
+    {"out"} for the forward alone (run as in training: autograd records it)."""
+    if backward:
+        return forward_backward(fn, weights, tokens)
+    return {"out": forward_TH(fn, weights, tokens).detach()}
+
+
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def run_workload(name: str, routings: list[str], sonic_paths: list[str]) -> list[dict]:
-    """Both paths on one workload, balanced and skewed routing: a record per (routing, path)."""
+def timed_ms(run, tokens: list[Tokens], iters: int, device: torch.device) -> list[float]:
+    """iters calls of run, rotating through tokens: each call's time (CUDA events on GPUs, a wall clock on CPU)."""
+    if device.type != "cuda":
+        times = []
+        for i in range(iters):
+            start = time.perf_counter()
+            run(tokens[i % len(tokens)])
+            times.append((time.perf_counter() - start) * 1e3)
+        return times
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for i, (a, b) in enumerate(events):
+        a.record(); run(tokens[i % len(tokens)]); b.record()
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) for a, b in events]
+
+
+def run_workload(name: str, args, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """The paths on one workload, per routing: a record per (routing, path)."""
     w = WORKLOADS[name]
     E = w.one_gpu_experts or w.num_experts; T = w.tokens_per_gpu
-    dev = torch.device("cuda")
-    weights = make_weights(w, range(E), torch.bfloat16, dev)
-    inter = weights.w_down_EHI.shape[2]
-    w1 = (weights.w_gate_up_E2IH.detach().view(E, 2, inter, w.hidden).transpose(1, 2)
-          .reshape(E, 2 * inter, w.hidden).contiguous().requires_grad_())
-    cfg = megamoe.MoEConfig(backend="triton")
-    paths = {"megamoe": lambda t: forward_backward(megamoe.experts, weights, t, config=cfg),
-             **{f"sonicmoe-{p}": functools.partial(sonic_forward_backward, p, w1, weights.w_down_EHI)
-                for p in sonic_paths}}
+    backward = args.pass_name == "fwd+bwd"
+    weights = make_weights(w, range(E), dtype, device)
+    paths = {"megamoe": functools.partial(bench_run, experts_fn(args.backend), backward, weights)}
+    if args.torchtitan:
+        paths["torchtitan"] = functools.partial(bench_run, experts_fn("torchtitan"), backward, weights)
+    if args.sonic:
+        inter = weights.w_down_EHI.shape[2]
+        w1 = (weights.w_gate_up_E2IH.detach().view(E, 2, inter, w.hidden).transpose(1, 2)
+              .reshape(E, 2 * inter, w.hidden).contiguous().requires_grad_())
+        for entry in args.sonic:
+            paths[f"sonicmoe-{entry}"] = functools.partial(sonic_run, entry, backward, w1, weights.w_down_EHI)
+    on_gpu = device.type == "cuda"
     records = []
-    for routing in routings:
-        g = torch.Generator(device=dev).manual_seed(1)
-        toks = [make_tokens(w, T, E, routing, torch.bfloat16, g) for _ in range(3)]
+    for routing in args.routing:
+        g = torch.Generator(device=device).manual_seed(1)
+        toks = [make_tokens(w, T, E, routing, dtype, g) for _ in range(3)]
         ours = paths["megamoe"](toks[0])
         diffs = {}
-        for p in paths:
+        for p, run in paths.items():
             if p != "megamoe":
-                theirs = paths[p](toks[0])
+                theirs = run(toks[0])
                 diffs[p] = {key: rel_diff(theirs[key], ours[key]) for key in ours}
                 print(f"{name} {routing}: {p} against megamoe, relative difference "
                       + ", ".join(f"{key} {d:.1e}" for key, d in diffs[p].items()), flush=True)
-        agree = all(d <= MAX_REL_DIFF for by_key in diffs.values() for d in by_key.values())
-        del ours, theirs
+                del theirs
+        del ours
         times = {p: [] for p in paths}
         peak = dict.fromkeys(paths, 0)
-        torch.cuda.synchronize()
-        inputs_bytes = torch.cuda.memory_allocated()
+        if on_gpu:
+            torch.cuda.synchronize()
+            inputs_bytes = torch.cuda.memory_allocated()
         order = list(paths)
-        for rnd in range(4):
+        for rnd in range(args.rounds):
             for p in order[rnd % len(order):] + order[:rnd % len(order)]:
-                for i in range(3):
+                for i in range(WARMUP):
                     paths[p](toks[i % 3])
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(10)]
-                for i, (a, b) in enumerate(ev):
-                    a.record(); paths[p](toks[i % 3]); b.record()
-                torch.cuda.synchronize()
-                times[p] += [a.elapsed_time(b) for a, b in ev]
-                peak[p] = max(peak[p], torch.cuda.max_memory_allocated() - inputs_bytes)
+                if on_gpu:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                times[p] += timed_ms(paths[p], toks, args.iters, device)
+                if on_gpu:
+                    peak[p] = max(peak[p], torch.cuda.max_memory_allocated() - inputs_bytes)
         for p, t in times.items():
             ms = statistics.median(t)
-            rec = dict(workload=name, routing=routing, path=p, ms=ms, tflops=layer_flops(w, T, "fwd+bwd") / ms / 1e9,
-                       peak_above_inputs_gib=peak[p] / 2**30, experts=E, tokens=T, rel_diff_to_megamoe=diffs,
-                       outputs_agree=agree)
-            records.append(rec); print(json.dumps(rec), flush=True)
+            diff = diffs.get(p)
+            records.append(dict(
+                workload=name, routing=routing, pass_name=args.pass_name, path=p, ms=ms,
+                tflops=layer_flops(w, T, args.pass_name) / ms / 1e9,
+                peak_above_inputs_gib=peak[p] / 2**30 if on_gpu else None, experts=E, tokens=T,
+                rel_diff_to_megamoe=diff, agrees=None if diff is None else all(d <= MAX_REL_DIFF for d in diff.values())))
+            print(json.dumps(records[-1]), flush=True)
     return records
 
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("workloads", help="comma-separated workload names")
-parser.add_argument("json_path")
-parser.add_argument("--routing", default="balanced,skewed")
-parser.add_argument("--sonic", default="fixed-k", help=f"SonicMoE entry points, comma-separated: {', '.join(SONIC_PATHS)}")
-args = parser.parse_args()
-if unknown := set(args.sonic.split(",")) - set(SONIC_PATHS):
-    parser.error(f"--sonic: unknown entry points {sorted(unknown)}; allowed: {', '.join(SONIC_PATHS)}")
-if unknown := set(args.workloads.split(",")) - set(WORKLOADS):
-    parser.error(f"unknown workloads {sorted(unknown)}; allowed: {', '.join(WORKLOADS)}")
-out = []
-for name in args.workloads.split(","):
-    if WORKLOADS[name].shared_intermediate:
-        print(f"{name}: skipped (a shared expert, which SonicMoE does not run)", flush=True)
-        continue
-    out += run_workload(name, args.routing.split(","), args.sonic.split(","))
-    torch.cuda.empty_cache()
-    json.dump(out, open(args.json_path, "w"), indent=1)  # after each workload: a run cut short keeps what it measured
-for r in out:
-    print(f"{r['workload']:16} {r['routing']:9} {r['path']:9} {r['ms']:7.2f} ms {r['tflops']:5.0f} TF/s "
-          f"{r['peak_above_inputs_gib']:6.2f} GiB above inputs  agree {r['outputs_agree']}")
-for key in dict.fromkeys((r["workload"], r["routing"]) for r in out):
-    ms = {r["path"]: r["ms"] for r in out if (r["workload"], r["routing"]) == key}
-    for p in ms:
-        if p != "megamoe":
-            print(f"{key[0]:16} {key[1]:9} megamoe / {p} speed {ms[p] / ms['megamoe']:.3f}x")
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("workloads", help="comma-separated workload names")
+    parser.add_argument("json_path")
+    parser.add_argument("--routing", default="balanced,skewed")
+    parser.add_argument("--sonic", default="fixed-k",
+                        help=f"SonicMoE entry points, comma-separated ({', '.join(SONIC_PATHS)}), or none")
+    parser.add_argument("--torchtitan", action="store_true", help="add the TorchTitan-style path")
+    parser.add_argument("--pass", dest="pass_name", default="fwd+bwd", choices=("fwd+bwd", "fwd"))
+    parser.add_argument("--backend", default="auto", help="megamoe's backend (MoEConfig.backend)")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args(argv)
+    args.sonic = [] if args.sonic == "none" else args.sonic.split(",")
+    args.routing = args.routing.split(",")
+    if unknown := set(args.sonic) - set(SONIC_PATHS):
+        parser.error(f"--sonic: unknown entry points {sorted(unknown)}; allowed: {', '.join(SONIC_PATHS)} or none")
+    if unknown := set(args.workloads.split(",")) - set(WORKLOADS):
+        parser.error(f"unknown workloads {sorted(unknown)}; allowed: {', '.join(WORKLOADS)}")
+    if args.rounds < 1 or args.iters < 1:
+        parser.error(f"--rounds and --iters must be >= 1, got {args.rounds} and {args.iters}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    out = []
+    for name in args.workloads.split(","):
+        if args.sonic and WORKLOADS[name].shared_intermediate:
+            print(f"{name}: skipped (a shared expert, which SonicMoE does not run)", flush=True)
+            continue
+        out += run_workload(name, args, device, dtype)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        json.dump(out, open(args.json_path, "w"), indent=1)  # after each workload: a run cut short keeps what it has
+    for r in out:
+        print(f"{r['workload']:16} {r['routing']:9} {r['pass_name']:7} {r['path']:18} {r['ms']:8.2f} ms "
+              f"{r['tflops']:6.1f} TF/s  agrees {r['agrees']}")
+    for key in dict.fromkeys((r["workload"], r["routing"]) for r in out):
+        ms = {r["path"]: r["ms"] for r in out if (r["workload"], r["routing"]) == key}
+        print(f"{key[0]:16} {key[1]:9} megamoe's speed: " + ", ".join(
+            f"{t / ms['megamoe']:.3f}x {p}'s" for p, t in ms.items() if p != "megamoe"))
+    return out
+
+
+if __name__ == "__main__":
+    main()
