@@ -13,7 +13,8 @@ the weighted sum over a token's k experts. Two entry points (--sonic):
   general  moe_general_routing_inputs on the flattened (token, expert, score) triples
   none     no SonicMoE (megamoe against the TorchTitan-style path only; runs on a CPU too)
 Its gate/up weight interleaves gate and up rows (row 2j gate j, row 2j + 1 up j); it gets a copy of megamoe's
-w_gate_up in that order, made once before timing (its w_down layout is megamoe's, shared as is). It has no
+w_gate_up in that order, made once before timing (its w_down layout is megamoe's, shared as is), and its gate/up
+gradient, in the same order, is reordered for the comparison only: timed calls leave it as SonicMoE returns it. It has no
 shared expert: with SonicMoE, workloads with one are skipped, not timed without it. --torchtitan adds the
 TorchTitan-style path (megamoe.bench.baselines, the bench's headline baseline) to the alternation.
 
@@ -67,8 +68,11 @@ def sonic_general(x, ids, scores, w1, w2):
 SONIC_PATHS = {"fixed-k": sonic_fixed_k, "general": sonic_general}
 
 
-def sonic_run(entry: str, backward: bool, w_gate_up_interleaved, w_down, tokens: Tokens) -> dict[str, torch.Tensor]:
-    """SonicMoE's output (and the gradients of sum(out * d_out)), keyed as problem.forward_backward's."""
+def sonic_run(entry: str, backward: bool, w_gate_up_interleaved, w_down, tokens: Tokens,
+              compare: bool = False) -> dict[str, torch.Tensor]:
+    """SonicMoE's output (and the gradients of sum(out * d_out)), keyed as problem.forward_backward's. Its gate/up
+    gradient comes in its own interleaved row order; compare: reordered as megamoe's (a copy of the whole
+    gradient, made for the comparison only: timed calls return it as SonicMoE leaves it, "d_w_gate_up_interleaved")."""
     x, scores = tokens.x_TH, tokens.topk_weights_TK
     out = SONIC_PATHS[entry](x, tokens.topk_ids_TK, scores, w_gate_up_interleaved.permute(1, 2, 0),
                              w_down.permute(1, 2, 0))
@@ -76,15 +80,18 @@ def sonic_run(entry: str, backward: bool, w_gate_up_interleaved, w_down, tokens:
         return {"out": out.detach()}
     leaves = [x, scores, w_gate_up_interleaved, w_down]
     d_x, d_scores, d_w1, d_w_down = torch.autograd.grad(out, leaves, tokens.d_out_TH)
+    grads = {"out": out.detach(), "d_x": d_x, "d_topk_weights": d_scores, "d_w_down": d_w_down}
+    if not compare:
+        return {**grads, "d_w_gate_up_interleaved": d_w1}
     num_experts, two_inter, hidden = d_w1.shape
     d_w_gate_up = d_w1.view(num_experts, two_inter // 2, 2, hidden).transpose(1, 2).reshape(d_w1.shape)
-    return {"out": out.detach(), "d_x": d_x, "d_topk_weights": d_scores, "d_w_gate_up": d_w_gate_up,
-            "d_w_down": d_w_down}
+    return {**grads, "d_w_gate_up": d_w_gate_up}
 
 
-def bench_run(fn, backward: bool, weights, tokens: Tokens) -> dict[str, torch.Tensor]:
+def bench_run(fn, backward: bool, weights, tokens: Tokens, compare: bool = False) -> dict[str, torch.Tensor]:
     """megamoe or a baseline of the bench (an experts fn) on the problem: problem.forward_backward's dict, or
-    {"out"} for the forward alone (run as in training: autograd records it)."""
+    {"out"} for the forward alone (run as in training: autograd records it). compare: unused (the results are
+    in megamoe's layout already)."""
     if backward:
         return forward_backward(fn, weights, tokens)
     return {"out": forward_TH(fn, weights, tokens).detach()}
@@ -134,7 +141,7 @@ def run_workload(name: str, args, device: torch.device, dtype: torch.dtype) -> l
         diffs = {}
         for p, run in paths.items():
             if p != "megamoe":
-                theirs = run(toks[0])
+                theirs = run(toks[0], compare=True)
                 diffs[p] = {key: rel_diff(theirs[key], ours[key]) for key in ours}
                 print(f"{name} {routing}: {p} against megamoe, relative difference "
                       + ", ".join(f"{key} {d:.1e}" for key, d in diffs[p].items()), flush=True)

@@ -72,3 +72,22 @@ def test_bad_arguments_are_usage_errors(ab, capsys):
         with pytest.raises(SystemExit):
             ab.main(argv)
         assert message in capsys.readouterr().err
+
+
+def test_timed_sonic_calls_leave_the_gate_up_gradient_interleaved(ab, monkeypatch):
+    """Only the comparison reorders SonicMoE's gate/up gradient (a copy of the whole gradient, which a timed
+    call must not pay for); the timed call's gradient is autograd's, in SonicMoE's interleaved order."""
+    from megamoe.bench.problem import make_tokens, make_weights
+
+    monkeypatch.setattr(ab, "SONIC_PATHS", {"model": sonic_layout_model})
+    w = ab.WORKLOADS["tiny"]
+    weights = make_weights(w, range(w.num_experts), torch.float32, torch.device("cpu"))
+    tokens = make_tokens(w, w.tokens_per_gpu, w.num_experts, "balanced", torch.float32, torch.Generator().manual_seed(0))
+    E, two_i, H = weights.w_gate_up_E2IH.shape
+    w1 = weights.w_gate_up_E2IH.detach().view(E, 2, two_i // 2, H).transpose(1, 2).reshape(E, two_i, H).requires_grad_()
+    timed = ab.sonic_run("model", True, w1, weights.w_down_EHI, tokens)
+    compared = ab.sonic_run("model", True, w1, weights.w_down_EHI, tokens, compare=True)
+    assert "d_w_gate_up" not in timed and "d_w_gate_up_interleaved" not in compared
+    interleaved = timed["d_w_gate_up_interleaved"]
+    assert torch.equal(interleaved[:, 0::2], compared["d_w_gate_up"][:, :two_i // 2])
+    assert torch.equal(interleaved[:, 1::2], compared["d_w_gate_up"][:, two_i // 2:])
