@@ -19,7 +19,7 @@ shared expert: with SonicMoE, workloads with one are skipped, not timed without 
 TorchTitan-style path (megamoe.bench.baselines, the bench's headline baseline) to the alternation.
 
 Usage: python benchmarks/sonicmoe_ab.py WORKLOAD[,WORKLOAD...] OUT.json [--routing balanced,skewed]
-       [--sonic fixed-k,general|none] [--torchtitan] [--pass fwd+bwd|fwd] [--backend auto] [--rounds 4] [--iters 10]
+       [--sonic fixed-k,general|none] [--torchtitan] [--pass fwd+bwd,fwd] [--backend auto] [--rounds 4] [--iters 10]
 Set-up for SonicMoE (an sm_90 GPU): `pip install nvidia-cutlass-dsl==4.2.1` (its `cutlass` package lives in
 nvidia_cutlass_dsl/python_packages, which a .pth file adds to the path; with `pip install --target DIR` put
 DIR/nvidia_cutlass_dsl/python_packages on PYTHONPATH yourself), and sonic-moe's `sonicmoe/` (8565e84) and
@@ -31,6 +31,7 @@ from megamoe.bench.gate import experts_fn
 from megamoe.bench.problem import Tokens, forward_TH, forward_backward, make_tokens, make_weights
 from megamoe.bench.workloads import WORKLOADS, layer_flops
 
+PASSES = ("fwd+bwd", "fwd")
 MAX_REL_DIFF = 2e-2  # bf16 paths with fp32 accumulation in different orders; NaN fails
 WARMUP = 3
 
@@ -117,11 +118,11 @@ def timed_ms(run, tokens: list[Tokens], iters: int, device: torch.device) -> lis
     return [a.elapsed_time(b) for a, b in events]
 
 
-def run_workload(name: str, args, device: torch.device, dtype: torch.dtype) -> list[dict]:
-    """The paths on one workload, per routing: a record per (routing, path)."""
+def run_workload(name: str, pass_name: str, args, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """The paths on one workload and pass, per routing: a record per (routing, path)."""
     w = WORKLOADS[name]
     E = w.one_gpu_experts or w.num_experts; T = w.tokens_per_gpu
-    backward = args.pass_name == "fwd+bwd"
+    backward = pass_name == "fwd+bwd"
     weights = make_weights(w, range(E), dtype, device)
     paths = {"megamoe": functools.partial(bench_run, experts_fn(args.backend), backward, weights)}
     if args.torchtitan:
@@ -167,8 +168,8 @@ def run_workload(name: str, args, device: torch.device, dtype: torch.dtype) -> l
             ms = statistics.median(t)
             diff = diffs.get(p)
             records.append(dict(
-                workload=name, routing=routing, pass_name=args.pass_name, path=p, ms=ms,
-                tflops=layer_flops(w, T, args.pass_name) / ms / 1e9,
+                workload=name, routing=routing, pass_name=pass_name, path=p, ms=ms,
+                tflops=layer_flops(w, T, pass_name) / ms / 1e9,
                 peak_above_inputs_gib=peak[p] / 2**30 if on_gpu else None, experts=E, tokens=T,
                 rel_diff_to_megamoe=diff, agrees=None if diff is None else all(d <= MAX_REL_DIFF for d in diff.values())))
             print(json.dumps(records[-1]), flush=True)
@@ -183,13 +184,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--sonic", default="fixed-k",
                         help=f"SonicMoE entry points, comma-separated ({', '.join(SONIC_PATHS)}), or none")
     parser.add_argument("--torchtitan", action="store_true", help="add the TorchTitan-style path")
-    parser.add_argument("--pass", dest="pass_name", default="fwd+bwd", choices=("fwd+bwd", "fwd"))
+    parser.add_argument("--pass", dest="passes", default="fwd+bwd",
+                        help=f"comma-separated passes ({', '.join(PASSES)}), each timed in this process (compiled once)")
     parser.add_argument("--backend", default="auto", help="megamoe's backend (MoEConfig.backend)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args(argv)
     args.sonic = [] if args.sonic == "none" else args.sonic.split(",")
     args.routing = args.routing.split(",")
+    args.passes = args.passes.split(",")
+    if unknown := set(args.passes) - set(PASSES):
+        parser.error(f"--pass: unknown passes {sorted(unknown)}; allowed: {', '.join(PASSES)}")
     if unknown := set(args.sonic) - set(SONIC_PATHS):
         parser.error(f"--sonic: unknown entry points {sorted(unknown)}; allowed: {', '.join(SONIC_PATHS)} or none")
     if unknown := set(args.workloads.split(",")) - set(WORKLOADS):
@@ -203,16 +208,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if args.sonic and WORKLOADS[name].shared_intermediate:
             print(f"{name}: skipped (a shared expert, which SonicMoE does not run)", flush=True)
             continue
-        out += run_workload(name, args, device, dtype)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        for pass_name in args.passes:
+            out += run_workload(name, pass_name, args, device, dtype)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         json.dump(out, open(args.json_path, "w"), indent=1)  # after each workload: a run cut short keeps what it has
     for r in out:
         print(f"{r['workload']:16} {r['routing']:9} {r['pass_name']:7} {r['path']:18} {r['ms']:8.2f} ms "
               f"{r['tflops']:6.1f} TF/s  agrees {r['agrees']}")
-    for key in dict.fromkeys((r["workload"], r["routing"]) for r in out):
-        ms = {r["path"]: r["ms"] for r in out if (r["workload"], r["routing"]) == key}
-        print(f"{key[0]:16} {key[1]:9} megamoe's speed: " + ", ".join(
+    for key in dict.fromkeys((r["workload"], r["routing"], r["pass_name"]) for r in out):
+        ms = {r["path"]: r["ms"] for r in out if (r["workload"], r["routing"], r["pass_name"]) == key}
+        print(f"{key[0]:16} {key[1]:9} {key[2]:7} megamoe's speed: " + ", ".join(
             f"{t / ms['megamoe']:.3f}x {p}'s" for p, t in ms.items() if p != "megamoe"))
     return out
 
