@@ -6,14 +6,13 @@ iteration is captured in a CUDA graph and replayed: no host launch work, so the 
 
 Usage: python benchmarks/profile_layer.py WORKLOAD[,WORKLOAD...] OUT.json [--graph]   (a CUDA GPU)
 """
-import collections
 import json
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import megamoe
+from megamoe.bench.measure import kernel_times
 from megamoe.bench.problem import forward_backward, one_gpu_problem
 from megamoe.bench.workloads import WORKLOADS
 
@@ -39,25 +38,7 @@ def profile_one(name: str, device: torch.device, graphed: bool) -> dict:
         with torch.cuda.graph(graph):
             step()
         run = graph.replay
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(ITERS):
-            run()
-        torch.cuda.synchronize()
-    per_kernel = collections.defaultdict(lambda: [0.0, 0])
-    on_gpu = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                    key=lambda e: e.time_range.start)
-    for event in on_gpu:
-        per_kernel[event.name][0] += event.device_time / ITERS
-        per_kernel[event.name][1] += 1
-    gaps = sorted(({"us": b.time_range.start - a.time_range.end, "after": a.name[:60], "before": b.name[:60]}
-                   for a, b in zip(on_gpu, on_gpu[1:])), key=lambda g: -g["us"])
-    idle = sum(max(g["us"], 0) for g in gaps) / ITERS
-    kernels = sorted(({"kernel": k, "us": v[0], "launches": v[1] // ITERS} for k, v in per_kernel.items()),
-                     key=lambda r: -r["us"])
-    total = sum(r["us"] for r in kernels)
-    return {"workload": name, "graph": graphed, "gpu_us_per_iteration": total, "idle_us_per_iteration": idle,
-            "kernels": kernels, "largest_gaps": gaps[:20]}
+    return {"workload": name, "graph": graphed, **kernel_times(run, ITERS)}
 
 
 def main() -> None:

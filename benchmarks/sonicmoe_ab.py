@@ -2,7 +2,8 @@
 tokens and routing, the paths alternating (order rotated every round) over ROUNDS rounds of ITERS iterations
 after 3 untimed ones; median per path, and on GPUs its peak memory above the inputs. Before timing, each other
 path's output (and, for fwd+bwd, its four gradients d_x, d_topk_weights, d_w_gate_up, d_w_down) is compared with
-megamoe's.
+megamoe's. --profile N: after the timing, each path's GPU time per kernel over N calls (torch.profiler), where
+one path's time goes.
 
 SonicMoE (Dao-AILab/sonic-moe at 8565e84: CuTe DSL kernels, with quack at 3d0ab3ec, the commit its requirements
 pin, and nvidia-cutlass-dsl 4.2.1; no quack-kernels release on PyPI has the modules it imports) computes the
@@ -20,6 +21,7 @@ TorchTitan-style path (megamoe.bench.baselines, the bench's headline baseline) t
 
 Usage: python benchmarks/sonicmoe_ab.py WORKLOAD[,WORKLOAD...] OUT.json [--routing balanced,skewed]
        [--sonic fixed-k,general|none] [--torchtitan] [--pass fwd+bwd,fwd] [--backend auto] [--rounds 4] [--iters 10]
+       [--profile N]
 Set-up for SonicMoE (an sm_90 GPU): `pip install nvidia-cutlass-dsl==4.2.1` (its `cutlass` package lives in
 nvidia_cutlass_dsl/python_packages, which a .pth file adds to the path; with `pip install --target DIR` put
 DIR/nvidia_cutlass_dsl/python_packages on PYTHONPATH yourself), and sonic-moe's `sonicmoe/` (8565e84) and
@@ -28,12 +30,14 @@ quack's `quack/` (3d0ab3ec) on PYTHONPATH (`git archive` of each). SonicMoE buil
 """
 import argparse, functools, json, statistics, time, torch
 from megamoe.bench.gate import experts_fn
+from megamoe.bench.measure import kernel_times
 from megamoe.bench.problem import Tokens, forward_TH, forward_backward, make_tokens, make_weights
 from megamoe.bench.workloads import WORKLOADS, layer_flops
 
 PASSES = ("fwd+bwd", "fwd")
 MAX_REL_DIFF = 2e-2  # bf16 paths with fp32 accumulation in different orders; NaN fails
 WARMUP = 3
+PROFILE_TOP = 12  # kernels printed per path with --profile (the JSON has all)
 
 
 def sonic_fixed_k(x, ids, scores, w1, w2):
@@ -164,14 +168,22 @@ def run_workload(name: str, pass_name: str, args, device: torch.device, dtype: t
                 times[p] += timed_ms(paths[p], toks, args.iters, device)
                 if on_gpu:
                     peak[p] = max(peak[p], torch.cuda.max_memory_allocated() - inputs_bytes)
+        profiles = {p: kernel_times(functools.partial(run, toks[0]), args.profile) for p, run in paths.items()
+                    if args.profile}
         for p, t in times.items():
             ms = statistics.median(t)
             diff = diffs.get(p)
+            if p in profiles:
+                print(f"{name} {routing} {pass_name} {p}: {profiles[p]['gpu_us_per_iteration']:.0f} us of kernels, "
+                      f"{profiles[p]['idle_us_per_iteration']:.0f} us idle between them", flush=True)
+                for r in profiles[p]["kernels"][:PROFILE_TOP]:
+                    print(f"  {r['us']:8.1f} us  x{r['launches']:<3} {r['kernel'][:110]}", flush=True)
             records.append(dict(
                 workload=name, routing=routing, pass_name=pass_name, path=p, ms=ms,
                 tflops=layer_flops(w, T, pass_name) / ms / 1e9,
                 peak_above_inputs_gib=peak[p] / 2**30 if on_gpu else None, experts=E, tokens=T,
-                rel_diff_to_megamoe=diff, agrees=None if diff is None else all(d <= MAX_REL_DIFF for d in diff.values())))
+                rel_diff_to_megamoe=diff, agrees=None if diff is None else all(d <= MAX_REL_DIFF for d in diff.values()),
+                **({"profile": profiles[p]} if p in profiles else {})))
             print(json.dumps(records[-1]), flush=True)
     return records
 
@@ -189,6 +201,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--backend", default="auto", help="megamoe's backend (MoEConfig.backend)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after timing, each path's GPU time per kernel over N calls (torch.profiler; a CUDA GPU)")
     args = parser.parse_args(argv)
     args.sonic = [] if args.sonic == "none" else args.sonic.split(",")
     args.routing = args.routing.split(",")
@@ -202,6 +216,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.rounds < 1 or args.iters < 1:
         parser.error(f"--rounds and --iters must be >= 1, got {args.rounds} and {args.iters}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.profile < 0 or (args.profile and device.type != "cuda"):
+        parser.error(f"--profile takes a count >= 0 of profiled calls and needs a CUDA GPU, got {args.profile} "
+                     f"on {device.type}")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out = []
     for name in args.workloads.split(","):

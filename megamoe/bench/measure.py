@@ -1,7 +1,9 @@
-"""Timing (median over iterations of the max over ranks), the bf16 matmul ceiling, and git/version facts."""
+"""Timing (median over iterations of the max over ranks), GPU time per kernel, the bf16 matmul ceiling, and
+git/version facts."""
 
 from __future__ import annotations
 
+import collections
 import statistics
 import subprocess
 import time
@@ -47,6 +49,33 @@ def median_ms(step, *, iters: int, warmup: int, device: torch.device, group=None
         torch.cuda.synchronize(device)
         times_ms = [start.elapsed_time(end) for start, end in events]
     return statistics.median(reduce_over_ranks(times_ms, dist.ReduceOp.MAX, device, group))
+
+
+def kernel_times(run, iters: int) -> dict:
+    """GPU time per kernel of run() (already warmed up), from torch.profiler (CUPTI), as the mean over iters
+    back-to-back calls: {"gpu_us_per_iteration", "idle_us_per_iteration" (the GPU idle between kernels),
+    "kernels": [{"kernel", "us", "launches"}] largest first, "largest_gaps": the 20 longest idle gaps with the
+    kernels around them}. A CUDA GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            run()
+        torch.cuda.synchronize()
+    per_kernel = collections.defaultdict(lambda: [0.0, 0])
+    on_gpu = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    for event in on_gpu:
+        per_kernel[event.name][0] += event.device_time / iters
+        per_kernel[event.name][1] += 1
+    gaps = sorted(({"us": b.time_range.start - a.time_range.end, "after": a.name[:60], "before": b.name[:60]}
+                   for a, b in zip(on_gpu, on_gpu[1:])), key=lambda g: -g["us"])
+    kernels = sorted(({"kernel": k, "us": v[0], "launches": v[1] // iters} for k, v in per_kernel.items()),
+                     key=lambda r: -r["us"])
+    return {"gpu_us_per_iteration": sum(r["us"] for r in kernels),
+            "idle_us_per_iteration": sum(max(g["us"], 0) for g in gaps) / iters,
+            "kernels": kernels, "largest_gaps": gaps[:20]}
 
 
 def matmul_ceiling_tflops(device: torch.device) -> float:
