@@ -16,24 +16,19 @@ block count never leaves the device.
 Structure of a CTA (gl.warp_specialize, 12 warps):
   * producer (worker partition): walks the CTA's tiles and K steps in order; per step it waits for a free
     slot of the STAGES-deep shared-memory ring ("empty" mbarrier), arms the slot's "ready" mbarrier with
-    the TMA byte count and copies the weights' gate tile [BLOCK_N, 64] (rows col.. of the expert) and up
-    tile (rows I + col..) by TMA into the two halves of the slot's [2 BLOCK_N, 64] weight buffer (2-D
-    descriptor over [E * 2I, H]: an H tail reads zeros; columns past I read rows of other experts or zeros,
-    which the stores clip away, as in the Triton kernel), and the A tile [128, 64]:
+    the TMA byte count and copies the weights' gate tile [1, BLOCK_N, 64] (rows col..) and up tile (rows
+    I + col..) of the expert by TMA (3-D descriptor over [E, 2I, H]: an H tail reads zeros; gate columns
+    past I read up rows that the stores clip away, as in the Triton kernel), and the A tile [128, 64]:
       - GATHER=False: 1 warp; A by TMA from x_rows [R, H] (the same barrier, count 1);
       - GATHER=True: 4 warps (Hopper's TMA has no row gather); the warp-group loads the tile's row_src
         once per tile and copies A with cp.async (16 bytes per copy, zero-fill for padding rows and the H
         tail), each thread then arrives on the slot's "ready" barrier when its copies have landed
         (cp.async.mbarrier.arrive.noinc): count 1 (the TMA expect) + 128 (the threads).
   * consumers (the default partition and one worker): 2 warpgroups in the CUTLASS "cooperative" split, each
-    rows [64 WG, 64 WG + 64) of every tile, accumulating 64 x BLOCK_N gate and as many up columns in fp32.
-    Per K step: wait "ready"; on x rows one async wgmma m64n(2 BLOCK_N)k16 x 4 over the slot's whole weight
-    buffer (B: the K-major tile viewed transposed), which reads the A tile from shared memory once per k16
-    instead of twice (the kernel alone 1.005-1.03x on x rows, bitwise equal; benchmarks/results/
-    h200-gate-up-one-mma-ab-v1.json), the accumulator's gate and up halves split in registers for the
-    epilogue; gathering, two m64nBLOCK_Nk16 (gate half, up half; one wgmma measured 0.95-0.98x there); keep
-    that step's wgmma groups in flight, and release the previous step's slot ("empty", count 2: one arrive
-    per consumer) once they retired.
+    rows [64 WG, 64 WG + 64) of every tile, holding two fp32 accumulators of 64 x BLOCK_N (gate and up
+    columns of one output block). Per K step: wait "ready", two async wgmma m64nBLOCK_Nk16 x 4 from the
+    slot (B: the K-major weight tile viewed transposed), keep that step's two wgmma groups in flight, and
+    release the previous step's slot ("empty", count 2: one arrive per consumer) once its groups retired.
   * epilogue, per consumer: g, u -> dtype; with STORE_GATE_UP TMA stores of g and u (the [R, 2, I] view of
     gate_up, box [64, 1, BLOCK_N]: the gate and up halves clip at I separately), then h = swiglu(g, u)
     and its TMA store (h viewed [R, 1, I], the same box). Each store goes through a rotating set of
@@ -194,72 +189,19 @@ def _stage_store(desc, row, plane, col, value, out_bufs, n_stored):
 
 
 @gluon.jit
-def _main_loop_one_mma(a_bufs, w_bufs, ready_bars, empty_bars, c, k_steps, WG: gl.constexpr):
-    """A tile's K loop with one m64n(2 BLOCK_N)k16 wgmma over the gate and up columns, so each K step reads the A
-    tile from shared memory once. Returns (acc_g, acc_u, c): the accumulator's gate and up halves (a thread holds
-    both halves of its columns, so the split moves no data) and the slot counter after the tile."""
-    STAGES: gl.constexpr = a_bufs.shape[0]
-    CONSUMER_ROWS: gl.constexpr = a_bufs.shape[1] // 2
-    BLOCK_N: gl.constexpr = w_bufs.shape[1] // 2
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, 2 * BLOCK_N, 16])
-    acc = gl.zeros([CONSUMER_ROWS, 2 * BLOCK_N], gl.float32, acc_layout)
-    for ki in range(k_steps):
-        s = c % STAGES
-        mbarrier.wait(ready_bars.index(s), (c // STAGES) & 1)
-        a = a_bufs.index(s).slice(WG * CONSUMER_ROWS, CONSUMER_ROWS)
-        acc = warpgroup_mma(a, w_bufs.index(s).permute((1, 0)), acc, is_async=True)
-        # Step c's wgmma group stays in flight; step c - 1's has retired: its slot goes back.
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=ki > 0)
-        c += 1
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES))
-    acc_g, acc_u = acc.reshape([CONSUMER_ROWS, 2, BLOCK_N]).permute((0, 2, 1)).split()
-    return acc_g, acc_u, c
-
-
-@gluon.jit
-def _main_loop_two_mma(a_bufs, w_bufs, ready_bars, empty_bars, c, k_steps, WG: gl.constexpr):
-    """A tile's K loop with two m64nBLOCK_Nk16 wgmma (gate columns, then up columns) per k16 step, after a fence:
-    the gathered A tile was written by cp.async (generic proxy) and wgmma reads shared memory through the async
-    proxy. Returns (acc_g, acc_u, c) as _main_loop_one_mma."""
-    STAGES: gl.constexpr = a_bufs.shape[0]
-    CONSUMER_ROWS: gl.constexpr = a_bufs.shape[1] // 2
-    BLOCK_N: gl.constexpr = w_bufs.shape[1] // 2
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
-    acc_g = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, acc_layout)
-    acc_u = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, acc_layout)
-    for ki in range(k_steps):
-        s = c % STAGES
-        mbarrier.wait(ready_bars.index(s), (c // STAGES) & 1)
-        fence_async_shared()
-        a = a_bufs.index(s).slice(WG * CONSUMER_ROWS, CONSUMER_ROWS)
-        w = w_bufs.index(s)
-        acc_g = warpgroup_mma(a, w.slice(0, BLOCK_N).permute((1, 0)), acc_g, is_async=True)
-        acc_u = warpgroup_mma(a, w.slice(BLOCK_N, BLOCK_N).permute((1, 0)), acc_u, is_async=True)
-        # Step c's two wgmma groups stay in flight; step c - 1's have retired: its slot goes back.
-        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
-        mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=ki > 0)
-        c += 1
-    acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
-    mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES))
-    return acc_g, acc_u, c
-
-
-@gluon.jit
 def _consumer(h_desc, gu_desc, a_bufs, w_bufs, out_bufs, ready_bars, empty_bars, block_range_ptr, H, I,
               WG: gl.constexpr, STORE_GATE_UP: gl.constexpr, GATHER: gl.constexpr, SPLIT: gl.constexpr,
               GROUP_M: gl.constexpr):
     """One warpgroup: rows [64 WG, 64 WG + 64) of every tile of this CTA: the gate and up wgmma over the ring's
-    slots (one wgmma per k16 step on x rows, two when gathering: measured, see the module docstring), then the
-    epilogue (g, u rounded, h = swiglu(g, u), TMA stores)."""
+    slots, then the epilogue (g, u rounded, h = swiglu(g, u), TMA stores)."""
+    STAGES: gl.constexpr = a_bufs.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
     BLOCK_N: gl.constexpr = w_bufs.shape[1] // 2
     CONSUMER_ROWS: gl.constexpr = h_desc.block_type.shape[0]
     dtype: gl.constexpr = h_desc.dtype
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, 2 * BLOCK_N, 16])
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
     num_n = gl.cdiv(I, BLOCK_N)
@@ -268,10 +210,25 @@ def _consumer(h_desc, gu_desc, a_bufs, w_bufs, out_bufs, ready_bars, empty_bars,
     n_stored = 0
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         row, col, _ = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
-        if GATHER:
-            acc_g, acc_u, c = _main_loop_two_mma(a_bufs, w_bufs, ready_bars, empty_bars, c, k_steps, WG)
-        else:
-            acc_g, acc_u, c = _main_loop_one_mma(a_bufs, w_bufs, ready_bars, empty_bars, c, k_steps, WG)
+        acc = gl.zeros([CONSUMER_ROWS, 2 * BLOCK_N], gl.float32, acc_layout)
+        for ki in range(k_steps):
+            s = c % STAGES
+            mbarrier.wait(ready_bars.index(s), (c // STAGES) & 1)
+            if GATHER:
+                # A was written by cp.async (generic proxy); wgmma reads shared memory through the async proxy.
+                fence_async_shared()
+            a = a_bufs.index(s).slice(WG * CONSUMER_ROWS, CONSUMER_ROWS)
+            # One wgmma over the gate and up columns: [64, 2 BLOCK_N] reads the A tile from shared memory once.
+            acc = warpgroup_mma(a, w_bufs.index(s).permute((1, 0)), acc, is_async=True)
+            # Step c's wgmma group stays in flight; step c - 1's has retired: its slot goes back.
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=ki > 0)
+            c += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES))
+        # Columns [0, BLOCK_N) gate, [BLOCK_N, 2 BLOCK_N) up: a thread holds both halves of its columns, so the
+        # split moves no data.
+        acc_g, acc_u = acc.reshape([CONSUMER_ROWS, 2, BLOCK_N]).permute((0, 2, 1)).split()
         g = acc_g.to(dtype)
         u = acc_u.to(dtype)
         out_row = row + WG * CONSUMER_ROWS
