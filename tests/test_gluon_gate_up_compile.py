@@ -116,7 +116,7 @@ def _report(case: str) -> dict:
         ptx, sass = r["ptx"], r["sass"]
         _CACHE[case] = dict(
             r, tile=tile, store_gate_up=store_gate_up, gather=gather,
-            wgmma=count(rf"wgmma\.mma_async\.sync\.aligned\.m64n{2 * tile.block_n}k16\.f32\.bf16\.bf16", ptx),
+            wgmma=count(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_n}k16\.f32\.bf16\.bf16", ptx),
             scale_d_true=_constant_true_scale_d(ptx),
             tma_store_3d=count(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta\.bulk_group", ptx),
             tma_store_wait=sorted(set(int(n) for n in re.findall(r"cp\.async\.bulk\.wait_group\.read\s+(\d+)", ptx))),
@@ -124,7 +124,7 @@ def _report(case: str) -> dict:
             cp_async_arrive_noinc=count(r"cp\.async\.mbarrier\.arrive\.noinc\.shared\.b64", ptx),
             mbar_init_counts=re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx),
             epilogue_ops=_op_counts(ptx),
-            hgmma=count(rf"HGMMA\.64x{2 * tile.block_n}x16\.F32\.BF16", sass),
+            hgmma=count(rf"HGMMA\.64x{tile.block_n}x16\.F32\.BF16", sass),
         )
     return _CACHE[case]
 
@@ -135,28 +135,26 @@ def test_gluon_gate_up_sm90a(case):
     tile, meta, px = r["tile"], r["compiled"].metadata, r["ptxas"]
     print(f"\ngluon gate_up {case} {tile}: {meta.num_warps} warps, {px['registers']} registers/thread (kernel max), "
           f"setmaxnreg {r['setmaxnreg']}, shared {meta.shared} B, spills {px['spill_stores']}/{px['spill_loads']} B, "
-          f"stack {px['stack']} B; PTX: {r['wgmma']} wgmma m64n{2 * tile.block_n}k16, wait_group {r['wait_groups']}, "
+          f"stack {px['stack']} B; PTX: {r['wgmma']} wgmma m64n{tile.block_n}k16, wait_group {r['wait_groups']}, "
           f"TMA loads 2d/3d {r['tma_load_2d']}/{r['tma_load_3d']}, cp.async {r['cp_async']} "
           f"(+{r['cp_async_arrive_noinc']} arrive.noinc), TMA stores {r['tma_store_3d']} "
           f"(wait_group.read {r['tma_store_wait']}), mbarrier init {r['mbar_init_counts']} / try_wait {r['mbar_wait']} / "
           f"expect_tx {r['mbar_expect']} / arrive {r['mbar_arrive']}; SASS: {r['hgmma']} HGMMA, local {r['local']}")
-    # consumers x k16 steps, one m64 row block each: one wgmma over the gate and up columns (A read once)
-    per_k_step = 2 * (G.BLOCK_K // 16)
+    per_k_step = 2 * 2 * (G.BLOCK_K // 16)  # consumers x (gate, up) x k16 steps, one m64 row block each
     assert r["wgmma"] == r["wgmma_any"] == per_k_step, f"{case}: wgmma {r['wgmma']}/{r['wgmma_any']}"
     assert r["hgmma"] == per_k_step, f"{case}: {r['hgmma']} HGMMA in the SASS"
     assert r["scale_d_true"], f"{case}: a wgmma's scale-d is not a constant true (accumulators not zero-initialised)"
-    assert 1 in r["wait_groups"], f"{case}: the K step's wgmma group is not kept in flight ({r['wait_groups']})"
-    # Operands: weights by 2-D TMA (the gate and the up tile into one stage); x rows by 2-D TMA or by 16-byte
-    # cp.async + a .noinc arrive.
-    weight_copies = 2
+    assert 2 in r["wait_groups"], f"{case}: the K step's wgmma groups are not kept in flight ({r['wait_groups']})"
+    # Operands: weights by 3-D TMA (gate and up tiles); x rows by 2-D TMA or by 16-byte cp.async + a .noinc arrive.
+    assert r["tma_load_3d"] == 2, f"{case}: {r['tma_load_3d']} 3-D TMA loads"
     if r["gather"]:
         copies = G.BLOCK_M * G.BLOCK_K * 2 // 16 // (G.GATHER_WARPS * 32)
-        assert r["tma_load_2d"] == weight_copies and r["cp_async_16"] == r["cp_async"] == copies, (
+        assert r["tma_load_2d"] == 0 and r["cp_async_16"] == r["cp_async"] == copies, (
             f"{case}: {r['cp_async_16']}/{r['cp_async']} 16-byte cp.async for {copies} per thread and K step")
         assert r["cp_async_arrive_noinc"] == 1
         ready_count = 1 + G.GATHER_WARPS * 32
     else:
-        assert r["tma_load_2d"] == weight_copies + 1 and r["cp_async"] == 0 and r["cp_async_arrive_noinc"] == 0
+        assert r["tma_load_2d"] == 1 and r["cp_async"] == 0 and r["cp_async_arrive_noinc"] == 0
         ready_count = 1
     # Outputs: per consumer one 3-D TMA store per stored tensor; buffers reused after wait_group.read OUT_BUFS - 1.
     stores = 3 if r["store_gate_up"] else 1

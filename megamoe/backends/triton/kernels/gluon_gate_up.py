@@ -98,13 +98,13 @@ _GATHER_WARPS = gl.constexpr(GATHER_WARPS)  # the same, as the kernels see it
 
 
 @gluon.jit
-def _producer_tma(x_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, block_expert_ptr,
+def _producer_tma(x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, block_expert_ptr,
                   block_range_ptr, H, I, SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
     """One warp: TMA copies of the A, gate and up tiles of every (tile, K step) of this CTA, in order."""
     STAGES: gl.constexpr = a_bufs.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
-    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = gate_bufs.shape[2]
     NBYTES: gl.constexpr = x_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
@@ -113,7 +113,7 @@ def _producer_tma(x_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, block_
     p = 0  # slot counter: slot p % STAGES, its use number p // STAGES
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         row, col, m = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
-        gate_row = gl.load(block_expert_ptr + m // SPLIT) * (2 * I) + col
+        expert = gl.load(block_expert_ptr + m // SPLIT)
         for ki in range(k_steps):
             s = p % STAGES
             # A fresh mbarrier counts as having completed the phase before phase 0: the first pass over the
@@ -123,20 +123,20 @@ def _producer_tma(x_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, block_
             mbarrier.expect(bar, NBYTES)
             k = ki * BLOCK_K
             tma_load(x_desc, [row, k], bar, a_bufs.index(s))
-            tma_load(w_desc, [gate_row, k], bar, w_bufs.index(s).slice(0, BLOCK_N))
-            tma_load(w_desc, [gate_row + I, k], bar, w_bufs.index(s).slice(BLOCK_N, BLOCK_N))
+            tma_load(w_desc, [expert, col, k], bar, gate_bufs.index(s))
+            tma_load(w_desc, [expert, I + col, k], bar, up_bufs.index(s))
             p += 1
 
 
 @gluon.jit
-def _producer_gather(x_ptr, row_src_ptr, w_desc, a_bufs, w_bufs, ready_bars, empty_bars,
+def _producer_gather(x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars,
                      block_expert_ptr, block_range_ptr, H, I, top_k, SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
     """One warpgroup: the weight tiles by TMA (one thread) and the gathered A tile by cp.async (every thread,
     8 16-byte copies per K step), x_rows[r] = x[row_src[r] // top_k] or zeros where row_src[r] = -1."""
     STAGES: gl.constexpr = a_bufs.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
-    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = gate_bufs.shape[2]
     NBYTES: gl.constexpr = 2 * w_desc.block_type.nbytes
     VEC: gl.constexpr = 128 // w_desc.dtype.primitive_bitwidth  # elements per 16-byte copy
     COL_THREADS: gl.constexpr = BLOCK_K // VEC
@@ -155,7 +155,7 @@ def _producer_gather(x_ptr, row_src_ptr, w_desc, a_bufs, w_bufs, ready_bars, emp
     p = 0  # slot counter, as in _producer_tma
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         row, col, m = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
-        gate_row = gl.load(block_expert_ptr + m // SPLIT) * (2 * I) + col
+        expert = gl.load(block_expert_ptr + m // SPLIT)
         src = gl.load(row_src_ptr + row + tile_rows)
         has_src = gl.expand_dims(src >= 0, 1)
         row_ptrs = gl.expand_dims(x_ptr + (gl.where(src >= 0, src, 0) // top_k).to(gl.int64) * H, 1)
@@ -165,8 +165,8 @@ def _producer_gather(x_ptr, row_src_ptr, w_desc, a_bufs, w_bufs, ready_bars, emp
             bar = ready_bars.index(s)
             mbarrier.expect(bar, NBYTES)
             k = ki * BLOCK_K
-            tma_load(w_desc, [gate_row, k], bar, w_bufs.index(s).slice(0, BLOCK_N))
-            tma_load(w_desc, [gate_row + I, k], bar, w_bufs.index(s).slice(BLOCK_N, BLOCK_N))
+            tma_load(w_desc, [expert, col, k], bar, gate_bufs.index(s))
+            tma_load(w_desc, [expert, I + col, k], bar, up_bufs.index(s))
             cols = gl.expand_dims(k + step_cols, 0)
             cp_async_load(a_bufs.index(s), row_ptrs + cols, mask=has_src & (cols < H))
             # This thread's copies (all it issued so far) complete -> one arrive; .noinc: the barrier's count
@@ -189,7 +189,7 @@ def _stage_store(desc, row, plane, col, value, out_bufs, n_stored):
 
 
 @gluon.jit
-def _consumer(h_desc, gu_desc, a_bufs, w_bufs, out_bufs, ready_bars, empty_bars, block_range_ptr, H, I,
+def _consumer(h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs, ready_bars, empty_bars, block_range_ptr, H, I,
               WG: gl.constexpr, STORE_GATE_UP: gl.constexpr, GATHER: gl.constexpr, SPLIT: gl.constexpr,
               GROUP_M: gl.constexpr):
     """One warpgroup: rows [64 WG, 64 WG + 64) of every tile of this CTA: the gate and up wgmma over the ring's
@@ -197,11 +197,11 @@ def _consumer(h_desc, gu_desc, a_bufs, w_bufs, out_bufs, ready_bars, empty_bars,
     STAGES: gl.constexpr = a_bufs.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
-    BLOCK_N: gl.constexpr = w_bufs.shape[1] // 2
+    BLOCK_N: gl.constexpr = gate_bufs.shape[2]
     CONSUMER_ROWS: gl.constexpr = h_desc.block_type.shape[0]
     dtype: gl.constexpr = h_desc.dtype
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, 2 * BLOCK_N, 16])
+                                                         instr_shape=[16, BLOCK_N, 16])
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
     num_n = gl.cdiv(I, BLOCK_N)
@@ -210,7 +210,8 @@ def _consumer(h_desc, gu_desc, a_bufs, w_bufs, out_bufs, ready_bars, empty_bars,
     n_stored = 0
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         row, col, _ = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = gl.zeros([CONSUMER_ROWS, 2 * BLOCK_N], gl.float32, acc_layout)
+        acc_g = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, acc_layout)
+        acc_u = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, acc_layout)
         for ki in range(k_steps):
             s = c % STAGES
             mbarrier.wait(ready_bars.index(s), (c // STAGES) & 1)
@@ -218,17 +219,16 @@ def _consumer(h_desc, gu_desc, a_bufs, w_bufs, out_bufs, ready_bars, empty_bars,
                 # A was written by cp.async (generic proxy); wgmma reads shared memory through the async proxy.
                 fence_async_shared()
             a = a_bufs.index(s).slice(WG * CONSUMER_ROWS, CONSUMER_ROWS)
-            # One wgmma over the gate and up columns: [64, 2 BLOCK_N] reads the A tile from shared memory once.
-            acc = warpgroup_mma(a, w_bufs.index(s).permute((1, 0)), acc, is_async=True)
-            # Step c's wgmma group stays in flight; step c - 1's has retired: its slot goes back.
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            b_gate = gate_bufs.index(s).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
+            b_up = up_bufs.index(s).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
+            acc_g = warpgroup_mma(a, b_gate, acc_g, is_async=True)
+            acc_u = warpgroup_mma(a, b_up, acc_u, is_async=True)
+            # Step c's two wgmma groups stay in flight; step c - 1's have retired: its slot goes back.
+            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
             mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=ki > 0)
             c += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
         mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES))
-        # Columns [0, BLOCK_N) gate, [BLOCK_N, 2 BLOCK_N) up: a thread holds both halves of its columns, so the
-        # split moves no data.
-        acc_g, acc_u = acc.reshape([CONSUMER_ROWS, 2, BLOCK_N]).permute((0, 2, 1)).split()
         g = acc_g.to(dtype)
         u = acc_u.to(dtype)
         out_row = row + WG * CONSUMER_ROWS
@@ -252,9 +252,8 @@ def gate_up_fwd_ws_kernel(x_desc, w_desc, h_desc, gu_desc, x_ptr, row_src_ptr, b
     BLOCK_N]. Launch with num_warps=4 (the default partition is consumer 0)."""
     dtype: gl.constexpr = x_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-    # A stage's weight tile: BLOCK_N gate rows, then the BLOCK_N matching up rows (two TMA copies).
-    w_bufs = gl.allocate_shared_memory(dtype, [STAGES, 2 * w_desc.block_type.shape[0], w_desc.block_type.shape[1]],
-                                       w_desc.layout)
+    gate_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    up_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     out_bufs0 = gl.allocate_shared_memory(dtype, [OUT_BUFS] + h_desc.block_type.shape, h_desc.layout)
     out_bufs1 = gl.allocate_shared_memory(dtype, [OUT_BUFS] + h_desc.block_type.shape, h_desc.layout)
     ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -266,20 +265,20 @@ def gate_up_fwd_ws_kernel(x_desc, w_desc, h_desc, gu_desc, x_ptr, row_src_ptr, b
     fence_async_shared()  # the initialised barriers are visible to the async proxy (TMA) before use
     if GATHER:
         gl.warp_specialize([
-            (_consumer, (h_desc, gu_desc, a_bufs, w_bufs, out_bufs0, ready_bars, empty_bars, block_range_ptr,
+            (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs0, ready_bars, empty_bars, block_range_ptr,
                          H, I, 0, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
-            (_consumer, (h_desc, gu_desc, a_bufs, w_bufs, out_bufs1, ready_bars, empty_bars, block_range_ptr,
+            (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs1, ready_bars, empty_bars, block_range_ptr,
                          H, I, 1, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
-            (_producer_gather, (x_ptr, row_src_ptr, w_desc, a_bufs, w_bufs, ready_bars, empty_bars,
+            (_producer_gather, (x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars,
                                 block_expert_ptr, block_range_ptr, H, I, top_k, SPLIT, GROUP_M)),
         ], [4, _GATHER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (h_desc, gu_desc, a_bufs, w_bufs, out_bufs0, ready_bars, empty_bars, block_range_ptr,
+            (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs0, ready_bars, empty_bars, block_range_ptr,
                          H, I, 0, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
-            (_consumer, (h_desc, gu_desc, a_bufs, w_bufs, out_bufs1, ready_bars, empty_bars, block_range_ptr,
+            (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs1, ready_bars, empty_bars, block_range_ptr,
                          H, I, 1, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
-            (_producer_tma, (x_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, block_expert_ptr,
+            (_producer_tma, (x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, block_expert_ptr,
                              block_range_ptr, H, I, SPLIT, GROUP_M)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -334,7 +333,7 @@ def descriptors(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, h_RI: torch.Te
     """Host-side TMA descriptors (x_desc, w_desc, h_desc, gu_desc); without gate_up, gu_desc is h's."""
     rows, inter = h_RI.shape
     a_block = [BLOCK_M, BLOCK_K]
-    w_block = [tile.block_n, BLOCK_K]
+    w_block = [1, tile.block_n, BLOCK_K]
     out_block = [CONSUMER_ROWS, 1, tile.block_n]
     out_layout = nvmma_layout(out_block, h_RI.dtype)
     h_desc = TensorDescriptor(h_RI, [rows, 1, inter], [inter, inter, 1], out_block, out_layout)
@@ -342,8 +341,7 @@ def descriptors(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, h_RI: torch.Te
     if gate_up_R2I is not None:
         gu_desc = TensorDescriptor(gate_up_R2I, [rows, 2, inter], [2 * inter, inter, 1], out_block, out_layout)
     return (TensorDescriptor.from_tensor(x_RH, a_block, nvmma_layout(a_block, x_RH.dtype)),
-            TensorDescriptor.from_tensor(w_gate_up_E2IH.view(-1, w_gate_up_E2IH.shape[2]), w_block,
-                                         nvmma_layout(w_block, x_RH.dtype)), h_desc, gu_desc)
+            TensorDescriptor.from_tensor(w_gate_up_E2IH, w_block, nvmma_layout(w_block, x_RH.dtype)), h_desc, gu_desc)
 
 
 def launch_gate_up_fwd(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, block_expert, block_range, split, config: TileConfig,
