@@ -28,9 +28,9 @@ DIR/nvidia_cutlass_dsl/python_packages on PYTHONPATH yourself), and sonic-moe's 
 quack's `quack/` (3d0ab3ec) on PYTHONPATH (`git archive` of each). SonicMoE builds a small CUDA extension
 (count_cumsum) with nvcc on first use.
 """
-import argparse, functools, json, statistics, time, torch
+import argparse, functools, json, statistics, torch
 from megamoe.bench.gate import experts_fn
-from megamoe.bench.measure import kernel_times
+from megamoe.bench.measure import call_times_ms, kernel_times
 from megamoe.bench.problem import Tokens, forward_TH, forward_backward, make_tokens, make_weights
 from megamoe.bench.workloads import WORKLOADS, layer_flops
 
@@ -106,22 +106,6 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def timed_ms(run, tokens: list[Tokens], iters: int, device: torch.device) -> list[float]:
-    """iters calls of run, rotating through tokens: each call's time (CUDA events on GPUs, a wall clock on CPU)."""
-    if device.type != "cuda":
-        times = []
-        for i in range(iters):
-            start = time.perf_counter()
-            run(tokens[i % len(tokens)])
-            times.append((time.perf_counter() - start) * 1e3)
-        return times
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for i, (a, b) in enumerate(events):
-        a.record(); run(tokens[i % len(tokens)]); b.record()
-    torch.cuda.synchronize()
-    return [a.elapsed_time(b) for a, b in events]
-
-
 def run_workload(name: str, pass_name: str, args, device: torch.device, dtype: torch.dtype) -> list[dict]:
     """The paths on one workload and pass, per routing: a record per (routing, path)."""
     w = WORKLOADS[name]
@@ -165,7 +149,7 @@ def run_workload(name: str, pass_name: str, args, device: torch.device, dtype: t
                 if on_gpu:
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
-                times[p] += timed_ms(paths[p], toks, args.iters, device)
+                times[p] += call_times_ms(lambda i: paths[p](toks[i % 3]), iters=args.iters, warmup=0, device=device)
                 if on_gpu:
                     peak[p] = max(peak[p], torch.cuda.max_memory_allocated() - inputs_bytes)
         profiles = {p: kernel_times(functools.partial(run, toks[0]), args.profile) for p, run in paths.items()

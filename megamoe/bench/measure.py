@@ -25,8 +25,13 @@ def reduce_over_ranks(values: list[float], op, device: torch.device, group) -> l
 
 
 def median_ms(step, *, iters: int, warmup: int, device: torch.device, group=None) -> float:
-    """Median over iters timed calls step(i) (after warmup untimed ones) of each call's time in ms, each
-    the max over the ranks of group. CUDA events on GPUs, time.perf_counter on CPU."""
+    """Median of call_times_ms(...)."""
+    return statistics.median(call_times_ms(step, iters=iters, warmup=warmup, device=device, group=group))
+
+
+def call_times_ms(step, *, iters: int, warmup: int, device: torch.device, group=None) -> list[float]:
+    """Each of iters timed calls step(i) (after warmup untimed ones), in ms, each the max over the ranks of
+    group. CUDA events on GPUs (back to back, one synchronisation at the end), time.perf_counter on CPU."""
     for i in range(warmup):
         step(i)
     on_gpu = device.type == "cuda"
@@ -48,7 +53,7 @@ def median_ms(step, *, iters: int, warmup: int, device: torch.device, group=None
     if on_gpu:
         torch.cuda.synchronize(device)
         times_ms = [start.elapsed_time(end) for start, end in events]
-    return statistics.median(reduce_over_ranks(times_ms, dist.ReduceOp.MAX, device, group))
+    return reduce_over_ranks(times_ms, dist.ReduceOp.MAX, device, group)
 
 
 def kernel_times(run, iters: int) -> dict:
