@@ -7,6 +7,7 @@ Variants (each a change to the tile choice that every run reads through the publ
   default   the tile table as it ships
   pointer   the pointer-load core (configs.tma_kernel_configs answers None, so experts.one_gpu_configs picks it)
   rows      gate_up_fwd on gathered rows (a gather pass) where the table gathers x inside the kernel's loads
+  gather    gate_up_fwd gathering x inside its loads on every workload (the table: where it measured faster)
   gather-s3 the gathering gate_up_fwd with 3 stages and two staging buffers per consumer (the table: 4 and 1)
   no-skip   the Gluon weight grads without the schedule's row_src: an expert's last row step computed even where
             it holds padding rows only (the default skips it)
@@ -58,6 +59,8 @@ def select(variant: str) -> None:
         te.tma_kernel_configs = lambda *a: None
     elif variant == "rows":
         configs._GATHER_X_MAX_H = 0
+    elif variant == "gather":
+        configs._GATHER_X_MAX_H = 1 << 30
     elif variant == "gather-s3":
         te.tma_kernel_configs = gather_s3
     elif variant == "no-skip":
@@ -67,7 +70,7 @@ def select(variant: str) -> None:
         gemm, _, n = variant.rpartition("group_m:")
         te.tma_kernel_configs = with_group_m(int(n), gemm.removesuffix(".") or None)
     elif variant != "default":
-        raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, gather-s3, no-skip, group_m:N or "
+        raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, gather, gather-s3, no-skip, group_m:N or "
                          "GEMM.group_m:N")
 
 
