@@ -198,7 +198,8 @@ def build_schedule(
         [T, k] ids and returning every rank's, [W*T, k] in rank order (default: the process group's
         all_gather_into_tensor; the fused EP path passes its symmetric-memory exchange).
     place_routing: how to place the pairs (default place_routing_torch; the triton backend passes its
-        fused kernels, which give identical tensors in a handful of launches).
+        fused kernels, which give identical tensors in a handful of launches). A placement other than the
+        default checks the ids' range itself (a device assert), so build_schedule leaves that check to it.
     """
     config = DEFAULT_CONFIG if config is None else config
     if not isinstance(config, MoEConfig):
@@ -208,7 +209,8 @@ def build_schedule(
     # With a group the range is checked on the gathered routing (every rank's ids, below): a bad id of one
     # rank then fails every rank at the same point, instead of one rank raising while its peers block in
     # the gather.
-    check_topk_ids(topk_ids, num_experts, check_range=world_size == 1)
+    checks_range = place_routing is None  # a backend's placement checks the ids' range itself
+    check_topk_ids(topk_ids, num_experts, check_range=world_size == 1 and checks_range)
     if num_experts % world_size != 0:
         raise ValueError(
             f"num_experts ({num_experts}) must be divisible by the expert-parallel group size ({world_size})"
@@ -219,7 +221,7 @@ def build_schedule(
     device = topk_ids.device
     rows = receive_rows(num_tokens, top_k, num_local, world_size, block_m, config.capacity_factor)
 
-    ids = topk_ids.to(torch.int32).contiguous()
+    ids = topk_ids.to(torch.int32).contiguous() if world_size > 1 else topk_ids  # int32 on the wire
     if world_size > 1 and device.type == "meta":
         ids = ids.new_empty(world_size * num_tokens, top_k)  # shapes only: nothing to exchange
     elif world_size > 1 and gather_routing is not None:
@@ -231,11 +233,10 @@ def build_schedule(
         # all_gather_single is the newer name (torch >= 2.13) of all_gather_into_tensor.
         (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, ids, group=group)
         ids = gathered
-    if world_size > 1 and device.type != "meta":
+    if world_size > 1 and device.type != "meta" and checks_range:
         ids = check_gathered_ids(ids, num_experts, num_tokens=num_tokens, rank=rank)
-    flat = ids.reshape(-1).to(torch.int64)  # [W*T*k], index = flat source index
     placed = (place_routing or place_routing_torch)(
-        flat, num_experts=num_experts, world_size=world_size, rank=rank, block_m=block_m, num_rows=rows
+        ids.reshape(-1), num_experts=num_experts, world_size=world_size, rank=rank, block_m=block_m, num_rows=rows
     )
 
     local = slice(rank * num_tokens * top_k, (rank + 1) * num_tokens * top_k)
@@ -253,7 +254,7 @@ def build_schedule(
         row_src=placed.row_src,
         block_expert=placed.block_expert,
         num_blocks=placed.num_blocks,
-        dest_rank=(ids.view(-1)[local] // num_local).view(num_tokens, top_k),
+        dest_rank=placed.dest_rank.view(num_tokens, top_k),
         dest_row=placed.dest_row[local].view(num_tokens, top_k),
         overflow=placed.overflow,
     )
@@ -262,7 +263,8 @@ def build_schedule(
 @dataclasses.dataclass(frozen=True)
 class Placement:
     """Where every pair of the group goes (all int32): the Schedule's fields, with dest_row for all W*T*k
-    pairs ([N], flat source order) rather than this rank's [T, k]."""
+    pairs ([N], flat source order) rather than this rank's [T, k], and dest_rank for this rank's pairs
+    ([N / W], flat source order)."""
 
     expert_counts: torch.Tensor
     expert_offsets: torch.Tensor
@@ -271,6 +273,7 @@ class Placement:
     num_blocks: torch.Tensor
     dest_row: torch.Tensor
     overflow: torch.Tensor
+    dest_rank: torch.Tensor
 
 
 def place_routing_torch(
@@ -278,10 +281,13 @@ def place_routing_torch(
 ) -> Placement:
     """The placement of every pair, with torch ops (any device, meta included).
 
-    flat_ids: [N = W*T*k] int64 global expert ids in flat source order. Backends may supply a faster
-    placement with this signature (build_schedule's place_routing); it must give identical tensors.
+    flat_ids: [N = W*T*k] int32 or int64 global expert ids in [0, E), in flat source order. Backends may
+    supply a faster placement with this signature (build_schedule's place_routing); it must give identical
+    tensors.
     """
+    flat_ids = flat_ids.to(torch.int64)
     device, num_pairs, rows = flat_ids.device, flat_ids.numel(), num_rows
+    local_pairs = num_pairs // world_size
     num_local = num_experts // world_size
     # Stable sort by expert keeps (source rank, token, slot) order inside each expert.
     sorted_ids, perm = torch.sort(flat_ids, stable=True)
@@ -316,4 +322,5 @@ def place_routing_torch(
         num_blocks=(offsets[-1:] // block_m).to(torch.int32),
         dest_row=dest_row_all.to(torch.int32),
         overflow=(~fits).sum().to(torch.int32),
+        dest_rank=(flat_ids[rank * local_pairs:(rank + 1) * local_pairs] // num_local).to(torch.int32),
     )

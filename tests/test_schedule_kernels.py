@@ -1,4 +1,5 @@
-"""The Triton placement (megamoe.backends.triton.kernels.schedule) equals place_routing_torch, bit for bit.
+"""The Triton placement (megamoe.backends.triton.kernels.schedule) equals place_routing_torch, bit for bit, and
+fails its assert on an expert id outside [0, E).
 
 Run in the Triton interpreter on the CPU (in a subprocess, since TRITON_INTERPRET must be set before
 Triton is imported), and compiled for sm_90a.
@@ -34,7 +35,7 @@ CHECK = textwrap.dedent(
             ids = torch.randint(0, E // W, (W * T, k))
         if routing == "two":
             ids = torch.tensor([1, E - 2])[torch.randint(0, 2, (W * T, k))]
-        flat = ids.reshape(-1).long()
+        flat = ids.reshape(-1).to(torch.int32 if E % 2 else torch.int64)
         for rank in range(W):
             R = receive_rows(T, k, E // W, W, B, cf)
             want = place_routing_torch(flat, num_experts=E, world_size=W, rank=rank, block_m=B, num_rows=R)
@@ -42,6 +43,13 @@ CHECK = textwrap.dedent(
             for f in dataclasses.fields(want):
                 a, b = getattr(want, f.name), getattr(got, f.name)
                 assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (W, T, k, E, B, cf, routing, rank, f.name)
+    bad = torch.tensor([0, 3, 4, 1], dtype=torch.int32)  # 4 lies outside [0, 4)
+    try:
+        place_routing(bad, num_experts=4, world_size=1, rank=0, block_m=4, num_rows=receive_rows(2, 2, 4, 1, 4, None))
+    except RuntimeError as e:
+        assert "expert ids in [0, 4)" in str(e), e
+    else:
+        raise AssertionError("an id outside [0, E) passed")
     print("ok", len(cases))
     """
 )
@@ -59,20 +67,28 @@ def test_placement_kernels_compile(arch):
 
     from megamoe.backends.triton.kernels import schedule as kernels
 
+    count = {"ids_ptr": "*i64", "chunk_counts_ptr": "*i32", "num_pairs": "i32", "num_experts": "i32",
+             "CHUNK": "constexpr", "BINS": "constexpr"}
     layout = {
-        "bounds_ptr": "*i64", "starts_ptr": "*i64", "counts_ptr": "*i32", "offsets_ptr": "*i32",
-        "block_expert_ptr": "*i32", "num_blocks_ptr": "*i32", "world_size": "i32", "num_local": "i32",
+        "chunk_counts_ptr": "*i32", "starts_ptr": "*i32", "counts_ptr": "*i32", "offsets_ptr": "*i32",
+        "block_expert_ptr": "*i32", "num_blocks_ptr": "*i32", "overflow_ptr": "*i32", "ids_ok_ptr": "*i32",
+        "row_src_ptr": "*i32", "num_chunks": "i32", "num_experts": "i32", "world_size": "i32", "num_local": "i32",
         "rank": "i32", "block_m": "i32", "num_rows": "i32", "num_row_blocks": "i32",
-        "BLOCK_W": "constexpr", "BLOCK_L": "constexpr", "BLOCKS": "constexpr",
+        "BLOCK_W": "constexpr", "BLOCK_L": "constexpr", "CHUNKS": "constexpr", "BLOCKS": "constexpr",
+        "ROWS": "constexpr",
     }
     place = {
-        "sorted_ptr": "*i16", "perm_ptr": "*i64", "bounds_ptr": "*i64", "starts_ptr": "*i64",
-        "dest_row_ptr": "*i32", "row_src_ptr": "*i32", "overflow_ptr": "*i32", "num_pairs": "i32",
-        "num_local": "i32", "rank": "i32", "num_rows": "i32", "BLOCK": "constexpr",
+        "ids_ptr": "*i32", "chunk_counts_ptr": "*i32", "starts_ptr": "*i32", "dest_row_ptr": "*i32",
+        "row_src_ptr": "*i32", "dest_rank_ptr": "*i32", "num_pairs": "i32", "num_experts": "i32",
+        "num_local": "i32", "rank": "i32", "num_rows": "i32", "local_first": "i32", "local_pairs": "i32",
+        "CHUNK": "constexpr", "BINS": "constexpr", "CHUNKS": "constexpr",
     }
+    bins = 256  # 128 experts + the out-of-range count, rounded up
     for fn, signature, constexprs in (
-        (kernels.layout_kernel, layout, {"BLOCK_W": 2, "BLOCK_L": 64, "BLOCKS": kernels.BLOCKS_PER_STEP}),
-        (kernels.place_kernel, place, {"BLOCK": kernels.PLACE_BLOCK}),
+        (kernels.count_kernel, count, {"CHUNK": 1024, "BINS": bins}),
+        (kernels.layout_kernel, layout, {"BLOCK_W": 2, "BLOCK_L": 64, "CHUNKS": kernels.LOAD_ELEMENTS // 128,
+                                         "BLOCKS": kernels.BLOCKS_PER_STEP, "ROWS": kernels.ROWS_PER_STEP}),
+        (kernels.place_kernel, place, {"CHUNK": 1024, "BINS": bins, "CHUNKS": kernels.LOAD_ELEMENTS // bins}),
     ):
         src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
         compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32))
