@@ -1,8 +1,9 @@
-"""fwd+bwd of the one-GPU triton backend in named variants of its kernel choice, in one process, the variants
-alternating (order rotated every round) over 4 rounds of 10 iterations; median per variant, and the peak memory
-above the inputs (weights and token sets) over its iterations.
+"""fwd+bwd (or the training forward alone) of the one-GPU triton backend in named variants of its kernel choice,
+in one process, the variants alternating (order rotated every round) over 4 rounds (--rounds) of 10 iterations;
+median per variant, and the peak memory above the inputs (weights and token sets) over its iterations.
 
-Usage: python benchmarks/layer_ab.py WORKLOAD[,WORKLOAD...] VARIANT,VARIANT[,...] OUT.json   (an sm_90 GPU)
+Usage: python benchmarks/layer_ab.py WORKLOAD[,WORKLOAD...] VARIANT,VARIANT[,...] OUT.json [--pass fwd+bwd,fwd]
+       [--rounds N] [--routing balanced,skewed]   (an sm_90 GPU)
 Variants (each a change to the tile choice that every run reads through the public path, megamoe.experts):
   default   the tile table as it ships
   pointer   the pointer-load core (configs.tma_kernel_configs answers None, so experts.one_gpu_configs picks it)
@@ -14,11 +15,11 @@ Variants (each a change to the tile choice that every run reads through the publ
   group_m:N every GEMM's tiles swept N row blocks per column block (the table: 8)
   GEMM.group_m:N  the same for one GEMM of the table (e.g. down_dgrad.group_m:4)
 """
-import dataclasses, functools, json, statistics, sys, torch, megamoe
+import argparse, dataclasses, functools, json, statistics, torch, megamoe
 from megamoe.backends.triton import configs
 from megamoe.backends.triton import experts as te
 from megamoe.backends.triton import kernels
-from megamoe.bench.problem import make_weights, make_tokens, forward_backward
+from megamoe.bench.problem import make_weights, make_tokens, forward_backward, forward_TH
 from megamoe.bench.workloads import WORKLOADS, layer_flops
 
 SHIPPED = (te.tma_kernel_configs, configs._GATHER_X_MAX_H)
@@ -74,13 +75,30 @@ def select(variant: str) -> None:
                          "GEMM.group_m:N")
 
 
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("workloads")
+parser.add_argument("variants")
+parser.add_argument("json_path")
+parser.add_argument("--pass", dest="passes", default="fwd+bwd", help="fwd+bwd and/or fwd (the training forward)")
+parser.add_argument("--rounds", type=int, default=4)
+parser.add_argument("--routing", default="balanced,skewed")
+args = parser.parse_args()
+
+
+def step(pass_name, weights, tokens, cfg):
+    if pass_name == "fwd":
+        forward_TH(megamoe.experts, weights, tokens, config=cfg).detach()
+    else:
+        forward_backward(megamoe.experts, weights, tokens, config=cfg)
+
+
 out = []
-variants = sys.argv[2].split(",")
-for name in sys.argv[1].split(","):
+variants = args.variants.split(",")
+for name in args.workloads.split(","):
     w = WORKLOADS[name]; E = w.one_gpu_experts or w.num_experts; T = w.tokens_per_gpu
     dev = torch.device("cuda")
     weights = make_weights(w, range(E), torch.bfloat16, dev)
-    for routing in ("balanced", "skewed"):
+    for routing, pass_name in [(r, p) for r in args.routing.split(",") for p in args.passes.split(",")]:
         g = torch.Generator(device=dev).manual_seed(1)
         toks = [make_tokens(w, T, E, routing, torch.bfloat16, g) for _ in range(3)]
         cfg = megamoe.MoEConfig(backend="triton")
@@ -88,27 +106,27 @@ for name in sys.argv[1].split(","):
         peak = dict.fromkeys(variants, 0)
         torch.cuda.synchronize()
         inputs_bytes = torch.cuda.memory_allocated()
-        for rnd in range(4):
+        for rnd in range(args.rounds):
             for v in variants[rnd % len(variants):] + variants[:rnd % len(variants)]:
                 select(v)
                 for i in range(3):
-                    forward_backward(megamoe.experts, weights, toks[i % 3], config=cfg)
+                    step(pass_name, weights, toks[i % 3], cfg)
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(10)]
                 for i, (a, b) in enumerate(ev):
-                    a.record(); forward_backward(megamoe.experts, weights, toks[i % 3], config=cfg); b.record()
+                    a.record(); step(pass_name, weights, toks[i % 3], cfg); b.record()
                 torch.cuda.synchronize()
                 times[v] += [a.elapsed_time(b) for a, b in ev]
                 peak[v] = max(peak[v], torch.cuda.max_memory_allocated() - inputs_bytes)
         select("default")
         for v, t in times.items():
             ms = statistics.median(t)
-            rec = dict(workload=name, routing=routing, variant=v, ms=ms, tflops=layer_flops(w, T, "fwd+bwd") / ms / 1e9,
-                       peak_above_inputs_gib=peak[v] / 2**30, experts=E)
+            rec = dict(workload=name, routing=routing, pass_name=pass_name, variant=v, ms=ms,
+                       tflops=layer_flops(w, T, pass_name) / ms / 1e9, peak_above_inputs_gib=peak[v] / 2**30, experts=E)
             out.append(rec); print(json.dumps(rec), flush=True)
     del weights; torch.cuda.empty_cache()
-json.dump(out, open(sys.argv[3], "w"), indent=1)
+json.dump(out, open(args.json_path, "w"), indent=1)
 for r in out:
-    print(f"{r['workload']:16} {r['routing']:9} {r['variant']:9} {r['ms']:7.2f} ms {r['tflops']:5.0f} TF/s "
+    print(f"{r['workload']:16} {r['routing']:9} {r['pass_name']:7} {r['variant']:9} {r['ms']:7.2f} ms {r['tflops']:5.0f} TF/s "
           f"{r['peak_above_inputs_gib']:6.2f} GiB above inputs")
