@@ -16,7 +16,7 @@ import triton
 
 from megamoe.backends.triton import kernels
 from megamoe.backends.triton.configs import block_m_for
-from megamoe.backends.triton.experts import one_gpu_configs, router_grad
+from megamoe.backends.triton.experts import one_gpu_configs
 from megamoe.backends.triton.kernels.schedule import place_routing
 from megamoe.bench.workloads import WORKLOADS
 from megamoe.schedule import build_schedule
@@ -65,7 +65,7 @@ def breakdown(name: str, tokens: int | None, experts_cap: int | None) -> list[di
         "combine": (lambda: kernels.combine(y, tw, s.dest_row, None, config=cfg.combine), 0, combine_bytes, "fwd"),
         "gather_d_out": (lambda: kernels.spread_rows(d_out, s.dest_row, s.row_src, in_use), 0, rows_bytes, "bwd"),
         "down_dgrad": (down_dgrad, gemm, 0, "bwd"),
-        "router_grad": (lambda: router_grad(d_w_part, s.dest_row), 0, 0, "bwd"),
+        "router_grad": (lambda: kernels.row_sums(d_w_part, s.dest_row, torch.float32), 0, 0, "bwd"),
         "gate_up_dgrad": (lambda: kernels.gate_up_dgrad(d_gu, wgu, *blocks, config=cfg.gate_up_dgrad), 2 * gemm, 0, "bwd"),
         "dw_down": (lambda: kernels.dw_down(d_out_rows, h_w, s.expert_offsets, E, config=cfg.dw_down), gemm, 0, "bwd"),
         "gather_x_again": (lambda: kernels.spread_rows(x, s.dest_row, s.row_src, in_use), 0, rows_bytes, "bwd"),

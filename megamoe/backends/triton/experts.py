@@ -95,18 +95,14 @@ def _check_group(group, schedule: Schedule, w_gate_up: torch.Tensor) -> None:
 # The one-GPU backend interface.
 
 
-def _x_rows(x: torch.Tensor, schedule: Schedule) -> torch.Tensor:
-    return kernels.spread_rows(x, schedule.dest_row, schedule.row_src, rows_in_use(schedule))
-
-
-def _gate_up(x, w_gate_up, w_down, schedule: Schedule, cfg: KernelConfigs, *, store_gate_up: bool):
+def _gate_up(x, w_gate_up, schedule: Schedule, blocks: torch.Tensor, cfg: KernelConfigs, *, store_gate_up: bool):
     """(h [R, I], gate_up [R, 2I] or None) of the rows of x: gathered in the kernel's loads where the tile
-    says so (gather), else by a gather pass whose rows are released on return."""
+    says so (gather), else by a gather pass whose rows are released on return. blocks: all_blocks(schedule)."""
     if cfg.gate_up_fwd.gather:
         a, gather = x, (schedule.row_src, schedule.top_k)
     else:
-        a, gather = _x_rows(x, schedule), None
-    return kernels.gate_up_fwd(a, w_gate_up, schedule.block_expert, all_blocks(schedule),
+        a, gather = kernels.spread_rows(x, schedule.dest_row, schedule.row_src, rows_in_use(schedule)), None
+    return kernels.gate_up_fwd(a, w_gate_up, schedule.block_expert, blocks,
                                store_gate_up=store_gate_up, config=cfg.gate_up_fwd, gather=gather)
 
 
@@ -140,8 +136,9 @@ def experts_fwd(
     if schedule.num_rows == 0:  # T = 0: no rows, nothing to launch (a TMA descriptor cannot describe 0 rows)
         gate_up, y_rows = x.new_empty(0, w_gate_up.shape[1]), x.new_empty(0, x.shape[1])
     else:
-        h, gate_up = _gate_up(x, w_gate_up, w_down, schedule, cfg, store_gate_up=store_gate_up)
-        y_rows = kernels.down_fwd(h, w_down, schedule.block_expert, all_blocks(schedule), config=cfg.down_fwd)
+        blocks = all_blocks(schedule)
+        h, gate_up = _gate_up(x, w_gate_up, schedule, blocks, cfg, store_gate_up=store_gate_up)
+        y_rows = kernels.down_fwd(h, w_down, schedule.block_expert, blocks, config=cfg.down_fwd)
         del h  # lowers the peak: the combine allocates out
     shared_out, shared_saved = shared_fwd(x, shared_gate_up, shared_down)
     out = kernels.combine(y_rows, topk_weights, schedule.dest_row, shared_out, config=cfg.combine)
@@ -153,14 +150,6 @@ def experts_fwd(
 def empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule: Schedule) -> tuple[torch.Tensor, ...]:
     """Tensors shaped like experts_fwd's `saved` (default config), for torch.compile's fake impl."""
     return (x.new_empty(schedule.num_rows, w_gate_up.shape[1]), *empty_shared_saved(x, shared_gate_up))
-
-
-def router_grad(d_w_part: torch.Tensor, dest_row: torch.Tensor) -> torch.Tensor:
-    """d_topk_weights [T, k] fp32 from down_dgrad_router's partial sums: row dest_row[t, j]'s partials summed
-    (a fixed-order reduction: deterministic), 0 for a pair without a row (-1, cut by a capacity)."""
-    per_row = d_w_part.sum(dim=1)
-    routed = dest_row >= 0
-    return torch.where(routed, per_row[dest_row.clamp(min=0).long()], 0.0)
 
 
 def empty_batch_grads(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
@@ -213,11 +202,11 @@ def experts_bwd(
     )
     d_x = d_topk_weights = d_w_gate_up = d_w_down = None
     if need_x or need_weights or need_w_gate_up or need_w_down:
-        blocks, num_experts = all_blocks(schedule), w_gate_up.shape[0]
+        blocks, in_use, num_experts = all_blocks(schedule), rows_in_use(schedule), w_gate_up.shape[0]
         kept = gate_up.shape[0] > 0 and gate_up.untyped_storage().nbytes() > 0
         if not kept:  # MoEConfig.recompute, or a second backward through this forward (see _release)
-            gate_up = _gate_up(x, w_gate_up, w_down, schedule, cfg, store_gate_up=True)[1]
-        d_out_rows = kernels.spread_rows(d_out, schedule.dest_row, schedule.row_src, rows_in_use(schedule))
+            gate_up = _gate_up(x, w_gate_up, schedule, blocks, cfg, store_gate_up=True)[1]
+        d_out_rows = kernels.spread_rows(d_out, schedule.dest_row, schedule.row_src, in_use)
         d_gate_up, h_w, d_w_part = kernels.down_dgrad_router(
             d_out_rows, w_down, gate_up, schedule.row_src, topk_weights.contiguous(), schedule.block_expert, blocks,
             store_h_w=need_w_down, config=cfg.down_dgrad,
@@ -230,7 +219,8 @@ def experts_bwd(
                                        row_src=schedule.row_src)
         del d_out_rows, h_w
         if need_weights:
-            d_topk_weights = router_grad(d_w_part, schedule.dest_row).to(topk_weights.dtype)
+            # row dest_row[t, j]'s partials summed in a fixed order (deterministic), 0 for a pair cut by a capacity
+            d_topk_weights = kernels.row_sums(d_w_part, schedule.dest_row, topk_weights.dtype)
         if need_x:
             d_x_rows = kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad)
             d_x = kernels.combine(d_x_rows, None, schedule.dest_row, d_x_shared, config=cfg.combine)
@@ -239,7 +229,8 @@ def experts_bwd(
             if config.recompute and cfg.dw_gate_up.gluon:
                 x_rows, gather = x, (schedule.row_src, schedule.top_k)
             else:
-                x_rows, gather = _x_rows(x, schedule), None  # into d_x_rows' freed memory
+                # into d_x_rows' freed memory
+                x_rows, gather = kernels.spread_rows(x, schedule.dest_row, schedule.row_src, in_use), None
             d_w_gate_up = kernels.dw_gate_up(d_gate_up, x_rows, schedule.expert_offsets, num_experts,
                                              config=cfg.dw_gate_up, gather=gather, row_src=schedule.row_src)
     return d_x, d_topk_weights, d_w_gate_up, d_w_down, d_shared_gate_up, d_shared_down

@@ -1,4 +1,5 @@
-"""Combine: out[t] = sum_j w[t, j] * rows[index[t, j]] (+ shared[t]) and its router-weight gradient.
+"""Combine: out[t] = sum_j w[t, j] * rows[index[t, j]] (+ shared[t]) and its router-weight gradient, and the
+one-GPU router-weight gradient from down_dgrad's per-row partial sums (row_sums).
 
 Both are memory-bound, one program per [BLOCK_T tokens x BLOCK_H columns] tile; the slot loop runs
 j = 0..k-1 in order with an fp32 accumulator (the reference's order), and the shared expert's output is
@@ -128,3 +129,36 @@ def combine_bwd(d_out_TH: torch.Tensor, rows_NH: torch.Tensor, index_TK: torch.T
         BLOCK_T=config.block_m, BLOCK_H=config.block_n, num_warps=config.num_warps,
     )
     return d_w
+
+
+@triton.jit
+def row_sums_kernel(parts_ptr, index_ptr, out_ptr, num_pairs, P, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < num_pairs
+    row = tl.load(index_ptr + i, mask=ok, other=-1)
+    routed = row >= 0
+    base = tl.where(routed, row, 0).to(tl.int64) * P
+    acc = tl.zeros([BLOCK], tl.float32)
+    for p0 in range(0, P, BLOCK_P):  # fixed chunks in order, a fixed tree within each: deterministic
+        p = p0 + tl.arange(0, BLOCK_P)
+        acc += tl.sum(tl.load(parts_ptr + base[:, None] + p[None, :], mask=routed[:, None] & (p[None, :] < P),
+                              other=0.0), axis=1)
+    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+ROW_SUMS_BLOCK = 256  # pairs per program
+ROW_SUMS_BLOCK_P = 16  # partials per step
+
+
+def row_sums(parts_RP: torch.Tensor, index_TK: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[T, k] in dtype: sum_p parts[index[t, j], p] (fp32, in a fixed order), 0 where index is -1: the router
+    weights' gradient from down_dgrad_router's partial sums (parts fp32 [R, P]), in one launch."""
+    check(parts_RP.dim() == 2 and parts_RP.dtype == torch.float32 and parts_RP.is_contiguous(),
+          f"parts must be a contiguous fp32 [R, P] tensor, got {parts_RP.dtype} {tuple(parts_RP.shape)}")
+    check(index_TK.dim() == 2 and index_TK.dtype == torch.int32 and index_TK.is_contiguous(),
+          f"index must be a contiguous int32 [T, k] tensor, got {index_TK.dtype} {tuple(index_TK.shape)}")
+    out = torch.empty(index_TK.shape, dtype=dtype, device=parts_RP.device)
+    if out.numel():
+        row_sums_kernel[(triton.cdiv(out.numel(), ROW_SUMS_BLOCK),)](
+            parts_RP, index_TK, out, out.numel(), parts_RP.shape[1], BLOCK=ROW_SUMS_BLOCK, BLOCK_P=ROW_SUMS_BLOCK_P)
+    return out
