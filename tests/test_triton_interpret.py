@@ -303,6 +303,26 @@ def test_combine_and_bwd(dtype, shared):
     assert d_w[2, 1] == 0, "a pair without a row must get a zero router-weight gradient"
 
 
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("parts", [6, 40], ids=["one-step", "three-steps"])
+def test_row_sums(dtype, parts):
+    """The router weights' gradient from down_dgrad's partials: row index[t, j]'s partials summed, 0 where -1."""
+    T, k, R = 300, 3, 1000  # two programs of pairs, the second partly masked
+    parts_RP = torch.randn(R, parts)
+    index = torch.randperm(R, generator=torch.Generator().manual_seed(5))[: T * k].to(torch.int32).view(T, k).contiguous()
+    index[7, 2] = -1  # a pair cut by a capacity
+    with poisoned_empty():
+        got = kernels.row_sums(parts_RP, index, dtype)
+    want = torch.where(index >= 0, parts_RP.double().sum(1)[index.long().clamp(min=0)], 0.0)
+    assert got.dtype == dtype and got.shape == (T, k)
+    # fp32 sums in both; bf16 results within one bf16 ulp (2^-7 relative) of the exact sum
+    assert_close("d_topk_weights", got, want, *(tol_for(dtype) if dtype == torch.float32 else (1e-6, 2.0**-7)))
+    assert got[7, 2] == 0, "a pair without a row must get a zero router-weight gradient"
+    again = kernels.row_sums(parts_RP, index, dtype)
+    assert torch.equal(got, again), "row_sums must repeat its bits"
+
+
 # ----------------------------------------------------------------------------------------------------
 # Full forward + backward against the reference
 
