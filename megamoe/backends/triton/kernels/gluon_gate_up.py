@@ -493,15 +493,21 @@ def launch_gate_up_fwd(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, block_expert, bl
     one staging buffer per consumer, or 3 beside two (the shared memory holds one or the other)."""
     check(config.block_m == BLOCK_M and config.block_k == BLOCK_K,
           f"the Gluon gate_up_fwd runs {BLOCK_M} x n x {BLOCK_K} tiles, got {config}")
+    check(not config.handoff or (gather is None and config.num_stages == 3),
+          f"the hand-off kernel reads x rows by TMA through 3 stages, got {config} with gather={gather is not None}")
     tile = GateUpTile(block_n=config.block_n, stages=config.num_stages, out_bufs=1 if config.num_stages >= 4 else 2,
-                      group_m=config.group_m)
+                      group_m=config.group_m, handoff=config.handoff)
     check(tma_addressable(x_RH, w_gate_up_E2IH, h_RI, *([gate_up_R2I] if store_gate_up else [])),
           "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8)")
     row_src, top_k = gather if gather is not None else (block_expert, 1)  # unread without gather
     descs = descriptors(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I if store_gate_up else None, tile)
     grid = persistent_grid(x_RH.device, h_RI.shape[0] // BLOCK_M * triton.cdiv(h_RI.shape[1], tile.block_n))
-    gate_up_fwd_ws_kernel[grid](*descs, x_RH, row_src, block_expert, block_range, x_RH.shape[1], h_RI.shape[1], top_k,
-                                **constexprs(tile, split, store_gate_up, gather is not None), num_warps=4)
+    if tile.handoff:
+        gate_up_fwd_handoff_kernel[grid](*descs, block_expert, block_range, x_RH.shape[1], h_RI.shape[1],
+                                         **constexprs(tile, split, store_gate_up, False), num_warps=4)
+    else:
+        gate_up_fwd_ws_kernel[grid](*descs, x_RH, row_src, block_expert, block_range, x_RH.shape[1], h_RI.shape[1],
+                                    top_k, **constexprs(tile, split, store_gate_up, gather is not None), num_warps=4)
 
 
 def gate_up_fwd_gluon(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_expert: torch.Tensor,
