@@ -192,6 +192,40 @@ def _producer_gather(x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, rea
 
 
 @gluon.jit
+def _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG: gl.constexpr, GATHER: gl.constexpr):
+    """One consumer warpgroup's K loop over a tile: rows [64 WG, 64 WG + 64) of the slots c, c + 1, ... (the
+    producer's fill counter), two wgmma groups (gate, up) a step kept in flight, each slot released once its
+    groups retired. Returns the fp32 accumulators (gate, up) and the next slot counter."""
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    BLOCK_M: gl.constexpr = a_bufs.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.shape[2]
+    BLOCK_N: gl.constexpr = gate_bufs.shape[2]
+    CONSUMER_ROWS: gl.constexpr = BLOCK_M // 2
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    acc_g = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, acc_layout)
+    acc_u = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, acc_layout)
+    for ki in range(k_steps):
+        s = c % STAGES
+        mbarrier.wait(ready_bars.index(s), (c // STAGES) & 1)
+        if GATHER:
+            # A was written by cp.async (generic proxy); wgmma reads shared memory through the async proxy.
+            fence_async_shared()
+        a = a_bufs.index(s).slice(WG * CONSUMER_ROWS, CONSUMER_ROWS)
+        b_gate = gate_bufs.index(s).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
+        b_up = up_bufs.index(s).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
+        acc_g = warpgroup_mma(a, b_gate, acc_g, is_async=True)
+        acc_u = warpgroup_mma(a, b_up, acc_u, is_async=True)
+        # Step c's two wgmma groups stay in flight; step c - 1's have retired: its slot goes back.
+        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
+        mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=ki > 0)
+        c += 1
+    acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+    mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES))
+    return acc_g, acc_u, c
+
+
+@gluon.jit
 def _stage_store(desc, row, plane, col, value, out_bufs, n_stored):
     """TMA store of value [64, BLOCK_N] at [row, plane, col] through staging buffer n_stored % OUT_BUFS; waits
     only for the store that last used that buffer. Returns the consumer's store count."""
@@ -210,14 +244,11 @@ def _consumer(h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs, ready_bars,
               GROUP_M: gl.constexpr):
     """One warpgroup: rows [64 WG, 64 WG + 64) of every tile of this CTA: the gate and up wgmma over the ring's
     slots, then the epilogue (g, u rounded, h = swiglu(g, u), TMA stores)."""
-    STAGES: gl.constexpr = a_bufs.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
     BLOCK_N: gl.constexpr = gate_bufs.shape[2]
     CONSUMER_ROWS: gl.constexpr = h_desc.block_type.shape[0]
     dtype: gl.constexpr = h_desc.dtype
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
     num_n = gl.cdiv(I, BLOCK_N)
@@ -226,25 +257,7 @@ def _consumer(h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs, ready_bars,
     n_stored = 0
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         row, col, _ = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
-        acc_g = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, acc_layout)
-        acc_u = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, acc_layout)
-        for ki in range(k_steps):
-            s = c % STAGES
-            mbarrier.wait(ready_bars.index(s), (c // STAGES) & 1)
-            if GATHER:
-                # A was written by cp.async (generic proxy); wgmma reads shared memory through the async proxy.
-                fence_async_shared()
-            a = a_bufs.index(s).slice(WG * CONSUMER_ROWS, CONSUMER_ROWS)
-            b_gate = gate_bufs.index(s).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
-            b_up = up_bufs.index(s).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
-            acc_g = warpgroup_mma(a, b_gate, acc_g, is_async=True)
-            acc_u = warpgroup_mma(a, b_up, acc_u, is_async=True)
-            # Step c's two wgmma groups stay in flight; step c - 1's have retired: its slot goes back.
-            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
-            mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=ki > 0)
-            c += 1
-        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
-        mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES))
+        acc_g, acc_u, c = _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG, GATHER)
         g = acc_g.to(dtype)
         u = acc_u.to(dtype)
         out_row = row + WG * CONSUMER_ROWS
@@ -262,13 +275,10 @@ def _consumer_handoff(a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empt
     [64 WG, 64 WG + 64) of the tile) and hands them to the epilogue warps, which do the SwiGLU and the stores.
     Use t of the buffers (the CTA's t-th tile): wait for gu_free's phase t - 1 (the epilogue's release of
     tile t - 1; a fresh barrier passes t = 0), write, fence for the TMA engine, arrive on gu_ready (count 2)."""
-    STAGES: gl.constexpr = a_bufs.shape[0]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_N: gl.constexpr = gate_bufs.shape[2]
     CONSUMER_ROWS: gl.constexpr = BLOCK_M // 2
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
     num_n = gl.cdiv(I, BLOCK_N)
@@ -276,21 +286,7 @@ def _consumer_handoff(a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empt
     c = 0  # slot counter: the producer's p for the same (tile, K step)
     t = 0  # tiles of this CTA so far: use t of the hand-off buffers
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        acc_g = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, acc_layout)
-        acc_u = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, acc_layout)
-        for ki in range(k_steps):
-            s = c % STAGES
-            mbarrier.wait(ready_bars.index(s), (c // STAGES) & 1)
-            a = a_bufs.index(s).slice(WG * CONSUMER_ROWS, CONSUMER_ROWS)
-            b_gate = gate_bufs.index(s).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
-            b_up = up_bufs.index(s).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
-            acc_g = warpgroup_mma(a, b_gate, acc_g, is_async=True)
-            acc_u = warpgroup_mma(a, b_up, acc_u, is_async=True)
-            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
-            mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=ki > 0)
-            c += 1
-        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
-        mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES))
+        acc_g, acc_u, c = _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG, False)
         # The epilogue warps have stored the previous tile out of the buffers (a fresh barrier passes use 0).
         mbarrier.wait(gu_free, (t & 1) ^ 1)
         g_buf.slice(WG * CONSUMER_ROWS, CONSUMER_ROWS).store(acc_g.to(g_buf.dtype))
