@@ -10,6 +10,8 @@ Variants (each a change to the tile choice that every run reads through the publ
   rows      gate_up_fwd on gathered rows (a gather pass) where the table gathers x inside the kernel's loads
   gather    gate_up_fwd gathering x inside its loads on every workload (the table: where it measured faster)
   gather-s3 the gathering gate_up_fwd with 3 stages and two staging buffers per consumer (the table: 4 and 1)
+  handoff   gate_up_fwd on x rows with its epilogue on warps of its own (TileConfig.handoff) where the table
+            reads rows
   no-skip   the Gluon weight grads without the schedule's row_src: an expert's last row step computed even where
             it holds padding rows only (the default skips it)
   group_m:N every GEMM's tiles swept N row blocks per column block (the table: 8)
@@ -41,6 +43,13 @@ def gather_s3(*args):
     return dataclasses.replace(table, gate_up_fwd=dataclasses.replace(table.gate_up_fwd, num_stages=3))
 
 
+def handoff(*args):
+    table = SHIPPED[0](*args)
+    if table is None or table.gate_up_fwd.gather:
+        return table
+    return dataclasses.replace(table, gate_up_fwd=dataclasses.replace(table.gate_up_fwd, handoff=True, num_stages=3))
+
+
 def with_group_m(group_m: int, gemm: str | None):
     """The table with group_m on every GEMM's entry (gemm None) or on the one named."""
     def table(*args):
@@ -64,6 +73,8 @@ def select(variant: str) -> None:
         configs._GATHER_X_MAX_H = 1 << 30
     elif variant == "gather-s3":
         te.tma_kernel_configs = gather_s3
+    elif variant == "handoff":
+        te.tma_kernel_configs = handoff
     elif variant == "no-skip":
         for name, fn in SHIPPED_DW.items():
             setattr(kernels, name, without_row_src(fn))
@@ -71,8 +82,8 @@ def select(variant: str) -> None:
         gemm, _, n = variant.rpartition("group_m:")
         te.tma_kernel_configs = with_group_m(int(n), gemm.removesuffix(".") or None)
     elif variant != "default":
-        raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, gather, gather-s3, no-skip, group_m:N or "
-                         "GEMM.group_m:N")
+        raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, gather, gather-s3, handoff, no-skip, "
+                         "group_m:N or GEMM.group_m:N")
 
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

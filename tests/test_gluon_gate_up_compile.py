@@ -52,7 +52,9 @@ from compile_checks import (  # noqa: E402
 # A qwen3-30b-a3b-like problem: the descriptors' block shapes and layouts are what matters, not the sizes.
 R, H, I, E, T = 2048, 2048, 768, 4, 512
 CASES = {f"{name}-{'gu' if gu else 'h'}-{'gather' if gather else 'tma'}": (name, gu, gather)
-         for name in G.TILES for gu in (True, False) for gather in (False, True)}
+         for name, tile in G.TILES.items() if not tile.handoff for gu in (True, False) for gather in (False, True)}
+HANDOFF_CASES = {f"{name}-{'gu' if gu else 'h'}": (name, gu) for name, tile in G.TILES.items() if tile.handoff
+                 for gu in (True, False)}
 # Float instructions of the epilogue (fp32 -> 16-bit rounding, SwiGLU), counted in both kernels.
 EPILOGUE_OPS = ("cvt.rn.bf16.f32", "cvt.rn.bf16x2.f32", "cvt.f32.bf16", "ex2.approx.f32", "ex2.approx.ftz.f32",
                 "div.full.f32", "div.rn.f32", "rcp.approx.f32", "sub.f32", "neg.f32", "add.f32", "mul.f32", "fma.rn.f32")
@@ -70,7 +72,7 @@ def _compile_gluon(tile, store_gate_up: bool, gather: bool, sizes_aligned: bool 
     h = torch.empty(R, I, dtype=torch.bfloat16)
     gate_up = torch.empty(R, 2 * I, dtype=torch.bfloat16) if store_gate_up else None
     descs = dict(zip(("x_desc", "w_desc", "h_desc", "gu_desc"), G.descriptors(x, w, h, gate_up, tile)))
-    fn = G.gate_up_fwd_ws_kernel
+    fn = G.gate_up_fwd_handoff_kernel if tile.handoff else G.gate_up_fwd_ws_kernel
     consts = G.constexprs(tile, 1, store_gate_up, gather)
     signature = kernel_signature(fn, consts, {name: mangle_type(d) for name, d in descs.items()}, _arg_type)
     aligned = pointers(fn) | ({"H", "I"} if sizes_aligned else set())
@@ -171,6 +173,88 @@ def test_gluon_gate_up_sm90a(case):
     # No spills, nothing serialised, shared memory within the SM.
     assert_no_spills_or_serialisation(case, r)
     assert tile.smem_bytes() <= meta.shared <= SMEM_LIMIT, f"{case}: shared {meta.shared} B (ring + staging {tile.smem_bytes()})"
+
+
+@pytest.mark.parametrize("case", list(HANDOFF_CASES))
+def test_gluon_gate_up_handoff_sm90a(case):
+    """The hand-off kernel: the consumers' main loop as the production kernel's (the same wgmma, kept in flight),
+    x rows and weights by TMA, the stores all issued by the epilogue warps (one box of the whole tile per
+    tensor), the hand-off barriers beside the ring's, 12 warps within the register file (two consumer
+    warpgroups at CONSUMER_REGS, the producer's warp and the epilogue's in one warpgroup at PRODUCER_REGS), no
+    spills, the shared memory of the ring and the two [128, BLOCK_N] buffers."""
+    name, store_gate_up = HANDOFF_CASES[case]
+    tile = G.TILES[name]
+    r = warp_specialized_report(_compile_gluon(tile, store_gate_up, gather=False))
+    ptx, meta = r["ptx"], r["compiled"].metadata
+    per_k_step = 2 * 2 * (G.BLOCK_K // 16)
+    wgmma = count(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_n}k16\.f32\.bf16\.bf16", ptx)
+    stores = count(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta\.bulk_group", ptx)
+    inits = re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx)
+    print(f"\ngluon gate_up hand-off {case}: {meta.num_warps} warps, setmaxnreg {r['setmaxnreg']}, shared {meta.shared} B, "
+          f"{wgmma} wgmma, TMA loads 2d/3d {r['tma_load_2d']}/{r['tma_load_3d']}, stores {stores}, mbarrier init {inits}")
+    assert wgmma == r["wgmma_any"] == per_k_step and 2 in r["wait_groups"], (wgmma, r["wait_groups"])
+    assert _constant_true_scale_d(ptx), "a wgmma's scale-d is not a constant true"
+    assert r["tma_load_2d"] == 1 and r["tma_load_3d"] == 2 and r["cp_async"] == 0
+    assert stores == (3 if store_gate_up else 1), f"{case}: {stores} TMA stores"
+    assert sorted(inits) == sorted(["1"] * tile.stages + ["2"] * tile.stages + ["2", "1"]), inits
+    assert meta.num_warps == 12, meta.num_warps
+    assert 2 * tile.consumer_regs + tile.producer_regs <= 512, "the three warpgroups' registers exceed the file"
+    assert_register_split(case, r, tile.producer_regs, tile.consumer_regs)
+    assert_no_spills_or_serialisation(case, r)
+    assert tile.smem_bytes() <= meta.shared <= SMEM_LIMIT, f"{case}: shared {meta.shared} B ({tile.smem_bytes()})"
+
+
+def test_handoff_model():
+    """The hand-off protocol under random interleavings, with mbarrier parity waits as the hardware does them
+    (try_wait.parity(x) passes while the barrier's current phase parity differs from x): each consumer writes
+    tile t's rows only after the epilogue released tile t - 1 (gu_free), the epilogue reads tile t only after
+    both consumers wrote it (gu_ready, count 2), and every run ends (no deadlock)."""
+    import random
+
+    class Barrier:
+        def __init__(self, count):
+            self.count, self.pending, self.phase = count, count, 0
+
+        def arrive(self):
+            self.pending -= 1
+            if self.pending == 0:
+                self.phase, self.pending = self.phase + 1, self.count
+
+        def passes(self, parity):
+            return (self.phase & 1) != parity
+
+    for tiles in (1, 2, 3, 7, 20):
+        for seed in range(200):
+            rnd = random.Random(seed)
+            ready, free = Barrier(2), Barrier(1)
+            written = {0: -1, 1: -1}  # the tile each consumer's rows of the buffer hold
+            read = -1  # the last tile the epilogue finished
+            # Each agent: a program counter over its steps; a step runs only when its wait passes.
+            cons = {wg: [0, "wait"] for wg in (0, 1)}
+            epi = [0, "wait"]
+            while True:
+                runnable = [("c", wg) for wg, (t, st) in cons.items() if t < tiles and (st != "wait" or free.passes((t & 1) ^ 1))]
+                if epi[0] < tiles and ready.passes(epi[0] & 1):
+                    runnable.append(("e", None))
+                if not runnable:
+                    break
+                who, wg = rnd.choice(runnable)
+                if who == "c":
+                    t, st = cons[wg]
+                    if st == "wait":
+                        assert read == t - 1, f"consumer {wg} overwrites tile {read + 1} before the epilogue read it"
+                        written[wg] = t
+                        cons[wg][1] = "arrive"
+                    else:
+                        ready.arrive()
+                        cons[wg] = [t + 1, "wait"]
+                else:
+                    t = epi[0]
+                    assert written == {0: t, 1: t}, f"the epilogue reads tile {t} from {written}"
+                    read = t
+                    free.arrive()
+                    epi[0] = t + 1
+            assert epi[0] == tiles and all(t == tiles for t, _ in cons.values()), ("deadlock", tiles, seed)
 
 
 def test_epilogue_matches_triton_kernel():

@@ -352,3 +352,52 @@ def test_ready_flag_wait_is_bounded(tmp_path):
     assert proc.returncode == 7, f"expected a CUDA error, got rc={proc.returncode}:\n{log[-3000:]}"
     seconds = float(log.split("raised after ")[1].split(" s")[0])
     assert 0.25 <= seconds < 30, f"the wait ended after {seconds} s, expected about 0.3 s"
+
+
+_HANDOFF_CHECK = """
+import torch
+from megamoe.backends.triton.kernels import gluon_gate_up as G
+from megamoe.schedule import build_schedule
+from megamoe.backends.triton import kernels
+
+torch.manual_seed(0)
+for T, E, k, H, I in ((504, 6, 2, 1040, 208), (4096, 32, 8, 4096, 1536)):  # K and column tails; a 235b-like shape
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).cuda()
+    s = build_schedule(ids, E, block_m=128)
+    x = torch.randn(T, H, device="cuda").bfloat16()
+    w = (torch.randn(E, 2 * I, H, device="cuda") * H ** -0.5).bfloat16()
+    x_rows = kernels.spread_rows(x, s.dest_row, s.row_src, torch.cat([s.expert_offsets[:1], s.expert_offsets[-1:]]))
+    used = int(s.num_blocks.item())
+    for blocks in (s.num_blocks, torch.tensor([1, max(1, used - 1)], dtype=torch.int32, device="cuda")):
+        for store in (True, False):
+            want = G.gate_up_fwd_gluon(x_rows, w, s.block_expert, blocks, store_gate_up=store, tile=G.TILES["s3b2"])
+            rows = x_rows.shape[0]
+            out = (torch.full((rows, I), float("nan"), device="cuda").bfloat16(),
+                   torch.full((rows, 2 * I), float("nan"), device="cuda").bfloat16() if store else None)
+            got = G.gate_up_fwd_gluon(x_rows, w, s.block_expert, blocks, store_gate_up=store, tile=G.TILES["s3-handoff"],
+                                      out=out)
+            first, end = (0, used) if blocks.numel() == 1 else (int(blocks[0]), int(blocks[1]))
+            r = slice(first * 128, end * 128)
+            for a, b in zip(got, want):
+                if b is None:
+                    continue
+                assert torch.equal(a[r].view(torch.int16), b[r].view(torch.int16)), (T, H, I, store, "bits differ")
+                assert a[:first * 128].isnan().all() and a[end * 128:].isnan().all(), (T, H, I, store, "rows out of range")
+print("HANDOFF OK", flush=True)
+"""
+
+
+def test_gate_up_handoff_gives_the_production_bits(tmp_path):
+    """gate_up_fwd with its epilogue on warps of its own (gluon_gate_up.gate_up_fwd_handoff_kernel, tile
+    "s3-handoff") gives the production Gluon kernel's h and gate_up bit for bit, on the whole block range and a
+    sub-range (rows outside it untouched), with and without gate_up; in a subprocess with a timeout, so that a
+    barrier bug fails the test instead of hanging the suite."""
+    import subprocess
+    import sys
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels are sm_90a code")
+    script = tmp_path / "handoff.py"
+    script.write_text(_HANDOFF_CHECK)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0 and "HANDOFF OK" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]

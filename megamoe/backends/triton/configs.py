@@ -28,7 +28,8 @@ class TileConfig:
     rows a gather pass wrote; gluon (with tma): the warp-specialized Gluon kernel of kernels/gluon_*.py runs
     (a producer warp feeding two consumer warpgroups through an mbarrier ring; num_warps is then its
     default partition's, 4), its two warpgroups on alternate tiles with pingpong, else on halves of each
-    tile."""
+    tile; handoff (gate_up_fwd's Gluon kernel on x rows): its epilogue on warps of its own
+    (gluon_gate_up.gate_up_fwd_handoff_kernel, 3 stages)."""
 
     block_m: int
     block_n: int
@@ -41,6 +42,7 @@ class TileConfig:
     gather: bool = False
     gluon: bool = False
     pingpong: bool = False
+    handoff: bool = False
 
     def with_block_m(self, block_m: int) -> "TileConfig":
         return dataclasses.replace(self, block_m=block_m)
@@ -175,7 +177,8 @@ def triton_tile(cfg: TileConfig) -> TileConfig:
     shared memory). Any other entry as it is."""
     if not cfg.gluon:
         return cfg
-    return dataclasses.replace(cfg, gluon=False, pingpong=False, num_warps=8, num_stages=min(cfg.num_stages, 3))
+    return dataclasses.replace(cfg, gluon=False, pingpong=False, handoff=False, num_warps=8,
+                               num_stages=min(cfg.num_stages, 3))
 
 
 def _arch(device: torch.device) -> tuple[int, int] | None:

@@ -36,6 +36,19 @@ Structure of a CTA (gl.warp_specialize, 12 warps):
     store issued OUT_BUFS stores earlier (cp.async.bulk.wait_group.read OUT_BUFS - 1), and it never waits
     for its stores' global writes, so the next tile's main loop starts as soon as the last store is issued.
 
+The epilogue handed off (gate_up_fwd_handoff_kernel, tile "s3-handoff"; x rows by TMA only): the consumers'
+epilogue above runs while the tensor cores wait (both consumers finish a tile's main loop together), the SwiGLU's
+~20 instructions an element and the three stores a few percent of a tile's time. In this variant the consumers
+only round g and u into two [128, BLOCK_N] shared-memory buffers (fence, arrive on "gu_ready", count 2) and go
+on to the next tile; EPILOGUE_WARPS warps beside the producer's warp (its warpgroup's otherwise idle warps, at
+its register count) wait for "gu_ready", TMA-store g and u, compute h 8 rows at a time from the buffers into
+g's (whose store has read it), TMA-store h, and once that store has read the buffer arrive on "gu_free", which
+the consumers wait for before writing the next tile (one buffer set: a tile's main loop is long beside its
+epilogue). Shared memory: 3 stages + the buffers, 208 KB. The same bits (the same rounding, the same swiglu on
+the same values). Written when no device time was left: compile-checked (tests/test_gluon_gate_up_compile.py,
+with a model of the hand-off barriers), not yet run; benchmarks/gluon_gate_up_bench.py checks and times it and
+tests/gpu checks its bits; the tile table does not use it.
+
 Tile: BLOCK_N 128 (what the Triton kernel runs: 128 rows x 128 gate + 128 up columns). A consumer's two 64 x 128
 fp32 accumulators take 128 of the 232 registers a thread gets with setmaxnreg (232 + 232 for the consumers, 40
 for the producer warpgroup), which leaves room for addresses, the epilogue's 16-bit g, u and the fp32 SwiGLU
@@ -91,6 +104,9 @@ BLOCK_K = 64  # 128-byte rows of 16-bit operands: the widest shared-memory swizz
 CONSUMER_ROWS = BLOCK_M // 2  # rows of one consumer warpgroup, the TMA store box (h_desc's)
 GATHER_WARPS = 4  # the gathering producer: one warpgroup of cp.async threads
 _GATHER_WARPS = gl.constexpr(GATHER_WARPS)  # the same, as the kernels see it
+_BLOCK_M = gl.constexpr(BLOCK_M)
+EPILOGUE_WARPS = 2  # the hand-off kernel's epilogue warps (beside the producer's in its warpgroup)
+_EPILOGUE_WARPS = gl.constexpr(EPILOGUE_WARPS)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -176,6 +192,40 @@ def _producer_gather(x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, rea
 
 
 @gluon.jit
+def _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG: gl.constexpr, GATHER: gl.constexpr):
+    """One consumer warpgroup's K loop over a tile: rows [64 WG, 64 WG + 64) of the slots c, c + 1, ... (the
+    producer's fill counter), two wgmma groups (gate, up) a step kept in flight, each slot released once its
+    groups retired. Returns the fp32 accumulators (gate, up) and the next slot counter."""
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    BLOCK_M: gl.constexpr = a_bufs.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.shape[2]
+    BLOCK_N: gl.constexpr = gate_bufs.shape[2]
+    CONSUMER_ROWS: gl.constexpr = BLOCK_M // 2
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    acc_g = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, acc_layout)
+    acc_u = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, acc_layout)
+    for ki in range(k_steps):
+        s = c % STAGES
+        mbarrier.wait(ready_bars.index(s), (c // STAGES) & 1)
+        if GATHER:
+            # A was written by cp.async (generic proxy); wgmma reads shared memory through the async proxy.
+            fence_async_shared()
+        a = a_bufs.index(s).slice(WG * CONSUMER_ROWS, CONSUMER_ROWS)
+        b_gate = gate_bufs.index(s).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
+        b_up = up_bufs.index(s).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
+        acc_g = warpgroup_mma(a, b_gate, acc_g, is_async=True)
+        acc_u = warpgroup_mma(a, b_up, acc_u, is_async=True)
+        # Step c's two wgmma groups stay in flight; step c - 1's have retired: its slot goes back.
+        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
+        mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=ki > 0)
+        c += 1
+    acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+    mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES))
+    return acc_g, acc_u, c
+
+
+@gluon.jit
 def _stage_store(desc, row, plane, col, value, out_bufs, n_stored):
     """TMA store of value [64, BLOCK_N] at [row, plane, col] through staging buffer n_stored % OUT_BUFS; waits
     only for the store that last used that buffer. Returns the consumer's store count."""
@@ -194,14 +244,11 @@ def _consumer(h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs, ready_bars,
               GROUP_M: gl.constexpr):
     """One warpgroup: rows [64 WG, 64 WG + 64) of every tile of this CTA: the gate and up wgmma over the ring's
     slots, then the epilogue (g, u rounded, h = swiglu(g, u), TMA stores)."""
-    STAGES: gl.constexpr = a_bufs.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
     BLOCK_N: gl.constexpr = gate_bufs.shape[2]
     CONSUMER_ROWS: gl.constexpr = h_desc.block_type.shape[0]
     dtype: gl.constexpr = h_desc.dtype
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
     num_n = gl.cdiv(I, BLOCK_N)
@@ -210,25 +257,7 @@ def _consumer(h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs, ready_bars,
     n_stored = 0
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         row, col, _ = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
-        acc_g = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, acc_layout)
-        acc_u = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, acc_layout)
-        for ki in range(k_steps):
-            s = c % STAGES
-            mbarrier.wait(ready_bars.index(s), (c // STAGES) & 1)
-            if GATHER:
-                # A was written by cp.async (generic proxy); wgmma reads shared memory through the async proxy.
-                fence_async_shared()
-            a = a_bufs.index(s).slice(WG * CONSUMER_ROWS, CONSUMER_ROWS)
-            b_gate = gate_bufs.index(s).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
-            b_up = up_bufs.index(s).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
-            acc_g = warpgroup_mma(a, b_gate, acc_g, is_async=True)
-            acc_u = warpgroup_mma(a, b_up, acc_u, is_async=True)
-            # Step c's two wgmma groups stay in flight; step c - 1's have retired: its slot goes back.
-            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
-            mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=ki > 0)
-            c += 1
-        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
-        mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES))
+        acc_g, acc_u, c = _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG, GATHER)
         g = acc_g.to(dtype)
         u = acc_u.to(dtype)
         out_row = row + WG * CONSUMER_ROWS
@@ -237,6 +266,105 @@ def _consumer(h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs, ready_bars,
             n_stored = _stage_store(gu_desc, out_row, 1, col, u, out_bufs, n_stored)
         n_stored = _stage_store(h_desc, out_row, 0, col, swiglu(g, u).to(dtype), out_bufs, n_stored)
     tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _consumer_handoff(a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free,
+                      block_range_ptr, H, I, WG: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
+    """_consumer's main loop (x rows by TMA); its epilogue only rounds g and u into the hand-off buffers (rows
+    [64 WG, 64 WG + 64) of the tile) and hands them to the epilogue warps, which do the SwiGLU and the stores.
+    Use t of the buffers (the CTA's t-th tile): wait for gu_free's phase t - 1 (the epilogue's release of
+    tile t - 1; a fresh barrier passes t = 0), write, fence for the TMA engine, arrive on gu_ready (count 2)."""
+    BLOCK_K: gl.constexpr = a_bufs.shape[2]
+    BLOCK_M: gl.constexpr = a_bufs.shape[1]
+    BLOCK_N: gl.constexpr = gate_bufs.shape[2]
+    CONSUMER_ROWS: gl.constexpr = BLOCK_M // 2
+    first_m, end_m = load_range(block_range_ptr, SPLIT)
+    num_m = end_m - first_m
+    num_n = gl.cdiv(I, BLOCK_N)
+    k_steps = gl.cdiv(H, BLOCK_K)
+    c = 0  # slot counter: the producer's p for the same (tile, K step)
+    t = 0  # tiles of this CTA so far: use t of the hand-off buffers
+    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        acc_g, acc_u, c = _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG, False)
+        # The epilogue warps have stored the previous tile out of the buffers (a fresh barrier passes use 0).
+        mbarrier.wait(gu_free, (t & 1) ^ 1)
+        g_buf.slice(WG * CONSUMER_ROWS, CONSUMER_ROWS).store(acc_g.to(g_buf.dtype))
+        u_buf.slice(WG * CONSUMER_ROWS, CONSUMER_ROWS).store(acc_u.to(u_buf.dtype))
+        fence_async_shared()  # the epilogue's TMA stores read these writes through the async proxy
+        mbarrier.arrive(gu_ready)
+        t += 1
+
+
+@gluon.jit
+def _epilogue(h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, block_range_ptr, I, STORE_GATE_UP: gl.constexpr,
+              SPLIT: gl.constexpr, GROUP_M: gl.constexpr, ROWS: gl.constexpr):
+    """EPILOGUE_WARPS warps: per tile t, once gu_ready's phase t completed (both consumers handed g and u over),
+    TMA-store them (STORE_GATE_UP), compute h = swiglu(g, u) ROWS rows at a time from the buffers, writing h over
+    g (whose store has read it), TMA-store h, and once that store has read the buffer, arrive on gu_free."""
+    BLOCK_M: gl.constexpr = g_buf.shape[0]
+    BLOCK_N: gl.constexpr = g_buf.shape[1]
+    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16],
+                                            warps_per_cta=[_EPILOGUE_WARPS, 1], order=[1, 0])
+    first_m, end_m = load_range(block_range_ptr, SPLIT)
+    num_m = end_m - first_m
+    num_n = gl.cdiv(I, BLOCK_N)
+    t = 0
+    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        row, col, _ = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
+        mbarrier.wait(gu_ready, t & 1)
+        if STORE_GATE_UP:
+            tma_store(gu_desc, [row, 0, col], g_buf.reshape(gu_desc.block_type.shape))
+            tma_store(gu_desc, [row, 1, col], u_buf.reshape(gu_desc.block_type.shape))
+            tma.store_wait(pendings=0)  # g's store has read g_buf: h may overwrite it
+        for r in gl.static_range(0, BLOCK_M, ROWS):
+            g = g_buf.slice(r, ROWS).load(layout)
+            u = u_buf.slice(r, ROWS).load(layout)
+            g_buf.slice(r, ROWS).store(swiglu(g, u).to(g_buf.dtype))
+        fence_async_shared()  # the generic-proxy writes are visible to the TMA engine
+        tma_store(h_desc, [row, 0, col], g_buf.reshape(h_desc.block_type.shape))
+        tma.store_wait(pendings=0)  # h's store has read the buffer
+        mbarrier.arrive(gu_free)
+        t += 1
+
+
+@gluon.jit
+def gate_up_fwd_handoff_kernel(x_desc, w_desc, h_desc, gu_desc, block_expert_ptr, block_range_ptr, H, I,
+                               STORE_GATE_UP: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr,
+                               STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                               EPILOGUE_ROWS: gl.constexpr):
+    """gate_up_fwd_ws_kernel's results (x rows by TMA) with the epilogue off the consumers' path: the consumers
+    round g and u into two [128, BLOCK_N] hand-off buffers and go on to the next tile's main loop;
+    EPILOGUE_WARPS warps of their own (in the producer's warpgroup, with its registers) store g and u, compute
+    h and store it. h_desc / gu_desc boxes cover a whole tile ([128, 1, BLOCK_N]). Launch with num_warps=4."""
+    dtype: gl.constexpr = x_desc.dtype
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    gate_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    up_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    # [128, BLOCK_N] each, the 128-byte swizzle of h_desc's [128, 1, BLOCK_N] boxes (the TMA stores' view)
+    gu_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    g_buf = gl.allocate_shared_memory(dtype, [_BLOCK_M, h_desc.block_type.shape[2]], gu_layout)
+    u_buf = gl.allocate_shared_memory(dtype, [_BLOCK_M, h_desc.block_type.shape[2]], gu_layout)
+    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    gu_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    gu_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready_bars.index(i), count=1)
+        mbarrier.init(empty_bars.index(i), count=2)
+    mbarrier.init(gu_ready, count=2)  # one arrive per consumer warpgroup
+    mbarrier.init(gu_free, count=1)  # the epilogue warps' arrive
+    fence_async_shared()
+    gl.warp_specialize([
+        (_consumer_handoff, (a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free,
+                             block_range_ptr, H, I, 0, SPLIT, GROUP_M)),
+        (_consumer_handoff, (a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free,
+                             block_range_ptr, H, I, 1, SPLIT, GROUP_M)),
+        (_producer_tma, (x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, block_expert_ptr,
+                         block_range_ptr, H, I, SPLIT, GROUP_M)),
+        (_epilogue, (h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, block_range_ptr, I, STORE_GATE_UP, SPLIT,
+                     GROUP_M, EPILOGUE_ROWS)),
+    ], [4, 1, _EPILOGUE_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
 @gluon.jit
@@ -298,10 +426,14 @@ class GateUpTile:
     group_m: int = 8
     producer_regs: int = 40
     consumer_regs: int = 232
+    handoff: bool = False  # gate_up_fwd_handoff_kernel: the epilogue on warps of its own (out_bufs unused)
+    epilogue_rows: int = 8  # its rows per SwiGLU step
 
     def smem_bytes(self, elem: int = 2) -> int:
-        """Operand ring + both consumers' staging buffers (without the barriers)."""
+        """Operand ring + both consumers' staging buffers, or the hand-off buffers (without the barriers)."""
         ring = self.stages * (BLOCK_M + 2 * self.block_n) * BLOCK_K * elem
+        if self.handoff:
+            return ring + 2 * BLOCK_M * self.block_n * elem
         return ring + 2 * self.out_bufs * CONSUMER_ROWS * self.block_n * elem
 
 
@@ -313,6 +445,9 @@ TILES = {
     "s3b2": GateUpTile(stages=3, out_bufs=2),  # gate_up stores: 3 stages, g and u and h through 2 buffers
     "s4b1": GateUpTile(stages=4, out_bufs=1),  # h alone: 4 stages, 1 buffer (its store has a main loop to drain)
     "n64-s5b3": GateUpTile(block_n=64, stages=5, out_bufs=3),  # the narrow tile, for the register argument
+    # The epilogue handed off (x rows only): 3 stages + the [128, 128] g and u buffers (208 KB). Not yet timed on
+    # a GPU (written when no device time was left): gluon_gate_up_bench.py checks its bits and times it.
+    "s3-handoff": GateUpTile(stages=3, handoff=True),
 }
 
 
@@ -324,6 +459,9 @@ def default_tile(store_gate_up: bool) -> GateUpTile:
 
 def constexprs(tile: GateUpTile, split: int, store_gate_up: bool, gather: bool) -> dict:
     """The kernel's constexpr arguments (the launcher and tests/test_gluon_gate_up_compile.py share them)."""
+    if tile.handoff:
+        return dict(STORE_GATE_UP=store_gate_up, SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages,
+                    PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs, EPILOGUE_ROWS=tile.epilogue_rows)
     return dict(STORE_GATE_UP=store_gate_up, GATHER=gather, SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages,
                 OUT_BUFS=tile.out_bufs, PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs)
 
@@ -334,7 +472,7 @@ def descriptors(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, h_RI: torch.Te
     rows, inter = h_RI.shape
     a_block = [BLOCK_M, BLOCK_K]
     w_block = [1, tile.block_n, BLOCK_K]
-    out_block = [CONSUMER_ROWS, 1, tile.block_n]
+    out_block = [BLOCK_M if tile.handoff else CONSUMER_ROWS, 1, tile.block_n]
     out_layout = nvmma_layout(out_block, h_RI.dtype)
     h_desc = TensorDescriptor(h_RI, [rows, 1, inter], [inter, inter, 1], out_block, out_layout)
     gu_desc = h_desc
@@ -351,15 +489,21 @@ def launch_gate_up_fwd(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, block_expert, bl
     one staging buffer per consumer, or 3 beside two (the shared memory holds one or the other)."""
     check(config.block_m == BLOCK_M and config.block_k == BLOCK_K,
           f"the Gluon gate_up_fwd runs {BLOCK_M} x n x {BLOCK_K} tiles, got {config}")
+    check(not config.handoff or (gather is None and config.num_stages == 3),
+          f"the hand-off kernel reads x rows by TMA through 3 stages, got {config} with gather={gather is not None}")
     tile = GateUpTile(block_n=config.block_n, stages=config.num_stages, out_bufs=1 if config.num_stages >= 4 else 2,
-                      group_m=config.group_m)
+                      group_m=config.group_m, handoff=config.handoff)
     check(tma_addressable(x_RH, w_gate_up_E2IH, h_RI, *([gate_up_R2I] if store_gate_up else [])),
           "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8)")
     row_src, top_k = gather if gather is not None else (block_expert, 1)  # unread without gather
     descs = descriptors(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I if store_gate_up else None, tile)
     grid = persistent_grid(x_RH.device, h_RI.shape[0] // BLOCK_M * triton.cdiv(h_RI.shape[1], tile.block_n))
-    gate_up_fwd_ws_kernel[grid](*descs, x_RH, row_src, block_expert, block_range, x_RH.shape[1], h_RI.shape[1], top_k,
-                                **constexprs(tile, split, store_gate_up, gather is not None), num_warps=4)
+    if tile.handoff:
+        gate_up_fwd_handoff_kernel[grid](*descs, block_expert, block_range, x_RH.shape[1], h_RI.shape[1],
+                                         **constexprs(tile, split, store_gate_up, False), num_warps=4)
+    else:
+        gate_up_fwd_ws_kernel[grid](*descs, x_RH, row_src, block_expert, block_range, x_RH.shape[1], h_RI.shape[1],
+                                    top_k, **constexprs(tile, split, store_gate_up, gather is not None), num_warps=4)
 
 
 def gate_up_fwd_gluon(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_expert: torch.Tensor,
@@ -399,6 +543,11 @@ def gate_up_fwd_gluon(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_ex
           "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8)")
     descs = descriptors(x_RH, w_gate_up_E2IH, h, gate_up if store_gate_up else None, tile)
     grid = persistent_grid(x_RH.device, rows // BLOCK_M * triton.cdiv(inter, tile.block_n))
-    gate_up_fwd_ws_kernel[grid](*descs, x_RH, row_src, block_expert, block_range, hidden, inter, top_k,
-                                **constexprs(tile, split, store_gate_up, gather is not None), num_warps=4)
+    if tile.handoff:
+        check(gather is None, "the hand-off tile reads x rows by TMA (it has no gathering producer)")
+        gate_up_fwd_handoff_kernel[grid](*descs, block_expert, block_range, hidden, inter,
+                                         **constexprs(tile, split, store_gate_up, False), num_warps=4)
+    else:
+        gate_up_fwd_ws_kernel[grid](*descs, x_RH, row_src, block_expert, block_range, hidden, inter, top_k,
+                                    **constexprs(tile, split, store_gate_up, gather is not None), num_warps=4)
     return h, (gate_up if store_gate_up else None)
