@@ -1,6 +1,6 @@
 """fwd+bwd (or the training forward alone) of the one-GPU triton backend in named variants of its kernel choice,
 in one process, the variants alternating (order rotated every round) over 4 rounds (--rounds) of 10 iterations;
-median per variant, and the peak memory above the inputs (weights and token sets) over its iterations.
+median per variant (and each round's), and the peak memory above the inputs (weights and token sets) over its iterations.
 
 Usage: python benchmarks/layer_ab.py WORKLOAD[,WORKLOAD...] VARIANT,VARIANT[,...] OUT.json [--pass fwd+bwd,fwd]
        [--rounds N] [--routing balanced,skewed]   (an sm_90 GPU)
@@ -10,8 +10,8 @@ Variants (each a change to the tile choice that every run reads through the publ
   rows      gate_up_fwd on gathered rows (a gather pass) where the table gathers x inside the kernel's loads
   gather    gate_up_fwd gathering x inside its loads on every workload (the table: where it measured faster)
   gather-s3 the gathering gate_up_fwd with 3 stages and two staging buffers per consumer (the table: 4 and 1)
-  handoff   gate_up_fwd on x rows with its epilogue on warps of its own (TileConfig.handoff) where the table
-            reads rows
+  no-handoff  gate_up_fwd on x rows with its epilogue on the consumer warpgroups (3 stages, two staging buffers
+            each) instead of the table's hand-off kernel (TileConfig.handoff)
   no-skip   the Gluon weight grads without the schedule's row_src: an expert's last row step computed even where
             it holds padding rows only (the default skips it)
   group_m:N every GEMM's tiles swept N row blocks per column block (the table: 8)
@@ -43,11 +43,11 @@ def gather_s3(*args):
     return dataclasses.replace(table, gate_up_fwd=dataclasses.replace(table.gate_up_fwd, num_stages=3))
 
 
-def handoff(*args):
+def no_handoff(*args):
     table = SHIPPED[0](*args)
-    if table is None or table.gate_up_fwd.gather:
+    if table is None or not table.gate_up_fwd.handoff:
         return table
-    return dataclasses.replace(table, gate_up_fwd=dataclasses.replace(table.gate_up_fwd, handoff=True, num_stages=3))
+    return dataclasses.replace(table, gate_up_fwd=dataclasses.replace(table.gate_up_fwd, handoff=False))
 
 
 def with_group_m(group_m: int, gemm: str | None):
@@ -73,8 +73,8 @@ def select(variant: str) -> None:
         configs._GATHER_X_MAX_H = 1 << 30
     elif variant == "gather-s3":
         te.tma_kernel_configs = gather_s3
-    elif variant == "handoff":
-        te.tma_kernel_configs = handoff
+    elif variant == "no-handoff":
+        te.tma_kernel_configs = no_handoff
     elif variant == "no-skip":
         for name, fn in SHIPPED_DW.items():
             setattr(kernels, name, without_row_src(fn))
@@ -82,7 +82,7 @@ def select(variant: str) -> None:
         gemm, _, n = variant.rpartition("group_m:")
         te.tma_kernel_configs = with_group_m(int(n), gemm.removesuffix(".") or None)
     elif variant != "default":
-        raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, gather, gather-s3, handoff, no-skip, "
+        raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, gather, gather-s3, no-handoff, no-skip, "
                          "group_m:N or GEMM.group_m:N")
 
 
@@ -114,6 +114,7 @@ for name in args.workloads.split(","):
         toks = [make_tokens(w, T, E, routing, torch.bfloat16, g) for _ in range(3)]
         cfg = megamoe.MoEConfig(backend="triton")
         times = {v: [] for v in variants}
+        round_medians = {v: [] for v in variants}
         peak = dict.fromkeys(variants, 0)
         torch.cuda.synchronize()
         inputs_bytes = torch.cuda.memory_allocated()
@@ -128,13 +129,16 @@ for name in args.workloads.split(","):
                 for i, (a, b) in enumerate(ev):
                     a.record(); step(pass_name, weights, toks[i % 3], cfg); b.record()
                 torch.cuda.synchronize()
-                times[v] += [a.elapsed_time(b) for a, b in ev]
+                round_ms = [a.elapsed_time(b) for a, b in ev]
+                times[v] += round_ms
+                round_medians[v].append(statistics.median(round_ms))
                 peak[v] = max(peak[v], torch.cuda.max_memory_allocated() - inputs_bytes)
         select("default")
         for v, t in times.items():
             ms = statistics.median(t)
             rec = dict(workload=name, routing=routing, pass_name=pass_name, variant=v, ms=ms,
-                       tflops=layer_flops(w, T, pass_name) / ms / 1e9, peak_above_inputs_gib=peak[v] / 2**30, experts=E)
+                       tflops=layer_flops(w, T, pass_name) / ms / 1e9, peak_above_inputs_gib=peak[v] / 2**30, experts=E,
+                       round_medians_ms=round_medians[v])
             out.append(rec); print(json.dumps(rec), flush=True)
     del weights; torch.cuda.empty_cache()
 json.dump(out, open(args.json_path, "w"), indent=1)

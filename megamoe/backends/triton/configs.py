@@ -92,7 +92,12 @@ _SM90_TMA = KernelConfigs(
     # gate_up_fwd: the Gluon kernel (kernels/gluon_gate_up.py), two accumulators per consumer warpgroup (64
     # rows x 128 gate + 128 up columns), bitwise equal to the Triton kernel: h and gate_up at qwen3-235b-a22b
     # 638 TF/s against 616 (3 stages, two staging buffers per consumer); see _GATHER_X_MAX_H for small H.
-    gate_up_fwd=TileConfig(128, 128, 64, num_warps=4, num_stages=3, tma=True, gluon=True),
+    # Its epilogue handed off to two warps of the producer's warpgroup (handoff: the consumers round g and u
+    # into shared memory and go back to the main loop), bitwise equal: qwen3-235b-a22b h and gate_up 662 TF/s
+    # against 609 / 632 (3 stages two buffers / 4 stages one), h alone 651 against 628 / 608
+    # (h200-gluon-gate-up-handoff-v1.json); the layer's forward 0.8-2.6% faster at qwen3-235b-a22b,
+    # gpt-oss-120b and mixtral-8x7b, even at deepseek-v3 (h200-handoff-layer-ab-v2.json).
+    gate_up_fwd=TileConfig(128, 128, 64, num_warps=4, num_stages=3, tma=True, gluon=True, handoff=True),
     # down_fwd and gate_up_dgrad: the Gluon row-block kernel (kernels/gluon_rows.py), the same tiles, bitwise
     # equal, two warpgroups on the halves of each tile: qwen3-30b-a3b 632 / 663 TF/s against the Triton
     # kernel's 614 / 624, qwen3-235b-a22b 668 / 658 against 645 / 643 (benchmarks/gluon_rows_bench.py,
@@ -165,7 +170,7 @@ def tma_kernel_configs(
         return None
     table = _SM90_TMA
     if hidden <= _GATHER_X_MAX_H:
-        gathering = dataclasses.replace(table.gate_up_fwd, gather=True, num_stages=4)
+        gathering = dataclasses.replace(table.gate_up_fwd, gather=True, handoff=False, num_stages=4)
         table = dataclasses.replace(table, gate_up_fwd=gathering)
     return table
 

@@ -445,8 +445,8 @@ TILES = {
     "s3b2": GateUpTile(stages=3, out_bufs=2),  # gate_up stores: 3 stages, g and u and h through 2 buffers
     "s4b1": GateUpTile(stages=4, out_bufs=1),  # h alone: 4 stages, 1 buffer (its store has a main loop to drain)
     "n64-s5b3": GateUpTile(block_n=64, stages=5, out_bufs=3),  # the narrow tile, for the register argument
-    # The epilogue handed off (x rows only): 3 stages + the [128, 128] g and u buffers (208 KB). Not yet timed on
-    # a GPU (written when no device time was left): gluon_gate_up_bench.py checks its bits and times it.
+    # The epilogue handed off (x rows only; the table's tile where x is not gathered): 3 stages + the [128, 128]
+    # g and u buffers (208 KB).
     "s3-handoff": GateUpTile(stages=3, handoff=True),
 }
 
