@@ -36,18 +36,18 @@ Structure of a CTA (gl.warp_specialize, 12 warps):
     store issued OUT_BUFS stores earlier (cp.async.bulk.wait_group.read OUT_BUFS - 1), and it never waits
     for its stores' global writes, so the next tile's main loop starts as soon as the last store is issued.
 
-The epilogue handed off (gate_up_fwd_handoff_kernel, tile "s3-handoff"; x rows by TMA only): the consumers'
-epilogue above runs while the tensor cores wait (both consumers finish a tile's main loop together), the SwiGLU's
-~20 instructions an element and the three stores a few percent of a tile's time. In this variant the consumers
-only round g and u into two [128, BLOCK_N] shared-memory buffers (fence, arrive on "gu_ready", count 2) and go
-on to the next tile; EPILOGUE_WARPS warps beside the producer's warp (its warpgroup's otherwise idle warps, at
-its register count) wait for "gu_ready", TMA-store g and u, compute h 8 rows at a time from the buffers into
-g's (whose store has read it), TMA-store h, and once that store has read the buffer arrive on "gu_free", which
-the consumers wait for before writing the next tile (one buffer set: a tile's main loop is long beside its
-epilogue). Shared memory: 3 stages + the buffers, 208 KB. The same bits (the same rounding, the same swiglu on
-the same values). Written when no device time was left: compile-checked (tests/test_gluon_gate_up_compile.py,
-with a model of the hand-off barriers), not yet run; benchmarks/gluon_gate_up_bench.py checks and times it and
-tests/gpu checks its bits; the tile table does not use it.
+The epilogue handed off (gate_up_fwd_handoff_kernel, tile "s3-handoff", TileConfig.handoff; x rows by TMA only,
+the tile table's kernel where x is not gathered): the consumers' epilogue above runs while the tensor cores wait
+(both consumers finish a tile's main loop together), the SwiGLU's ~20 instructions an element and the three
+stores a few percent of a tile's time. In this variant the consumers only round g and u into two [128, BLOCK_N]
+shared-memory buffers (fence, arrive on "gu_ready", count 2) and go on to the next tile; EPILOGUE_WARPS warps
+beside the producer's warp (its warpgroup's otherwise idle warps, at its register count) wait for "gu_ready",
+TMA-store g and u, compute h 8 rows at a time from the buffers into g's (whose store has read it), TMA-store h,
+and once that store has read the buffer arrive on "gu_free", which the consumers wait for before writing the
+next tile (one buffer set: a tile's main loop is long beside its epilogue). Shared memory: 3 stages + the
+buffers, 208 KB. The same bits (the same rounding, the same swiglu on the same values). On qwen3-235b-a22b h and
+gate_up at 662 TF/s against 609 / 632 for the consumers' epilogue (3 stages two staging buffers / 4 stages one),
+h alone 651 against 628 / 608 (docs/perf-notes.md, "GEMM core v10").
 
 Tile: BLOCK_N 128 (what the Triton kernel runs: 128 rows x 128 gate + 128 up columns). A consumer's two 64 x 128
 fp32 accumulators take 128 of the 232 registers a thread gets with setmaxnreg (232 + 232 for the consumers, 40
