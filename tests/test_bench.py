@@ -231,3 +231,25 @@ def test_cli_rejects_unknown_names(option, known, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", option, f"{known},nope"])
     assert exit_info.value.code == 2 and f"{option}: unknown 'nope'" in capsys.readouterr().err
+
+
+def test_git_commit_marks_uncommitted_code(tmp_path):
+    """A record's commit is HEAD, with "-dirty" once a tracked file differs from it (untracked files do not
+    count), and "unknown" outside a git checkout."""
+    from megamoe.bench.measure import git_commit
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    assert git_commit(tmp_path) == "unknown"
+    git("init", "-q")
+    (tmp_path / "kernel.py").write_text("a = 1\n")
+    git("add", "kernel.py")
+    git("commit", "-qm", "one")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    assert git_commit(tmp_path) == head
+    (tmp_path / "notes.txt").write_text("untracked\n")
+    assert git_commit(tmp_path) == head
+    (tmp_path / "kernel.py").write_text("a = 2\n")
+    assert git_commit(tmp_path) == f"{head}-dirty"

@@ -94,12 +94,18 @@ def matmul_ceiling_tflops(device: torch.device) -> float:
     return 2 * CEILING_SIZE**3 / ms / 1e9
 
 
-def git_commit() -> str:
-    """HEAD of the checkout megamoe runs from, or "unknown"."""
-    try:
-        done = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10
-        )
-    except (OSError, subprocess.TimeoutExpired):
+def git_commit(checkout: Path = Path(__file__).parent) -> str:
+    """HEAD of the checkout megamoe runs from, with "-dirty" where tracked files differ from it (a result then
+    says that it was not measured on that commit's code), or "unknown" outside a git checkout."""
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], cwd=checkout, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    head = git("rev-parse", "HEAD")
+    if head is None:
         return "unknown"
-    return done.stdout.strip() if done.returncode == 0 else "unknown"
+    changes = git("status", "--porcelain", "--untracked-files=no")
+    return head if changes == "" else f"{head}-dirty"
