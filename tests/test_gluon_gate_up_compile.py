@@ -204,6 +204,24 @@ def test_gluon_gate_up_handoff_sm90a(case):
     assert tile.smem_bytes() <= meta.shared <= SMEM_LIMIT, f"{case}: shared {meta.shared} B ({tile.smem_bytes()})"
 
 
+def test_table_runs_the_compiled_tiles(monkeypatch):
+    """The Hopper table's gate_up_fwd entries launch tiles these checks compile: on x rows (H > 2048) the hand-off
+    kernel's (TILES["s3-handoff"]), gathering x (H <= 2048) the 4-stage, one-buffer consumers'-epilogue tile
+    (TILES["s4b1"])."""
+    from megamoe.backends.triton import configs
+
+    monkeypatch.setattr(configs, "_arch", lambda device: (9, 0))  # an H100/H200, without one
+
+    def launched(hidden, inter):
+        cfg = configs.tma_kernel_configs(hidden, inter, torch.bfloat16, torch.device("cpu"), 128).gate_up_fwd
+        return cfg, G.tile_of(cfg)
+
+    rows_cfg, rows_tile = launched(4096, 1536)
+    assert not rows_cfg.gather and rows_tile == G.TILES["s3-handoff"], rows_cfg
+    gather_cfg, gather_tile = launched(2048, 768)
+    assert gather_cfg.gather and gather_tile == G.TILES["s4b1"], gather_cfg
+
+
 def test_handoff_model():
     """The hand-off protocol under random interleavings, with mbarrier parity waits as the hardware does them
     (try_wait.parity(x) passes while the barrier's current phase parity differs from x): each consumer writes

@@ -482,17 +482,22 @@ def descriptors(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, h_RI: torch.Te
             TensorDescriptor.from_tensor(w_gate_up_E2IH, w_block, nvmma_layout(w_block, x_RH.dtype)), h_desc, gu_desc)
 
 
+def tile_of(config: TileConfig) -> GateUpTile:
+    """The tile a tile-table entry launches: 4 stages beside one staging buffer per consumer, or 3 beside two
+    (the shared memory holds one or the other), or the hand-off kernel's."""
+    return GateUpTile(block_n=config.block_n, stages=config.num_stages, out_bufs=1 if config.num_stages >= 4 else 2,
+                      group_m=config.group_m, handoff=config.handoff)
+
+
 def launch_gate_up_fwd(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, block_expert, block_range, split, config: TileConfig,
                        store_gate_up: bool, gather: tuple[torch.Tensor, int] | None) -> None:
     """grouped_gemm.gate_up_fwd's Gluon branch (config.gluon): operands validated and outputs allocated there
-    (gate_up_R2I unread without store_gate_up); the tile table's entry as this kernel's tile: 4 stages beside
-    one staging buffer per consumer, or 3 beside two (the shared memory holds one or the other)."""
+    (gate_up_R2I unread without store_gate_up); the tile table's entry as this kernel's tile (tile_of)."""
     check(config.block_m == BLOCK_M and config.block_k == BLOCK_K,
           f"the Gluon gate_up_fwd runs {BLOCK_M} x n x {BLOCK_K} tiles, got {config}")
     check(not config.handoff or (gather is None and config.num_stages == 3),
           f"the hand-off kernel reads x rows by TMA through 3 stages, got {config} with gather={gather is not None}")
-    tile = GateUpTile(block_n=config.block_n, stages=config.num_stages, out_bufs=1 if config.num_stages >= 4 else 2,
-                      group_m=config.group_m, handoff=config.handoff)
+    tile = tile_of(config)
     check(tma_addressable(x_RH, w_gate_up_E2IH, h_RI, *([gate_up_R2I] if store_gate_up else [])),
           "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8)")
     row_src, top_k = gather if gather is not None else (block_expert, 1)  # unread without gather
