@@ -2,6 +2,7 @@
 kernel: bitwise checks, then timings.
 
 Usage (one H200, torch + Triton 3.6):  PYTHONPATH=$PWD python3 benchmarks/gluon_gate_up_bench.py OUT.json
+[--parts triton,gluon-gather]
 
 Three parts, each in its own subprocess (a kernel that faults takes the CUDA context with it, and a barrier bug
 hangs the GPU: the parent kills a part that outlives its watchdog and keeps the others' records), in order of
@@ -41,10 +42,10 @@ SMALL_COUNTS = [300, 0, 129, 1, 500, 78]  # rows per expert of the small problem
 SMALL_H, SMALL_I = 1040, 208
 # Gluon variants: (tile name in gluon_gate_up.TILES, store modes). Tiles s3b2 / s4b1 are the launcher's defaults
 # with / without gate_up; n64-s5b3 tests the register argument for BLOCK_N 128; s3-handoff runs the epilogue on
-# warps of its own (gate_up_fwd_handoff_kernel).
+# warps of its own (gate_up_fwd_handoff_kernel; gathering, with two cp.async producer warps).
 GLUON_VARIANTS = {
     "gluon": [("s3b2", (True, False)), ("s4b1", (True, False)), ("n64-s5b3", (True, )), ("s3-handoff", (True, False))],
-    "gluon-gather": [("s3b2", (True, False)), ("s4b1", (True, False))],
+    "gluon-gather": [("s3b2", (True, False)), ("s4b1", (True, False)), ("s3-handoff-gather", (True, False))],
 }
 PART_SECONDS = {"triton": 90, "gluon": 200, "gluon-gather": 120}  # watchdog per part
 RECORD = "RECORD "  # stdout prefix of a part's records
@@ -319,8 +320,14 @@ def table(records: list) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json_path", nargs="?", help="where to write the records (JSON)")
+    parser.add_argument("--parts", default=",".join(PART_SECONDS),
+                        help=f"comma-separated parts to run, of {', '.join(PART_SECONDS)} (default: all)")
     parser.add_argument("--part", choices=list(PART_SECONDS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    parts = args.parts.split(",")
+    unknown = [p for p in parts if p not in PART_SECONDS]
+    if unknown:
+        parser.error(f"--parts: unknown part(s) {unknown}; the parts are {list(PART_SECONDS)}")
     if args.part:
         return run_part(args.part)
     if not args.json_path:
@@ -328,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     records: list = []
     failures: list = []
-    for part in PART_SECONDS:
+    for part in parts:
         spawn(part, records, failures)
     checks = [r for r in records if r["kind"] == "check"]
     ok = (not failures and bool(checks) and all(c["ok"] for c in checks)
