@@ -42,10 +42,10 @@ SMALL_COUNTS = [300, 0, 129, 1, 500, 78]  # rows per expert of the small problem
 SMALL_H, SMALL_I = 1040, 208
 # Gluon variants: (tile name in gluon_gate_up.TILES, store modes). Tiles s3b2 / s4b1 are the launcher's defaults
 # with / without gate_up; n64-s5b3 tests the register argument for BLOCK_N 128; s3-handoff runs the epilogue on
-# warps of its own (gate_up_fwd_handoff_kernel; gathering, with two cp.async producer warps).
+# warps of its own (gate_up_fwd_handoff_kernel).
 GLUON_VARIANTS = {
     "gluon": [("s3b2", (True, False)), ("s4b1", (True, False)), ("n64-s5b3", (True, )), ("s3-handoff", (True, False))],
-    "gluon-gather": [("s3b2", (True, False)), ("s4b1", (True, False)), ("s3-handoff-gather", (True, False))],
+    "gluon-gather": [("s3b2", (True, False)), ("s4b1", (True, False))],
 }
 PART_SECONDS = {"triton": 90, "gluon": 200, "gluon-gather": 120}  # watchdog per part
 RECORD = "RECORD "  # stdout prefix of a part's records

@@ -10,8 +10,6 @@ Variants (each a change to the tile choice that every run reads through the publ
   rows      gate_up_fwd on gathered rows (a gather pass) where the table gathers x inside the kernel's loads
   gather    gate_up_fwd gathering x inside its loads on every workload (the table: where it measured faster)
   gather-s3 the gathering gate_up_fwd with 3 stages and two staging buffers per consumer (the table: 4 and 1)
-  gather-handoff  gate_up_fwd gathering x in its loads on every workload, its epilogue handed off (TileConfig.handoff
-            with gather: two cp.async producer warps, 3 stages)
   no-handoff  gate_up_fwd on x rows with its epilogue on the consumer warpgroups (3 stages, two staging buffers
             each) instead of the table's hand-off kernel (TileConfig.handoff)
   no-skip   the Gluon weight grads without the schedule's row_src: an expert's last row step computed even where
@@ -45,14 +43,6 @@ def gather_s3(*args):
     return dataclasses.replace(table, gate_up_fwd=dataclasses.replace(table.gate_up_fwd, num_stages=3))
 
 
-def gather_handoff(*args):
-    table = SHIPPED[0](*args)
-    if table is None:
-        return table
-    return dataclasses.replace(table, gate_up_fwd=dataclasses.replace(table.gate_up_fwd, gather=True, handoff=True,
-                                                                      num_stages=3))
-
-
 def no_handoff(*args):
     table = SHIPPED[0](*args)
     if table is None or not table.gate_up_fwd.handoff:
@@ -83,8 +73,6 @@ def select(variant: str) -> None:
         configs._GATHER_X_MAX_H = 1 << 30
     elif variant == "gather-s3":
         te.tma_kernel_configs = gather_s3
-    elif variant == "gather-handoff":
-        te.tma_kernel_configs = gather_handoff
     elif variant == "no-handoff":
         te.tma_kernel_configs = no_handoff
     elif variant == "no-skip":
@@ -94,7 +82,7 @@ def select(variant: str) -> None:
         gemm, _, n = variant.rpartition("group_m:")
         te.tma_kernel_configs = with_group_m(int(n), gemm.removesuffix(".") or None)
     elif variant != "default":
-        raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, gather, gather-s3, gather-handoff, no-handoff, no-skip, "
+        raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, gather, gather-s3, no-handoff, no-skip, "
                          "group_m:N or GEMM.group_m:N")
 
 

@@ -53,8 +53,8 @@ from compile_checks import (  # noqa: E402
 R, H, I, E, T = 2048, 2048, 768, 4, 512
 CASES = {f"{name}-{'gu' if gu else 'h'}-{'gather' if gather else 'tma'}": (name, gu, gather)
          for name, tile in G.TILES.items() if not tile.handoff for gu in (True, False) for gather in (False, True)}
-HANDOFF_CASES = {f"{name}-{'gu' if gu else 'h'}": (name, gu, gather)
-                 for name, gather in (("s3-handoff", False), ("s3-handoff-gather", True)) for gu in (True, False)}
+HANDOFF_CASES = {f"{name}-{'gu' if gu else 'h'}": (name, gu) for name, tile in G.TILES.items() if tile.handoff
+                 for gu in (True, False)}
 # Float instructions of the epilogue (fp32 -> 16-bit rounding, SwiGLU), counted in both kernels.
 EPILOGUE_OPS = ("cvt.rn.bf16.f32", "cvt.rn.bf16x2.f32", "cvt.f32.bf16", "ex2.approx.f32", "ex2.approx.ftz.f32",
                 "div.full.f32", "div.rn.f32", "rcp.approx.f32", "sub.f32", "neg.f32", "add.f32", "mul.f32", "fma.rn.f32")
@@ -178,35 +178,25 @@ def test_gluon_gate_up_sm90a(case):
 @pytest.mark.parametrize("case", list(HANDOFF_CASES))
 def test_gluon_gate_up_handoff_sm90a(case):
     """The hand-off kernel: the consumers' main loop as the production kernel's (the same wgmma, kept in flight),
-    the weights by TMA and x rows by TMA or gathered by the producer's HANDOFF_GATHER_WARPS warps (16-byte
-    cp.async, each thread arriving on the slot's barrier), the stores all issued by the epilogue warps (one box
-    of the whole tile per tensor), the hand-off barriers beside the ring's, 12 warps within the register file
-    (two consumer warpgroups at CONSUMER_REGS, the producer's warps and the epilogue's in one warpgroup at
-    PRODUCER_REGS), no spills, the shared memory of the ring and the two [128, BLOCK_N] buffers."""
-    name, store_gate_up, gather = HANDOFF_CASES[case]
+    x rows and weights by TMA, the stores all issued by the epilogue warps (one box of the whole tile per
+    tensor), the hand-off barriers beside the ring's, 12 warps within the register file (two consumer
+    warpgroups at CONSUMER_REGS, the producer's warp and the epilogue's in one warpgroup at PRODUCER_REGS), no
+    spills, the shared memory of the ring and the two [128, BLOCK_N] buffers."""
+    name, store_gate_up = HANDOFF_CASES[case]
     tile = G.TILES[name]
-    r = warp_specialized_report(_compile_gluon(tile, store_gate_up, gather))
+    r = warp_specialized_report(_compile_gluon(tile, store_gate_up, gather=False))
     ptx, meta = r["ptx"], r["compiled"].metadata
     per_k_step = 2 * 2 * (G.BLOCK_K // 16)
     wgmma = count(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_n}k16\.f32\.bf16\.bf16", ptx)
     stores = count(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta\.bulk_group", ptx)
     inits = re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx)
-    cp_async_16 = count(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10, %r\d+;", ptx)
     print(f"\ngluon gate_up hand-off {case}: {meta.num_warps} warps, setmaxnreg {r['setmaxnreg']}, shared {meta.shared} B, "
-          f"{wgmma} wgmma, TMA loads 2d/3d {r['tma_load_2d']}/{r['tma_load_3d']}, cp.async {cp_async_16}/{r['cp_async']}, "
-          f"stores {stores}, mbarrier init {inits}, spills {r['ptxas']['spill_stores']}/{r['ptxas']['spill_loads']} B")
+          f"{wgmma} wgmma, TMA loads 2d/3d {r['tma_load_2d']}/{r['tma_load_3d']}, stores {stores}, mbarrier init {inits}")
     assert wgmma == r["wgmma_any"] == per_k_step and 2 in r["wait_groups"], (wgmma, r["wait_groups"])
     assert _constant_true_scale_d(ptx), "a wgmma's scale-d is not a constant true"
-    assert r["tma_load_3d"] == 2
-    if gather:
-        copies = G.BLOCK_M * G.BLOCK_K * 2 // 16 // (G.HANDOFF_GATHER_WARPS * 32)
-        assert r["tma_load_2d"] == 0 and cp_async_16 == r["cp_async"] == copies, (cp_async_16, r["cp_async"], copies)
-        ready_count = 1 + G.HANDOFF_GATHER_WARPS * 32
-    else:
-        assert r["tma_load_2d"] == 1 and r["cp_async"] == 0
-        ready_count = 1
+    assert r["tma_load_2d"] == 1 and r["tma_load_3d"] == 2 and r["cp_async"] == 0
     assert stores == (3 if store_gate_up else 1), f"{case}: {stores} TMA stores"
-    assert sorted(inits) == sorted([str(ready_count)] * tile.stages + ["2"] * tile.stages + ["2", "1"]), inits
+    assert sorted(inits) == sorted(["1"] * tile.stages + ["2"] * tile.stages + ["2", "1"]), inits
     assert meta.num_warps == 12, meta.num_warps
     assert 2 * tile.consumer_regs + tile.producer_regs <= 512, "the three warpgroups' registers exceed the file"
     assert_register_split(case, r, tile.producer_regs, tile.consumer_regs)
@@ -224,7 +214,7 @@ def test_table_runs_the_compiled_tiles(monkeypatch):
 
     def launched(hidden, inter):
         cfg = configs.tma_kernel_configs(hidden, inter, torch.bfloat16, torch.device("cpu"), 128).gate_up_fwd
-        return cfg, G.tile_of(cfg, gathering=cfg.gather)
+        return cfg, G.tile_of(cfg)
 
     rows_cfg, rows_tile = launched(4096, 1536)
     assert not rows_cfg.gather and rows_tile == G.TILES["s3-handoff"], rows_cfg

@@ -370,32 +370,27 @@ for T, E, k, H, I in ((504, 6, 2, 1040, 208), (4096, 32, 8, 4096, 1536)):  # K a
     used = int(s.num_blocks.item())
     for blocks in (s.num_blocks, torch.tensor([1, max(1, used - 1)], dtype=torch.int32, device="cuda")):
         for store in (True, False):
-            for gather in (None, (s.row_src, k)):  # x rows by TMA, or x gathered by the producer's cp.async warps
-                a_in = x_rows if gather is None else x
-                want = G.gate_up_fwd_gluon(a_in, w, s.block_expert, blocks, store_gate_up=store, gather=gather,
-                                           tile=G.TILES["s3b2"])
-                rows = x_rows.shape[0]
-                out = (torch.full((rows, I), float("nan"), device="cuda").bfloat16(),
-                       torch.full((rows, 2 * I), float("nan"), device="cuda").bfloat16() if store else None)
-                got = G.gate_up_fwd_gluon(a_in, w, s.block_expert, blocks, store_gate_up=store, gather=gather,
-                                          tile=G.TILES["s3-handoff" if gather is None else "s3-handoff-gather"], out=out)
-                first, end = (0, used) if blocks.numel() == 1 else (int(blocks[0]), int(blocks[1]))
-                r = slice(first * 128, end * 128)
-                case = (T, H, I, store, gather is not None)
-                for a, b in zip(got, want):
-                    if b is None:
-                        continue
-                    assert torch.equal(a[r].view(torch.int16), b[r].view(torch.int16)), (case, "bits differ")
-                    assert a[:first * 128].isnan().all() and a[end * 128:].isnan().all(), (case, "rows out of range")
+            want = G.gate_up_fwd_gluon(x_rows, w, s.block_expert, blocks, store_gate_up=store, tile=G.TILES["s3b2"])
+            rows = x_rows.shape[0]
+            out = (torch.full((rows, I), float("nan"), device="cuda").bfloat16(),
+                   torch.full((rows, 2 * I), float("nan"), device="cuda").bfloat16() if store else None)
+            got = G.gate_up_fwd_gluon(x_rows, w, s.block_expert, blocks, store_gate_up=store, tile=G.TILES["s3-handoff"],
+                                      out=out)
+            first, end = (0, used) if blocks.numel() == 1 else (int(blocks[0]), int(blocks[1]))
+            r = slice(first * 128, end * 128)
+            for a, b in zip(got, want):
+                if b is None:
+                    continue
+                assert torch.equal(a[r].view(torch.int16), b[r].view(torch.int16)), (T, H, I, store, "bits differ")
+                assert a[:first * 128].isnan().all() and a[end * 128:].isnan().all(), (T, H, I, store, "rows out of range")
 print("HANDOFF OK", flush=True)
 """
 
 
 def test_gate_up_handoff_gives_the_production_bits(tmp_path):
     """gate_up_fwd with its epilogue on warps of its own (gluon_gate_up.gate_up_fwd_handoff_kernel, tile
-    "s3-handoff", gathering "s3-handoff-gather") gives the consumers'-epilogue Gluon kernel's h and gate_up bit for bit, on the whole block range
-    and a sub-range (rows outside it untouched), with and without gate_up, x rows by TMA and x gathered (padding
-    rows zero-filled, an H tail of 16); in a subprocess with a timeout, so that a
+    "s3-handoff") gives the production Gluon kernel's h and gate_up bit for bit, on the whole block range and a
+    sub-range (rows outside it untouched), with and without gate_up; in a subprocess with a timeout, so that a
     barrier bug fails the test instead of hanging the suite."""
     import subprocess
     import sys

@@ -36,22 +36,18 @@ Structure of a CTA (gl.warp_specialize, 12 warps):
     store issued OUT_BUFS stores earlier (cp.async.bulk.wait_group.read OUT_BUFS - 1), and it never waits
     for its stores' global writes, so the next tile's main loop starts as soon as the last store is issued.
 
-The epilogue handed off (gate_up_fwd_handoff_kernel, tile "s3-handoff", TileConfig.handoff; the tile table's
-kernel where x is not gathered): the consumers' epilogue above runs while the tensor cores wait (both consumers
-finish a tile's main loop together), the SwiGLU's ~20 instructions an element and the three stores a few
-percent of a tile's time. In this variant the consumers only round g and u into two [128, BLOCK_N] shared-memory
-buffers (fence, arrive on "gu_ready", count 2) and go on to the next tile; EPILOGUE_WARPS warps beside the
-producer (its warpgroup's otherwise idle warps, at its register count) wait for "gu_ready", TMA-store g and u,
-compute h 8 rows at a time from the buffers into g's (whose store has read it), TMA-store h, and once that store
-has read the buffer arrive on "gu_free", which the consumers wait for before writing the next tile (one buffer
-set: a tile's main loop is long beside its epilogue). Shared memory: 3 stages + the buffers, 208 KB. The same
-bits (the same rounding, the same swiglu on the same values). With GATHER (tile "s3-handoff-gather") the
-producer is HANDOFF_GATHER_WARPS cp.async warps, the warpgroup's other half: 16 rows a thread, whose row pointers
-spill at 40 registers (re-reading row_src every K step instead made the producer the bottleneck, docs/perf-notes.md
-"GEMM core v10"), so the consumers, which keep no SwiGLU in registers here, give up 8 registers each and the
-producer's warpgroup runs at 64. Compile-checked, not yet run on a GPU.
-On qwen3-235b-a22b (x rows) h and gate_up at 662 TF/s against 609 / 632 for the consumers' epilogue (3 stages
-two staging buffers / 4 stages one), h alone 651 against 628 / 608 (docs/perf-notes.md, "GEMM core v10").
+The epilogue handed off (gate_up_fwd_handoff_kernel, tile "s3-handoff", TileConfig.handoff; x rows by TMA only,
+the tile table's kernel where x is not gathered): the consumers' epilogue above runs while the tensor cores wait
+(both consumers finish a tile's main loop together), the SwiGLU's ~20 instructions an element and the three
+stores a few percent of a tile's time. In this variant the consumers only round g and u into two [128, BLOCK_N]
+shared-memory buffers (fence, arrive on "gu_ready", count 2) and go on to the next tile; EPILOGUE_WARPS warps
+beside the producer's warp (its warpgroup's otherwise idle warps, at its register count) wait for "gu_ready",
+TMA-store g and u, compute h 8 rows at a time from the buffers into g's (whose store has read it), TMA-store h,
+and once that store has read the buffer arrive on "gu_free", which the consumers wait for before writing the
+next tile (one buffer set: a tile's main loop is long beside its epilogue). Shared memory: 3 stages + the
+buffers, 208 KB. The same bits (the same rounding, the same swiglu on the same values). On qwen3-235b-a22b h and
+gate_up at 662 TF/s against 609 / 632 for the consumers' epilogue (3 stages two staging buffers / 4 stages one),
+h alone 651 against 628 / 608 (docs/perf-notes.md, "GEMM core v10").
 
 Tile: BLOCK_N 128 (what the Triton kernel runs: 128 rows x 128 gate + 128 up columns). A consumer's two 64 x 128
 fp32 accumulators take 128 of the 232 registers a thread gets with setmaxnreg (232 + 232 for the consumers, 40
@@ -111,8 +107,6 @@ _GATHER_WARPS = gl.constexpr(GATHER_WARPS)  # the same, as the kernels see it
 _BLOCK_M = gl.constexpr(BLOCK_M)
 EPILOGUE_WARPS = 2  # the hand-off kernel's epilogue warps (beside the producer's in its warpgroup)
 _EPILOGUE_WARPS = gl.constexpr(EPILOGUE_WARPS)
-HANDOFF_GATHER_WARPS = 2  # the gathering hand-off kernel's producer: the rest of that warpgroup
-_HANDOFF_GATHER_WARPS = gl.constexpr(HANDOFF_GATHER_WARPS)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -152,11 +146,9 @@ def _producer_tma(x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_
 
 @gluon.jit
 def _producer_gather(x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars,
-                     block_expert_ptr, block_range_ptr, H, I, top_k, SPLIT: gl.constexpr, GROUP_M: gl.constexpr,
-                     WARPS: gl.constexpr):
-    """WARPS warps: the weight tiles by TMA (one thread) and the gathered A tile by cp.async (every thread,
-    BLOCK_M * BLOCK_K / (8 * 32 WARPS) 16-byte copies per K step), x_rows[r] = x[row_src[r] // top_k] or zeros
-    where row_src[r] = -1."""
+                     block_expert_ptr, block_range_ptr, H, I, top_k, SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
+    """One warpgroup: the weight tiles by TMA (one thread) and the gathered A tile by cp.async (every thread,
+    8 16-byte copies per K step), x_rows[r] = x[row_src[r] // top_k] or zeros where row_src[r] = -1."""
     STAGES: gl.constexpr = a_bufs.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
@@ -165,7 +157,7 @@ def _producer_gather(x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, rea
     VEC: gl.constexpr = 128 // w_desc.dtype.primitive_bitwidth  # elements per 16-byte copy
     COL_THREADS: gl.constexpr = BLOCK_K // VEC
     copy_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, VEC], threads_per_warp=[32 // COL_THREADS, COL_THREADS],
-                                                 warps_per_cta=[WARPS, 1], order=[1, 0])
+                                                 warps_per_cta=[_GATHER_WARPS, 1], order=[1, 0])
     tile_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, copy_layout))
     step_cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, copy_layout))
     # H is a multiple of VEC (the launcher's TMA check: 16-byte row strides); written as one, the compiler sees
@@ -194,7 +186,7 @@ def _producer_gather(x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, rea
             cols = gl.expand_dims(k + step_cols, 0)
             cp_async_load(a_bufs.index(s), row_ptrs + cols, mask=has_src & (cols < H))
             # This thread's copies (all it issued so far) complete -> one arrive; .noinc: the barrier's count
-            # includes these WARPS * 32 arrivals.
+            # includes these _GATHER_WARPS * 32 arrivals.
             async_copy.mbarrier_arrive(bar, increment_count=False)
             p += 1
 
@@ -278,9 +270,8 @@ def _consumer(h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs, ready_bars,
 
 @gluon.jit
 def _consumer_handoff(a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free,
-                      block_range_ptr, H, I, WG: gl.constexpr, GATHER: gl.constexpr, SPLIT: gl.constexpr,
-                      GROUP_M: gl.constexpr):
-    """_consumer's main loop; its epilogue only rounds g and u into the hand-off buffers (rows
+                      block_range_ptr, H, I, WG: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
+    """_consumer's main loop (x rows by TMA); its epilogue only rounds g and u into the hand-off buffers (rows
     [64 WG, 64 WG + 64) of the tile) and hands them to the epilogue warps, which do the SwiGLU and the stores.
     Use t of the buffers (the CTA's t-th tile): wait for gu_free's phase t - 1 (the epilogue's release of
     tile t - 1; a fresh barrier passes t = 0), write, fence for the TMA engine, arrive on gu_ready (count 2)."""
@@ -295,7 +286,7 @@ def _consumer_handoff(a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empt
     c = 0  # slot counter: the producer's p for the same (tile, K step)
     t = 0  # tiles of this CTA so far: use t of the hand-off buffers
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        acc_g, acc_u, c = _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG, GATHER)
+        acc_g, acc_u, c = _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG, False)
         # The epilogue warps have stored the previous tile out of the buffers (a fresh barrier passes use 0).
         mbarrier.wait(gu_free, (t & 1) ^ 1)
         g_buf.slice(WG * CONSUMER_ROWS, CONSUMER_ROWS).store(acc_g.to(g_buf.dtype))
@@ -338,16 +329,14 @@ def _epilogue(h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, block_range_ptr,
 
 
 @gluon.jit
-def gate_up_fwd_handoff_kernel(x_desc, w_desc, h_desc, gu_desc, x_ptr, row_src_ptr, block_expert_ptr, block_range_ptr,
-                               H, I, top_k,
-                               STORE_GATE_UP: gl.constexpr, GATHER: gl.constexpr, SPLIT: gl.constexpr,
-                               GROUP_M: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                               CONSUMER_REGS: gl.constexpr, EPILOGUE_ROWS: gl.constexpr):
-    """gate_up_fwd_ws_kernel's results with the epilogue off the consumers' path: the consumers round g and u into
-    two [128, BLOCK_N] hand-off buffers and go on to the next tile's main loop; EPILOGUE_WARPS warps of their own
-    (in the producer's warpgroup, with its registers) store g and u, compute h and store it. The producer: one
-    warp of TMA copies, or with GATHER HANDOFF_GATHER_WARPS warps of cp.async (the warpgroup's other half).
-    h_desc / gu_desc boxes cover a whole tile ([128, 1, BLOCK_N]). Launch with num_warps=4."""
+def gate_up_fwd_handoff_kernel(x_desc, w_desc, h_desc, gu_desc, block_expert_ptr, block_range_ptr, H, I,
+                               STORE_GATE_UP: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr,
+                               STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                               EPILOGUE_ROWS: gl.constexpr):
+    """gate_up_fwd_ws_kernel's results (x rows by TMA) with the epilogue off the consumers' path: the consumers
+    round g and u into two [128, BLOCK_N] hand-off buffers and go on to the next tile's main loop;
+    EPILOGUE_WARPS warps of their own (in the producer's warpgroup, with its registers) store g and u, compute
+    h and store it. h_desc / gu_desc boxes cover a whole tile ([128, 1, BLOCK_N]). Launch with num_warps=4."""
     dtype: gl.constexpr = x_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     gate_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -361,34 +350,21 @@ def gate_up_fwd_handoff_kernel(x_desc, w_desc, h_desc, gu_desc, x_ptr, row_src_p
     gu_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     gu_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready_bars.index(i), count=1 + GATHER * _HANDOFF_GATHER_WARPS * 32)
+        mbarrier.init(ready_bars.index(i), count=1)
         mbarrier.init(empty_bars.index(i), count=2)
     mbarrier.init(gu_ready, count=2)  # one arrive per consumer warpgroup
     mbarrier.init(gu_free, count=1)  # the epilogue warps' arrive
     fence_async_shared()
-    # (gl.warp_specialize takes the partitions as a literal list: both branches spell them out)
-    if GATHER:
-        gl.warp_specialize([
-            (_consumer_handoff, (a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free,
-                                 block_range_ptr, H, I, 0, GATHER, SPLIT, GROUP_M)),
-            (_consumer_handoff, (a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free,
-                                 block_range_ptr, H, I, 1, GATHER, SPLIT, GROUP_M)),
-            (_producer_gather, (x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars,
-                                block_expert_ptr, block_range_ptr, H, I, top_k, SPLIT, GROUP_M, _HANDOFF_GATHER_WARPS)),
-            (_epilogue, (h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, block_range_ptr, I, STORE_GATE_UP, SPLIT,
-                         GROUP_M, EPILOGUE_ROWS)),
-        ], [4, _HANDOFF_GATHER_WARPS, _EPILOGUE_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
-    else:
-        gl.warp_specialize([
-            (_consumer_handoff, (a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free,
-                                 block_range_ptr, H, I, 0, GATHER, SPLIT, GROUP_M)),
-            (_consumer_handoff, (a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free,
-                                 block_range_ptr, H, I, 1, GATHER, SPLIT, GROUP_M)),
-            (_producer_tma, (x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, block_expert_ptr,
-                             block_range_ptr, H, I, SPLIT, GROUP_M)),
-            (_epilogue, (h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, block_range_ptr, I, STORE_GATE_UP, SPLIT,
-                         GROUP_M, EPILOGUE_ROWS)),
-        ], [4, 1, _EPILOGUE_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+    gl.warp_specialize([
+        (_consumer_handoff, (a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free,
+                             block_range_ptr, H, I, 0, SPLIT, GROUP_M)),
+        (_consumer_handoff, (a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free,
+                             block_range_ptr, H, I, 1, SPLIT, GROUP_M)),
+        (_producer_tma, (x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, block_expert_ptr,
+                         block_range_ptr, H, I, SPLIT, GROUP_M)),
+        (_epilogue, (h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, block_range_ptr, I, STORE_GATE_UP, SPLIT,
+                     GROUP_M, EPILOGUE_ROWS)),
+    ], [4, 1, _EPILOGUE_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
 @gluon.jit
@@ -422,7 +398,7 @@ def gate_up_fwd_ws_kernel(x_desc, w_desc, h_desc, gu_desc, x_ptr, row_src_ptr, b
             (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs1, ready_bars, empty_bars, block_range_ptr,
                          H, I, 1, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
             (_producer_gather, (x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars,
-                                block_expert_ptr, block_range_ptr, H, I, top_k, SPLIT, GROUP_M, _GATHER_WARPS)),
+                                block_expert_ptr, block_range_ptr, H, I, top_k, SPLIT, GROUP_M)),
         ], [4, _GATHER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -472,9 +448,6 @@ TILES = {
     # The epilogue handed off (x rows only; the table's tile where x is not gathered): 3 stages + the [128, 128]
     # g and u buffers (208 KB).
     "s3-handoff": GateUpTile(stages=3, handoff=True),
-    # The gathering hand-off: 2 cp.async warps hold 16 row pointers a thread; the consumers (no SwiGLU in registers)
-    # give 8 registers each so that the producer's warpgroup has 64 (the default consumer gets 216, see above).
-    "s3-handoff-gather": GateUpTile(stages=3, handoff=True, producer_regs=64, consumer_regs=224),
 }
 
 
@@ -487,7 +460,7 @@ def default_tile(store_gate_up: bool) -> GateUpTile:
 def constexprs(tile: GateUpTile, split: int, store_gate_up: bool, gather: bool) -> dict:
     """The kernel's constexpr arguments (the launcher and tests/test_gluon_gate_up_compile.py share them)."""
     if tile.handoff:
-        return dict(STORE_GATE_UP=store_gate_up, GATHER=gather, SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages,
+        return dict(STORE_GATE_UP=store_gate_up, SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages,
                     PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs, EPILOGUE_ROWS=tile.epilogue_rows)
     return dict(STORE_GATE_UP=store_gate_up, GATHER=gather, SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages,
                 OUT_BUFS=tile.out_bufs, PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs)
@@ -509,16 +482,11 @@ def descriptors(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, h_RI: torch.Te
             TensorDescriptor.from_tensor(w_gate_up_E2IH, w_block, nvmma_layout(w_block, x_RH.dtype)), h_desc, gu_desc)
 
 
-def tile_of(config: TileConfig, gathering: bool) -> GateUpTile:
+def tile_of(config: TileConfig) -> GateUpTile:
     """The tile a tile-table entry launches: 4 stages beside one staging buffer per consumer, or 3 beside two
-    (the shared memory holds one or the other), or the hand-off kernel's (gathering: with the register split of
-    TILES["s3-handoff-gather"], the producer's warps holding their row pointers)."""
-    registers = {}
-    if config.handoff and gathering:
-        gather_tile = TILES["s3-handoff-gather"]
-        registers = dict(producer_regs=gather_tile.producer_regs, consumer_regs=gather_tile.consumer_regs)
+    (the shared memory holds one or the other), or the hand-off kernel's."""
     return GateUpTile(block_n=config.block_n, stages=config.num_stages, out_bufs=1 if config.num_stages >= 4 else 2,
-                      group_m=config.group_m, handoff=config.handoff, **registers)
+                      group_m=config.group_m, handoff=config.handoff)
 
 
 def launch_gate_up_fwd(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, block_expert, block_range, split, config: TileConfig,
@@ -527,16 +495,20 @@ def launch_gate_up_fwd(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, block_expert, bl
     (gate_up_R2I unread without store_gate_up); the tile table's entry as this kernel's tile (tile_of)."""
     check(config.block_m == BLOCK_M and config.block_k == BLOCK_K,
           f"the Gluon gate_up_fwd runs {BLOCK_M} x n x {BLOCK_K} tiles, got {config}")
-    check(not config.handoff or config.num_stages == 3, f"the hand-off kernel runs 3 stages, got {config}")
-    tile = tile_of(config, gathering=gather is not None)
+    check(not config.handoff or (gather is None and config.num_stages == 3),
+          f"the hand-off kernel reads x rows by TMA through 3 stages, got {config} with gather={gather is not None}")
+    tile = tile_of(config)
     check(tma_addressable(x_RH, w_gate_up_E2IH, h_RI, *([gate_up_R2I] if store_gate_up else [])),
           "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8)")
     row_src, top_k = gather if gather is not None else (block_expert, 1)  # unread without gather
     descs = descriptors(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I if store_gate_up else None, tile)
     grid = persistent_grid(x_RH.device, h_RI.shape[0] // BLOCK_M * triton.cdiv(h_RI.shape[1], tile.block_n))
-    kernel = gate_up_fwd_handoff_kernel if tile.handoff else gate_up_fwd_ws_kernel
-    kernel[grid](*descs, x_RH, row_src, block_expert, block_range, x_RH.shape[1], h_RI.shape[1], top_k,
-                 **constexprs(tile, split, store_gate_up, gather is not None), num_warps=4)
+    if tile.handoff:
+        gate_up_fwd_handoff_kernel[grid](*descs, block_expert, block_range, x_RH.shape[1], h_RI.shape[1],
+                                         **constexprs(tile, split, store_gate_up, False), num_warps=4)
+    else:
+        gate_up_fwd_ws_kernel[grid](*descs, x_RH, row_src, block_expert, block_range, x_RH.shape[1], h_RI.shape[1],
+                                    top_k, **constexprs(tile, split, store_gate_up, gather is not None), num_warps=4)
 
 
 def gate_up_fwd_gluon(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_expert: torch.Tensor,
@@ -576,7 +548,11 @@ def gate_up_fwd_gluon(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_ex
           "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8)")
     descs = descriptors(x_RH, w_gate_up_E2IH, h, gate_up if store_gate_up else None, tile)
     grid = persistent_grid(x_RH.device, rows // BLOCK_M * triton.cdiv(inter, tile.block_n))
-    kernel = gate_up_fwd_handoff_kernel if tile.handoff else gate_up_fwd_ws_kernel
-    kernel[grid](*descs, x_RH, row_src, block_expert, block_range, hidden, inter, top_k,
-                 **constexprs(tile, split, store_gate_up, gather is not None), num_warps=4)
+    if tile.handoff:
+        check(gather is None, "the hand-off tile reads x rows by TMA (it has no gathering producer)")
+        gate_up_fwd_handoff_kernel[grid](*descs, block_expert, block_range, hidden, inter,
+                                         **constexprs(tile, split, store_gate_up, False), num_warps=4)
+    else:
+        gate_up_fwd_ws_kernel[grid](*descs, x_RH, row_src, block_expert, block_range, hidden, inter, top_k,
+                                    **constexprs(tile, split, store_gate_up, gather is not None), num_warps=4)
     return h, (gate_up if store_gate_up else None)
