@@ -22,27 +22,36 @@ from megamoe.backends.triton.kernels._common import check
 
 
 @triton.jit
+def _add_slot(acc, y_ptr, w_ptr, index_ptr, t, t_ok, h, h_ok, H, top_k, j, HAS_WEIGHTS: tl.constexpr):
+    pair = t * top_k + j
+    row = tl.load(index_ptr + pair, mask=t_ok, other=-1)
+    routed = t_ok & (row >= 0)
+    row = tl.where(routed, row, 0).to(tl.int64)
+    y = tl.load(y_ptr + row[:, None] * H + h[None, :], mask=routed[:, None] & h_ok, other=0.0)
+    if HAS_WEIGHTS:
+        weight = tl.load(w_ptr + pair, mask=routed, other=0.0).to(tl.float32)
+        return acc + weight[:, None] * y.to(tl.float32)
+    return acc + y.to(tl.float32)
+
+
+@triton.jit
 def combine_kernel(
     y_ptr, w_ptr, index_ptr, shared_ptr, out_ptr,
     T, H, top_k,
     HAS_WEIGHTS: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    TOP_K: tl.constexpr = 0,
 ):
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     t_ok = t < T
     h_ok = (h < H)[None, :]
     acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
-    for j in range(0, top_k):
-        pair = t * top_k + j
-        row = tl.load(index_ptr + pair, mask=t_ok, other=-1)
-        routed = t_ok & (row >= 0)
-        row = tl.where(routed, row, 0).to(tl.int64)
-        y = tl.load(y_ptr + row[:, None] * H + h[None, :], mask=routed[:, None] & h_ok, other=0.0)
-        if HAS_WEIGHTS:
-            weight = tl.load(w_ptr + pair, mask=routed, other=0.0).to(tl.float32)
-            acc += weight[:, None] * y.to(tl.float32)
-        else:
-            acc += y.to(tl.float32)
+    if TOP_K > 0:
+        for j in tl.static_range(TOP_K):
+            acc = _add_slot(acc, y_ptr, w_ptr, index_ptr, t, t_ok, h, h_ok, H, TOP_K, j, HAS_WEIGHTS)
+    else:
+        for j in range(0, top_k):
+            acc = _add_slot(acc, y_ptr, w_ptr, index_ptr, t, t_ok, h, h_ok, H, top_k, j, HAS_WEIGHTS)
     mask = t_ok[:, None] & h_ok
     if HAS_SHARED:
         acc += tl.load(shared_ptr + t[:, None] * H + h[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -89,6 +98,7 @@ def combine(
     *,
     config: TileConfig,
     out_dtype: torch.dtype | None = None,
+    unroll: bool = False,
 ) -> torch.Tensor:
     """out [T, H] = sum_j weights[t, j] * rows[index[t, j]] (+ shared[t], last); weights None means 1.
 
@@ -112,7 +122,7 @@ def combine(
         shared_TH if shared_TH is not None else rows_NH, out,
         num_tokens, hidden, top_k,
         HAS_WEIGHTS=weights_TK is not None, HAS_SHARED=shared_TH is not None,
-        BLOCK_T=config.block_m, BLOCK_H=config.block_n, num_warps=config.num_warps,
+        BLOCK_T=config.block_m, BLOCK_H=config.block_n, TOP_K=top_k if unroll else 0, num_warps=config.num_warps,
     )
     return out
 

@@ -1,0 +1,125 @@
+"""The memory-bound row passes of the one-GPU path, alone, in tile variants: combine (out[t] = sum_j w * rows[dest_row[t,
+j]], the forward's; without weights, the backward's d_x) and spread_rows (x or d_out spread to their receive rows).
+
+Usage (a CUDA GPU):  PYTHONPATH=$PWD python3 benchmarks/combine_bench.py OUT.json [--workload NAME ...] [--rounds N]
+
+Per workload (balanced routing, the schedule megamoe.schedule.build_schedule builds, bf16): every variant is checked
+bit for bit against the table's kernel on the same inputs, then the variants alternate over --rounds rounds of
+triton.testing.do_bench (median per round); the table gives each variant's median ms and GB/s (bytes read and
+written once: combine k * T rows read + T rows written; spread_rows T rows read + the rows in use written).
+Variants: combine "table" (the tile table's entry), "BTxBH/wW" tiles, "unroll" (the slot loop unrolled at compile
+time, the k rows' loads issued together) and their products; spread_rows "table" and "BRxBH/pP" (rows and columns
+per step, programs per SM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+
+import torch
+import triton
+
+from megamoe.backends.triton import configs, kernels
+from megamoe.backends.triton.kernels import gather
+from megamoe.bench.problem import one_gpu_problem
+from megamoe.bench.workloads import WORKLOADS
+from megamoe.schedule import build_schedule
+
+COMBINE_TILES = [(8, 256, 4), (16, 256, 4), (8, 512, 4), (16, 512, 8), (32, 256, 8), (4, 512, 4)]
+SPREAD_TILES = [(8, 256, 8), (16, 256, 8), (8, 512, 8), (8, 256, 16), (4, 512, 16)]
+
+
+def combine_variants(table: configs.TileConfig) -> dict:
+    variants = {"table": (table, False), "unroll": (table, True)}
+    for bt, bh, warps in COMBINE_TILES:
+        tile = dataclasses.replace(table, block_m=bt, block_n=bh, num_warps=warps)
+        for unroll in (False, True):
+            variants[f"{bt}x{bh}/w{warps}{'/unroll' if unroll else ''}"] = (tile, unroll)
+    return variants
+
+
+def spread_with(block_r: int, block_h: int, per_sm: int):
+    def run(*args):
+        saved = gather._BLOCK_R, gather._BLOCK_H, gather._PROGRAMS_PER_SM
+        gather._BLOCK_R, gather._BLOCK_H, gather._PROGRAMS_PER_SM = block_r, block_h, per_sm
+        try:
+            return kernels.spread_rows(*args)
+        finally:
+            gather._BLOCK_R, gather._BLOCK_H, gather._PROGRAMS_PER_SM = saved
+    return run
+
+
+def bench_workload(name: str, rounds: int) -> list[dict]:
+    w = WORKLOADS[name]
+    device = torch.device("cuda")
+    _, tokens = one_gpu_problem(w, device)
+    num_experts = w.one_gpu_experts or w.num_experts
+    s = build_schedule(tokens.topk_ids_TK, num_experts, block_m=128)
+    x, weights = tokens.x_TH.detach(), tokens.topk_weights_TK.detach().contiguous()
+    rows = torch.randn(s.num_rows, w.hidden, device=device).to(x.dtype)
+    in_use = s.expert_offsets[-1:]
+    used_rows = int(s.expert_offsets[-1].item())  # the byte count only, outside the timing
+    T, H, k = x.shape[0], w.hidden, w.top_k
+    table = configs.tma_kernel_configs(H, w.intermediate, x.dtype, device, 128).combine
+    cases = {}  # (kernel, variant) -> (call, bytes)
+    combine_bytes = (k * T + T) * H * x.element_size()
+    for label, (tile, unroll) in combine_variants(table).items():
+        for kind, wts in (("combine", weights), ("combine_dx", None)):
+            cases[(kind, label)] = (lambda tile=tile, unroll=unroll, wts=wts:
+                                    kernels.combine(rows, wts, s.dest_row, None, config=tile, unroll=unroll), combine_bytes)
+    spread_bytes = (T + used_rows) * H * x.element_size()
+    cases[("spread_rows", "table")] = (lambda: kernels.spread_rows(x, s.dest_row, s.row_src, in_use), spread_bytes)
+    for br, bh, per_sm in SPREAD_TILES:
+        run = spread_with(br, bh, per_sm)
+        cases[("spread_rows", f"{br}x{bh}/p{per_sm}")] = (lambda run=run: run(x, s.dest_row, s.row_src, in_use),
+                                                          spread_bytes)
+    records = []
+    for (kind, label), (call, _) in cases.items():  # bits against the table's kernel (rows past the range: unwritten)
+        want = cases[(kind, "table")][0]()
+        got = call()
+        same = torch.equal(got[:used_rows if kind == "spread_rows" else T].view(torch.int16),
+                           want[:used_rows if kind == "spread_rows" else T].view(torch.int16))
+        records.append(dict(kind="check", workload=name, kernel=kind, variant=label, ok=bool(same)))
+    times = {key: [] for key in cases}
+    keys = list(cases)
+    for r in range(rounds):
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            times[key].append(triton.testing.do_bench(cases[key][0], warmup=10, rep=40))
+    for (kind, label), ms in times.items():
+        med = statistics.median(ms)
+        records.append(dict(kind="time", workload=name, kernel=kind, variant=label, ms=med, round_ms=ms,
+                            gbps=cases[(kind, label)][1] / med / 1e6))
+    return records
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("json_path")
+    parser.add_argument("--workload", action="append")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    records = []
+    for name in args.workload or ["qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b", "mixtral-8x7b"]:
+        records += bench_workload(name, args.rounds)
+        torch.cuda.empty_cache()
+    with open(args.json_path, "w") as f:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                       records=records), f, indent=1)
+    bad = [r for r in records if r["kind"] == "check" and not r["ok"]]
+    for r in bad:
+        print(f"BITS DIFFER: {r}")
+    for name in dict.fromkeys(r["workload"] for r in records):
+        for kind in ("combine", "combine_dx", "spread_rows"):
+            rs = sorted((r for r in records if r["kind"] == "time" and r["workload"] == name and r["kernel"] == kind),
+                        key=lambda r: r["ms"])
+            base = next(r for r in rs if r["variant"] == "table")
+            print(f"{name} {kind}: table {base['ms'] * 1e3:.1f} us ({base['gbps']:.0f} GB/s); best "
+                  + ", ".join(f"{r['variant']} {r['ms'] * 1e3:.1f} ({base['ms'] / r['ms']:.3f}x)" for r in rs[:4]))
+    print(f"checks: {sum(r['ok'] for r in records if r['kind'] == 'check')} ok, {len(bad)} differ")
+
+
+if __name__ == "__main__":
+    main()
