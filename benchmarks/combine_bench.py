@@ -7,9 +7,8 @@ Per workload (balanced routing, the schedule megamoe.schedule.build_schedule bui
 bit for bit against the table's kernel on the same inputs, then the variants alternate over --rounds rounds of
 triton.testing.do_bench (median per round); the table gives each variant's median ms and GB/s (bytes read and
 written once: combine k * T rows read + T rows written; spread_rows T rows read + the rows in use written).
-Variants: combine "table" (the tile table's entry), "BTxBH/wW" tiles, "unroll" (the slot loop unrolled at compile
-time, the k rows' loads issued together) and their products; spread_rows "table" and "BRxBH/pP" (rows and columns
-per step, programs per SM).
+Variants: combine "table" (the tile table's entry) and "BTxBH/wW" tiles (tokens and columns per program, warps);
+spread_rows "table" and "BRxBH/pP" (rows and columns per step, programs per SM).
 """
 
 from __future__ import annotations
@@ -28,16 +27,14 @@ from megamoe.bench.problem import one_gpu_problem
 from megamoe.bench.workloads import WORKLOADS
 from megamoe.schedule import build_schedule
 
-COMBINE_TILES = [(8, 256, 4), (16, 256, 4), (8, 512, 4), (16, 512, 8), (32, 256, 8), (4, 512, 4)]
+COMBINE_TILES = [(8, 256, 4), (16, 256, 4), (8, 512, 4), (16, 512, 8), (32, 256, 8), (4, 512, 4), (4, 1024, 8)]
 SPREAD_TILES = [(8, 256, 8), (16, 256, 8), (8, 512, 8), (8, 256, 16), (4, 512, 16)]
 
 
 def combine_variants(table: configs.TileConfig) -> dict:
-    variants = {"table": (table, False), "unroll": (table, True)}
+    variants = {"table": table}
     for bt, bh, warps in COMBINE_TILES:
-        tile = dataclasses.replace(table, block_m=bt, block_n=bh, num_warps=warps)
-        for unroll in (False, True):
-            variants[f"{bt}x{bh}/w{warps}{'/unroll' if unroll else ''}"] = (tile, unroll)
+        variants[f"{bt}x{bh}/w{warps}"] = dataclasses.replace(table, block_m=bt, block_n=bh, num_warps=warps)
     return variants
 
 
@@ -66,10 +63,10 @@ def bench_workload(name: str, rounds: int) -> list[dict]:
     table = configs.tma_kernel_configs(H, w.intermediate, x.dtype, device, 128).combine
     cases = {}  # (kernel, variant) -> (call, bytes)
     combine_bytes = (k * T + T) * H * x.element_size()
-    for label, (tile, unroll) in combine_variants(table).items():
+    for label, tile in combine_variants(table).items():
         for kind, wts in (("combine", weights), ("combine_dx", None)):
-            cases[(kind, label)] = (lambda tile=tile, unroll=unroll, wts=wts:
-                                    kernels.combine(rows, wts, s.dest_row, None, config=tile, unroll=unroll), combine_bytes)
+            cases[(kind, label)] = (lambda tile=tile, wts=wts: kernels.combine(rows, wts, s.dest_row, None, config=tile),
+                                    combine_bytes)
     spread_bytes = (T + used_rows) * H * x.element_size()
     cases[("spread_rows", "table")] = (lambda: kernels.spread_rows(x, s.dest_row, s.row_src, in_use), spread_bytes)
     for br, bh, per_sm in SPREAD_TILES:

@@ -294,6 +294,8 @@ def test_memory_kernel_sm90_compiles_without_spills(name):
         consts = dict(BLOCK_T=cfg.block_m, BLOCK_H=cfg.block_n)
     if "HAS_WEIGHTS" in fn.arg_names:
         consts.update(HAS_WEIGHTS=True, HAS_SHARED=True)
+    if "TOP_K" in fn.arg_names:
+        consts["TOP_K"] = 8
     compiled = _compile(fn, consts, cfg.num_warps, cfg.num_stages, 90)
     report = ptxas_report(compiled.asm["ptx"])
     assert report["spill_stores"] == 0 and report["spill_loads"] == 0, f"{name} spills:\n{report['log']}"

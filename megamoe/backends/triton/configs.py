@@ -119,7 +119,9 @@ _SM90_TMA = KernelConfigs(
     # 128 x 128 x 4 stages: 1.284 at qwen3-30b-a3b dw_gate_up, slower elsewhere.
     dw_down=TileConfig(128, 256, 64, num_warps=4, num_stages=3, tma=True, gluon=True),
     dw_gate_up=TileConfig(128, 256, 64, num_warps=4, num_stages=3, tma=True, gluon=True),
-    combine=_SM90.combine,
+    # 4 tokens x 512 columns: 1.01-1.02x the 8 x 256 tile, both with the slot loop unrolled, same bits
+    # (benchmarks/combine_bench.py, h200-combine-v1.json).
+    combine=TileConfig(4, 512, 1, num_warps=4, num_stages=1),
 )
 # gate_up_fwd gathering x in its loads instead of a gather pass + the GEMM on rows: the Triton kernel
 # (benchmarks/gather_ab.py, h200-gather-ab-v1.json) at qwen3-30b-a3b (H 2048) 1.69 ms against 1.80, gpt-oss-120b

@@ -3,7 +3,9 @@ one-GPU router-weight gradient from down_dgrad's per-row partial sums (row_sums)
 
 Both are memory-bound, one program per [BLOCK_T tokens x BLOCK_H columns] tile; the slot loop runs
 j = 0..k-1 in order with an fp32 accumulator (the reference's order), and the shared expert's output is
-added last. index[t, j] is the row holding pair (t, j): on one GPU the receive row (schedule.dest_row,
+added last. combine's slot loop is unrolled at compile time (k a constexpr), so a program's k row loads are
+in flight together: on an H200 1.01-1.04x the rolled loop with weights and 1.06-1.10x without (same bits;
+benchmarks/combine_bench.py, docs/perf-notes.md). index[t, j] is the row holding pair (t, j): on one GPU the receive row (schedule.dest_row,
 rows = y_rows [R, H]); with expert parallelism t * k + j in the exchanged pairs buffer [T * k, H].
 -1 (a pair cut by a declared capacity) counts as zero. With HAS_WEIGHTS off the same kernel sums the
 d_x rows in the backward. The router weights come in fp32 or in the rows' dtype (megamoe.experts takes
@@ -22,36 +24,28 @@ from megamoe.backends.triton.kernels._common import check
 
 
 @triton.jit
-def _add_slot(acc, y_ptr, w_ptr, index_ptr, t, t_ok, h, h_ok, H, top_k, j, HAS_WEIGHTS: tl.constexpr):
-    pair = t * top_k + j
-    row = tl.load(index_ptr + pair, mask=t_ok, other=-1)
-    routed = t_ok & (row >= 0)
-    row = tl.where(routed, row, 0).to(tl.int64)
-    y = tl.load(y_ptr + row[:, None] * H + h[None, :], mask=routed[:, None] & h_ok, other=0.0)
-    if HAS_WEIGHTS:
-        weight = tl.load(w_ptr + pair, mask=routed, other=0.0).to(tl.float32)
-        return acc + weight[:, None] * y.to(tl.float32)
-    return acc + y.to(tl.float32)
-
-
-@triton.jit
 def combine_kernel(
     y_ptr, w_ptr, index_ptr, shared_ptr, out_ptr,
-    T, H, top_k,
-    HAS_WEIGHTS: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-    TOP_K: tl.constexpr = 0,
+    T, H,
+    TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     t_ok = t < T
     h_ok = (h < H)[None, :]
     acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
-    if TOP_K > 0:
-        for j in tl.static_range(TOP_K):
-            acc = _add_slot(acc, y_ptr, w_ptr, index_ptr, t, t_ok, h, h_ok, H, TOP_K, j, HAS_WEIGHTS)
-    else:
-        for j in range(0, top_k):
-            acc = _add_slot(acc, y_ptr, w_ptr, index_ptr, t, t_ok, h, h_ok, H, top_k, j, HAS_WEIGHTS)
+    for j in tl.static_range(TOP_K):  # unrolled: the k rows' loads issue together, the sum keeps its order
+        pair = t * TOP_K + j
+        row = tl.load(index_ptr + pair, mask=t_ok, other=-1)
+        routed = t_ok & (row >= 0)
+        row = tl.where(routed, row, 0).to(tl.int64)
+        y = tl.load(y_ptr + row[:, None] * H + h[None, :], mask=routed[:, None] & h_ok, other=0.0)
+        if HAS_WEIGHTS:
+            weight = tl.load(w_ptr + pair, mask=routed, other=0.0).to(tl.float32)
+            acc += weight[:, None] * y.to(tl.float32)
+        else:
+            acc += y.to(tl.float32)
     mask = t_ok[:, None] & h_ok
     if HAS_SHARED:
         acc += tl.load(shared_ptr + t[:, None] * H + h[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -98,7 +92,6 @@ def combine(
     *,
     config: TileConfig,
     out_dtype: torch.dtype | None = None,
-    unroll: bool = False,
 ) -> torch.Tensor:
     """out [T, H] = sum_j weights[t, j] * rows[index[t, j]] (+ shared[t], last); weights None means 1.
 
@@ -120,9 +113,9 @@ def combine(
     combine_kernel[grid](
         rows_NH, weights_TK if weights_TK is not None else rows_NH, index_TK,
         shared_TH if shared_TH is not None else rows_NH, out,
-        num_tokens, hidden, top_k,
-        HAS_WEIGHTS=weights_TK is not None, HAS_SHARED=shared_TH is not None,
-        BLOCK_T=config.block_m, BLOCK_H=config.block_n, TOP_K=top_k if unroll else 0, num_warps=config.num_warps,
+        num_tokens, hidden,
+        TOP_K=top_k, HAS_WEIGHTS=weights_TK is not None, HAS_SHARED=shared_TH is not None,
+        BLOCK_T=config.block_m, BLOCK_H=config.block_n, num_warps=config.num_warps,
     )
     return out
 
