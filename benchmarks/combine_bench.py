@@ -8,15 +8,13 @@ bit for bit against the table's kernel on the same inputs, then the variants alt
 triton.testing.do_bench (median per round); the table gives each variant's median ms and GB/s (bytes read and
 written once: combine k * T rows read + T rows written; spread_rows T rows read + the rows in use written).
 Variants: combine "table" (the tile table's entry) and "BTxBH/wW" tiles (tokens and columns per program, warps);
-spread_rows "table" and "BRxBH/pP" (rows and columns per step, programs per SM); either with cache hints, "/ef"
-(the rows read once loaded evict_first) and "/cs" (the output stored with the streaming .cs modifier).
+spread_rows "table" and "BRxBH/pP" (rows and columns per step, programs per SM).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import statistics
 
@@ -40,32 +38,15 @@ def combine_variants(table: configs.TileConfig) -> dict:
     return variants
 
 
-combine_module = importlib.import_module("megamoe.backends.triton.kernels.combine")  # the package exports combine()
-HINTS = {"": {}, "/ef": dict(evict=True), "/cs": dict(stream=True), "/ef+cs": dict(evict=True, stream=True)}
-
-
-def with_module_constants(fn, module, **constants):
-    """fn run with the launcher module's constants set (restored after the call)."""
-    def run(*args, **kwargs):
-        saved = {name: getattr(module, name) for name in constants}
-        for name, value in constants.items():
-            setattr(module, name, value)
+def spread_with(block_r: int, block_h: int, per_sm: int):
+    def run(*args):
+        saved = gather._BLOCK_R, gather._BLOCK_H, gather._PROGRAMS_PER_SM
+        gather._BLOCK_R, gather._BLOCK_H, gather._PROGRAMS_PER_SM = block_r, block_h, per_sm
         try:
-            return fn(*args, **kwargs)
+            return kernels.spread_rows(*args)
         finally:
-            for name, value in saved.items():
-                setattr(module, name, value)
+            gather._BLOCK_R, gather._BLOCK_H, gather._PROGRAMS_PER_SM = saved
     return run
-
-
-def spread_with(block_r: int, block_h: int, per_sm: int, evict: bool = False, stream: bool = False):
-    return with_module_constants(kernels.spread_rows, gather, _BLOCK_R=block_r, _BLOCK_H=block_h, _PROGRAMS_PER_SM=per_sm,
-                                 _SRC_EVICTION="evict_first" if evict else "", _OUT_CACHE=".cs" if stream else "")
-
-
-def combine_with(evict: bool = False, stream: bool = False):
-    return with_module_constants(kernels.combine, combine_module, _ROWS_EVICTION="evict_first" if evict else "",
-                                 _OUT_CACHE=".cs" if stream else "")
 
 
 def bench_workload(name: str, rounds: int) -> list[dict]:
@@ -83,18 +64,15 @@ def bench_workload(name: str, rounds: int) -> list[dict]:
     cases = {}  # (kernel, variant) -> (call, bytes)
     combine_bytes = (k * T + T) * H * x.element_size()
     for label, tile in combine_variants(table).items():
-        for hint, flags in HINTS.items() if label == "table" else [("", {})]:
-            run = combine_with(**flags)
-            for kind, wts in (("combine", weights), ("combine_dx", None)):
-                cases[(kind, label + hint)] = (lambda run=run, tile=tile, wts=wts:
-                                               run(rows, wts, s.dest_row, None, config=tile), combine_bytes)
+        for kind, wts in (("combine", weights), ("combine_dx", None)):
+            cases[(kind, label)] = (lambda tile=tile, wts=wts: kernels.combine(rows, wts, s.dest_row, None, config=tile),
+                                    combine_bytes)
     spread_bytes = (T + used_rows) * H * x.element_size()
     cases[("spread_rows", "table")] = (lambda: kernels.spread_rows(x, s.dest_row, s.row_src, in_use), spread_bytes)
-    for hint, flags in HINTS.items():
-        for br, bh, per_sm in SPREAD_TILES if hint in ("", "/ef+cs") else [SPREAD_TILES[0]]:
-            run = spread_with(br, bh, per_sm, **flags)
-            cases[("spread_rows", f"{br}x{bh}/p{per_sm}{hint}")] = (
-                lambda run=run: run(x, s.dest_row, s.row_src, in_use), spread_bytes)
+    for br, bh, per_sm in SPREAD_TILES:
+        run = spread_with(br, bh, per_sm)
+        cases[("spread_rows", f"{br}x{bh}/p{per_sm}")] = (lambda run=run: run(x, s.dest_row, s.row_src, in_use),
+                                                          spread_bytes)
     records = []
     for (kind, label), (call, _) in cases.items():  # bits against the table's kernel (rows past the range: unwritten)
         want = cases[(kind, "table")][0]()

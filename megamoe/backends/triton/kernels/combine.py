@@ -28,7 +28,7 @@ def combine_kernel(
     y_ptr, w_ptr, index_ptr, shared_ptr, out_ptr,
     T, H,
     TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr, ROWS_EVICTION: tl.constexpr = "", OUT_CACHE: tl.constexpr = "",
+    BLOCK_H: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -40,8 +40,7 @@ def combine_kernel(
         row = tl.load(index_ptr + pair, mask=t_ok, other=-1)
         routed = t_ok & (row >= 0)
         row = tl.where(routed, row, 0).to(tl.int64)
-        y = tl.load(y_ptr + row[:, None] * H + h[None, :], mask=routed[:, None] & h_ok, other=0.0,
-                    eviction_policy=ROWS_EVICTION)
+        y = tl.load(y_ptr + row[:, None] * H + h[None, :], mask=routed[:, None] & h_ok, other=0.0)
         if HAS_WEIGHTS:
             weight = tl.load(w_ptr + pair, mask=routed, other=0.0).to(tl.float32)
             acc += weight[:, None] * y.to(tl.float32)
@@ -50,8 +49,7 @@ def combine_kernel(
     mask = t_ok[:, None] & h_ok
     if HAS_SHARED:
         acc += tl.load(shared_ptr + t[:, None] * H + h[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t[:, None] * H + h[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask,
-             cache_modifier=OUT_CACHE)
+    tl.store(out_ptr + t[:, None] * H + h[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -86,11 +84,6 @@ def _check_index(index_TK: torch.Tensor, rows_NH: torch.Tensor) -> tuple[int, in
     return index_TK.shape[0], index_TK.shape[1], rows_NH.shape[1]
 
 
-# Cache hints of combine's row loads and output stores (experiment: benchmarks/combine_bench.py sets them).
-_ROWS_EVICTION = ""
-_OUT_CACHE = ""
-
-
 def combine(
     rows_NH: torch.Tensor,
     weights_TK: torch.Tensor | None,
@@ -122,8 +115,7 @@ def combine(
         shared_TH if shared_TH is not None else rows_NH, out,
         num_tokens, hidden,
         TOP_K=top_k, HAS_WEIGHTS=weights_TK is not None, HAS_SHARED=shared_TH is not None,
-        BLOCK_T=config.block_m, BLOCK_H=config.block_n, ROWS_EVICTION=_ROWS_EVICTION, OUT_CACHE=_OUT_CACHE,
-        num_warps=config.num_warps,
+        BLOCK_T=config.block_m, BLOCK_H=config.block_n, num_warps=config.num_warps,
     )
     return out
 
