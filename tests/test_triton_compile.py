@@ -294,11 +294,15 @@ def test_memory_kernel_sm90_compiles_without_spills(name):
         consts = dict(BLOCK_T=cfg.block_m, BLOCK_H=cfg.block_n)
     if "HAS_WEIGHTS" in fn.arg_names:
         consts.update(HAS_WEIGHTS=True, HAS_SHARED=True)
-    if "TOP_K" in fn.arg_names:
+    tiles = [(consts, cfg)]
+    if "TOP_K" in fn.arg_names:  # combine: top-8, the pointer table's tile (EP) and the Hopper TMA table's
         consts["TOP_K"] = 8
-    compiled = _compile(fn, consts, cfg.num_warps, cfg.num_stages, 90)
-    report = ptxas_report(compiled.asm["ptx"])
-    assert report["spill_stores"] == 0 and report["spill_loads"] == 0, f"{name} spills:\n{report['log']}"
+        tma = _SM90_TMA.combine
+        tiles.append((dict(consts, BLOCK_T=tma.block_m, BLOCK_H=tma.block_n), tma))
+    for consts, tile in tiles:
+        compiled = _compile(fn, consts, tile.num_warps, tile.num_stages, 90)
+        report = ptxas_report(compiled.asm["ptx"])
+        assert report["spill_stores"] == 0 and report["spill_loads"] == 0, f"{name} spills:\n{report['log']}"
 
 
 @pytest.mark.parametrize("name", list(GEMM_KERNELS), ids=list(GEMM_KERNELS))

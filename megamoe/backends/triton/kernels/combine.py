@@ -1,16 +1,16 @@
 """Combine: out[t] = sum_j w[t, j] * rows[index[t, j]] (+ shared[t]) and its router-weight gradient, and the
 one-GPU router-weight gradient from down_dgrad's per-row partial sums (row_sums).
 
-Both are memory-bound, one program per [BLOCK_T tokens x BLOCK_H columns] tile; the slot loop runs
-j = 0..k-1 in order with an fp32 accumulator (the reference's order), and the shared expert's output is
-added last. combine's slot loop is unrolled at compile time (k a constexpr), so a program's k row loads are
-in flight together: on an H200 1.01-1.04x the rolled loop with weights and 1.06-1.10x without (same bits;
-benchmarks/combine_bench.py, docs/perf-notes.md). index[t, j] is the row holding pair (t, j): on one GPU the receive row (schedule.dest_row,
-rows = y_rows [R, H]); with expert parallelism t * k + j in the exchanged pairs buffer [T * k, H].
--1 (a pair cut by a declared capacity) counts as zero. With HAS_WEIGHTS off the same kernel sums the
-d_x rows in the backward. The router weights come in fp32 or in the rows' dtype (megamoe.experts takes
-either) and are widened to fp32 in registers, so a 16-bit router costs no cast kernel and fp32 weights
-keep their bits.
+Both are memory-bound, one program per [BLOCK_T tokens x BLOCK_H columns] tile; the slot loop runs j = 0..k-1
+in order with an fp32 accumulator (the reference's order), and the shared expert's output is added last.
+combine's slot loop is unrolled at compile time (k a constexpr), so a program's k row loads are in flight
+together: on an H200 1.01-1.04x the rolled loop with weights and 1.06-1.10x without (same bits;
+benchmarks/combine_bench.py, docs/perf-notes.md). index[t, j] is the row holding pair (t, j): on one GPU the
+receive row (schedule.dest_row, rows = y_rows [R, H]); with expert parallelism t * k + j in the exchanged
+pairs buffer [T * k, H]. -1 (a pair cut by a declared capacity) counts as zero. With HAS_WEIGHTS off the same
+kernel sums the d_x rows in the backward. The router weights come in fp32 or in the rows' dtype
+(megamoe.experts takes either) and are widened to fp32 in registers, so a 16-bit router costs no cast kernel
+and fp32 weights keep their bits.
 """
 
 from __future__ import annotations
