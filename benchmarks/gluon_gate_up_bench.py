@@ -21,14 +21,15 @@ gathering kernel):
     sub-range of the blocks ([2, used - 1)) against the production kernel on the same range;
   * qwen3-30b-a3b (H 2048, I 768, 128 experts, 16384 tokens, top-8, balanced routing) and qwen3-235b-a22b
     (H 4096, I 1536), the schedules megamoe.schedule.build_schedule builds;
-then times it (triton.testing.do_bench, median) on the two workloads. TF/s counts 2 x rows x H x 2I over the rows
-in use, padding included (every variant computes it). The table comes last; OUT.json holds every record.
+then times the variants (triton.testing.do_bench, median) in ROUNDS alternating rounds on the two workloads.
+TF/s counts 2 x rows x H x 2I over the rows in use, padding included (every variant computes it). The table comes last; OUT.json holds every record.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import threading
@@ -45,9 +46,11 @@ SMALL_H, SMALL_I = 1040, 208
 # warps of its own (gate_up_fwd_handoff_kernel).
 GLUON_VARIANTS = {
     "gluon": [("s3b2", (True, False)), ("s4b1", (True, False)), ("n64-s5b3", (True, )), ("s3-handoff", (True, False))],
-    "gluon-gather": [("s3b2", (True, False)), ("s4b1", (True, False))],
+    "gluon-gather": [("s3b2", (True, False)), ("s4b1", (True, False)), ("s3b2-split", (True, False)),
+                     ("s4b1-split", (True, False))],
 }
-PART_SECONDS = {"triton": 90, "gluon": 200, "gluon-gather": 120}  # watchdog per part
+ROUNDS = 3  # alternating timing rounds of the Gluon variants
+PART_SECONDS = {"triton": 90, "gluon": 300, "gluon-gather": 300}  # watchdog per part
 RECORD = "RECORD "  # stdout prefix of a part's records
 
 
@@ -217,22 +220,30 @@ def check_and_time_gluon_workload(name: str, device, gather: bool) -> None:
     rows = slice(0, p["rows_used"])
     for store_gate_up in (True, False):
         want_h, want_gu = run_production(p, store_gate_up, gather)
+        checked = {}  # tile name: bitwise equal
         for tile_name, modes in GLUON_VARIANTS[prefix]:
             if store_gate_up not in modes:
                 continue
-            variant = f"{prefix}-{tile_name}"
             h, gu = run_gluon(p, tile_name, store_gate_up, gather)
-            check = dict(kind="check", problem=name, variant=variant, store_gate_up=store_gate_up,
+            check = dict(kind="check", problem=name, variant=f"{prefix}-{tile_name}", store_gate_up=store_gate_up,
                          h=compare(h, want_h, rows))
             if store_gate_up:
                 check["gate_up"] = compare(gu, want_gu, rows)
-            check["ok"] = check["h"]["equal"] and (not store_gate_up or check["gate_up"]["equal"])
+            check["ok"] = checked[tile_name] = check["h"]["equal"] and (not store_gate_up or check["gate_up"]["equal"])
             emit(check)
             del h, gu
-            ms = bench_ms(lambda t=tile_name, s=store_gate_up: run_gluon(p, t, s, gather))
-            emit(dict(kind="time", workload=name, rows=p["rows_used"], H=p["H"], I=p["I"], variant=variant,
-                      store_gate_up=store_gate_up, tile=tile_name, bitwise_equal=check["ok"],
-                      status="ok" if check["ok"] else "WRONG", ms=ms, tflops=flops / ms / 1e9))
+        # The variants alternate over ROUNDS rounds (the order rotated each round); the median round is reported.
+        names = list(checked)
+        round_ms = {t: [] for t in names}
+        for r in range(ROUNDS):
+            for tile_name in names[r % len(names):] + names[:r % len(names)]:
+                round_ms[tile_name].append(bench_ms(lambda t=tile_name, s=store_gate_up: run_gluon(p, t, s, gather)))
+        for tile_name in names:
+            ms = statistics.median(round_ms[tile_name])
+            emit(dict(kind="time", workload=name, rows=p["rows_used"], H=p["H"], I=p["I"], variant=f"{prefix}-{tile_name}",
+                      store_gate_up=store_gate_up, tile=tile_name, bitwise_equal=checked[tile_name],
+                      status="ok" if checked[tile_name] else "WRONG", ms=ms, round_ms=round_ms[tile_name],
+                      tflops=flops / ms / 1e9))
 
 
 def run_part(part: str) -> int:
