@@ -197,8 +197,8 @@ def _producer_weights(w_desc, gate_bufs, up_bufs, ready_bars, empty_bars, block_
     """One warp beside the gathering warps (SPLIT_PRODUCER): per (tile, K step) the weights' gate and up tiles by
     TMA, arming the slot's "ready" barrier with their bytes."""
     STAGES: gl.constexpr = gate_bufs.shape[0]
-    BLOCK_K: gl.constexpr = gate_bufs.shape[2]
-    BLOCK_N: gl.constexpr = gate_bufs.shape[1]
+    BLOCK_N: gl.constexpr = gate_bufs.shape[2]  # a slot: [1, BLOCK_N, BLOCK_K]
+    BLOCK_K: gl.constexpr = gate_bufs.shape[3]
     NBYTES: gl.constexpr = 2 * w_desc.block_type.nbytes
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
