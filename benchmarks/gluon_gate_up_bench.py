@@ -50,7 +50,7 @@ GLUON_VARIANTS = {
                      ("s4b1-split", (True, False))],
 }
 ROUNDS = 3  # alternating timing rounds of the Gluon variants
-PART_SECONDS = {"triton": 90, "gluon": 300, "gluon-gather": 300}  # watchdog per part
+PART_SECONDS = {"triton": 90, "gluon": 300, "gluon-gather": 200}  # watchdog per part
 RECORD = "RECORD "  # stdout prefix of a part's records
 
 
