@@ -52,8 +52,7 @@ from compile_checks import (  # noqa: E402
 # A qwen3-30b-a3b-like problem: the descriptors' block shapes and layouts are what matters, not the sizes.
 R, H, I, E, T = 2048, 2048, 768, 4, 512
 CASES = {f"{name}-{'gu' if gu else 'h'}-{'gather' if gather else 'tma'}": (name, gu, gather)
-         for name, tile in G.TILES.items() if not tile.handoff for gu in (True, False) for gather in (False, True)
-         if gather or not tile.split_producer}  # the split producer is the gathering kernel's
+         for name, tile in G.TILES.items() if not tile.handoff for gu in (True, False) for gather in (False, True)}
 HANDOFF_CASES = {f"{name}-{'gu' if gu else 'h'}": (name, gu) for name, tile in G.TILES.items() if tile.handoff
                  for gu in (True, False)}
 # Float instructions of the epilogue (fp32 -> 16-bit rounding, SwiGLU), counted in both kernels.
@@ -168,8 +167,7 @@ def test_gluon_gate_up_sm90a(case):
     assert sorted(r["mbar_init_counts"]) == want_init, f"{case}: mbarrier.init counts {r['mbar_init_counts']}"
     assert r["mbar_wait"] >= 3 and r["mbar_expect"] >= 1 and r["mbar_arrive"] >= 4
     # Warp specialization and its register split.
-    # 12 warps; split: the weights' warp beside the gathering warpgroup, padded to a warpgroup of its own.
-    assert meta.num_warps == (16 if tile.split_producer else 12), f"{case}: {meta.num_warps} warps"
+    assert meta.num_warps == 12, f"{case}: {meta.num_warps} warps"
     assert_register_split(case, r, tile.producer_regs, tile.consumer_regs)
     assert ("dec", str(tile.consumer_regs)) in r["setmaxnreg"], f"{case}: the default consumer {r['setmaxnreg']}"
     # No spills, nothing serialised, shared memory within the SM.

@@ -192,68 +192,6 @@ def _producer_gather(x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, rea
 
 
 @gluon.jit
-def _producer_weights(w_desc, gate_bufs, up_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr, H, I,
-                      BLOCK_M: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
-    """One warp beside the gathering warps (SPLIT_PRODUCER): per (tile, K step) the weights' gate and up tiles by
-    TMA, arming the slot's "ready" barrier with their bytes."""
-    STAGES: gl.constexpr = gate_bufs.shape[0]
-    BLOCK_N: gl.constexpr = gate_bufs.shape[2]  # a slot: [1, BLOCK_N, BLOCK_K]
-    BLOCK_K: gl.constexpr = gate_bufs.shape[3]
-    NBYTES: gl.constexpr = 2 * w_desc.block_type.nbytes
-    first_m, end_m = load_range(block_range_ptr, SPLIT)
-    num_m = end_m - first_m
-    num_n = gl.cdiv(I, BLOCK_N)
-    k_steps = gl.cdiv(H, BLOCK_K)
-    p = 0  # slot counter, as in _producer_tma
-    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        row, col, m = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
-        expert = gl.load(block_expert_ptr + m // SPLIT)
-        for ki in range(k_steps):
-            s = p % STAGES
-            mbarrier.wait(empty_bars.index(s), ((p // STAGES) & 1) ^ 1)
-            bar = ready_bars.index(s)
-            mbarrier.expect(bar, NBYTES)
-            k = ki * BLOCK_K
-            tma_load(w_desc, [expert, col, k], bar, gate_bufs.index(s))
-            tma_load(w_desc, [expert, I + col, k], bar, up_bufs.index(s))
-            p += 1
-
-
-@gluon.jit
-def _producer_rows(x_ptr, row_src_ptr, a_bufs, ready_bars, empty_bars, block_range_ptr, H, I, top_k,
-                   BLOCK_N: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
-    """The gathering warps beside _producer_weights (SPLIT_PRODUCER): the A tile alone by cp.async, as in
-    _producer_gather."""
-    STAGES: gl.constexpr = a_bufs.shape[0]
-    BLOCK_M: gl.constexpr = a_bufs.shape[1]
-    BLOCK_K: gl.constexpr = a_bufs.shape[2]
-    VEC: gl.constexpr = 128 // a_bufs.dtype.primitive_bitwidth
-    COL_THREADS: gl.constexpr = BLOCK_K // VEC
-    copy_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, VEC], threads_per_warp=[32 // COL_THREADS, COL_THREADS],
-                                                 warps_per_cta=[_GATHER_WARPS, 1], order=[1, 0])
-    tile_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, copy_layout))
-    step_cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, copy_layout))
-    H = H // VEC * VEC
-    first_m, end_m = load_range(block_range_ptr, SPLIT)
-    num_m = end_m - first_m
-    num_n = gl.cdiv(I, BLOCK_N)
-    k_steps = gl.cdiv(H, BLOCK_K)
-    p = 0
-    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        row, col, m = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
-        src = gl.load(row_src_ptr + row + tile_rows)
-        has_src = gl.expand_dims(src >= 0, 1)
-        row_ptrs = gl.expand_dims(x_ptr + (gl.where(src >= 0, src, 0) // top_k).to(gl.int64) * H, 1)
-        for ki in range(k_steps):
-            s = p % STAGES
-            mbarrier.wait(empty_bars.index(s), ((p // STAGES) & 1) ^ 1)
-            cols = gl.expand_dims(ki * BLOCK_K + step_cols, 0)
-            cp_async_load(a_bufs.index(s), row_ptrs + cols, mask=has_src & (cols < H))
-            async_copy.mbarrier_arrive(ready_bars.index(s), increment_count=False)
-            p += 1
-
-
-@gluon.jit
 def _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG: gl.constexpr, GATHER: gl.constexpr):
     """One consumer warpgroup's K loop over a tile: rows [64 WG, 64 WG + 64) of the slots c, c + 1, ... (the
     producer's fill counter), two wgmma groups (gate, up) a step kept in flight, each slot released once its
@@ -434,7 +372,7 @@ def gate_up_fwd_ws_kernel(x_desc, w_desc, h_desc, gu_desc, x_ptr, row_src_ptr, b
                           H, I, top_k,
                           STORE_GATE_UP: gl.constexpr, GATHER: gl.constexpr, SPLIT: gl.constexpr,
                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, OUT_BUFS: gl.constexpr,
-                          PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, SPLIT_PRODUCER: gl.constexpr):
+                          PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """h (and gate_up) of the row blocks in block_range (int32 [first, end] schedule blocks), tma_gemm's
     gate_up_fwd_tma_kernel semantics. x_desc: x_rows [R, H] (GATHER: x [T, H], its layout only; x_ptr, row_src_ptr
     and top_k gather), block [128, 64]; w_desc: [E, 2I, H] block [1, BLOCK_N, 64]; h_desc: h as [R, 1, I],
@@ -453,19 +391,7 @@ def gate_up_fwd_ws_kernel(x_desc, w_desc, h_desc, gu_desc, x_ptr, row_src_ptr, b
         mbarrier.init(ready_bars.index(i), count=1 + GATHER * _GATHER_WARPS * 32)
         mbarrier.init(empty_bars.index(i), count=2)  # one arrive per consumer warpgroup
     fence_async_shared()  # the initialised barriers are visible to the async proxy (TMA) before use
-    if GATHER and SPLIT_PRODUCER:
-        BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
-        gl.warp_specialize([
-            (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs0, ready_bars, empty_bars, block_range_ptr,
-                         H, I, 0, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
-            (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs1, ready_bars, empty_bars, block_range_ptr,
-                         H, I, 1, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
-            (_producer_rows, (x_ptr, row_src_ptr, a_bufs, ready_bars, empty_bars, block_range_ptr, H, I, top_k,
-                              BLOCK_N, SPLIT, GROUP_M)),
-            (_producer_weights, (w_desc, gate_bufs, up_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr,
-                                 H, I, _BLOCK_M, SPLIT, GROUP_M)),
-        ], [4, _GATHER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
-    elif GATHER:
+    if GATHER:
         gl.warp_specialize([
             (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs0, ready_bars, empty_bars, block_range_ptr,
                          H, I, 0, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
@@ -501,7 +427,6 @@ class GateUpTile:
     producer_regs: int = 40
     consumer_regs: int = 232
     handoff: bool = False  # gate_up_fwd_handoff_kernel: the epilogue on warps of its own (out_bufs unused)
-    split_producer: bool = False  # gathering: the weights' TMA on a warp of its own beside the cp.async warps
     epilogue_rows: int = 8  # its rows per SwiGLU step
 
     def smem_bytes(self, elem: int = 2) -> int:
@@ -523,10 +448,6 @@ TILES = {
     # The epilogue handed off (x rows only; the table's tile where x is not gathered): 3 stages + the [128, 128]
     # g and u buffers (208 KB).
     "s3-handoff": GateUpTile(stages=3, handoff=True),
-    # Gathering with the producer split: the weights' TMA on one warp (padded to a warpgroup), the cp.async
-    # warpgroup free of the single-thread TMA issue and its barriers; 16 warps, so the consumers get 216.
-    "s3b2-split": GateUpTile(stages=3, out_bufs=2, split_producer=True, consumer_regs=216),
-    "s4b1-split": GateUpTile(stages=4, out_bufs=1, split_producer=True, consumer_regs=216),
 }
 
 
@@ -542,8 +463,7 @@ def constexprs(tile: GateUpTile, split: int, store_gate_up: bool, gather: bool) 
         return dict(STORE_GATE_UP=store_gate_up, SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages,
                     PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs, EPILOGUE_ROWS=tile.epilogue_rows)
     return dict(STORE_GATE_UP=store_gate_up, GATHER=gather, SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages,
-                OUT_BUFS=tile.out_bufs, PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs,
-                SPLIT_PRODUCER=tile.split_producer)
+                OUT_BUFS=tile.out_bufs, PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs)
 
 
 def descriptors(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, h_RI: torch.Tensor, gate_up_R2I: torch.Tensor | None,
