@@ -95,7 +95,7 @@ from megamoe.backends.triton.kernels._common import (
     check, check_matrix, check_rows, check_weight, load_range, persistent_grid, swiglu,
 )
 from megamoe.backends.triton.kernels.gluon_common import (
-    cp_async_load, nvmma_layout, thread_barrier, tile_origin, tma_load, tma_store,
+    cp_async_load, nvmma_layout, tile_origin, tma_load, tma_store,
 )
 from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
 
@@ -146,8 +146,7 @@ def _producer_tma(x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_
 
 @gluon.jit
 def _producer_gather(x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars,
-                     block_expert_ptr, block_range_ptr, H, I, top_k, SPLIT: gl.constexpr, GROUP_M: gl.constexpr,
-                     GATHER_SYNC: gl.constexpr):
+                     block_expert_ptr, block_range_ptr, H, I, top_k, SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
     """One warpgroup: the weight tiles by TMA (one thread) and the gathered A tile by cp.async (every thread,
     8 16-byte copies per K step), x_rows[r] = x[row_src[r] // top_k] or zeros where row_src[r] = -1."""
     STAGES: gl.constexpr = a_bufs.shape[0]
@@ -186,29 +185,14 @@ def _producer_gather(x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, rea
             tma_load(w_desc, [expert, I + col, k], bar, up_bufs.index(s))
             cols = gl.expand_dims(k + step_cols, 0)
             cp_async_load(a_bufs.index(s), row_ptrs + cols, mask=has_src & (cols < H))
-            if GATHER_SYNC == 1:
-                # The previous step's copies landed: fence them for the async proxy here, once, and release
-                # that slot's A with one arrive (the consumers then need no fence).
-                async_copy.commit_group()
-                async_copy.wait_group(1)
-                fence_async_shared()
-                thread_barrier()  # every thread's fence before the one arrive
-                mbarrier.arrive(ready_bars.index((p + STAGES - 1) % STAGES), pred=p > 0)
-            else:
-                # This thread's copies (all it issued so far) complete -> one arrive; .noinc: the barrier's count
-                # includes these _GATHER_WARPS * 32 arrivals.
-                async_copy.mbarrier_arrive(bar, increment_count=False)
+            # This thread's copies (all it issued so far) complete -> one arrive; .noinc: the barrier's count
+            # includes these _GATHER_WARPS * 32 arrivals.
+            async_copy.mbarrier_arrive(bar, increment_count=False)
             p += 1
-    if GATHER_SYNC == 1:
-        async_copy.wait_group(0)
-        fence_async_shared()
-        thread_barrier()
-        mbarrier.arrive(ready_bars.index((p + STAGES - 1) % STAGES), pred=p > 0)
 
 
 @gluon.jit
-def _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG: gl.constexpr, GATHER: gl.constexpr,
-               GATHER_SYNC: gl.constexpr = 0):
+def _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG: gl.constexpr, GATHER: gl.constexpr):
     """One consumer warpgroup's K loop over a tile: rows [64 WG, 64 WG + 64) of the slots c, c + 1, ... (the
     producer's fill counter), two wgmma groups (gate, up) a step kept in flight, each slot released once its
     groups retired. Returns the fp32 accumulators (gate, up) and the next slot counter."""
@@ -224,7 +208,7 @@ def _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, W
     for ki in range(k_steps):
         s = c % STAGES
         mbarrier.wait(ready_bars.index(s), (c // STAGES) & 1)
-        if GATHER and GATHER_SYNC == 0:
+        if GATHER:
             # A was written by cp.async (generic proxy); wgmma reads shared memory through the async proxy.
             fence_async_shared()
         a = a_bufs.index(s).slice(WG * CONSUMER_ROWS, CONSUMER_ROWS)
@@ -257,7 +241,7 @@ def _stage_store(desc, row, plane, col, value, out_bufs, n_stored):
 @gluon.jit
 def _consumer(h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs, ready_bars, empty_bars, block_range_ptr, H, I,
               WG: gl.constexpr, STORE_GATE_UP: gl.constexpr, GATHER: gl.constexpr, SPLIT: gl.constexpr,
-              GROUP_M: gl.constexpr, GATHER_SYNC: gl.constexpr = 0):
+              GROUP_M: gl.constexpr):
     """One warpgroup: rows [64 WG, 64 WG + 64) of every tile of this CTA: the gate and up wgmma over the ring's
     slots, then the epilogue (g, u rounded, h = swiglu(g, u), TMA stores)."""
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
@@ -273,8 +257,7 @@ def _consumer(h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs, ready_bars,
     n_stored = 0
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         row, col, _ = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
-        acc_g, acc_u, c = _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG, GATHER,
-                                     GATHER_SYNC)
+        acc_g, acc_u, c = _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG, GATHER)
         g = acc_g.to(dtype)
         u = acc_u.to(dtype)
         out_row = row + WG * CONSUMER_ROWS
@@ -389,7 +372,7 @@ def gate_up_fwd_ws_kernel(x_desc, w_desc, h_desc, gu_desc, x_ptr, row_src_ptr, b
                           H, I, top_k,
                           STORE_GATE_UP: gl.constexpr, GATHER: gl.constexpr, SPLIT: gl.constexpr,
                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, OUT_BUFS: gl.constexpr,
-                          PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, GATHER_SYNC: gl.constexpr):
+                          PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """h (and gate_up) of the row blocks in block_range (int32 [first, end] schedule blocks), tma_gemm's
     gate_up_fwd_tma_kernel semantics. x_desc: x_rows [R, H] (GATHER: x [T, H], its layout only; x_ptr, row_src_ptr
     and top_k gather), block [128, 64]; w_desc: [E, 2I, H] block [1, BLOCK_N, 64]; h_desc: h as [R, 1, I],
@@ -405,20 +388,17 @@ def gate_up_fwd_ws_kernel(x_desc, w_desc, h_desc, gu_desc, x_ptr, row_src_ptr, b
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         # ready: the producer's expect (the TMA bytes complete it), plus every gathering thread's cp.async arrive
-        if GATHER_SYNC == 1:
-            mbarrier.init(ready_bars.index(i), count=2)
-        else:
-            mbarrier.init(ready_bars.index(i), count=1 + GATHER * _GATHER_WARPS * 32)
+        mbarrier.init(ready_bars.index(i), count=1 + GATHER * _GATHER_WARPS * 32)
         mbarrier.init(empty_bars.index(i), count=2)  # one arrive per consumer warpgroup
     fence_async_shared()  # the initialised barriers are visible to the async proxy (TMA) before use
     if GATHER:
         gl.warp_specialize([
             (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs0, ready_bars, empty_bars, block_range_ptr,
-                         H, I, 0, STORE_GATE_UP, GATHER, SPLIT, GROUP_M, GATHER_SYNC)),
+                         H, I, 0, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
             (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs1, ready_bars, empty_bars, block_range_ptr,
-                         H, I, 1, STORE_GATE_UP, GATHER, SPLIT, GROUP_M, GATHER_SYNC)),
+                         H, I, 1, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
             (_producer_gather, (x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars,
-                                block_expert_ptr, block_range_ptr, H, I, top_k, SPLIT, GROUP_M, GATHER_SYNC)),
+                                block_expert_ptr, block_range_ptr, H, I, top_k, SPLIT, GROUP_M)),
         ], [4, _GATHER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -447,7 +427,6 @@ class GateUpTile:
     producer_regs: int = 40
     consumer_regs: int = 232
     handoff: bool = False  # gate_up_fwd_handoff_kernel: the epilogue on warps of its own (out_bufs unused)
-    gather_sync: int = 0  # EXPERIMENT 0: consumers fence; 1: producer fences after wait_group; 2: no fence (unsafe)
     epilogue_rows: int = 8  # its rows per SwiGLU step
 
     def smem_bytes(self, elem: int = 2) -> int:
@@ -469,9 +448,6 @@ TILES = {
     # The epilogue handed off (x rows only; the table's tile where x is not gathered): 3 stages + the [128, 128]
     # g and u buffers (208 KB).
     "s3-handoff": GateUpTile(stages=3, handoff=True),
-    "s4b1-pfence": GateUpTile(stages=4, out_bufs=1, gather_sync=1),
-    "s4b1-nofence": GateUpTile(stages=4, out_bufs=1, gather_sync=2),
-    "s3b2-pfence": GateUpTile(stages=3, out_bufs=2, gather_sync=1),
 }
 
 
@@ -487,8 +463,7 @@ def constexprs(tile: GateUpTile, split: int, store_gate_up: bool, gather: bool) 
         return dict(STORE_GATE_UP=store_gate_up, SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages,
                     PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs, EPILOGUE_ROWS=tile.epilogue_rows)
     return dict(STORE_GATE_UP=store_gate_up, GATHER=gather, SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages,
-                OUT_BUFS=tile.out_bufs, PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs,
-                GATHER_SYNC=tile.gather_sync)
+                OUT_BUFS=tile.out_bufs, PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs)
 
 
 def descriptors(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, h_RI: torch.Tensor, gate_up_R2I: torch.Tensor | None,
