@@ -145,16 +145,8 @@ def _producer_tma(x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_
 
 
 @gluon.jit
-def _prefetch_l2(ptrs):
-    """prefetch.global.L2 of the 128-byte lines at ptrs (a hint: no data moves into registers or shared memory)."""
-    return gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32,
-                                     is_pure=False, pack=1)
-
-
-@gluon.jit
 def _producer_gather(x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars,
-                     block_expert_ptr, block_range_ptr, H, I, top_k, SPLIT: gl.constexpr, GROUP_M: gl.constexpr,
-                     PREFETCH: gl.constexpr):
+                     block_expert_ptr, block_range_ptr, H, I, top_k, SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
     """One warpgroup: the weight tiles by TMA (one thread) and the gathered A tile by cp.async (every thread,
     8 16-byte copies per K step), x_rows[r] = x[row_src[r] // top_k] or zeros where row_src[r] = -1."""
     STAGES: gl.constexpr = a_bufs.shape[0]
@@ -168,10 +160,6 @@ def _producer_gather(x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, rea
                                                  warps_per_cta=[_GATHER_WARPS, 1], order=[1, 0])
     tile_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, copy_layout))
     step_cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, copy_layout))
-    # One row per thread for the L2 prefetch PREFETCH steps ahead.
-    pf_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[_GATHER_WARPS],
-                                               order=[0])
-    pf_rows = gl.arange(0, BLOCK_M, layout=pf_layout)
     # H is a multiple of VEC (the launcher's TMA check: 16-byte row strides); written as one, the compiler sees
     # that a row's copies are 16-byte aligned and the H tail masks whole copies, also where the launch did not
     # specialise H as a multiple of 16.
@@ -187,16 +175,7 @@ def _producer_gather(x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, rea
         src = gl.load(row_src_ptr + row + tile_rows)
         has_src = gl.expand_dims(src >= 0, 1)
         row_ptrs = gl.expand_dims(x_ptr + (gl.where(src >= 0, src, 0) // top_k).to(gl.int64) * H, 1)
-        if PREFETCH > 0:
-            pf_src = gl.load(row_src_ptr + row + pf_rows)
-            pf_ptrs = x_ptr + (gl.where(pf_src >= 0, pf_src, 0) // top_k).to(gl.int64) * H
-            for d in gl.static_range(PREFETCH):
-                if d * BLOCK_K < H:
-                    _prefetch_l2(pf_ptrs + d * BLOCK_K)
         for ki in range(k_steps):
-            if PREFETCH > 0:
-                if (ki + PREFETCH) * BLOCK_K < H:
-                    _prefetch_l2(pf_ptrs + (ki + PREFETCH) * BLOCK_K)
             s = p % STAGES
             mbarrier.wait(empty_bars.index(s), ((p // STAGES) & 1) ^ 1)
             bar = ready_bars.index(s)
@@ -393,7 +372,7 @@ def gate_up_fwd_ws_kernel(x_desc, w_desc, h_desc, gu_desc, x_ptr, row_src_ptr, b
                           H, I, top_k,
                           STORE_GATE_UP: gl.constexpr, GATHER: gl.constexpr, SPLIT: gl.constexpr,
                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, OUT_BUFS: gl.constexpr,
-                          PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PREFETCH: gl.constexpr):
+                          PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """h (and gate_up) of the row blocks in block_range (int32 [first, end] schedule blocks), tma_gemm's
     gate_up_fwd_tma_kernel semantics. x_desc: x_rows [R, H] (GATHER: x [T, H], its layout only; x_ptr, row_src_ptr
     and top_k gather), block [128, 64]; w_desc: [E, 2I, H] block [1, BLOCK_N, 64]; h_desc: h as [R, 1, I],
@@ -419,7 +398,7 @@ def gate_up_fwd_ws_kernel(x_desc, w_desc, h_desc, gu_desc, x_ptr, row_src_ptr, b
             (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs1, ready_bars, empty_bars, block_range_ptr,
                          H, I, 1, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
             (_producer_gather, (x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars,
-                                block_expert_ptr, block_range_ptr, H, I, top_k, SPLIT, GROUP_M, PREFETCH)),
+                                block_expert_ptr, block_range_ptr, H, I, top_k, SPLIT, GROUP_M)),
         ], [4, _GATHER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -448,7 +427,6 @@ class GateUpTile:
     producer_regs: int = 40
     consumer_regs: int = 232
     handoff: bool = False  # gate_up_fwd_handoff_kernel: the epilogue on warps of its own (out_bufs unused)
-    prefetch: int = 0  # EXPERIMENT: gathering: x rows prefetched to L2 this many K steps ahead
     epilogue_rows: int = 8  # its rows per SwiGLU step
 
     def smem_bytes(self, elem: int = 2) -> int:
@@ -470,10 +448,6 @@ TILES = {
     # The epilogue handed off (x rows only; the table's tile where x is not gathered): 3 stages + the [128, 128]
     # g and u buffers (208 KB).
     "s3-handoff": GateUpTile(stages=3, handoff=True),
-    "s4b1-pf4": GateUpTile(stages=4, out_bufs=1, prefetch=4),
-    "s4b1-pf8": GateUpTile(stages=4, out_bufs=1, prefetch=8),
-    "s3b2-pf4": GateUpTile(stages=3, out_bufs=2, prefetch=4),
-    "s3b2-pf8": GateUpTile(stages=3, out_bufs=2, prefetch=8),
 }
 
 
@@ -489,8 +463,7 @@ def constexprs(tile: GateUpTile, split: int, store_gate_up: bool, gather: bool) 
         return dict(STORE_GATE_UP=store_gate_up, SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages,
                     PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs, EPILOGUE_ROWS=tile.epilogue_rows)
     return dict(STORE_GATE_UP=store_gate_up, GATHER=gather, SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages,
-                OUT_BUFS=tile.out_bufs, PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs,
-                PREFETCH=tile.prefetch)
+                OUT_BUFS=tile.out_bufs, PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs)
 
 
 def descriptors(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, h_RI: torch.Tensor, gate_up_R2I: torch.Tensor | None,
