@@ -1,0 +1,110 @@
+"""dw_gate_up's x operand: spread into rows first (the default backward: spread_rows, then the Gluon weight-grad
+kernel reads x_rows by TMA) against gathered inside the kernel's loads (a cp.async producer warpgroup: no x_rows
+pass, a quarter less backward peak memory), at several tiles and ring depths of the gathering kernel. Kernels
+alone, on one workload's balanced schedule: every variant's d_w_gate_up bitwise against the default pair's, then
+the variants timed alternating (triton.testing.do_bench medians, order rotated every round; the pair's time is
+spread_rows + the kernel, in one call).
+
+Usage (one H200, torch + Triton 3.6):  PYTHONPATH=$PWD python3 benchmarks/dw_gather_bench.py OUT.json
+    [--workloads qwen3-30b-a3b,qwen3-235b-a22b] [--rounds 4]
+Variants (name: ConsumerTile, gathered or not):
+  rows            the table's tile on x_rows after spread_rows (what the backward runs)
+  gather          the same tile gathering x (3 stages; what MoEConfig.recompute runs)
+  gather-pp4      128 x 128 ping-pong tiles, 4 stages, gathering (32 KB a stage: a deeper ring in the same memory)
+  gather-pp5      the same, 5 stages (224 KB)
+  rows-pp4        128 x 128 ping-pong, 4 stages, on x_rows after spread_rows
+The variants print as they finish (a hang loses only what follows); OUT.json is written after each workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+import triton
+
+from megamoe.backends.triton import kernels
+from megamoe.backends.triton.experts import one_gpu_configs
+from megamoe.backends.triton.kernels import gluon_dw
+from megamoe.backends.triton.kernels.gluon_common import ConsumerTile
+from megamoe.bench.workloads import WORKLOADS
+from megamoe.schedule import build_schedule
+
+
+def variants(table_tile: ConsumerTile) -> dict:
+    """name: (tile, gathered)."""
+    pp = dict(block_m=128, block_n=128, pingpong=True)
+    return {"rows": (table_tile, False), "gather": (table_tile, True),
+            "gather-pp4": (ConsumerTile(stages=4, **pp), True), "gather-pp5": (ConsumerTile(stages=5, **pp), True),
+            "rows-pp4": (ConsumerTile(stages=4, **pp), False)}
+
+
+def run_workload(name: str, rounds: int) -> list[dict]:
+    w = WORKLOADS[name]
+    T, H, I, k = w.tokens_per_gpu, w.hidden, w.intermediate, w.top_k
+    E = w.one_gpu_experts or w.num_experts
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(T, H, device=dev, generator=g).to(dt)
+    ids = torch.rand(T, E, device=dev, generator=g).topk(k, dim=-1).indices
+    wgu = torch.empty(E, 2 * I, H, device=dev, dtype=dt)
+    wd = torch.empty(E, H, I, device=dev, dtype=dt)
+    s = build_schedule(ids, E, block_m=128)
+    cfg = one_gpu_configs(x, wgu, wd, s).dw_gate_up
+    rows = s.row_src.numel()
+    d_gate_up = torch.randn(rows, 2 * I, device=dev, generator=g).to(dt)
+    d_gate_up[s.row_src < 0] = 0  # padding rows are zero, as down_dgrad leaves them
+    in_use = s.expert_offsets[-1:]
+    out = torch.empty(E, 2 * I, H, device=dev, dtype=dt)
+    flops = 2 * T * k * 2 * I * H
+
+    def call(tile: ConsumerTile, gathered: bool):
+        if gathered:
+            return gluon_dw.dw_gluon(d_gate_up, x, s.expert_offsets, E, tile, out=out, gather_b=(s.row_src, k),
+                                     row_src=s.row_src)
+        x_rows = kernels.spread_rows(x, s.dest_row, s.row_src, in_use)
+        return gluon_dw.dw_gluon(d_gate_up, x_rows, s.expert_offsets, E, tile, out=out, row_src=s.row_src)
+
+    table = variants(ConsumerTile.of(cfg))
+    want = call(*table["rows"]).clone()
+    records, fns = [], {}
+    for v, (tile, gathered) in table.items():
+        got = call(tile, gathered)
+        equal = torch.equal(got.view(torch.int16), want.view(torch.int16))
+        records.append(dict(kind="check", workload=name, variant=v, tile=str(tile), gathered=gathered, equal=equal))
+        print(json.dumps(records[-1]), flush=True)
+        fns[v] = lambda tile=tile, gathered=gathered: call(tile, gathered)
+    times = {v: [] for v in fns}
+    order = list(fns)
+    for r in range(rounds):
+        for v in order[r % len(order):] + order[:r % len(order)]:
+            times[v].append(triton.testing.do_bench(fns[v], warmup=10, rep=60, return_mode="median"))
+    for v, ms in times.items():
+        med = statistics.median(ms)
+        records.append(dict(kind="time", workload=name, variant=v, ms=med, round_ms=ms, tflops=flops / med / 1e9))
+        print(json.dumps(records[-1]), flush=True)
+    return records
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("json_path")
+    parser.add_argument("--workloads", default="qwen3-30b-a3b,qwen3-235b-a22b")
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args()
+    records = [dict(kind="env", gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)]
+    for name in args.workloads.split(","):
+        records += run_workload(name, args.rounds)
+        with open(args.json_path, "w") as f:
+            json.dump(records, f, indent=1)
+        torch.cuda.empty_cache()
+    for r in records:
+        if r["kind"] == "time":
+            print(f"{r['workload']:16} {r['variant']:11} {r['ms']:7.3f} ms {r['tflops']:5.0f} TF/s")
+    print("all bitwise equal:", all(r["equal"] for r in records if r["kind"] == "check"))
+
+
+if __name__ == "__main__":
+    main()
