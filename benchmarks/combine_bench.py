@@ -38,14 +38,14 @@ def combine_variants(table: configs.TileConfig) -> dict:
     return variants
 
 
-def spread_with(block_r: int, block_h: int, per_sm: int, unroll: bool = True):
+def spread_with(block_r: int, block_h: int, per_sm: int):
     def run(*args):
-        saved = gather._BLOCK_R, gather._BLOCK_H, gather._PROGRAMS_PER_SM, gather._UNROLL
-        gather._BLOCK_R, gather._BLOCK_H, gather._PROGRAMS_PER_SM, gather._UNROLL = block_r, block_h, per_sm, unroll
+        saved = gather._BLOCK_R, gather._BLOCK_H, gather._PROGRAMS_PER_SM
+        gather._BLOCK_R, gather._BLOCK_H, gather._PROGRAMS_PER_SM = block_r, block_h, per_sm
         try:
             return kernels.spread_rows(*args)
         finally:
-            gather._BLOCK_R, gather._BLOCK_H, gather._PROGRAMS_PER_SM, gather._UNROLL = saved
+            gather._BLOCK_R, gather._BLOCK_H, gather._PROGRAMS_PER_SM = saved
     return run
 
 
@@ -73,8 +73,6 @@ def bench_workload(name: str, rounds: int) -> list[dict]:
         run = spread_with(br, bh, per_sm)
         cases[("spread_rows", f"{br}x{bh}/p{per_sm}")] = (lambda run=run: run(x, s.dest_row, s.row_src, in_use),
                                                           spread_bytes)
-    rolled = spread_with(gather._BLOCK_R, gather._BLOCK_H, gather._PROGRAMS_PER_SM, unroll=False)
-    cases[("spread_rows", "rolled")] = (lambda: rolled(x, s.dest_row, s.row_src, in_use), spread_bytes)
     records = []
     for (kind, label), (call, _) in cases.items():  # bits against the table's kernel (rows past the range: unwritten)
         want = cases[(kind, "table")][0]()

@@ -30,14 +30,13 @@ from megamoe.backends.triton.kernels._common import check, load_range, num_sms, 
 _BLOCK_R = 8
 _BLOCK_H = 256
 _PROGRAMS_PER_SM = 8
-_UNROLL = True  # EXPERIMENT
 
 
 @triton.jit
 def spread_rows_kernel(
     src_ptr, dest_row_ptr, row_src_ptr, rows_in_use_ptr, out_ptr,
     T, H, top_k,
-    TOP_K: tl.constexpr, UNROLL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """out[dest_row[t, j]] = src[t] for every pair (t, j) with a row (dest_row >= 0), then out[r] = 0 for the
     rows r in use with row_src[r] < 0."""
@@ -51,14 +50,9 @@ def spread_rows_kernel(
             cols = h0 + offs_h
             col_ok = (cols < H)[None, :]
             v = tl.load(src_ptr + src_rows + cols[None, :], mask=t_ok[:, None] & col_ok)
-            if UNROLL:
-                for j in tl.static_range(TOP_K):
-                    row = tl.load(dest_row_ptr + tokens * TOP_K + j, mask=t_ok, other=-1)
-                    tl.store(out_ptr + row.to(tl.int64)[:, None] * H + cols[None, :], v, mask=(row >= 0)[:, None] & col_ok)
-            else:
-                for j in range(top_k):
-                    row = tl.load(dest_row_ptr + tokens * top_k + j, mask=t_ok, other=-1)
-                    tl.store(out_ptr + row.to(tl.int64)[:, None] * H + cols[None, :], v, mask=(row >= 0)[:, None] & col_ok)
+            for j in range(top_k):
+                row = tl.load(dest_row_ptr + tokens * top_k + j, mask=t_ok, other=-1)
+                tl.store(out_ptr + row.to(tl.int64)[:, None] * H + cols[None, :], v, mask=(row >= 0)[:, None] & col_ok)
     first, end = load_range(rows_in_use_ptr, 1)
     for r0 in range(first + tl.program_id(0) * BLOCK_T, end, tl.num_programs(0) * BLOCK_T):
         rows = r0 + offs_t
@@ -89,7 +83,7 @@ def spread_rows(src_TH: torch.Tensor, dest_row_TK: torch.Tensor, row_src_R: torc
     grid = (max(1, min(programs, triton.cdiv(max(tokens, row_src_R.numel()), _BLOCK_R))),)
     spread_rows_kernel[grid](
         src_TH, dest_row_TK, row_src_R, row_range, out, tokens, hidden, dest_row_TK.shape[1],
-        TOP_K=dest_row_TK.shape[1], UNROLL=_UNROLL, BLOCK_T=_BLOCK_R, BLOCK_H=_BLOCK_H, num_warps=4,
+        BLOCK_T=_BLOCK_R, BLOCK_H=_BLOCK_H, num_warps=4,
     )
     return out
 
