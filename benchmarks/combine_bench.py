@@ -23,6 +23,7 @@ import triton
 
 from megamoe.backends.triton import configs, kernels
 from megamoe.backends.triton.kernels import gather
+from megamoe.bench.measure import alternating_rounds
 from megamoe.bench.problem import one_gpu_problem
 from megamoe.bench.workloads import WORKLOADS
 from megamoe.schedule import build_schedule
@@ -80,11 +81,8 @@ def bench_workload(name: str, rounds: int) -> list[dict]:
         same = torch.equal(got[:used_rows if kind == "spread_rows" else T].view(torch.int16),
                            want[:used_rows if kind == "spread_rows" else T].view(torch.int16))
         records.append(dict(kind="check", workload=name, kernel=kind, variant=label, ok=bool(same)))
-    times = {key: [] for key in cases}
-    keys = list(cases)
-    for r in range(rounds):
-        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
-            times[key].append(triton.testing.do_bench(cases[key][0], warmup=10, rep=40))
+    times = alternating_rounds({key: call for key, (call, _) in cases.items()}, rounds,
+                               lambda call: triton.testing.do_bench(call, warmup=10, rep=40))
     for (kind, label), ms in times.items():
         med = statistics.median(ms)
         records.append(dict(kind="time", workload=name, kernel=kind, variant=label, ms=med, round_ms=ms,

@@ -29,6 +29,7 @@ from megamoe.backends.triton import kernels
 from megamoe.backends.triton.experts import one_gpu_configs
 from megamoe.backends.triton.kernels import gluon_dw
 from megamoe.backends.triton.kernels.gluon_common import ConsumerTile
+from megamoe.bench.measure import alternating_rounds
 from megamoe.bench.workloads import WORKLOADS
 from megamoe.schedule import build_schedule
 
@@ -76,11 +77,7 @@ def run_workload(name: str, rounds: int) -> list[dict]:
         records.append(dict(kind="check", workload=name, variant=v, tile=str(tile), gathered=gathered, equal=equal))
         print(json.dumps(records[-1]), flush=True)
         fns[v] = lambda tile=tile, gathered=gathered: call(tile, gathered)
-    times = {v: [] for v in fns}
-    order = list(fns)
-    for r in range(rounds):
-        for v in order[r % len(order):] + order[:r % len(order)]:
-            times[v].append(triton.testing.do_bench(fns[v], warmup=10, rep=60, return_mode="median"))
+    times = alternating_rounds(fns, rounds, lambda fn: triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
     for v, ms in times.items():
         med = statistics.median(ms)
         records.append(dict(kind="time", workload=name, variant=v, ms=med, round_ms=ms, tflops=flops / med / 1e9))

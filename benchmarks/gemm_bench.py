@@ -33,6 +33,7 @@ import triton
 from megamoe.backends.triton import kernels
 from megamoe.backends.triton.configs import TileConfig, block_m_for, kernel_configs, tma_kernel_configs, triton_tile
 from megamoe.backends.triton.kernels._common import range_of
+from megamoe.bench.measure import alternating_rounds
 from megamoe.bench.routing import route
 from megamoe.bench.workloads import WORKLOADS
 from megamoe.schedule import build_schedule
@@ -181,11 +182,8 @@ def skip_ab(name: str, routing: str, tokens: int | None, rounds: int) -> list[di
     for gemm, (flops, variants) in gemms(p, False).items():
         if "fused-noskip" not in variants:
             continue
-        pair = ["fused", "fused-noskip"]
-        times = {v: [] for v in pair}
-        for r in range(rounds):
-            for v in pair[r % len(pair):] + pair[:r % len(pair)]:
-                times[v].append(triton.testing.do_bench(variants[v], warmup=10, rep=60, return_mode="median"))
+        times = alternating_rounds({v: variants[v] for v in ("fused", "fused-noskip")}, rounds,
+                                   lambda fn: triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
         for v, ms in times.items():
             rec = {"workload": name, "routing": routing, "gemm": gemm, "variant": v, "ms_rounds": ms, "ms": min(ms),
                    "tflops": flops / min(ms) / 1e9}

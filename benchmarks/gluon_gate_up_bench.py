@@ -213,6 +213,8 @@ def time_triton_workload(name: str, device) -> None:
 
 def check_and_time_gluon_workload(name: str, device, gather: bool) -> None:
     """Every Gluon variant on one workload: bitwise against the production kernel, then timed."""
+    from megamoe.bench.measure import alternating_rounds
+
     p = workload_problem(name, device)
     prefix = "gluon" + ("-gather" if gather else "")
     flops = 2 * p["rows_used"] * p["H"] * 2 * p["I"]
@@ -232,12 +234,9 @@ def check_and_time_gluon_workload(name: str, device, gather: bool) -> None:
             emit(check)
             del h, gu
         # The variants alternate over ROUNDS rounds (the order rotated each round); the median round is reported.
-        names = list(checked)
-        round_ms = {t: [] for t in names}
-        for r in range(ROUNDS):
-            for tile_name in names[r % len(names):] + names[:r % len(names)]:
-                round_ms[tile_name].append(bench_ms(lambda t=tile_name, s=store_gate_up: run_gluon(p, t, s, gather)))
-        for tile_name in names:
+        round_ms = alternating_rounds({t: lambda t=t, s=store_gate_up: run_gluon(p, t, s, gather) for t in checked},
+                                      ROUNDS, bench_ms)
+        for tile_name in checked:
             ms = statistics.median(round_ms[tile_name])
             emit(dict(kind="time", workload=name, rows=p["rows_used"], H=p["H"], I=p["I"], variant=f"{prefix}-{tile_name}",
                       store_gate_up=store_gate_up, tile=tile_name, bitwise_equal=checked[tile_name],

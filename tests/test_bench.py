@@ -253,3 +253,14 @@ def test_git_commit_marks_uncommitted_code(tmp_path):
     assert git_commit(tmp_path) == head
     (tmp_path / "kernel.py").write_text("a = 2\n")
     assert git_commit(tmp_path) == f"{head}-dirty"
+
+
+def test_alternating_rounds_rotates_the_order():
+    """Every call timed once a round; round r starts at the r-th call (mod their number) and keeps their order, so
+    each variant runs first in turn; the times come back per variant in round order."""
+    from megamoe.bench.measure import alternating_rounds
+
+    ran = []
+    times = alternating_rounds({"a": "A", "b": "B", "c": "C"}, 4, lambda call: ran.append(call) or len(ran))
+    assert ran == list("ABC" "BCA" "CAB" "ABC")
+    assert times == {"a": [1, 6, 8, 10], "b": [2, 4, 9, 11], "c": [3, 5, 7, 12]}

@@ -24,6 +24,18 @@ def reduce_over_ranks(values: list[float], op, device: torch.device, group) -> l
     return t.tolist()
 
 
+def alternating_rounds(calls: dict, rounds: int, time_ms) -> dict[str, list[float]]:
+    """{name: [time_ms(call) per round]} for every call of `calls` ({name: call}): each round times every call
+    once, the order rotated by one per round, so no variant always runs first or after the same neighbour (the
+    A/B the benchmarks' variant comparisons rest on; time_ms is e.g. a triton.testing.do_bench median)."""
+    times = {name: [] for name in calls}
+    order = list(calls)
+    for r in range(rounds):
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            times[name].append(time_ms(calls[name]))
+    return times
+
+
 def median_ms(step, *, iters: int, warmup: int, device: torch.device, group=None) -> float:
     """Median of call_times_ms(...)."""
     return statistics.median(call_times_ms(step, iters=iters, warmup=warmup, device=device, group=group))
