@@ -192,7 +192,70 @@ def _producer_gather(x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, rea
 
 
 @gluon.jit
-def _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG: gl.constexpr, GATHER: gl.constexpr):
+def _producer_weights(w_desc, gate_bufs, up_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr, H, I,
+                      BLOCK_M: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
+    """One warp beside the gathering warps (a deep A ring): per (tile, K step) the weights' gate and up tiles by
+    TMA into their own ring (gate_bufs / up_bufs, its ready and empty barriers)."""
+    STAGES: gl.constexpr = gate_bufs.shape[0]
+    BLOCK_N: gl.constexpr = gate_bufs.shape[2]  # a slot: [1, BLOCK_N, BLOCK_K]
+    BLOCK_K: gl.constexpr = gate_bufs.shape[3]
+    NBYTES: gl.constexpr = 2 * w_desc.block_type.nbytes
+    first_m, end_m = load_range(block_range_ptr, SPLIT)
+    num_m = end_m - first_m
+    num_n = gl.cdiv(I, BLOCK_N)
+    k_steps = gl.cdiv(H, BLOCK_K)
+    p = 0  # slot counter, as in _producer_tma
+    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        row, col, m = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
+        expert = gl.load(block_expert_ptr + m // SPLIT)
+        for ki in range(k_steps):
+            s = p % STAGES
+            mbarrier.wait(empty_bars.index(s), ((p // STAGES) & 1) ^ 1)
+            bar = ready_bars.index(s)
+            mbarrier.expect(bar, NBYTES)
+            k = ki * BLOCK_K
+            tma_load(w_desc, [expert, col, k], bar, gate_bufs.index(s))
+            tma_load(w_desc, [expert, I + col, k], bar, up_bufs.index(s))
+            p += 1
+
+
+@gluon.jit
+def _producer_rows(x_ptr, row_src_ptr, a_bufs, ready_bars, empty_bars, block_range_ptr, H, I, top_k,
+                   BLOCK_N: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
+    """The gathering warps beside _producer_weights (a deep A ring): the A tile alone by cp.async into the A ring
+    (a_bufs, its own ready and empty barriers), as in _producer_gather."""
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    BLOCK_M: gl.constexpr = a_bufs.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.shape[2]
+    VEC: gl.constexpr = 128 // a_bufs.dtype.primitive_bitwidth
+    COL_THREADS: gl.constexpr = BLOCK_K // VEC
+    copy_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, VEC], threads_per_warp=[32 // COL_THREADS, COL_THREADS],
+                                                 warps_per_cta=[_GATHER_WARPS, 1], order=[1, 0])
+    tile_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, copy_layout))
+    step_cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, copy_layout))
+    H = H // VEC * VEC
+    first_m, end_m = load_range(block_range_ptr, SPLIT)
+    num_m = end_m - first_m
+    num_n = gl.cdiv(I, BLOCK_N)
+    k_steps = gl.cdiv(H, BLOCK_K)
+    p = 0
+    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        row, col, m = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
+        src = gl.load(row_src_ptr + row + tile_rows)
+        has_src = gl.expand_dims(src >= 0, 1)
+        row_ptrs = gl.expand_dims(x_ptr + (gl.where(src >= 0, src, 0) // top_k).to(gl.int64) * H, 1)
+        for ki in range(k_steps):
+            s = p % STAGES
+            mbarrier.wait(empty_bars.index(s), ((p // STAGES) & 1) ^ 1)
+            cols = gl.expand_dims(ki * BLOCK_K + step_cols, 0)
+            cp_async_load(a_bufs.index(s), row_ptrs + cols, mask=has_src & (cols < H))
+            async_copy.mbarrier_arrive(ready_bars.index(s), increment_count=False)
+            p += 1
+
+
+@gluon.jit
+def _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG: gl.constexpr, GATHER: gl.constexpr,
+               a_ready_bars=None, a_empty_bars=None, DEEP_A: gl.constexpr = False):
     """One consumer warpgroup's K loop over a tile: rows [64 WG, 64 WG + 64) of the slots c, c + 1, ... (the
     producer's fill counter), two wgmma groups (gate, up) a step kept in flight, each slot released once its
     groups retired. Returns the fp32 accumulators (gate, up) and the next slot counter."""
@@ -205,13 +268,18 @@ def _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, W
                                                          instr_shape=[16, BLOCK_N, 16])
     acc_g = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, acc_layout)
     acc_u = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, acc_layout)
+    A_STAGES: gl.constexpr = a_bufs.shape[0]
     for ki in range(k_steps):
         s = c % STAGES
         mbarrier.wait(ready_bars.index(s), (c // STAGES) & 1)
+        sa = s
+        if DEEP_A:
+            sa = c % A_STAGES
+            mbarrier.wait(a_ready_bars.index(sa), (c // A_STAGES) & 1)
         if GATHER:
             # A was written by cp.async (generic proxy); wgmma reads shared memory through the async proxy.
             fence_async_shared()
-        a = a_bufs.index(s).slice(WG * CONSUMER_ROWS, CONSUMER_ROWS)
+        a = a_bufs.index(sa).slice(WG * CONSUMER_ROWS, CONSUMER_ROWS)
         b_gate = gate_bufs.index(s).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
         b_up = up_bufs.index(s).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
         acc_g = warpgroup_mma(a, b_gate, acc_g, is_async=True)
@@ -219,9 +287,13 @@ def _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, W
         # Step c's two wgmma groups stay in flight; step c - 1's have retired: its slot goes back.
         acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
         mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=ki > 0)
+        if DEEP_A:
+            mbarrier.arrive(a_empty_bars.index((c + A_STAGES - 1) % A_STAGES), pred=ki > 0)
         c += 1
     acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
     mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES))
+    if DEEP_A:
+        mbarrier.arrive(a_empty_bars.index((c + A_STAGES - 1) % A_STAGES))
     return acc_g, acc_u, c
 
 
@@ -241,7 +313,7 @@ def _stage_store(desc, row, plane, col, value, out_bufs, n_stored):
 @gluon.jit
 def _consumer(h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs, ready_bars, empty_bars, block_range_ptr, H, I,
               WG: gl.constexpr, STORE_GATE_UP: gl.constexpr, GATHER: gl.constexpr, SPLIT: gl.constexpr,
-              GROUP_M: gl.constexpr):
+              GROUP_M: gl.constexpr, a_ready_bars=None, a_empty_bars=None, DEEP_A: gl.constexpr = False):
     """One warpgroup: rows [64 WG, 64 WG + 64) of every tile of this CTA: the gate and up wgmma over the ring's
     slots, then the epilogue (g, u rounded, h = swiglu(g, u), TMA stores)."""
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
@@ -257,7 +329,8 @@ def _consumer(h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs, ready_bars,
     n_stored = 0
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         row, col, _ = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
-        acc_g, acc_u, c = _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG, GATHER)
+        acc_g, acc_u, c = _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG, GATHER,
+                                     a_ready_bars, a_empty_bars, DEEP_A)
         g = acc_g.to(dtype)
         u = acc_u.to(dtype)
         out_row = row + WG * CONSUMER_ROWS
@@ -372,14 +445,15 @@ def gate_up_fwd_ws_kernel(x_desc, w_desc, h_desc, gu_desc, x_ptr, row_src_ptr, b
                           H, I, top_k,
                           STORE_GATE_UP: gl.constexpr, GATHER: gl.constexpr, SPLIT: gl.constexpr,
                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, OUT_BUFS: gl.constexpr,
-                          PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                          PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, A_STAGES: gl.constexpr):
     """h (and gate_up) of the row blocks in block_range (int32 [first, end] schedule blocks), tma_gemm's
     gate_up_fwd_tma_kernel semantics. x_desc: x_rows [R, H] (GATHER: x [T, H], its layout only; x_ptr, row_src_ptr
     and top_k gather), block [128, 64]; w_desc: [E, 2I, H] block [1, BLOCK_N, 64]; h_desc: h as [R, 1, I],
     gu_desc: gate_up as [R, 2, I] (without STORE_GATE_UP: any descriptor of h_desc's type), block [64, 1,
     BLOCK_N]. Launch with num_warps=4 (the default partition is consumer 0)."""
     dtype: gl.constexpr = x_desc.dtype
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    if A_STAGES == 0:
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     gate_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     up_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     out_bufs0 = gl.allocate_shared_memory(dtype, [OUT_BUFS] + h_desc.block_type.shape, h_desc.layout)
@@ -388,10 +462,30 @@ def gate_up_fwd_ws_kernel(x_desc, w_desc, h_desc, gu_desc, x_ptr, row_src_ptr, b
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         # ready: the producer's expect (the TMA bytes complete it), plus every gathering thread's cp.async arrive
-        mbarrier.init(ready_bars.index(i), count=1 + GATHER * _GATHER_WARPS * 32)
+        mbarrier.init(ready_bars.index(i), count=1 + (GATHER and A_STAGES == 0) * _GATHER_WARPS * 32)
         mbarrier.init(empty_bars.index(i), count=2)  # one arrive per consumer warpgroup
     fence_async_shared()  # the initialised barriers are visible to the async proxy (TMA) before use
-    if GATHER:
+    if GATHER and A_STAGES > 0:
+        # EXPERIMENT: the gathered A in a deeper ring of its own; weights by a warp of their own in the STAGES ring.
+        a_deep = gl.allocate_shared_memory(dtype, [A_STAGES] + x_desc.block_type.shape, x_desc.layout)
+        a_ready = gl.allocate_shared_memory(gl.int64, [A_STAGES, 1], mbarrier.MBarrierLayout())
+        a_empty = gl.allocate_shared_memory(gl.int64, [A_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(A_STAGES):
+            mbarrier.init(a_ready.index(i), count=_GATHER_WARPS * 32)
+            mbarrier.init(a_empty.index(i), count=2)
+        fence_async_shared()
+        BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
+        gl.warp_specialize([
+            (_consumer, (h_desc, gu_desc, a_deep, gate_bufs, up_bufs, out_bufs0, ready_bars, empty_bars, block_range_ptr,
+                         H, I, 0, STORE_GATE_UP, GATHER, SPLIT, GROUP_M, a_ready, a_empty, True)),
+            (_consumer, (h_desc, gu_desc, a_deep, gate_bufs, up_bufs, out_bufs1, ready_bars, empty_bars, block_range_ptr,
+                         H, I, 1, STORE_GATE_UP, GATHER, SPLIT, GROUP_M, a_ready, a_empty, True)),
+            (_producer_rows, (x_ptr, row_src_ptr, a_deep, a_ready, a_empty, block_range_ptr, H, I, top_k,
+                              BLOCK_N, SPLIT, GROUP_M)),
+            (_producer_weights, (w_desc, gate_bufs, up_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr,
+                                 H, I, _BLOCK_M, SPLIT, GROUP_M)),
+        ], [4, _GATHER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+    elif GATHER:
         gl.warp_specialize([
             (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs0, ready_bars, empty_bars, block_range_ptr,
                          H, I, 0, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
@@ -427,6 +521,7 @@ class GateUpTile:
     producer_regs: int = 40
     consumer_regs: int = 232
     handoff: bool = False  # gate_up_fwd_handoff_kernel: the epilogue on warps of its own (out_bufs unused)
+    a_stages: int = 0  # EXPERIMENT: gathering: the A tile in a ring of its own this deep (0: in the STAGES ring)
     epilogue_rows: int = 8  # its rows per SwiGLU step
 
     def smem_bytes(self, elem: int = 2) -> int:
@@ -448,6 +543,10 @@ TILES = {
     # The epilogue handed off (x rows only; the table's tile where x is not gathered): 3 stages + the [128, 128]
     # g and u buffers (208 KB).
     "s3-handoff": GateUpTile(stages=3, handoff=True),
+    "w3a6b1": GateUpTile(stages=3, out_bufs=1, a_stages=6, consumer_regs=216),
+    "w3a5b1": GateUpTile(stages=3, out_bufs=1, a_stages=5, consumer_regs=216),
+    "w2a8b1": GateUpTile(stages=2, out_bufs=1, a_stages=8, consumer_regs=216),
+    "w3a4b2": GateUpTile(stages=3, out_bufs=2, a_stages=4, consumer_regs=216),
 }
 
 
@@ -463,7 +562,8 @@ def constexprs(tile: GateUpTile, split: int, store_gate_up: bool, gather: bool) 
         return dict(STORE_GATE_UP=store_gate_up, SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages,
                     PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs, EPILOGUE_ROWS=tile.epilogue_rows)
     return dict(STORE_GATE_UP=store_gate_up, GATHER=gather, SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages,
-                OUT_BUFS=tile.out_bufs, PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs)
+                OUT_BUFS=tile.out_bufs, PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs,
+                A_STAGES=tile.a_stages)
 
 
 def descriptors(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, h_RI: torch.Tensor, gate_up_R2I: torch.Tensor | None,
