@@ -259,7 +259,7 @@ def _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, W
     """One consumer warpgroup's K loop over a tile: rows [64 WG, 64 WG + 64) of the slots c, c + 1, ... (the
     producer's fill counter), two wgmma groups (gate, up) a step kept in flight, each slot released once its
     groups retired. Returns the fp32 accumulators (gate, up) and the next slot counter."""
-    STAGES: gl.constexpr = a_bufs.shape[0]
+    STAGES: gl.constexpr = gate_bufs.shape[0]  # the weights' ring (the A ring too unless DEEP_A)
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
     BLOCK_N: gl.constexpr = gate_bufs.shape[2]
