@@ -67,6 +67,14 @@ semantics as the Triton kernel's masked pointer loads. cp.async writes shared me
 proxy and wgmma reads it through the async proxy, so the consumers fence (fence.proxy.async) after the
 "ready" wait in this mode.
 
+A deep A ring (GateUpTile.a_stages, TileConfig.a_stages; gathering only): the gathered tile waits on its copies'
+arrival, the weights' TMA tiles do not, yet one ring of 48 KB stages caps both at 4 stages. With A_STAGES > 0 the
+x rows get a ring of their own (A_STAGES slots of 16 KB; "ready" counts the 128 gathering threads' cp.async
+arrivals, "empty" the two consumers), filled by the gathering warpgroup alone (_producer_rows), and the weights
+keep STAGES slots of 32 KB ("ready": the expect alone), filled by a warp of their own (_producer_weights, padded
+to a warpgroup: 16 warps, the consumers at 216 registers); the consumers wait on both rings each step and release
+both. w3a6b1 and w2a8b1 hold 224 KB.
+
 Numerics, against the Triton kernel: the same fp32 accumulation (zero-initialised accumulators, wgmma k16
 steps over K in order, gate then up per step, each element summed by the same instruction sequence),
 the same rounding (cvt.rn to the dtype), the same SwiGLU (the production swiglu function itself, called
@@ -466,7 +474,7 @@ def gate_up_fwd_ws_kernel(x_desc, w_desc, h_desc, gu_desc, x_ptr, row_src_ptr, b
         mbarrier.init(empty_bars.index(i), count=2)  # one arrive per consumer warpgroup
     fence_async_shared()  # the initialised barriers are visible to the async proxy (TMA) before use
     if GATHER and A_STAGES > 0:
-        # EXPERIMENT: the gathered A in a deeper ring of its own; weights by a warp of their own in the STAGES ring.
+        # The gathered A in a deeper ring of its own (A_STAGES), the weights by a warp of their own in the STAGES ring.
         a_deep = gl.allocate_shared_memory(dtype, [A_STAGES] + x_desc.block_type.shape, x_desc.layout)
         a_ready = gl.allocate_shared_memory(gl.int64, [A_STAGES, 1], mbarrier.MBarrierLayout())
         a_empty = gl.allocate_shared_memory(gl.int64, [A_STAGES, 1], mbarrier.MBarrierLayout())
@@ -521,12 +529,14 @@ class GateUpTile:
     producer_regs: int = 40
     consumer_regs: int = 232
     handoff: bool = False  # gate_up_fwd_handoff_kernel: the epilogue on warps of its own (out_bufs unused)
-    a_stages: int = 0  # EXPERIMENT: gathering: the A tile in a ring of its own this deep (0: in the STAGES ring)
+    a_stages: int = 0  # gathering: the x rows in a ring of their own this deep, the weights in `stages` (0: one ring)
     epilogue_rows: int = 8  # its rows per SwiGLU step
 
     def smem_bytes(self, elem: int = 2) -> int:
         """Operand ring + both consumers' staging buffers, or the hand-off buffers (without the barriers)."""
         ring = self.stages * (BLOCK_M + 2 * self.block_n) * BLOCK_K * elem
+        if self.a_stages:
+            ring = (self.stages * 2 * self.block_n + self.a_stages * BLOCK_M) * BLOCK_K * elem
         if self.handoff:
             return ring + 2 * BLOCK_M * self.block_n * elem
         return ring + 2 * self.out_bufs * CONSUMER_ROWS * self.block_n * elem
@@ -543,10 +553,10 @@ TILES = {
     # The epilogue handed off (x rows only; the table's tile where x is not gathered): 3 stages + the [128, 128]
     # g and u buffers (208 KB).
     "s3-handoff": GateUpTile(stages=3, handoff=True),
+    # Gathering with a deep A ring (224 KB each): the weights in 3 (or 2) stages of 32 KB, the gathered x rows in 6
+    # (or 8) of 16 KB, one staging buffer per consumer; 16 warps, so the consumers get 216 registers.
     "w3a6b1": GateUpTile(stages=3, out_bufs=1, a_stages=6, consumer_regs=216),
-    "w3a5b1": GateUpTile(stages=3, out_bufs=1, a_stages=5, consumer_regs=216),
     "w2a8b1": GateUpTile(stages=2, out_bufs=1, a_stages=8, consumer_regs=216),
-    "w3a4b2": GateUpTile(stages=3, out_bufs=2, a_stages=4, consumer_regs=216),
 }
 
 
@@ -584,7 +594,11 @@ def descriptors(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, h_RI: torch.Te
 
 def tile_of(config: TileConfig) -> GateUpTile:
     """The tile a tile-table entry launches: 4 stages beside one staging buffer per consumer, or 3 beside two
-    (the shared memory holds one or the other), or the hand-off kernel's."""
+    (the shared memory holds one or the other), or the hand-off kernel's; with a deep A ring one staging buffer
+    and the consumers at 216 registers (16 warps)."""
+    if config.a_stages:
+        return GateUpTile(block_n=config.block_n, stages=config.num_stages, out_bufs=1, group_m=config.group_m,
+                          a_stages=config.a_stages, consumer_regs=216)
     return GateUpTile(block_n=config.block_n, stages=config.num_stages, out_bufs=1 if config.num_stages >= 4 else 2,
                       group_m=config.group_m, handoff=config.handoff)
 
@@ -597,6 +611,7 @@ def launch_gate_up_fwd(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, block_expert, bl
           f"the Gluon gate_up_fwd runs {BLOCK_M} x n x {BLOCK_K} tiles, got {config}")
     check(not config.handoff or (gather is None and config.num_stages == 3),
           f"the hand-off kernel reads x rows by TMA through 3 stages, got {config} with gather={gather is not None}")
+    check(not config.a_stages or gather is not None, f"a deep A ring is the gathering kernel's, got {config}")
     tile = tile_of(config)
     check(tma_addressable(x_RH, w_gate_up_E2IH, h_RI, *([gate_up_R2I] if store_gate_up else [])),
           "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8)")
@@ -648,6 +663,7 @@ def gate_up_fwd_gluon(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_ex
           "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8)")
     descs = descriptors(x_RH, w_gate_up_E2IH, h, gate_up if store_gate_up else None, tile)
     grid = persistent_grid(x_RH.device, rows // BLOCK_M * triton.cdiv(inter, tile.block_n))
+    check(not tile.a_stages or gather is not None, "a deep A ring is the gathering kernel's (gather=...)")
     if tile.handoff:
         check(gather is None, "the hand-off tile reads x rows by TMA (it has no gathering producer)")
         gate_up_fwd_handoff_kernel[grid](*descs, block_expert, block_range, hidden, inter,
