@@ -10,7 +10,6 @@ Variants (each a change to the tile choice that every run reads through the publ
   rows      gate_up_fwd on gathered rows (a gather pass) where the table gathers x inside the kernel's loads
   gather    gate_up_fwd gathering x inside its loads on every workload (the table: where it measured faster)
   gather-s3 the gathering gate_up_fwd with 3 stages and two staging buffers per consumer (the table: 4 and 1)
-  deep-a:A:W  the gathering gate_up_fwd with its x rows in a ring of A slots and the weights in W (TileConfig.a_stages)
   no-handoff  gate_up_fwd on x rows with its epilogue on the consumer warpgroups (3 stages, two staging buffers
             each) instead of the table's hand-off kernel (TileConfig.handoff)
   no-skip   the Gluon weight grads without the schedule's row_src: an expert's last row step computed even where
@@ -44,17 +43,6 @@ def gather_s3(*args):
     return dataclasses.replace(table, gate_up_fwd=dataclasses.replace(table.gate_up_fwd, num_stages=3))
 
 
-def gather_deep_a(a_stages: int, stages: int):
-    """The table with the gathering gate_up_fwd's x rows in a ring of a_stages slots, the weights in `stages`."""
-    def table(*args):
-        t = SHIPPED[0](*args)
-        if t is None or not t.gate_up_fwd.gather:
-            return t
-        return dataclasses.replace(t, gate_up_fwd=dataclasses.replace(t.gate_up_fwd, num_stages=stages,
-                                                                      a_stages=a_stages))
-    return table
-
-
 def no_handoff(*args):
     table = SHIPPED[0](*args)
     if table is None or not table.gate_up_fwd.handoff:
@@ -85,9 +73,6 @@ def select(variant: str) -> None:
         configs._GATHER_X_MAX_H = 1 << 30
     elif variant == "gather-s3":
         te.tma_kernel_configs = gather_s3
-    elif variant.startswith("deep-a:"):  # deep-a:A_STAGES:STAGES
-        a_stages, stages = map(int, variant.split(":")[1:])
-        te.tma_kernel_configs = gather_deep_a(a_stages, stages)
     elif variant == "no-handoff":
         te.tma_kernel_configs = no_handoff
     elif variant == "no-skip":
@@ -97,7 +82,7 @@ def select(variant: str) -> None:
         gemm, _, n = variant.rpartition("group_m:")
         te.tma_kernel_configs = with_group_m(int(n), gemm.removesuffix(".") or None)
     elif variant != "default":
-        raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, gather, gather-s3, deep-a:A:W, no-handoff, no-skip, "
+        raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, gather, gather-s3, no-handoff, no-skip, "
                          "group_m:N or GEMM.group_m:N")
 
 

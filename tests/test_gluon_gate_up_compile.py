@@ -52,8 +52,7 @@ from compile_checks import (  # noqa: E402
 # A qwen3-30b-a3b-like problem: the descriptors' block shapes and layouts are what matters, not the sizes.
 R, H, I, E, T = 2048, 2048, 768, 4, 512
 CASES = {f"{name}-{'gu' if gu else 'h'}-{'gather' if gather else 'tma'}": (name, gu, gather)
-         for name, tile in G.TILES.items() if not tile.handoff for gu in (True, False) for gather in (False, True)
-         if gather or not tile.a_stages}  # a deep A ring is the gathering kernel's
+         for name, tile in G.TILES.items() if not tile.handoff for gu in (True, False) for gather in (False, True)}
 HANDOFF_CASES = {f"{name}-{'gu' if gu else 'h'}": (name, gu) for name, tile in G.TILES.items() if tile.handoff
                  for gu in (True, False)}
 # Float instructions of the epilogue (fp32 -> 16-bit rounding, SwiGLU), counted in both kernels.
@@ -159,21 +158,16 @@ def test_gluon_gate_up_sm90a(case):
     else:
         assert r["tma_load_2d"] == 1 and r["cp_async"] == 0 and r["cp_async_arrive_noinc"] == 0
         ready_count = 1
-    # A deep A ring: the weights' ready counts the expect alone, the A ring's ready the gathering threads.
-    want_init = sorted([str(ready_count)] * tile.stages + ["2"] * tile.stages)
-    if tile.a_stages:
-        want_init = sorted(["1"] * tile.stages + ["2"] * tile.stages
-                           + [str(G.GATHER_WARPS * 32)] * tile.a_stages + ["2"] * tile.a_stages)
     # Outputs: per consumer one 3-D TMA store per stored tensor; buffers reused after wait_group.read OUT_BUFS - 1.
     stores = 3 if r["store_gate_up"] else 1
     assert r["tma_store_3d"] == 2 * stores, f"{case}: {r['tma_store_3d']} TMA stores"
     assert tile.out_bufs - 1 in r["tma_store_wait"] and 0 in r["tma_store_wait"], r["tma_store_wait"]
     # mbarriers: ready and empty per stage with their counts; waits, the producer's expect, the releases.
+    want_init = sorted([str(ready_count)] * tile.stages + ["2"] * tile.stages)
     assert sorted(r["mbar_init_counts"]) == want_init, f"{case}: mbarrier.init counts {r['mbar_init_counts']}"
     assert r["mbar_wait"] >= 3 and r["mbar_expect"] >= 1 and r["mbar_arrive"] >= 4
     # Warp specialization and its register split.
-    # 12 warps; a deep A ring adds the weights' warp (padded to a warpgroup) beside the gathering warpgroup.
-    assert meta.num_warps == (16 if tile.a_stages else 12), f"{case}: {meta.num_warps} warps"
+    assert meta.num_warps == 12, f"{case}: {meta.num_warps} warps"
     assert_register_split(case, r, tile.producer_regs, tile.consumer_regs)
     assert ("dec", str(tile.consumer_regs)) in r["setmaxnreg"], f"{case}: the default consumer {r['setmaxnreg']}"
     # No spills, nothing serialised, shared memory within the SM.

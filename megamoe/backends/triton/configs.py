@@ -29,8 +29,7 @@ class TileConfig:
     (a producer warp feeding two consumer warpgroups through an mbarrier ring; num_warps is then its
     default partition's, 4), its two warpgroups on alternate tiles with pingpong, else on halves of each
     tile; handoff (gate_up_fwd's Gluon kernel on x rows): its epilogue on warps of its own
-    (gluon_gate_up.gate_up_fwd_handoff_kernel, 3 stages); a_stages (gate_up_fwd's gathering Gluon kernel): the
-    gathered x rows in a ring of their own this deep, the weights in num_stages (0: one ring)."""
+    (gluon_gate_up.gate_up_fwd_handoff_kernel, 3 stages)."""
 
     block_m: int
     block_n: int
@@ -44,7 +43,6 @@ class TileConfig:
     gluon: bool = False
     pingpong: bool = False
     handoff: bool = False
-    a_stages: int = 0
 
     def with_block_m(self, block_m: int) -> "TileConfig":
         return dataclasses.replace(self, block_m=block_m)

@@ -67,14 +67,6 @@ semantics as the Triton kernel's masked pointer loads. cp.async writes shared me
 proxy and wgmma reads it through the async proxy, so the consumers fence (fence.proxy.async) after the
 "ready" wait in this mode.
 
-A deep A ring (GateUpTile.a_stages, TileConfig.a_stages; gathering only): the gathered tile waits on its copies'
-arrival, the weights' TMA tiles do not, yet one ring of 48 KB stages caps both at 4 stages. With A_STAGES > 0 the
-x rows get a ring of their own (A_STAGES slots of 16 KB; "ready" counts the 128 gathering threads' cp.async
-arrivals, "empty" the two consumers), filled by the gathering warpgroup alone (_producer_rows), and the weights
-keep STAGES slots of 32 KB ("ready": the expect alone), filled by a warp of their own (_producer_weights, padded
-to a warpgroup: 16 warps, the consumers at 216 registers); the consumers wait on both rings each step and release
-both. w3a6b1 and w2a8b1 hold 224 KB.
-
 Numerics, against the Triton kernel: the same fp32 accumulation (zero-initialised accumulators, wgmma k16
 steps over K in order, gate then up per step, each element summed by the same instruction sequence),
 the same rounding (cvt.rn to the dtype), the same SwiGLU (the production swiglu function itself, called
@@ -200,74 +192,11 @@ def _producer_gather(x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, rea
 
 
 @gluon.jit
-def _producer_weights(w_desc, gate_bufs, up_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr, H, I,
-                      BLOCK_M: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
-    """One warp beside the gathering warps (a deep A ring): per (tile, K step) the weights' gate and up tiles by
-    TMA into their own ring (gate_bufs / up_bufs, its ready and empty barriers)."""
-    STAGES: gl.constexpr = gate_bufs.shape[0]
-    BLOCK_N: gl.constexpr = gate_bufs.shape[2]  # a slot: [1, BLOCK_N, BLOCK_K]
-    BLOCK_K: gl.constexpr = gate_bufs.shape[3]
-    NBYTES: gl.constexpr = 2 * w_desc.block_type.nbytes
-    first_m, end_m = load_range(block_range_ptr, SPLIT)
-    num_m = end_m - first_m
-    num_n = gl.cdiv(I, BLOCK_N)
-    k_steps = gl.cdiv(H, BLOCK_K)
-    p = 0  # slot counter, as in _producer_tma
-    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        row, col, m = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
-        expert = gl.load(block_expert_ptr + m // SPLIT)
-        for ki in range(k_steps):
-            s = p % STAGES
-            mbarrier.wait(empty_bars.index(s), ((p // STAGES) & 1) ^ 1)
-            bar = ready_bars.index(s)
-            mbarrier.expect(bar, NBYTES)
-            k = ki * BLOCK_K
-            tma_load(w_desc, [expert, col, k], bar, gate_bufs.index(s))
-            tma_load(w_desc, [expert, I + col, k], bar, up_bufs.index(s))
-            p += 1
-
-
-@gluon.jit
-def _producer_rows(x_ptr, row_src_ptr, a_bufs, ready_bars, empty_bars, block_range_ptr, H, I, top_k,
-                   BLOCK_N: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
-    """The gathering warps beside _producer_weights (a deep A ring): the A tile alone by cp.async into the A ring
-    (a_bufs, its own ready and empty barriers), as in _producer_gather."""
-    STAGES: gl.constexpr = a_bufs.shape[0]
-    BLOCK_M: gl.constexpr = a_bufs.shape[1]
-    BLOCK_K: gl.constexpr = a_bufs.shape[2]
-    VEC: gl.constexpr = 128 // a_bufs.dtype.primitive_bitwidth
-    COL_THREADS: gl.constexpr = BLOCK_K // VEC
-    copy_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, VEC], threads_per_warp=[32 // COL_THREADS, COL_THREADS],
-                                                 warps_per_cta=[_GATHER_WARPS, 1], order=[1, 0])
-    tile_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, copy_layout))
-    step_cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, copy_layout))
-    H = H // VEC * VEC
-    first_m, end_m = load_range(block_range_ptr, SPLIT)
-    num_m = end_m - first_m
-    num_n = gl.cdiv(I, BLOCK_N)
-    k_steps = gl.cdiv(H, BLOCK_K)
-    p = 0
-    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        row, col, m = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
-        src = gl.load(row_src_ptr + row + tile_rows)
-        has_src = gl.expand_dims(src >= 0, 1)
-        row_ptrs = gl.expand_dims(x_ptr + (gl.where(src >= 0, src, 0) // top_k).to(gl.int64) * H, 1)
-        for ki in range(k_steps):
-            s = p % STAGES
-            mbarrier.wait(empty_bars.index(s), ((p // STAGES) & 1) ^ 1)
-            cols = gl.expand_dims(ki * BLOCK_K + step_cols, 0)
-            cp_async_load(a_bufs.index(s), row_ptrs + cols, mask=has_src & (cols < H))
-            async_copy.mbarrier_arrive(ready_bars.index(s), increment_count=False)
-            p += 1
-
-
-@gluon.jit
-def _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG: gl.constexpr, GATHER: gl.constexpr,
-               a_ready_bars=None, a_empty_bars=None, DEEP_A: gl.constexpr = False):
+def _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG: gl.constexpr, GATHER: gl.constexpr):
     """One consumer warpgroup's K loop over a tile: rows [64 WG, 64 WG + 64) of the slots c, c + 1, ... (the
     producer's fill counter), two wgmma groups (gate, up) a step kept in flight, each slot released once its
     groups retired. Returns the fp32 accumulators (gate, up) and the next slot counter."""
-    STAGES: gl.constexpr = gate_bufs.shape[0]  # the weights' ring (the A ring too unless DEEP_A)
+    STAGES: gl.constexpr = a_bufs.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
     BLOCK_N: gl.constexpr = gate_bufs.shape[2]
@@ -276,18 +205,13 @@ def _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, W
                                                          instr_shape=[16, BLOCK_N, 16])
     acc_g = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, acc_layout)
     acc_u = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, acc_layout)
-    A_STAGES: gl.constexpr = a_bufs.shape[0]
     for ki in range(k_steps):
         s = c % STAGES
         mbarrier.wait(ready_bars.index(s), (c // STAGES) & 1)
-        sa = s
-        if DEEP_A:
-            sa = c % A_STAGES
-            mbarrier.wait(a_ready_bars.index(sa), (c // A_STAGES) & 1)
         if GATHER:
             # A was written by cp.async (generic proxy); wgmma reads shared memory through the async proxy.
             fence_async_shared()
-        a = a_bufs.index(sa).slice(WG * CONSUMER_ROWS, CONSUMER_ROWS)
+        a = a_bufs.index(s).slice(WG * CONSUMER_ROWS, CONSUMER_ROWS)
         b_gate = gate_bufs.index(s).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
         b_up = up_bufs.index(s).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
         acc_g = warpgroup_mma(a, b_gate, acc_g, is_async=True)
@@ -295,13 +219,9 @@ def _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, W
         # Step c's two wgmma groups stay in flight; step c - 1's have retired: its slot goes back.
         acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
         mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=ki > 0)
-        if DEEP_A:
-            mbarrier.arrive(a_empty_bars.index((c + A_STAGES - 1) % A_STAGES), pred=ki > 0)
         c += 1
     acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
     mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES))
-    if DEEP_A:
-        mbarrier.arrive(a_empty_bars.index((c + A_STAGES - 1) % A_STAGES))
     return acc_g, acc_u, c
 
 
@@ -321,7 +241,7 @@ def _stage_store(desc, row, plane, col, value, out_bufs, n_stored):
 @gluon.jit
 def _consumer(h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs, ready_bars, empty_bars, block_range_ptr, H, I,
               WG: gl.constexpr, STORE_GATE_UP: gl.constexpr, GATHER: gl.constexpr, SPLIT: gl.constexpr,
-              GROUP_M: gl.constexpr, a_ready_bars=None, a_empty_bars=None, DEEP_A: gl.constexpr = False):
+              GROUP_M: gl.constexpr):
     """One warpgroup: rows [64 WG, 64 WG + 64) of every tile of this CTA: the gate and up wgmma over the ring's
     slots, then the epilogue (g, u rounded, h = swiglu(g, u), TMA stores)."""
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
@@ -337,8 +257,7 @@ def _consumer(h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs, ready_bars,
     n_stored = 0
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         row, col, _ = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
-        acc_g, acc_u, c = _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG, GATHER,
-                                     a_ready_bars, a_empty_bars, DEEP_A)
+        acc_g, acc_u, c = _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG, GATHER)
         g = acc_g.to(dtype)
         u = acc_u.to(dtype)
         out_row = row + WG * CONSUMER_ROWS
@@ -453,15 +372,14 @@ def gate_up_fwd_ws_kernel(x_desc, w_desc, h_desc, gu_desc, x_ptr, row_src_ptr, b
                           H, I, top_k,
                           STORE_GATE_UP: gl.constexpr, GATHER: gl.constexpr, SPLIT: gl.constexpr,
                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, OUT_BUFS: gl.constexpr,
-                          PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, A_STAGES: gl.constexpr):
+                          PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """h (and gate_up) of the row blocks in block_range (int32 [first, end] schedule blocks), tma_gemm's
     gate_up_fwd_tma_kernel semantics. x_desc: x_rows [R, H] (GATHER: x [T, H], its layout only; x_ptr, row_src_ptr
     and top_k gather), block [128, 64]; w_desc: [E, 2I, H] block [1, BLOCK_N, 64]; h_desc: h as [R, 1, I],
     gu_desc: gate_up as [R, 2, I] (without STORE_GATE_UP: any descriptor of h_desc's type), block [64, 1,
     BLOCK_N]. Launch with num_warps=4 (the default partition is consumer 0)."""
     dtype: gl.constexpr = x_desc.dtype
-    if A_STAGES == 0:
-        a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     gate_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     up_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     out_bufs0 = gl.allocate_shared_memory(dtype, [OUT_BUFS] + h_desc.block_type.shape, h_desc.layout)
@@ -470,30 +388,10 @@ def gate_up_fwd_ws_kernel(x_desc, w_desc, h_desc, gu_desc, x_ptr, row_src_ptr, b
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         # ready: the producer's expect (the TMA bytes complete it), plus every gathering thread's cp.async arrive
-        mbarrier.init(ready_bars.index(i), count=1 + (GATHER and A_STAGES == 0) * _GATHER_WARPS * 32)
+        mbarrier.init(ready_bars.index(i), count=1 + GATHER * _GATHER_WARPS * 32)
         mbarrier.init(empty_bars.index(i), count=2)  # one arrive per consumer warpgroup
     fence_async_shared()  # the initialised barriers are visible to the async proxy (TMA) before use
-    if GATHER and A_STAGES > 0:
-        # The gathered A in a deeper ring of its own (A_STAGES), the weights by a warp of their own in the STAGES ring.
-        a_deep = gl.allocate_shared_memory(dtype, [A_STAGES] + x_desc.block_type.shape, x_desc.layout)
-        a_ready = gl.allocate_shared_memory(gl.int64, [A_STAGES, 1], mbarrier.MBarrierLayout())
-        a_empty = gl.allocate_shared_memory(gl.int64, [A_STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(A_STAGES):
-            mbarrier.init(a_ready.index(i), count=_GATHER_WARPS * 32)
-            mbarrier.init(a_empty.index(i), count=2)
-        fence_async_shared()
-        BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
-        gl.warp_specialize([
-            (_consumer, (h_desc, gu_desc, a_deep, gate_bufs, up_bufs, out_bufs0, ready_bars, empty_bars, block_range_ptr,
-                         H, I, 0, STORE_GATE_UP, GATHER, SPLIT, GROUP_M, a_ready, a_empty, True)),
-            (_consumer, (h_desc, gu_desc, a_deep, gate_bufs, up_bufs, out_bufs1, ready_bars, empty_bars, block_range_ptr,
-                         H, I, 1, STORE_GATE_UP, GATHER, SPLIT, GROUP_M, a_ready, a_empty, True)),
-            (_producer_rows, (x_ptr, row_src_ptr, a_deep, a_ready, a_empty, block_range_ptr, H, I, top_k,
-                              BLOCK_N, SPLIT, GROUP_M)),
-            (_producer_weights, (w_desc, gate_bufs, up_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr,
-                                 H, I, _BLOCK_M, SPLIT, GROUP_M)),
-        ], [4, _GATHER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
-    elif GATHER:
+    if GATHER:
         gl.warp_specialize([
             (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs0, ready_bars, empty_bars, block_range_ptr,
                          H, I, 0, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
@@ -529,14 +427,11 @@ class GateUpTile:
     producer_regs: int = 40
     consumer_regs: int = 232
     handoff: bool = False  # gate_up_fwd_handoff_kernel: the epilogue on warps of its own (out_bufs unused)
-    a_stages: int = 0  # gathering: the x rows in a ring of their own this deep, the weights in `stages` (0: one ring)
     epilogue_rows: int = 8  # its rows per SwiGLU step
 
     def smem_bytes(self, elem: int = 2) -> int:
         """Operand ring + both consumers' staging buffers, or the hand-off buffers (without the barriers)."""
         ring = self.stages * (BLOCK_M + 2 * self.block_n) * BLOCK_K * elem
-        if self.a_stages:
-            ring = (self.stages * 2 * self.block_n + self.a_stages * BLOCK_M) * BLOCK_K * elem
         if self.handoff:
             return ring + 2 * BLOCK_M * self.block_n * elem
         return ring + 2 * self.out_bufs * CONSUMER_ROWS * self.block_n * elem
@@ -553,10 +448,6 @@ TILES = {
     # The epilogue handed off (x rows only; the table's tile where x is not gathered): 3 stages + the [128, 128]
     # g and u buffers (208 KB).
     "s3-handoff": GateUpTile(stages=3, handoff=True),
-    # Gathering with a deep A ring (224 KB each): the weights in 3 (or 2) stages of 32 KB, the gathered x rows in 6
-    # (or 8) of 16 KB, one staging buffer per consumer; 16 warps, so the consumers get 216 registers.
-    "w3a6b1": GateUpTile(stages=3, out_bufs=1, a_stages=6, consumer_regs=216),
-    "w2a8b1": GateUpTile(stages=2, out_bufs=1, a_stages=8, consumer_regs=216),
 }
 
 
@@ -572,8 +463,7 @@ def constexprs(tile: GateUpTile, split: int, store_gate_up: bool, gather: bool) 
         return dict(STORE_GATE_UP=store_gate_up, SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages,
                     PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs, EPILOGUE_ROWS=tile.epilogue_rows)
     return dict(STORE_GATE_UP=store_gate_up, GATHER=gather, SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages,
-                OUT_BUFS=tile.out_bufs, PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs,
-                A_STAGES=tile.a_stages)
+                OUT_BUFS=tile.out_bufs, PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs)
 
 
 def descriptors(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, h_RI: torch.Tensor, gate_up_R2I: torch.Tensor | None,
@@ -594,11 +484,7 @@ def descriptors(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, h_RI: torch.Te
 
 def tile_of(config: TileConfig) -> GateUpTile:
     """The tile a tile-table entry launches: 4 stages beside one staging buffer per consumer, or 3 beside two
-    (the shared memory holds one or the other), or the hand-off kernel's; with a deep A ring one staging buffer
-    and the consumers at 216 registers (16 warps)."""
-    if config.a_stages:
-        return GateUpTile(block_n=config.block_n, stages=config.num_stages, out_bufs=1, group_m=config.group_m,
-                          a_stages=config.a_stages, consumer_regs=216)
+    (the shared memory holds one or the other), or the hand-off kernel's."""
     return GateUpTile(block_n=config.block_n, stages=config.num_stages, out_bufs=1 if config.num_stages >= 4 else 2,
                       group_m=config.group_m, handoff=config.handoff)
 
@@ -611,7 +497,6 @@ def launch_gate_up_fwd(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, block_expert, bl
           f"the Gluon gate_up_fwd runs {BLOCK_M} x n x {BLOCK_K} tiles, got {config}")
     check(not config.handoff or (gather is None and config.num_stages == 3),
           f"the hand-off kernel reads x rows by TMA through 3 stages, got {config} with gather={gather is not None}")
-    check(not config.a_stages or gather is not None, f"a deep A ring is the gathering kernel's, got {config}")
     tile = tile_of(config)
     check(tma_addressable(x_RH, w_gate_up_E2IH, h_RI, *([gate_up_R2I] if store_gate_up else [])),
           "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8)")
@@ -663,7 +548,6 @@ def gate_up_fwd_gluon(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_ex
           "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8)")
     descs = descriptors(x_RH, w_gate_up_E2IH, h, gate_up if store_gate_up else None, tile)
     grid = persistent_grid(x_RH.device, rows // BLOCK_M * triton.cdiv(inter, tile.block_n))
-    check(not tile.a_stages or gather is not None, "a deep A ring is the gathering kernel's (gather=...)")
     if tile.handoff:
         check(gather is None, "the hand-off tile reads x rows by TMA (it has no gathering producer)")
         gate_up_fwd_handoff_kernel[grid](*descs, block_expert, block_range, hidden, inter,
