@@ -22,7 +22,8 @@ gathering kernel):
   * qwen3-30b-a3b (H 2048, I 768, 128 experts, 16384 tokens, top-8, balanced routing) and qwen3-235b-a22b
     (H 4096, I 1536), the schedules megamoe.schedule.build_schedule builds;
 then times the variants (triton.testing.do_bench, median) in ROUNDS alternating rounds on the two workloads.
-TF/s counts 2 x rows x H x 2I over the rows in use, padding included (every variant computes it). The table comes last; OUT.json holds every record.
+TF/s counts 2 x rows x H x 2I over the rows in use, padding included (every variant computes it). The table
+comes last; OUT.json holds every record.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ def reduce_over_ranks(values: list[float], op, device: torch.device, group) -> l
     return t.tolist()
 
 
-def alternating_rounds(calls: dict, rounds: int, time_ms) -> dict[str, list[float]]:
+def alternating_rounds(calls: dict, rounds: int, time_ms) -> dict:
     """{name: [time_ms(call) per round]} for every call of `calls` ({name: call}): each round times every call
     once, the order rotated by one per round, so no variant always runs first or after the same neighbour (the
     A/B the benchmarks' variant comparisons rest on; time_ms is e.g. a triton.testing.do_bench median)."""
