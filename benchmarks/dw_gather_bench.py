@@ -77,7 +77,8 @@ def run_workload(name: str, rounds: int) -> list[dict]:
         records.append(dict(kind="check", workload=name, variant=v, tile=str(tile), gathered=gathered, equal=equal))
         print(json.dumps(records[-1]), flush=True)
         fns[v] = lambda tile=tile, gathered=gathered: call(tile, gathered)
-    times = alternating_rounds(fns, rounds, lambda fn: triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+    times = alternating_rounds(fns, rounds,
+                               lambda fn: triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
     for v, ms in times.items():
         med = statistics.median(ms)
         records.append(dict(kind="time", workload=name, variant=v, ms=med, round_ms=ms, tflops=flops / med / 1e9))
