@@ -239,8 +239,9 @@ def check_and_time_gluon_workload(name: str, device, gather: bool) -> None:
                                       ROUNDS, bench_ms)
         for tile_name in checked:
             ms = statistics.median(round_ms[tile_name])
-            emit(dict(kind="time", workload=name, rows=p["rows_used"], H=p["H"], I=p["I"], variant=f"{prefix}-{tile_name}",
-                      store_gate_up=store_gate_up, tile=tile_name, bitwise_equal=checked[tile_name],
+            emit(dict(kind="time", workload=name, rows=p["rows_used"], H=p["H"], I=p["I"],
+                      variant=f"{prefix}-{tile_name}", store_gate_up=store_gate_up, tile=tile_name,
+                      bitwise_equal=checked[tile_name],
                       status="ok" if checked[tile_name] else "WRONG", ms=ms, round_ms=round_ms[tile_name],
                       tflops=flops / ms / 1e9))
 
