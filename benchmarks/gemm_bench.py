@@ -1,6 +1,6 @@
 """Every grouped GEMM of the fused one-GPU path against torch._grouped_mm (cuBLAS) on identical operands.
 
-Usage: python benchmarks/gemm_bench.py [--workload NAME ...] [--routing balanced|skewed] [--json PATH]
+Usage: python benchmarks/gemm_bench.py [--workload NAME ...] [--routing balanced|skewed] [--rounds N] [--json PATH]
 
 Per workload the operands are the real ones of a training step: balanced (or skewed) routing, the
 schedule's expert-major rows padded per expert to its block_m, and the same segments handed to
@@ -17,7 +17,9 @@ the torch ops that epilogue replaces. Variants:
     "cublas"       torch._grouped_mm + the torch ops the fused epilogue replaces
     "cublas-gemm"  torch._grouped_mm alone (the GEMMs with an epilogue only)
     "tma (tile)"   with --sweep: the TMA kernels with candidate tiles, flattened ("tma-flat") or not
-Every variant is checked against cuBLAS before it is timed (relative Frobenius error). TF/s counts
+Every variant is checked against cuBLAS before it is timed (relative Frobenius error); the checked variants of a
+GEMM are then timed in --rounds alternating rounds, each round's order rotated (the median is reported, every
+round is in the JSON). TF/s counts
 2*M*N*K over the rows in use, padding included (cuBLAS computes it; the fused weight grads skip some of it).
 """
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -152,41 +155,31 @@ def rel_err(got, want, rows: int, dw: bool) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
-def run(name: str, routing: str, tokens: int | None, sweep: bool) -> list[dict]:
+def run(name: str, routing: str, tokens: int | None, sweep: bool, rounds: int) -> list[dict]:
+    """Every variant of every GEMM checked against cuBLAS, then the checked ones timed in `rounds` alternating
+    rounds (order rotated; do_bench medians): a record per variant with the rounds' median and each round."""
     p = problem(name, routing, tokens)
     records = []
     for gemm, (flops, variants) in gemms(p, sweep).items():
         want = variants["cublas"]()
+        recs, checked = {}, {}
         for variant, fn in variants.items():
-            rec = {"workload": name, "routing": routing, "rows": p["rows"], "gemm": gemm, "variant": variant}
+            rec = recs[variant] = {"workload": name, "routing": routing, "rows": p["rows"], "gemm": gemm,
+                                   "variant": variant}
             try:
                 # cublas-gemm is the cuBLAS variant's own first step (its output is the pre-epilogue GEMM).
                 err = 0.0 if variant == "cublas-gemm" else rel_err(fn(), want, p["rows"], gemm.startswith("dw_"))
-                if not err <= MAX_REL_ERR:
-                    rec.update(status="WRONG", rel_err=err)
-                else:
-                    ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
-                    rec.update(status="ok", rel_err=err, ms=ms, tflops=flops / ms / 1e9)
+                rec.update(status="ok" if err <= MAX_REL_ERR else "WRONG", rel_err=err)
+                if rec["status"] == "ok":
+                    checked[variant] = fn
             except Exception as error:  # out of shared memory, compile failure: report and go on
                 rec.update(status=f"{type(error).__name__}: {str(error)[:120]}")
-            records.append(rec)
-            print(json.dumps(rec), flush=True)
-    return records
-
-
-def skip_ab(name: str, routing: str, tokens: int | None, rounds: int) -> list[dict]:
-    """--skip-ab: "fused" against "fused-noskip" of the weight grads, alternating (order rotated) over `rounds`
-    rounds of do_bench medians; the best of the rounds per variant."""
-    p = problem(name, routing, tokens)
-    records = []
-    for gemm, (flops, variants) in gemms(p, False).items():
-        if "fused-noskip" not in variants:
-            continue
-        times = alternating_rounds({v: variants[v] for v in ("fused", "fused-noskip")}, rounds,
+        times = alternating_rounds(checked, rounds,
                                    lambda fn: triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
-        for v, ms in times.items():
-            rec = {"workload": name, "routing": routing, "gemm": gemm, "variant": v, "ms_rounds": ms, "ms": min(ms),
-                   "tflops": flops / min(ms) / 1e9}
+        for variant, rec in recs.items():
+            if variant in times:
+                ms = statistics.median(times[variant])
+                rec.update(ms=ms, ms_rounds=times[variant], tflops=flops / ms / 1e9)
             records.append(rec)
             print(json.dumps(rec), flush=True)
     return records
@@ -217,22 +210,14 @@ def main() -> None:
     parser.add_argument("--routing", default="balanced", choices=("balanced", "skewed"))
     parser.add_argument("--tokens", type=int)
     parser.add_argument("--sweep", action="store_true", help="also time the SWEEP tiles of the TMA kernels")
-    parser.add_argument("--skip-ab", type=int, metavar="ROUNDS",
-                        help="only time the fused weight grads with and without row_src, alternating over ROUNDS rounds")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds (the median is reported)")
     parser.add_argument("--json")
     args = parser.parse_args()
     records = []
     for name in args.workload or ["qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b", "deepseek-v3", "mixtral-8x7b"]:
-        if args.skip_ab:
-            records += skip_ab(name, args.routing, args.tokens, args.skip_ab)
-        else:
-            records += run(name, args.routing, args.tokens, args.sweep)
+        records += run(name, args.routing, args.tokens, args.sweep, args.rounds)
         torch.cuda.empty_cache()
-    if args.skip_ab:
-        for r in records:
-            print(f"{r['workload']:16} {r['gemm']:14} {r['variant']:13} {r['ms']:7.3f} ms {r['tflops']:5.0f} TF/s")
-    else:
-        print(summary(records))
+    print(summary(records))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
