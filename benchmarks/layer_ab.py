@@ -14,6 +14,8 @@ Variants (each a change to the tile choice that every run reads through the publ
             each) instead of the table's hand-off kernel (TileConfig.handoff)
   no-skip   the Gluon weight grads without the schedule's row_src: an expert's last row step computed even where
             it holds padding rows only (the default skips it)
+  no-spread-x  dw_gate_up's x rows by a spread pass of their own after gate_up_dgrad, not spread by a warp of
+            gate_up_dgrad's kernel beside its GEMM (kernels.gate_up_dgrad_spreads_x)
   group_m:N every GEMM's tiles swept N row blocks per column block (the table: 8)
   GEMM.group_m:N  the same for one GEMM of the table (e.g. down_dgrad.group_m:4)
 """
@@ -25,7 +27,9 @@ from megamoe.bench.problem import make_weights, make_tokens, forward_backward, f
 from megamoe.bench.workloads import WORKLOADS, layer_flops
 
 SHIPPED = (te.tma_kernel_configs, configs._GATHER_X_MAX_H)
-SHIPPED_DW = {name: getattr(kernels, name) for name in ("dw_down", "dw_gate_up")}  # given row_src by experts_bwd
+# Replaced by variants and restored by select: the weight grads (given row_src by experts_bwd) and whether
+# gate_up_dgrad spreads x's rows beside its GEMM.
+SHIPPED_KERNELS = {name: getattr(kernels, name) for name in ("dw_down", "dw_gate_up", "gate_up_dgrad_spreads_x")}
 
 
 def without_row_src(fn):
@@ -63,7 +67,7 @@ def with_group_m(group_m: int, gemm: str | None):
 
 def select(variant: str) -> None:
     te.tma_kernel_configs, configs._GATHER_X_MAX_H = SHIPPED
-    for name, fn in SHIPPED_DW.items():
+    for name, fn in SHIPPED_KERNELS.items():
         setattr(kernels, name, fn)
     if variant == "pointer":
         te.tma_kernel_configs = lambda *a: None
@@ -76,14 +80,16 @@ def select(variant: str) -> None:
     elif variant == "no-handoff":
         te.tma_kernel_configs = no_handoff
     elif variant == "no-skip":
-        for name, fn in SHIPPED_DW.items():
-            setattr(kernels, name, without_row_src(fn))
+        for name in ("dw_down", "dw_gate_up"):
+            setattr(kernels, name, without_row_src(SHIPPED_KERNELS[name]))
+    elif variant == "no-spread-x":
+        kernels.gate_up_dgrad_spreads_x = lambda *args: False
     elif "group_m:" in variant:
         gemm, _, n = variant.rpartition("group_m:")
         te.tma_kernel_configs = with_group_m(int(n), gemm.removesuffix(".") or None)
     elif variant != "default":
         raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, gather, gather-s3, no-handoff, no-skip, "
-                         "group_m:N or GEMM.group_m:N")
+                         "no-spread-x, group_m:N or GEMM.group_m:N")
 
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -59,7 +59,7 @@ from compile_checks import (  # noqa: E402
 )
 SCHEDULE_BLOCK_M = 128
 # qwen3-30b-a3b-like operands: the descriptors' block shapes and layouts are what matters, not the sizes.
-R, H, I, E = 2048, 2048, 768, 4
+R, H, I, E, T = 2048, 2048, 768, 4, 256
 GEMMS = {"down_fwd": True, "gate_up_dgrad": False}  # name: W_NK (B tiles K-major)
 WGMMA = re.compile(r"(wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16) \{[^}]*\}, [^,]+, [^,]+, [^,]+, "
                    r"(\d), (\d), (\d), (\d);")
@@ -74,18 +74,20 @@ def _operands(gemm: str):
             torch.empty(R, H, dtype=torch.bfloat16))
 
 
-def _compile(gemm: str, tile):
+def _compile(gemm: str, tile, spread_h: int = 0):
+    """The kernel of one GEMM and tile; spread_h: gate_up_dgrad with SPREAD for x [T, spread_h] (0: without)."""
     w_nk = GEMMS[gemm]
-    descs = dict(zip(("a_desc", "w_desc", "out_desc"), gluon_rows.descriptors(*_operands(gemm), w_nk, tile)))
+    a, w, out = _operands(gemm)
+    descs = dict(zip(("a_desc", "w_desc", "out_desc"), gluon_rows.descriptors(a, w, out, w_nk, tile)))
+    if spread_h:
+        x = torch.empty(T, spread_h, dtype=torch.bfloat16)
+        descs |= zip(("x_desc", "x_rows_desc"), gluon_rows.spread_descriptors(x, torch.empty(R, spread_h, dtype=x.dtype)))
+    else:  # unused without SPREAD: the launcher passes the operands' descriptors
+        descs |= {"x_desc": descs["a_desc"], "x_rows_desc": descs["w_desc"]}
     fn = gluon_rows.row_gemm_ws_kernel
-    consts = gluon_rows.constexprs(tile, w_nk, SCHEDULE_BLOCK_M // tile.block_m)
-    signature = kernel_signature(fn, consts, {name: mangle_type(d) for name, d in descs.items()}, _int32_pointer)
+    consts = gluon_rows.constexprs(tile, w_nk, SCHEDULE_BLOCK_M // tile.block_m, spread=bool(spread_h))
+    signature = kernel_signature(fn, consts, {name: mangle_type(d) for name, d in descs.items()}, int32_arg)
     return compile_gluon(fn, signature, consts, divisible_by_16(fn, pointers(fn)))
-
-
-def _int32_pointer(name: str) -> str:
-    assert name.endswith("_ptr"), name
-    return "*i32"
 
 
 def _compile_triton(gemm: str):
@@ -170,6 +172,39 @@ def test_gluon_row_gemm_sm90a(gemm, tile_name):
     assert_no_spills_or_serialisation(name, r)
     assert tile.smem_bytes() <= meta.shared <= SMEM_LIMIT, (
         f"{name}: shared {meta.shared} B (ring + epilogue {tile.smem_bytes()})")
+
+
+@pytest.mark.parametrize("hidden", [2048, 2880, 4096])
+def test_gate_up_dgrad_spreading_x_sm90a(hidden):
+    """gate_up_dgrad with SPREAD (the table's coop tile): x's rows by one more warp beside the producer, at the
+    producer's registers: a 3-D TMA load of a whole row into one of two buffers (the prologue's and the loop's,
+    each armed by its own expect on its own two barriers), a 3-D TMA store per receive row, the stores' reads
+    awaited before a buffer is reloaded; the GEMM's code as without it; no spills; shared memory within the SM."""
+    tile = gluon_rows.TILES["coop"]
+    assert gluon_rows.spreads_x(tile, hidden)
+    r = warp_specialized_report(_compile("gate_up_dgrad", tile, spread_h=hidden))
+    plain = _report("gate_up_dgrad", "coop")
+    meta, name = r["compiled"].metadata, f"gate_up_dgrad/coop/spread H={hidden}"
+    weight_messages = tile.block_n // 64
+    assert (r["tma_load_2d"], r["tma_load_3d"]) == (1, weight_messages + 2), (
+        f"{name}: TMA loads {r['tma_load_2d']}/{r['tma_load_3d']}")
+    assert count(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta\.bulk_group", r["ptx"]) == 1
+    assert count(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta\.bulk_group", r["ptx"]) == 2
+    assert r["mbar_init"] == plain["mbar_init"] + 2 and r["mbar_expect"] == plain["mbar_expect"] + 2
+    assert r["mbar_wait"] == plain["mbar_wait"] + 1 and r["mbar_arrive"] == plain["mbar_arrive"]
+    assert r["wgmma_any"] == plain["wgmma_any"] and r["wait_groups"] == plain["wait_groups"]
+    assert meta.num_warps == 12, f"{name}: {meta.num_warps} warps"
+    assert_register_split(name, r, tile.producer_regs, tile.consumer_regs)
+    assert_no_spills_or_serialisation(name, r)
+    row_bytes = triton.next_power_of_2(hidden // 64) * 64 * 2  # a buffer: the row's box, padded to a power of two
+    assert tile.smem_bytes() + 2 * row_bytes <= meta.shared <= SMEM_LIMIT, f"{name}: shared {meta.shared} B"
+
+
+def test_spreads_x_only_where_the_rows_fit():
+    """x spreads beside gate_up_dgrad's coop tile up to H = 4096 of the benchmark workloads; deepseek-v3's 7168
+    (two rows padded to 16 KB) does not fit beside its 208 KB, nor an H that is no multiple of 64."""
+    tile = gluon_rows.TILES["coop"]
+    assert [h for h in (2048, 2880, 4096, 7168, 2052, 1040) if gluon_rows.spreads_x(tile, h)] == [2048, 2880, 4096]
 
 
 @pytest.mark.parametrize("gemm", list(GEMMS))

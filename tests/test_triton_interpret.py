@@ -136,6 +136,11 @@ def test_spread_rows_is_the_gather_token_major(dtype, T, E, k, block_m, capacity
     assert torch.equal(got[:used], rows_of(x, s, k)[:used]), "spread_rows differs from the gather"
     assert (got[:used][~valid] == 0).all() and (~valid).any(), "padding rows must be zero (and exist here)"
     assert torch.isnan(got[used:]).all(), "spread_rows wrote rows past the rows in use"
+    with poisoned_empty():
+        pads = kernels.spread_rows(x, s.dest_row, s.row_src, s.expert_offsets[-1:], padding_only=True)
+    assert (pads[:used][~valid] == 0).all(), "padding_only must zero the padding rows"
+    assert torch.isnan(pads[:used][valid]).all() and torch.isnan(pads[used:]).all(), (
+        "padding_only wrote rows other than the padding rows")
 
 
 @interpreted

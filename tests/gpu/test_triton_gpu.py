@@ -273,6 +273,39 @@ def test_gluon_dw_gate_up_gathering_x_equals_it_on_gathered_rows(case):
     assert torch.equal(got.view(torch.int16), want.view(torch.int16)), "gathering in the loads changed the bits"
 
 
+@pytest.mark.parametrize("case", ["qwen3-30b-a3b-T512-E16", "qwen3-235b-a22b-T256-E16", "mixtral-8x7b-T128-E4",
+                                  "empty-experts-T300-E16", "T129-not-multiple-of-block-k3", "odd-H2880-T77-k4",
+                                  "T1-k1-E16"])
+def test_gate_up_dgrad_spreading_x_gives_the_pass_bits(case):
+    """gate_up_dgrad's Gluon kernel spreading x beside its GEMM (spread_x, a warp of TMA row copies) writes every
+    token row of x_rows as the spread pass does (its padding rows zeroed by the pass's padding_only mode; rows
+    start as NaN), and its GEMM output keeps its bits."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels are in the Hopper (sm_90) table")
+    from megamoe.backends.triton import kernels
+    from megamoe.backends.triton.configs import tma_kernel_configs
+    from megamoe.backends.triton.experts import all_blocks
+
+    T, H, I, E, k, _, kind = {**WORKLOADS, **EDGES}[case]
+    x, ids, *_ = make_inputs(T, H, I, E, k, 0, kind)
+    s = build_schedule(ids, E, block_m=block_m_for(H, I, DTYPE))
+    cfg = tma_kernel_configs(H, I, DTYPE, x.device, s.block_m).gate_up_dgrad
+    assert kernels.gate_up_dgrad_spreads_x(cfg, H), f"H={H}: the table's gate_up_dgrad cannot spread x"
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    wgu = torch.randn(E, 2 * I, H, generator=gen, device="cuda").to(DTYPE)
+    d_gate_up = torch.randn(s.num_rows, 2 * I, generator=gen, device="cuda").to(DTYPE)
+    blocks, in_use = all_blocks(s), s.expert_offsets[-1:]
+    used = int(in_use.item())
+    with poisoned_empty():
+        want_rows = kernels.spread_rows(x, s.dest_row, s.row_src, in_use)
+        x_rows = kernels.spread_rows(x, s.dest_row, s.row_src, in_use, padding_only=True)
+        want = kernels.gate_up_dgrad(d_gate_up, wgu, s.block_expert, blocks, config=cfg)
+        got = kernels.gate_up_dgrad(d_gate_up, wgu, s.block_expert, blocks, config=cfg,
+                                    spread_x=(x, s.dest_row, x_rows))
+    assert torch.equal(x_rows[:used].view(torch.int16), want_rows[:used].view(torch.int16)), "x_rows differ from the pass"
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), "spreading x changed the GEMM's bits"
+
+
 @pytest.mark.parametrize("case", ["qwen3-30b-a3b-T512-E16", "gpt-oss-120b-T256-E8", "qwen3-30b-skewed-T512-E16",
                                   "empty-experts-T300-E16", "T129-not-multiple-of-block-k3"])
 def test_gluon_weight_grads_skipping_padding_give_the_same_bits(case):

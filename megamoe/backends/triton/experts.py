@@ -221,16 +221,29 @@ def experts_bwd(
         if need_weights:
             # row dest_row[t, j]'s partials summed in a fixed order (deterministic), 0 for a pair cut by a capacity
             d_topk_weights = kernels.row_sums(d_w_part, schedule.dest_row, topk_weights.dtype)
+        # dw_gate_up's x: gathered in its loads (recompute: memory first), else x_rows, spread beside
+        # gate_up_dgrad's GEMM where its kernel has room (its padding rows zeroed first), else by a pass of its own.
+        # Beside the GEMM, x_rows [R, H] lives with d_x_rows [R, H]; while R <= 2 E I that moment stays below
+        # dw_gate_up's, where d_w_gate_up [E, 2I, H] takes d_x_rows' place, so the backward's peak does not rise.
+        gather_x = config.recompute and cfg.dw_gate_up.gluon
+        x_rows = None
         if need_x:
-            d_x_rows = kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad)
+            spread_x = None
+            if (need_w_gate_up and not gather_x and schedule.num_rows <= num_experts * w_gate_up.shape[1]
+                    and kernels.gate_up_dgrad_spreads_x(cfg.gate_up_dgrad, x.shape[1])):
+                x_rows = kernels.spread_rows(x, schedule.dest_row, schedule.row_src, in_use, padding_only=True)
+                spread_x = (x, schedule.dest_row, x_rows)
+            d_x_rows = kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad,
+                                             spread_x=spread_x)
             d_x = kernels.combine(d_x_rows, None, schedule.dest_row, d_x_shared, config=cfg.combine)
             del d_x_rows
-        if need_w_gate_up:  # x gathered in the kernel's loads (recompute: memory first), else x_rows gathered again
-            if config.recompute and cfg.dw_gate_up.gluon:
+        if need_w_gate_up:
+            if gather_x:
                 x_rows, gather = x, (schedule.row_src, schedule.top_k)
             else:
-                # into d_x_rows' freed memory
-                x_rows, gather = kernels.spread_rows(x, schedule.dest_row, schedule.row_src, in_use), None
+                if x_rows is None:  # into d_x_rows' freed memory
+                    x_rows = kernels.spread_rows(x, schedule.dest_row, schedule.row_src, in_use)
+                gather = None
             d_w_gate_up = kernels.dw_gate_up(d_gate_up, x_rows, schedule.expert_offsets, num_experts,
                                              config=cfg.dw_gate_up, gather=gather, row_src=schedule.row_src)
     return d_x, d_topk_weights, d_w_gate_up, d_w_down, d_shared_gate_up, d_shared_down

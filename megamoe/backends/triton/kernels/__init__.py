@@ -14,6 +14,7 @@ from megamoe.backends.triton.kernels.grouped_gemm import (
     down_fwd_kernel,
     gate_up_dgrad,
     gate_up_dgrad_kernel,
+    gate_up_dgrad_spreads_x,
     gate_up_fwd,
     gate_up_fwd_kernel,
 )
@@ -24,6 +25,6 @@ __all__ = [
     "scale_rows", "scale_rows_kernel", "spread_rows", "spread_rows_kernel",
     "RowPull", "RowPush", "ep_forward", "ep_fwd_kernel", "ep_backward", "ep_bwd_kernel",
     "down_dgrad", "down_dgrad_kernel", "down_dgrad_router", "down_fwd", "down_fwd_kernel",
-    "gate_up_dgrad", "gate_up_dgrad_kernel", "gate_up_fwd", "gate_up_fwd_kernel",
+    "gate_up_dgrad", "gate_up_dgrad_kernel", "gate_up_dgrad_spreads_x", "gate_up_fwd", "gate_up_fwd_kernel",
     "dw_down", "dw_gate_up", "dw_kernel",
 ]

@@ -65,11 +65,12 @@ def spread_rows_kernel(
 
 
 def spread_rows(src_TH: torch.Tensor, dest_row_TK: torch.Tensor, row_src_R: torch.Tensor,
-                rows_in_use: torch.Tensor) -> torch.Tensor:
+                rows_in_use: torch.Tensor, *, padding_only: bool = False) -> torch.Tensor:
     """out [R, H]: src's token rows spread to their receive rows (module docstring), for a schedule's inverse
     maps: dest_row [T, k] the row of pair (t, j), -1 where it has none; row_src [R] the pair t * k + j of row
     r, -1 for padding. rows_in_use: on the device, int32 [2] (first, end) or int32 [1] (end, first = 0;
-    schedule.expert_offsets[-1:]); rows past it are left unwritten."""
+    schedule.expert_offsets[-1:]); rows past it are left unwritten. padding_only: only the padding rows are
+    written (zeros), the token rows left to a spread beside a GEMM (gate_up_dgrad's spread_x)."""
     check(src_TH.dim() == 2 and src_TH.is_contiguous(), "src must be a contiguous [T, H] tensor")
     tokens, hidden = src_TH.shape
     check(dest_row_TK.dtype == torch.int32 and dest_row_TK.dim() == 2 and dest_row_TK.shape[0] == tokens
@@ -82,7 +83,7 @@ def spread_rows(src_TH: torch.Tensor, dest_row_TK: torch.Tensor, row_src_R: torc
     programs = _PROGRAMS_PER_SM * num_sms(src_TH.device)
     grid = (max(1, min(programs, triton.cdiv(max(tokens, row_src_R.numel()), _BLOCK_R))),)
     spread_rows_kernel[grid](
-        src_TH, dest_row_TK, row_src_R, row_range, out, tokens, hidden, dest_row_TK.shape[1],
+        src_TH, dest_row_TK, row_src_R, row_range, out, 0 if padding_only else tokens, hidden, dest_row_TK.shape[1],
         BLOCK_T=_BLOCK_R, BLOCK_H=_BLOCK_H, num_warps=4,
     )
     return out

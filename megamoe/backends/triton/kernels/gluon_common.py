@@ -17,6 +17,7 @@ from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import tile_coords
 
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}  # the 16-bit operands wgmma and TMA take
+SMEM_PER_CTA = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KB)
 
 # The asynchronous copies: TMA (global -> shared, completing an mbarrier; shared -> global) and cp.async
 # (per-thread, global -> shared). Triton 3.8 renamed them (async_copy_global_to_shared -> async_load,

@@ -107,7 +107,7 @@ from megamoe.backends.triton.kernels._common import (
     check, check_matrix, check_rows, check_weight, load_range, persistent_grid,
 )
 from megamoe.backends.triton.kernels.gluon_common import (
-    GL_DTYPES, ConsumerTile, nvmma_layout, tile_origin, tma_load, tma_store,
+    GL_DTYPES, SMEM_PER_CTA, ConsumerTile, nvmma_layout, tile_origin, tma_load, tma_store,
 )
 from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
 
@@ -218,15 +218,46 @@ def _consumer(out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_
 
 
 @gluon.jit
-def row_gemm_ws_kernel(a_desc, w_desc, out_desc, block_expert_ptr, block_range_ptr,
+def _spread_x(x_desc, x_rows_desc, bufs, bars, dest_row_ptr, T, top_k):
+    """One warp beside the GEMM (gate_up_dgrad's SPREAD): x_rows[dest_row[t, j]] = x[t] for this CTA's tokens t =
+    program, program + programs, ...: each token row loaded once by TMA into one of two buffers, then stored by
+    TMA to each of its rows (dest_row >= 0); the next token's load is issued before this one's stores."""
+    NBYTES: gl.constexpr = x_desc.block_type.nbytes
+    first = gl.program_id(0)
+    stride = gl.num_programs(0)
+    if first < T:
+        mbarrier.expect(bars.index(0), NBYTES)
+        tma_load(x_desc, [first, 0, 0], bars.index(0), bufs.index(0))
+    i = 0
+    for t in range(first, T, stride):
+        s = i % 2
+        mbarrier.wait(bars.index(s), (i // 2) & 1)
+        tma.store_wait(pendings=0)  # the previous token's stores have read the other buffer
+        if t + stride < T:
+            mbarrier.expect(bars.index(1 - s), NBYTES)
+            tma_load(x_desc, [t + stride, 0, 0], bars.index(1 - s), bufs.index(1 - s))
+        for j in range(top_k):
+            row = gl.load(dest_row_ptr + t * top_k + j)
+            if row >= 0:
+                tma_store(x_rows_desc, [row, 0, 0], bufs.index(s))
+        i += 1
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def row_gemm_ws_kernel(a_desc, w_desc, out_desc, block_expert_ptr, block_range_ptr, x_desc, x_rows_desc, dest_row_ptr,
+                       T, top_k,
                        W_NK: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                       PINGPONG: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                       PINGPONG: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                       SPREAD: gl.constexpr):
     """out_rows[r, n] = a_rows[r] . w[e][:, n] over K for the row blocks of the range (module docstring).
 
     a_desc: a [R, K], block [BLOCK_M, BLOCK_K]; w_desc: w [E_l, N, K] block [1, BLOCK_N, BLOCK_K] (W_NK)
     or w [E_l, K, N] block [1, BLOCK_K, BLOCK_N]; out_desc: out [R, N], block [BLOCK_M (PINGPONG) or
-    BLOCK_M / 2, BLOCK_N]. block_range_ptr: int32 [2], the schedule blocks (first, end). Launch with
-    num_warps=4 (the default partition is consumer warpgroup 0)."""
+    BLOCK_M / 2, BLOCK_N]. block_range_ptr: int32 [2], the schedule blocks (first, end). SPREAD: a warp beside
+    the producer also spreads x's token rows to x_rows (_spread_x; x_desc, x_rows_desc: x [T, H] and x_rows [R, H]
+    as [rows, H / 64, 64], box one whole row; dest_row_ptr: int32 [T, top_k]); without it those four arguments
+    are unused. Launch with num_warps=4 (the default partition is consumer warpgroup 0)."""
     dtype: gl.constexpr = a_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -242,27 +273,43 @@ def row_gemm_ws_kernel(a_desc, w_desc, out_desc, block_expert_ptr, block_range_p
         mbarrier.init(order_bars.index(1), count=1)
     else:
         order_bars = empty_bars  # a stand-in: coop's warpgroups share every tile and take no turns
+    if SPREAD:
+        x_bufs = gl.allocate_shared_memory(x_desc.dtype, [2] + x_desc.block_type.shape, x_desc.layout)
+        x_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(x_bars.index(0), count=1)  # the spread warp's expect; the row's bytes complete it
+        mbarrier.init(x_bars.index(1), count=1)
     fence_async_shared()  # the initialised barriers are visible to the async proxy (TMA) before use
     N = out_desc.shape[1]
     K = a_desc.shape[1]
-    gl.warp_specialize([
-        (_consumer, (out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_bufs.index(0),
-                     block_range_ptr, N, K, 0, PINGPONG, W_NK, SPLIT, GROUP_M)),
-        (_consumer, (out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_bufs.index(1),
-                     block_range_ptr, N, K, 1, PINGPONG, W_NK, SPLIT, GROUP_M)),
-        (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr, N, K,
-                     W_NK, SPLIT, GROUP_M)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if SPREAD:
+        gl.warp_specialize([
+            (_consumer, (out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_bufs.index(0),
+                         block_range_ptr, N, K, 0, PINGPONG, W_NK, SPLIT, GROUP_M)),
+            (_consumer, (out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_bufs.index(1),
+                         block_range_ptr, N, K, 1, PINGPONG, W_NK, SPLIT, GROUP_M)),
+            (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr, N,
+                         K, W_NK, SPLIT, GROUP_M)),
+            (_spread_x, (x_desc, x_rows_desc, x_bufs, x_bars, dest_row_ptr, T, top_k)),
+        ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_bufs.index(0),
+                         block_range_ptr, N, K, 0, PINGPONG, W_NK, SPLIT, GROUP_M)),
+            (_consumer, (out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_bufs.index(1),
+                         block_range_ptr, N, K, 1, PINGPONG, W_NK, SPLIT, GROUP_M)),
+            (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr, N,
+                         K, W_NK, SPLIT, GROUP_M)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------------------------------
 # Tiles and the host launchers
 
 
-def constexprs(tile: ConsumerTile, w_nk: bool, split: int) -> dict:
+def constexprs(tile: ConsumerTile, w_nk: bool, split: int, spread: bool = False) -> dict:
     """The kernel's constexpr arguments (the launcher and the compile tests share them)."""
     return dict(W_NK=w_nk, SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages, PINGPONG=tile.pingpong,
-                PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs)
+                PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs, SPREAD=spread)
 
 
 # The tiles the benchmark compares (benchmarks/gluon_rows_bench.py). Accumulators: 128 fp32 registers per
@@ -284,13 +331,41 @@ def descriptors(a_RK: torch.Tensor, w: torch.Tensor, out_RN: torch.Tensor, w_nk:
     return tuple(TensorDescriptor.from_tensor(t, b, nvmma_layout(b, a_RK.dtype)) for t, b in zip((a_RK, w, out_RN), blocks))
 
 
+SPREAD_BOX_COLS = 64  # x and x_rows seen as [rows, H / 64, 64]; one TMA box [1, 2^n >= H / 64, 64] holds a row
+
+
+def _spread_box(hidden: int) -> list[int]:
+    """The SPREAD kernel's TMA box over [rows, H / 64, 64]: one whole row, its middle dimension rounded up to a
+    power of two (block shapes are; the load zero-fills past H / 64 and the store clips there)."""
+    return [1, triton.next_power_of_2(hidden // SPREAD_BOX_COLS), SPREAD_BOX_COLS]
+
+
+def spreads_x(tile: ConsumerTile, hidden: int, elem: int = 2) -> bool:
+    """Whether gate_up_dgrad's kernel with this tile can spread x's rows beside its GEMM (SPREAD): H a multiple of
+    64, a row's box within TMA's 256 a dimension, and two row buffers beside the tile's ring and epilogue buffers
+    within an SM's shared memory (1 KB kept for the barriers)."""
+    if hidden % SPREAD_BOX_COLS:
+        return False
+    box = _spread_box(hidden)
+    return box[1] <= 256 and tile.smem_bytes(elem) + 2 * box[1] * box[2] * elem + 1024 <= SMEM_PER_CTA
+
+
+def spread_descriptors(x_TH: torch.Tensor, x_rows_RH: torch.Tensor) -> tuple:
+    """The SPREAD kernel's x and x_rows descriptors: [rows, H / 64, 64] views, a box of one whole row."""
+    hidden = x_TH.shape[1]
+    block = _spread_box(hidden)
+    return tuple(TensorDescriptor.from_tensor(t.view(t.shape[0], hidden // SPREAD_BOX_COLS, SPREAD_BOX_COLS), block,
+                                              nvmma_layout(block, x_TH.dtype)) for t in (x_TH, x_rows_RH))
+
+
 @functools.lru_cache(maxsize=None)
 def _is_hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
 
 
-def _launch(a_RK, w, out_RN, w_nk, block_expert, blocks, tile):
-    """Validated operands -> row_gemm_ws_kernel over the worst-case tiles (out_RN's rows x columns)."""
+def _launch(a_RK, w, out_RN, w_nk, block_expert, blocks, tile, spread=None):
+    """Validated operands -> row_gemm_ws_kernel over the worst-case tiles (out_RN's rows x columns); spread: (x
+    [T, H], dest_row [T, k], x_rows [R, H]) to spread beside the GEMM (gate_up_dgrad only)."""
     device = a_RK.device
     index = device.index if device.index is not None else torch.cuda.current_device()
     check(device.type == "cuda" and _is_hopper(index), "the Gluon row GEMMs run on Hopper GPUs (sm_90: wgmma, TMA)")
@@ -299,19 +374,33 @@ def _launch(a_RK, w, out_RN, w_nk, block_expert, blocks, tile):
     check(out_RN.dtype == a_RK.dtype and out_RN.shape == (a_RK.shape[0], w.shape[1] if w_nk else w.shape[2])
           and out_RN.is_contiguous(), "out must be a contiguous [R, N] tensor of the operands' dtype")
     split, block_range = check_rows(a_RK.shape[0], block_expert, blocks, tile.block_m)
+    descs = descriptors(a_RK, w, out_RN, w_nk, tile)
+    if spread is None:
+        spread_args = (*descs[:2], block_range, 0, 0)  # unused without SPREAD
+    else:
+        x_TH, dest_row_TK, x_rows_RH = spread
+        check(not w_nk, "only gate_up_dgrad spreads x beside its GEMM")
+        check(spreads_x(tile, x_TH.shape[1]), f"x of H={x_TH.shape[1]} does not fit beside tile {tile}")
+        check(x_TH.is_contiguous() and x_TH.dtype == a_RK.dtype and x_TH.shape[1] == out_RN.shape[1],
+              f"x must be a contiguous [T, {out_RN.shape[1]}] tensor of the operands' dtype")
+        check(x_rows_RH.is_contiguous() and x_rows_RH.shape == out_RN.shape and x_rows_RH.dtype == x_TH.dtype,
+              f"x_rows must be a contiguous {tuple(out_RN.shape)} tensor of x's dtype")
+        check(dest_row_TK.dtype == torch.int32 and dest_row_TK.dim() == 2 and dest_row_TK.shape[0] == x_TH.shape[0]
+              and dest_row_TK.is_contiguous(), "dest_row must be a contiguous int32 [T, k] tensor")
+        spread_args = (*spread_descriptors(x_TH, x_rows_RH), dest_row_TK, x_TH.shape[0], dest_row_TK.shape[1])
     max_tiles = a_RK.shape[0] // tile.block_m * triton.cdiv(out_RN.shape[1], tile.block_n)
     row_gemm_ws_kernel[persistent_grid(device, max_tiles)](
-        *descriptors(a_RK, w, out_RN, w_nk, tile), block_expert, block_range, **constexprs(tile, w_nk, split),
+        *descs, block_expert, block_range, *spread_args, **constexprs(tile, w_nk, split, spread is not None),
         num_warps=4,
     )
     return out_RN
 
 
 def launch(a_RK: torch.Tensor, w: torch.Tensor, out_RN: torch.Tensor, w_nk: bool, block_expert: torch.Tensor,
-           blocks: torch.Tensor, config: TileConfig) -> torch.Tensor:
+           blocks: torch.Tensor, config: TileConfig, spread: tuple | None = None) -> torch.Tensor:
     """grouped_gemm.down_fwd's and gate_up_dgrad's Gluon branch (config.gluon): the tile table's entry as this
-    kernel's tile; operands validated there."""
-    return _launch(a_RK, w, out_RN, w_nk, block_expert, blocks, ConsumerTile.of(config))
+    kernel's tile; operands validated there; spread as in _launch."""
+    return _launch(a_RK, w, out_RN, w_nk, block_expert, blocks, ConsumerTile.of(config), spread)
 
 
 # Shared by both launchers (as grouped_gemm.down_fwd / gate_up_dgrad with a TMA config):

@@ -33,6 +33,7 @@ from megamoe.backends.triton.kernels._common import (
     router_epilogue, swiglu, swiglu_bwd, tile_coords,
 )
 from megamoe.backends.triton.kernels import gluon_down_dgrad, gluon_gate_up, gluon_rows, tma_gemm
+from megamoe.backends.triton.kernels.gluon_common import ConsumerTile
 from megamoe.backends.triton.kernels.comm_tiles import push_pointers
 
 
@@ -489,6 +490,11 @@ def _down_dgrad(d_rows_RH, w_down_EHI, gate_up_R2I, router, block_expert, blocks
     return d_gate_up, (h_w if store_h_w else None), d_w_part
 
 
+def gate_up_dgrad_spreads_x(config: TileConfig, hidden: int) -> bool:
+    """Whether gate_up_dgrad with this config can take spread_x (the Gluon kernel, with room for x's rows)."""
+    return config.gluon and gluon_rows.spreads_x(ConsumerTile.of(config), hidden)
+
+
 def gate_up_dgrad(
     d_gate_up_R2I: torch.Tensor,
     w_gate_up_E2IH: torch.Tensor,
@@ -496,8 +502,11 @@ def gate_up_dgrad(
     blocks: torch.Tensor,
     *,
     config: TileConfig,
+    spread_x: tuple | None = None,
 ) -> torch.Tensor:
-    """d_x_rows [R, H] = d_gate_up[r] @ w_gate_up[e]."""
+    """d_x_rows [R, H] = d_gate_up[r] @ w_gate_up[e]. spread_x: (x [T, H], dest_row [T, k], x_rows [R, H]) to fill
+    x_rows[dest_row[t, j]] = x[t] beside the GEMM, on a warp of the Gluon kernel (config.gluon and
+    gluon_rows.spreads_x); the padding rows of x_rows are left to the caller."""
     check_matrix(d_gate_up_R2I, None, None, "d_gate_up")
     rows, inter2 = d_gate_up_R2I.shape
     check(w_gate_up_E2IH.dim() == 3 and w_gate_up_E2IH.shape[1] == inter2, "w_gate_up must be [E_l, 2I, H]")
@@ -506,7 +515,8 @@ def gate_up_dgrad(
     split, blocks = check_rows(rows, block_expert, blocks, config.block_m)
     d_x_rows = torch.empty(rows, hidden, dtype=d_gate_up_R2I.dtype, device=d_gate_up_R2I.device)
     if config.gluon:
-        return gluon_rows.launch(d_gate_up_R2I, w_gate_up_E2IH, d_x_rows, False, block_expert, blocks, config)
+        return gluon_rows.launch(d_gate_up_R2I, w_gate_up_E2IH, d_x_rows, False, block_expert, blocks, config, spread_x)
+    check(spread_x is None, f"only the Gluon kernel spreads x beside gate_up_dgrad, got {config}")
     if config.tma:
         tma_gemm.launch_gate_up_dgrad(d_gate_up_R2I, w_gate_up_E2IH, d_x_rows, block_expert, blocks, split, config)
         return d_x_rows
