@@ -13,6 +13,10 @@ Variants (name: ConsumerTile, gathered or not):
   gather-pp4      128 x 128 ping-pong tiles, 4 stages, gathering (32 KB a stage: a deeper ring in the same memory)
   gather-pp5      the same, 5 stages (224 KB)
   rows-pp4        128 x 128 ping-pong, 4 stages, on x_rows after spread_rows
+  dgrad+rows      gate_up_dgrad, spread_rows, the table's tile on x_rows (the backward without spread_x)
+  dgrad-beside    gate_up_dgrad spreading x beside its GEMM (spread_x; the padding rows by spread_rows'
+                  padding_only pass first), the table's tile on those x_rows (what the backward runs where
+                  gate_up_dgrad_spreads_x)
 The variants print as they finish (a hang loses only what follows); OUT.json is written after each workload.
 """
 
@@ -26,7 +30,7 @@ import torch
 import triton
 
 from megamoe.backends.triton import kernels
-from megamoe.backends.triton.experts import one_gpu_configs
+from megamoe.backends.triton.experts import all_blocks, one_gpu_configs
 from megamoe.backends.triton.kernels import gluon_dw
 from megamoe.backends.triton.kernels.gluon_common import ConsumerTile
 from megamoe.bench.measure import alternating_rounds
@@ -39,7 +43,8 @@ def variants(table_tile: ConsumerTile) -> dict:
     pp = dict(block_m=128, block_n=128, pingpong=True)
     return {"rows": (table_tile, False), "gather": (table_tile, True),
             "gather-pp4": (ConsumerTile(stages=4, **pp), True), "gather-pp5": (ConsumerTile(stages=5, **pp), True),
-            "rows-pp4": (ConsumerTile(stages=4, **pp), False)}
+            "rows-pp4": (ConsumerTile(stages=4, **pp), False), "dgrad+rows": (table_tile, "dgrad"),
+            "dgrad-beside": (table_tile, "beside")}
 
 
 def run_workload(name: str, rounds: int) -> list[dict]:
@@ -50,10 +55,11 @@ def run_workload(name: str, rounds: int) -> list[dict]:
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(T, H, device=dev, generator=g).to(dt)
     ids = torch.rand(T, E, device=dev, generator=g).topk(k, dim=-1).indices
-    wgu = torch.empty(E, 2 * I, H, device=dev, dtype=dt)
+    wgu = torch.randn(E, 2 * I, H, device=dev, generator=g).to(dt)  # gate_up_dgrad's weights (dgrad variants)
     wd = torch.empty(E, H, I, device=dev, dtype=dt)
     s = build_schedule(ids, E, block_m=128)
-    cfg = one_gpu_configs(x, wgu, wd, s).dw_gate_up
+    table_cfg = one_gpu_configs(x, wgu, wd, s)
+    cfg = table_cfg.dw_gate_up
     rows = s.row_src.numel()
     d_gate_up = torch.randn(rows, 2 * I, device=dev, generator=g).to(dt)
     d_gate_up[s.row_src < 0] = 0  # padding rows are zero, as down_dgrad leaves them
@@ -61,7 +67,17 @@ def run_workload(name: str, rounds: int) -> list[dict]:
     out = torch.empty(E, 2 * I, H, device=dev, dtype=dt)
     flops = 2 * T * k * 2 * I * H
 
-    def call(tile: ConsumerTile, gathered: bool):
+    blocks = all_blocks(s)
+
+    def call(tile: ConsumerTile, gathered: bool | str):
+        if gathered in ("dgrad", "beside"):  # gate_up_dgrad first, x_rows by a pass or beside it
+            if gathered == "beside":
+                x_rows = kernels.spread_rows(x, s.dest_row, s.row_src, in_use, padding_only=True)
+            kernels.gate_up_dgrad(d_gate_up, wgu, s.block_expert, blocks, config=table_cfg.gate_up_dgrad,
+                                  spread_x=(x, s.dest_row, x_rows) if gathered == "beside" else None)
+            if gathered == "dgrad":
+                x_rows = kernels.spread_rows(x, s.dest_row, s.row_src, in_use)
+            return gluon_dw.dw_gluon(d_gate_up, x_rows, s.expert_offsets, E, tile, out=out, row_src=s.row_src)
         if gathered:
             return gluon_dw.dw_gluon(d_gate_up, x, s.expert_offsets, E, tile, out=out, gather_b=(s.row_src, k),
                                      row_src=s.row_src)
@@ -74,7 +90,8 @@ def run_workload(name: str, rounds: int) -> list[dict]:
     for v, (tile, gathered) in table.items():
         got = call(tile, gathered)
         equal = torch.equal(got.view(torch.int16), want.view(torch.int16))
-        records.append(dict(kind="check", workload=name, variant=v, tile=str(tile), gathered=gathered, equal=equal))
+        records.append(dict(kind="check", workload=name, variant=v, tile=str(tile), gathered=gathered is True,
+                            equal=equal))
         print(json.dumps(records[-1]), flush=True)
         fns[v] = lambda tile=tile, gathered=gathered: call(tile, gathered)
     times = alternating_rounds(fns, rounds,
