@@ -30,6 +30,12 @@ Structure of a CTA (gl.warp_specialize, 12 warps = 3 warpgroups):
     Triton's .to) -> the warpgroup's own shared buffer -> TMA store (clipped at the tensor's edge).
     Gluon issues an mbarrier.arrive from one thread after a warpgroup-wide bar.sync, so one arrive per
     warpgroup covers all its warps.
+  * with SPREAD (gate_up_dgrad only), one more warp in the producer's warpgroup (_spread_x, at PRODUCER_REGS):
+    the backward's x rows for dw_gate_up, x_rows[dest_row[t, j]] = x[t], copied beside the GEMM instead of by a
+    pass of their own (the GEMM is tensor-bound; its producer warp mostly waits). Per token of the CTA a TMA
+    load of the whole row into one of two buffers (its own mbarrier each), then a TMA store to each of the
+    token's rows; the next token's load goes out once the previous token's stores have read their buffer.
+    Nothing is shared with the GEMM's partitions but the SM.
 
 Two ways to use the two consumers (ConsumerTile.pingpong):
   * "coop" (CUTLASS "cooperative"): both warpgroups work on every tile, rows [0, BLOCK_M/2) and
@@ -85,7 +91,7 @@ moves them to CONSUMER_REGS (232) for the two consumer warpgroups and PRODUCER_R
 
 Shared memory (bf16): ring STAGES x (BLOCK_M + BLOCK_N) x BLOCK_K x 2 B plus two epilogue buffers
 (coop: 2 x 64 x BLOCK_N, pingpong: 2 x BLOCK_M x BLOCK_N elements), within the 227 KB of an SM for the
-tiles of TILES. Compile-only checks: tests/test_gluon_rows_compile.py; GPU check against the Triton
+tiles of TILES; SPREAD adds two row buffers (spreads_x says where they fit: up to H = 4096 beside coop). Compile-only checks: tests/test_gluon_rows_compile.py; GPU check against the Triton
 kernels and timings: benchmarks/gluon_rows_bench.py.
 """
 
