@@ -80,8 +80,8 @@ def _compile(gemm: str, tile, spread_h: int = 0):
     a, w, out = _operands(gemm)
     descs = dict(zip(("a_desc", "w_desc", "out_desc"), gluon_rows.descriptors(a, w, out, w_nk, tile)))
     if spread_h:
-        x = torch.empty(T, spread_h, dtype=torch.bfloat16)
-        descs |= zip(("x_desc", "x_rows_desc"), gluon_rows.spread_descriptors(x, torch.empty(R, spread_h, dtype=x.dtype)))
+        x, x_rows = torch.empty(T, spread_h, dtype=torch.bfloat16), torch.empty(R, spread_h, dtype=torch.bfloat16)
+        descs |= zip(("x_desc", "x_rows_desc"), gluon_rows.spread_descriptors(x, x_rows))
     else:  # unused without SPREAD: the launcher passes the operands' descriptors
         descs |= {"x_desc": descs["a_desc"], "x_rows_desc": descs["w_desc"]}
     fn = gluon_rows.row_gemm_ws_kernel

@@ -233,8 +233,8 @@ def experts_bwd(
                     and kernels.gate_up_dgrad_spreads_x(cfg.gate_up_dgrad, x.shape[1])):
                 x_rows = kernels.spread_rows(x, schedule.dest_row, schedule.row_src, in_use, padding_only=True)
                 spread_x = (x, schedule.dest_row, x_rows)
-            d_x_rows = kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad,
-                                             spread_x=spread_x)
+            d_x_rows = kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks,
+                                             config=cfg.gate_up_dgrad, spread_x=spread_x)
             d_x = kernels.combine(d_x_rows, None, schedule.dest_row, d_x_shared, config=cfg.combine)
             del d_x_rows
         if need_w_gate_up:

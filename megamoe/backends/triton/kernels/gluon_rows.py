@@ -91,8 +91,9 @@ moves them to CONSUMER_REGS (232) for the two consumer warpgroups and PRODUCER_R
 
 Shared memory (bf16): ring STAGES x (BLOCK_M + BLOCK_N) x BLOCK_K x 2 B plus two epilogue buffers
 (coop: 2 x 64 x BLOCK_N, pingpong: 2 x BLOCK_M x BLOCK_N elements), within the 227 KB of an SM for the
-tiles of TILES; SPREAD adds two row buffers (spreads_x says where they fit: up to H = 4096 beside coop). Compile-only checks: tests/test_gluon_rows_compile.py; GPU check against the Triton
-kernels and timings: benchmarks/gluon_rows_bench.py.
+tiles of TILES; SPREAD adds two row buffers (spreads_x says where they fit: up to H = 4096 beside coop).
+Compile-only checks: tests/test_gluon_rows_compile.py; GPU check against the Triton kernels and timings:
+benchmarks/gluon_rows_bench.py.
 """
 
 from __future__ import annotations
