@@ -213,6 +213,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds (the median is reported)")
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     records = []
     for name in args.workload or ["qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b", "deepseek-v3", "mixtral-8x7b"]:
         records += run(name, args.routing, args.tokens, args.sweep, args.rounds)

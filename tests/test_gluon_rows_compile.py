@@ -178,7 +178,7 @@ def test_gluon_row_gemm_sm90a(gemm, tile_name):
 def test_gate_up_dgrad_spreading_x_sm90a(hidden):
     """gate_up_dgrad with SPREAD (the table's coop tile): x's rows by one more warp beside the producer, at the
     producer's registers: a 3-D TMA load of a whole row into one of two buffers (the prologue's and the loop's,
-    each armed by its own expect on its own two barriers), a 3-D TMA store per receive row, the stores' reads
+    each armed by its own expect on the buffer's barrier), a 3-D TMA store per receive row, the stores' reads
     awaited before a buffer is reloaded; the GEMM's code as without it; no spills; shared memory within the SM."""
     tile = gluon_rows.TILES["coop"]
     assert gluon_rows.spreads_x(tile, hidden)

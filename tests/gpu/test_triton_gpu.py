@@ -273,24 +273,29 @@ def test_gluon_dw_gate_up_gathering_x_equals_it_on_gathered_rows(case):
     assert torch.equal(got.view(torch.int16), want.view(torch.int16)), "gathering in the loads changed the bits"
 
 
-@pytest.mark.parametrize("case", ["qwen3-30b-a3b-T512-E16", "qwen3-235b-a22b-T256-E16", "mixtral-8x7b-T128-E4",
-                                  "empty-experts-T300-E16", "T129-not-multiple-of-block-k3", "odd-H2880-T77-k4",
-                                  "T1-k1-E16"])
-def test_gate_up_dgrad_spreading_x_gives_the_pass_bits(case):
+@pytest.mark.parametrize("case,capacity", [
+    ("qwen3-30b-a3b-T512-E16", None), ("qwen3-235b-a22b-T256-E16", None), ("mixtral-8x7b-T128-E4", None),
+    ("empty-experts-T300-E16", None), ("T129-not-multiple-of-block-k3", None), ("odd-H2880-T77-k4", None),
+    ("T1-k1-E16", None), ("qwen3-30b-a3b-T512-E16", 0.5)])
+def test_gate_up_dgrad_spreading_x_gives_the_pass_bits(case, capacity):
     """gate_up_dgrad's Gluon kernel spreading x beside its GEMM (spread_x, a warp of TMA row copies) writes every
     token row of x_rows as the spread pass does (its padding rows zeroed by the pass's padding_only mode; rows
-    start as NaN), and its GEMM output keeps its bits."""
+    start as NaN, those past the rows in use stay so; pairs a capacity cut have no row and are skipped), and its
+    GEMM output keeps its bits. (The whole layer with it, against the Triton kernels without it: the Gluon
+    bitwise test above.)"""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernels are in the Hopper (sm_90) table")
     from megamoe.backends.triton import kernels
     from megamoe.backends.triton.configs import tma_kernel_configs
     from megamoe.backends.triton.experts import all_blocks
+    from megamoe.config import MoEConfig
 
     T, H, I, E, k, _, kind = {**WORKLOADS, **EDGES}[case]
     x, ids, *_ = make_inputs(T, H, I, E, k, 0, kind)
-    s = build_schedule(ids, E, block_m=block_m_for(H, I, DTYPE))
+    s = build_schedule(ids, E, block_m=block_m_for(H, I, DTYPE), config=MoEConfig(capacity_factor=capacity))
+    assert (s.dest_row < 0).any() == (capacity is not None), "the capacity case must cut pairs"
     cfg = tma_kernel_configs(H, I, DTYPE, x.device, s.block_m).gate_up_dgrad
-    assert kernels.gate_up_dgrad_spreads_x(cfg, H), f"H={H}: the table's gate_up_dgrad cannot spread x"
+    assert kernels.gate_up_dgrad_spreads_x(cfg, x), f"H={H}: the table's gate_up_dgrad cannot spread x"
     gen = torch.Generator(device="cuda").manual_seed(2)
     wgu = torch.randn(E, 2 * I, H, generator=gen, device="cuda").to(DTYPE)
     d_gate_up = torch.randn(s.num_rows, 2 * I, generator=gen, device="cuda").to(DTYPE)
@@ -303,6 +308,7 @@ def test_gate_up_dgrad_spreading_x_gives_the_pass_bits(case):
         got = kernels.gate_up_dgrad(d_gate_up, wgu, s.block_expert, blocks, config=cfg,
                                     spread_x=(x, s.dest_row, x_rows))
     assert torch.equal(x_rows[:used].view(torch.int16), want_rows[:used].view(torch.int16)), "x_rows differ from the pass"
+    assert x_rows[used:].isnan().all(), "rows past the rows in use were written"
     assert torch.equal(got.view(torch.int16), want.view(torch.int16)), "spreading x changed the GEMM's bits"
 
 

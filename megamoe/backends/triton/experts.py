@@ -11,8 +11,9 @@ Forward:  gather x_rows = x[row_src // k] -> gate_up_fwd (gate/up GEMM, SwiGLU e
 Backward: gather d_out_rows = d_out[row_src // k] (unweighted) -> down_dgrad_router (d_out_rows @ w_down,
           the router weight and the SwiGLU backward in the epilogue: d_gate_up; h_w = w * h recomputed
           from gate_up; the router-weight gradient's partial sums) -> dw_down (d_out_rows^T h_w) ->
-          d_topk_weights (the partial sums, in order) -> gate_up_dgrad (d_x_rows) -> combine without
-          weights (d_x = sum_j d_x_rows[dest_row[t, j]], + shared) -> gather x_rows again -> dw_gate_up
+          d_topk_weights (the partial sums, in order) -> gate_up_dgrad (d_x_rows; where its Gluon kernel has
+          room, one of its warps spreads x_rows beside the GEMM) -> combine without weights (d_x = sum_j
+          d_x_rows[dest_row[t, j]], + shared) -> x_rows by a gather pass unless spread -> dw_gate_up
           (d_gate_up^T x_rows; with MoEConfig.recompute on the Gluon kernel, x gathered in its loads
           instead). The weight-grad kernels own one output tile per program and loop over its expert's rows.
 The shared expert is a dense MLP on cuBLAS through torch: backends/swiglu.py's, the one every backend runs.
@@ -28,7 +29,8 @@ loads, so the backward's peak (inside dw_gate_up) holds no x_rows: a quarter les
 tuple can cross torch.library custom ops. gate_up's memory is released once down_dgrad_router has read it
 (autograd would hold it to the end of the backward; a second backward through the same forward recomputes
 it), so the backward's order keeps at most three [R, *] tensors live (gate_up, d_out_rows, d_gate_up and
-h_w during down_dgrad_router; then d_gate_up and d_x_rows, then d_gate_up and x_rows).
+h_w during down_dgrad_router; then d_gate_up and d_x_rows, then d_gate_up and x_rows; with x_rows spread
+beside gate_up_dgrad all three of those at once, only where that stays below dw_gate_up's moment).
 Gathering x inside the Triton dw_gate_up's pointer loads was measured and lost (323-349 TF/s against 589 on
 the copy, docs/perf-notes.md); the Gluon kernel gathers with a producer warpgroup of cp.async copies.
 
@@ -230,7 +232,7 @@ def experts_bwd(
         if need_x:
             spread_x = None
             if (need_w_gate_up and not gather_x and schedule.num_rows <= num_experts * w_gate_up.shape[1]
-                    and kernels.gate_up_dgrad_spreads_x(cfg.gate_up_dgrad, x.shape[1])):
+                    and kernels.gate_up_dgrad_spreads_x(cfg.gate_up_dgrad, x)):
                 x_rows = kernels.spread_rows(x, schedule.dest_row, schedule.row_src, in_use, padding_only=True)
                 spread_x = (x, schedule.dest_row, x_rows)
             d_x_rows = kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks,

@@ -263,8 +263,8 @@ def row_gemm_ws_kernel(a_desc, w_desc, out_desc, block_expert_ptr, block_range_p
     or w [E_l, K, N] block [1, BLOCK_K, BLOCK_N]; out_desc: out [R, N], block [BLOCK_M (PINGPONG) or
     BLOCK_M / 2, BLOCK_N]. block_range_ptr: int32 [2], the schedule blocks (first, end). SPREAD: a warp beside
     the producer also spreads x's token rows to x_rows (_spread_x; x_desc, x_rows_desc: x [T, H] and x_rows [R, H]
-    as [rows, H / 64, 64], box one whole row; dest_row_ptr: int32 [T, top_k]); without it those four arguments
-    are unused. Launch with num_warps=4 (the default partition is consumer warpgroup 0)."""
+    as [rows, H / 64, 64], box one whole row rounded up to a power of two boxes; dest_row_ptr: int32 [T, top_k]);
+    without it those five arguments (with T, top_k) are unused. Launch with num_warps=4 (the default partition is consumer warpgroup 0)."""
     dtype: gl.constexpr = a_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -347,14 +347,14 @@ def _spread_box(hidden: int) -> list[int]:
     return [1, triton.next_power_of_2(hidden // SPREAD_BOX_COLS), SPREAD_BOX_COLS]
 
 
-def spreads_x(tile: ConsumerTile, hidden: int, elem: int = 2) -> bool:
+def spreads_x(tile: ConsumerTile, hidden: int) -> bool:
     """Whether gate_up_dgrad's kernel with this tile can spread x's rows beside its GEMM (SPREAD): H a multiple of
     64, a row's box within TMA's 256 a dimension, and two row buffers beside the tile's ring and epilogue buffers
     within an SM's shared memory (1 KB kept for the barriers)."""
     if hidden % SPREAD_BOX_COLS:
         return False
     box = _spread_box(hidden)
-    return box[1] <= 256 and tile.smem_bytes(elem) + 2 * box[1] * box[2] * elem + 1024 <= SMEM_PER_CTA
+    return box[1] <= 256 and tile.smem_bytes() + 2 * box[1] * box[2] * 2 + 1024 <= SMEM_PER_CTA  # 16-bit rows
 
 
 def spread_descriptors(x_TH: torch.Tensor, x_rows_RH: torch.Tensor) -> tuple:
@@ -387,13 +387,20 @@ def _launch(a_RK, w, out_RN, w_nk, block_expert, blocks, tile, spread=None):
     else:
         x_TH, dest_row_TK, x_rows_RH = spread
         check(not w_nk, "only gate_up_dgrad spreads x beside its GEMM")
-        check(spreads_x(tile, x_TH.shape[1]), f"x of H={x_TH.shape[1]} does not fit beside tile {tile}")
-        check(x_TH.is_contiguous() and x_TH.dtype == a_RK.dtype and x_TH.shape[1] == out_RN.shape[1],
-              f"x must be a contiguous [T, {out_RN.shape[1]}] tensor of the operands' dtype")
-        check(x_rows_RH.is_contiguous() and x_rows_RH.shape == out_RN.shape and x_rows_RH.dtype == x_TH.dtype,
-              f"x_rows must be a contiguous {tuple(out_RN.shape)} tensor of x's dtype")
+        check(x_TH.dim() == 2 and x_TH.is_contiguous() and x_TH.dtype == a_RK.dtype and x_TH.device == device
+              and x_TH.shape[1] == out_RN.shape[1],
+              f"x must be a contiguous [T, {out_RN.shape[1]}] {a_RK.dtype} tensor on {device}, got "
+              f"{x_TH.dtype} {tuple(x_TH.shape)} on {x_TH.device}")
+        check(x_rows_RH.is_contiguous() and x_rows_RH.shape == out_RN.shape and x_rows_RH.dtype == x_TH.dtype
+              and x_rows_RH.device == device, f"x_rows must be a contiguous {tuple(out_RN.shape)} {x_TH.dtype} tensor "
+              f"on {device}, got {x_rows_RH.dtype} {tuple(x_rows_RH.shape)} on {x_rows_RH.device}")
         check(dest_row_TK.dtype == torch.int32 and dest_row_TK.dim() == 2 and dest_row_TK.shape[0] == x_TH.shape[0]
-              and dest_row_TK.is_contiguous(), "dest_row must be a contiguous int32 [T, k] tensor")
+              and dest_row_TK.is_contiguous() and dest_row_TK.device == device,
+              f"dest_row must be a contiguous int32 [{x_TH.shape[0]}, k] tensor on {device}, got {dest_row_TK.dtype} "
+              f"{tuple(dest_row_TK.shape)} on {dest_row_TK.device}")
+        check(spreads_x(tile, x_TH.shape[1]) and tma_addressable(x_TH, x_rows_RH),
+              f"x of H={x_TH.shape[1]} cannot be spread beside tile {tile} (H a multiple of 64, rows that fit, "
+              "16-byte aligned)")
         spread_args = (*spread_descriptors(x_TH, x_rows_RH), dest_row_TK, x_TH.shape[0], dest_row_TK.shape[1])
     max_tiles = a_RK.shape[0] // tile.block_m * triton.cdiv(out_RN.shape[1], tile.block_n)
     row_gemm_ws_kernel[persistent_grid(device, max_tiles)](

@@ -490,9 +490,11 @@ def _down_dgrad(d_rows_RH, w_down_EHI, gate_up_R2I, router, block_expert, blocks
     return d_gate_up, (h_w if store_h_w else None), d_w_part
 
 
-def gate_up_dgrad_spreads_x(config: TileConfig, hidden: int) -> bool:
-    """Whether gate_up_dgrad with this config can take spread_x (the Gluon kernel, with room for x's rows)."""
-    return config.gluon and gluon_rows.spreads_x(ConsumerTile.of(config), hidden)
+def gate_up_dgrad_spreads_x(config: TileConfig, x_TH: torch.Tensor) -> bool:
+    """Whether gate_up_dgrad with this config can take spread_x of x (the Gluon kernel, with room for x's rows,
+    and x a tensor TMA can copy)."""
+    return (config.gluon and x_TH.dim() == 2 and gluon_rows.spreads_x(ConsumerTile.of(config), x_TH.shape[1])
+            and tma_gemm.tma_addressable(x_TH))
 
 
 def gate_up_dgrad(
@@ -515,6 +517,8 @@ def gate_up_dgrad(
     split, blocks = check_rows(rows, block_expert, blocks, config.block_m)
     d_x_rows = torch.empty(rows, hidden, dtype=d_gate_up_R2I.dtype, device=d_gate_up_R2I.device)
     if config.gluon:
+        check(spread_x is None or (isinstance(spread_x, tuple) and len(spread_x) == 3),
+              f"spread_x must be None or (x, dest_row, x_rows), got {type(spread_x).__name__}")
         return gluon_rows.launch(d_gate_up_R2I, w_gate_up_E2IH, d_x_rows, False, block_expert, blocks, config, spread_x)
     check(spread_x is None, f"only the Gluon kernel spreads x beside gate_up_dgrad, got {config}")
     if config.tma:
