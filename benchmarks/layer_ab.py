@@ -1,6 +1,8 @@
 """fwd+bwd (or the training forward alone) of the one-GPU triton backend in named variants of its kernel choice,
 in one process, the variants alternating (order rotated every round) over 4 rounds (--rounds) of 10 iterations;
-median per variant (and each round's), and the peak memory above the inputs (weights and token sets) over its iterations.
+median per variant (and each round's), and the peak memory above the inputs (weights and token sets) over its
+iterations: allocated, and reserved by the caching allocator from an emptied cache (steady state after the untimed
+warmup).
 
 Usage: python benchmarks/layer_ab.py WORKLOAD[,WORKLOAD...] VARIANT,VARIANT[,...] OUT.json [--pass fwd+bwd,fwd]
        [--rounds N] [--routing balanced,skewed]   (an sm_90 GPU)
@@ -122,11 +124,14 @@ for name in args.workloads.split(","):
         times = {v: [] for v in variants}
         round_medians = {v: [] for v in variants}
         peak = dict.fromkeys(variants, 0)
+        reserved = dict.fromkeys(variants, 0)
         torch.cuda.synchronize()
-        inputs_bytes = torch.cuda.memory_allocated()
+        torch.cuda.empty_cache()
+        inputs_bytes, inputs_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         for rnd in range(args.rounds):
             for v in variants[rnd % len(variants):] + variants[:rnd % len(variants)]:
                 select(v)
+                torch.cuda.empty_cache()  # the allocator's cache as this variant alone leaves it (untimed warmup)
                 for i in range(3):
                     step(pass_name, weights, toks[i % 3], cfg)
                 torch.cuda.synchronize()
@@ -139,15 +144,16 @@ for name in args.workloads.split(","):
                 times[v] += round_ms
                 round_medians[v].append(statistics.median(round_ms))
                 peak[v] = max(peak[v], torch.cuda.max_memory_allocated() - inputs_bytes)
+                reserved[v] = max(reserved[v], torch.cuda.max_memory_reserved() - inputs_reserved)
         select("default")
         for v, t in times.items():
             ms = statistics.median(t)
             rec = dict(workload=name, routing=routing, pass_name=pass_name, variant=v, ms=ms,
-                       tflops=layer_flops(w, T, pass_name) / ms / 1e9, peak_above_inputs_gib=peak[v] / 2**30, experts=E,
-                       round_medians_ms=round_medians[v])
+                       tflops=layer_flops(w, T, pass_name) / ms / 1e9, peak_above_inputs_gib=peak[v] / 2**30,
+                       reserved_above_inputs_gib=reserved[v] / 2**30, experts=E, round_medians_ms=round_medians[v])
             out.append(rec); print(json.dumps(rec), flush=True)
     del weights; torch.cuda.empty_cache()
 json.dump(out, open(args.json_path, "w"), indent=1)
 for r in out:
     print(f"{r['workload']:16} {r['routing']:9} {r['pass_name']:7} {r['variant']:9} {r['ms']:7.2f} ms {r['tflops']:5.0f} TF/s "
-          f"{r['peak_above_inputs_gib']:6.2f} GiB above inputs")
+          f"{r['peak_above_inputs_gib']:6.2f} GiB above inputs ({r['reserved_above_inputs_gib']:.2f} reserved)")
