@@ -210,6 +210,20 @@ def test_spreads_x_only_where_the_rows_fit():
     assert [h for h in (2048, 2880, 4096, 7168, 2052, 1040) if gluon_rows.spreads_x(tile, h)] == [2048, 2880, 4096]
 
 
+def test_gate_up_dgrad_spreads_x_only_on_the_gluon_kernel_and_addressable_x():
+    """The backward's choice (kernels.gate_up_dgrad_spreads_x): the table's Gluon gate_up_dgrad with an x TMA can
+    copy; not the Triton kernel of the same tile, not an x whose base is off 16 bytes, not an H off 64."""
+    from megamoe.backends.triton import kernels
+    from megamoe.backends.triton.configs import triton_tile
+
+    cfg = _SM90_TMA.gate_up_dgrad
+    x = torch.empty(T, 2048 + 64, dtype=torch.bfloat16)
+    assert kernels.gate_up_dgrad_spreads_x(cfg, x[:, :2048].contiguous())
+    assert not kernels.gate_up_dgrad_spreads_x(triton_tile(cfg), x[:, :2048].contiguous())
+    assert not kernels.gate_up_dgrad_spreads_x(cfg, x.view(-1)[1:1 + T * 2048].view(T, 2048))
+    assert not kernels.gate_up_dgrad_spreads_x(cfg, torch.empty(T, 2052, dtype=torch.bfloat16))
+
+
 @pytest.mark.parametrize("gemm", list(GEMMS))
 def test_same_wgmma_as_the_triton_kernel(gemm):
     """The production kernel's tl.dot is the same chain of k16 wgmma per BLOCK_K step: the same instruction
