@@ -19,7 +19,9 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.experimental.gluon._runtime import GluonASTSource
 
-SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90
+from megamoe.backends.triton.kernels.gluon_common import SMEM_PER_CTA
+
+SMEM_LIMIT = SMEM_PER_CTA  # bytes of shared memory one CTA may use on sm_90
 
 
 def tensordesc(block: list[int]) -> str:
