@@ -275,6 +275,7 @@ def test_gluon_dw_gate_up_gathering_x_equals_it_on_gathered_rows(case):
 
 @pytest.mark.parametrize("case,capacity", [
     ("qwen3-30b-a3b-T512-E16", None), ("qwen3-235b-a22b-T256-E16", None), ("mixtral-8x7b-T128-E4", None),
+    ("deepseek-v3-T128-E8-shared", None), ("kimi-k2-T64-E12-shared", None),
     ("empty-experts-T300-E16", None), ("T129-not-multiple-of-block-k3", None), ("odd-H2880-T77-k4", None),
     ("T1-k1-E16", None), ("qwen3-30b-a3b-T512-E16", 0.5)])
 def test_gate_up_dgrad_spreading_x_gives_the_pass_bits(case, capacity):

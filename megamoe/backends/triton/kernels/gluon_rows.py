@@ -91,7 +91,7 @@ moves them to CONSUMER_REGS (232) for the two consumer warpgroups and PRODUCER_R
 
 Shared memory (bf16): ring STAGES x (BLOCK_M + BLOCK_N) x BLOCK_K x 2 B plus two epilogue buffers
 (coop: 2 x 64 x BLOCK_N, pingpong: 2 x BLOCK_M x BLOCK_N elements), within the 227 KB of an SM for the
-tiles of TILES; SPREAD adds two row buffers (spreads_x says where they fit: up to H = 4096 beside coop).
+tiles of TILES; SPREAD adds two row buffers (rows longer than 4096 in parts of 4096 columns).
 Compile-only checks: tests/test_gluon_rows_compile.py; GPU check against the Triton kernels and timings:
 benchmarks/gluon_rows_bench.py.
 """
@@ -227,9 +227,12 @@ def _consumer(out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_
 @gluon.jit
 def _spread_x(x_desc, x_rows_desc, bufs, bars, dest_row_ptr, T, top_k):
     """One warp beside the GEMM (gate_up_dgrad's SPREAD): x_rows[dest_row[t, j]] = x[t] for this CTA's tokens t =
-    program, program + programs, ...: each token row loaded once by TMA into one of two buffers, then stored by
-    TMA to each of its rows (dest_row >= 0); the next token's load is issued before this one's stores."""
+    program, program + programs, ...: each token row loaded once by TMA, in parts of one buffer each (one part
+    where the row fits a box), into one of two buffers, then stored by TMA to each of its rows (dest_row >= 0);
+    the next part's load is issued before this one's stores."""
     NBYTES: gl.constexpr = x_desc.block_type.nbytes
+    BOX: gl.constexpr = x_desc.block_type.shape[1]  # 64-column boxes a part
+    parts = gl.cdiv(x_desc.shape[1], BOX)
     first = gl.program_id(0)
     stride = gl.num_programs(0)
     if first < T:
@@ -237,17 +240,23 @@ def _spread_x(x_desc, x_rows_desc, bufs, bars, dest_row_ptr, T, top_k):
         tma_load(x_desc, [first, 0, 0], bars.index(0), bufs.index(0))
     i = 0
     for t in range(first, T, stride):
-        s = i % 2
-        mbarrier.wait(bars.index(s), (i // 2) & 1)
-        tma.store_wait(pendings=0)  # the previous token's stores have read the other buffer
-        if t + stride < T:
-            mbarrier.expect(bars.index(1 - s), NBYTES)
-            tma_load(x_desc, [t + stride, 0, 0], bars.index(1 - s), bufs.index(1 - s))
-        for j in range(top_k):
-            row = gl.load(dest_row_ptr + t * top_k + j)
-            if row >= 0:
-                tma_store(x_rows_desc, [row, 0, 0], bufs.index(s))
-        i += 1
+        for part in range(parts):
+            s = i % 2
+            mbarrier.wait(bars.index(s), (i // 2) & 1)
+            tma.store_wait(pendings=0)  # the previous part's stores have read the other buffer
+            next_t = t
+            next_part = part + 1
+            if next_part == parts:
+                next_t = t + stride
+                next_part = 0
+            if next_t < T:
+                mbarrier.expect(bars.index(1 - s), NBYTES)
+                tma_load(x_desc, [next_t, next_part * BOX, 0], bars.index(1 - s), bufs.index(1 - s))
+            for j in range(top_k):
+                row = gl.load(dest_row_ptr + t * top_k + j)
+                if row >= 0:
+                    tma_store(x_rows_desc, [row, part * BOX, 0], bufs.index(s))
+            i += 1
     tma.store_wait(pendings=0)
 
 
@@ -338,23 +347,25 @@ def descriptors(a_RK: torch.Tensor, w: torch.Tensor, out_RN: torch.Tensor, w_nk:
     return tuple(TensorDescriptor.from_tensor(t, b, nvmma_layout(b, a_RK.dtype)) for t, b in zip((a_RK, w, out_RN), blocks))
 
 
-SPREAD_BOX_COLS = 64  # x and x_rows seen as [rows, H / 64, 64]; one TMA box [1, 2^n >= H / 64, 64] holds a row
+SPREAD_BOX_COLS = 64  # x and x_rows seen as [rows, H / 64, 64]
+SPREAD_MAX_BOXES = 64  # a part of a row: at most 64 boxes of 64 columns (8 KB of bf16); longer rows go in parts
 
 
 def _spread_box(hidden: int) -> list[int]:
-    """The SPREAD kernel's TMA box over [rows, H / 64, 64]: one whole row, its middle dimension rounded up to a
-    power of two (block shapes are; the load zero-fills past H / 64 and the store clips there)."""
-    return [1, triton.next_power_of_2(hidden // SPREAD_BOX_COLS), SPREAD_BOX_COLS]
+    """The SPREAD kernel's TMA box over [rows, H / 64, 64]: a whole row, or a part of SPREAD_MAX_BOXES boxes of a
+    longer one, its middle dimension rounded up to a power of two (block shapes are; the load zero-fills past H /
+    64 and the store clips there)."""
+    return [1, min(triton.next_power_of_2(hidden // SPREAD_BOX_COLS), SPREAD_MAX_BOXES), SPREAD_BOX_COLS]
 
 
 def spreads_x(tile: ConsumerTile, hidden: int) -> bool:
     """Whether gate_up_dgrad's kernel with this tile can spread x's rows beside its GEMM (SPREAD): H a multiple of
-    64, a row's box within TMA's 256 a dimension, and two row buffers beside the tile's ring and epilogue buffers
-    within an SM's shared memory (1 KB kept for the barriers)."""
+    64, and two buffers of a row's box beside the tile's ring and epilogue buffers within an SM's shared memory (1
+    KB kept for the barriers)."""
     if hidden % SPREAD_BOX_COLS:
         return False
     box = _spread_box(hidden)
-    return box[1] <= 256 and tile.smem_bytes() + 2 * box[1] * box[2] * 2 + 1024 <= SMEM_PER_CTA  # 16-bit rows
+    return tile.smem_bytes() + 2 * box[1] * box[2] * 2 + 1024 <= SMEM_PER_CTA  # 16-bit rows
 
 
 def spread_descriptors(x_TH: torch.Tensor, x_rows_RH: torch.Tensor) -> tuple:
