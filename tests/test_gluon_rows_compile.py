@@ -32,7 +32,7 @@ deadlocks, every wgmma reads the slot of its own (tile, K step) and the producer
 readers released it; and without the order barrier (the prototype's ping-pong) the second warpgroup's waits
 alias.
 
-A second model does the same for gate_up_dgrad's spread warp (_spread_x): its two row buffers, their barriers
+A second model does the same for gate_up_dgrad's spread warp (_spread_x): its two row buffers (a row in one part or several), their barriers
 and the stores' read wait, under random schedules of the TMA loads and stores.
 
 Run: pytest tests/test_gluon_rows_compile.py -s  (prints registers, shared memory and instruction counts).
@@ -396,14 +396,15 @@ def test_protocol_model_prototype_pingpong_aliases():
     assert failures and any("aliased" in f for f in failures), failures[:3]
 
 
-def _run_spread(T: int, nprog: int, pid: int, dest_row: list[list[int]], rng: random.Random,
+def _run_spread(T: int, nprog: int, pid: int, dest_row: list[list[int]], rng: random.Random, parts: int = 1,
                 store_wait: bool = True) -> dict:
-    """_spread_x's loop (two buffers, one barrier each) with the TMA engine as a coroutine landing loads and
-    finishing stores' reads in any order; ProtocolError on an aliased wait, a load issued into a buffer whose
-    stores have not read it, a store reading the wrong token, or a deadlock. Returns {row: token} written."""
+    """_spread_x's loop (two buffers, one barrier each; a row in `parts` parts of one buffer each) with the TMA
+    engine as a coroutine landing loads and finishing stores' reads in any order; ProtocolError on an aliased
+    wait, a load issued into a buffer whose stores have not read it, a store reading the wrong token's part, or a
+    deadlock. Returns {(row, part): token} written."""
     bars = [MBarrier("x_bars[0]", 1), MBarrier("x_bars[1]", 1)]
-    buf = [None, None]  # the token a buffer holds; None while a load is writing it
-    loads, stores = [], []  # in flight: (buffer, token) / (buffer, token, row) not yet read
+    buf = [None, None]  # the (token, part) a buffer holds; None while a load is writing it
+    loads, stores = [], []  # in flight: (buffer, (token, part)) / (buffer, (token, part), row) not yet read
     written = {}
 
     def load(s, t):
@@ -415,20 +416,22 @@ def _run_spread(T: int, nprog: int, pid: int, dest_row: list[list[int]], rng: ra
 
     def warp():
         if pid < T:
-            load(0, pid)
+            load(0, (pid, 0))
         i = 0
         for t in range(pid, T, nprog):
-            s = i % 2
-            yield _wait(bars[s], (i // 2) & 1, i // 2)
-            if store_wait:
-                yield ("stores_read",)
-            if t + nprog < T:
-                load(1 - s, t + nprog)
-            for row in dest_row[t]:
-                if row >= 0:
-                    stores.append((s, t, row))
-            i += 1
-            yield None
+            for part in range(parts):
+                s = i % 2
+                yield _wait(bars[s], (i // 2) & 1, i // 2)
+                if store_wait:
+                    yield ("stores_read",)
+                next_t, next_part = (t, part + 1) if part + 1 < parts else (t + nprog, 0)
+                if next_t < T:
+                    load(1 - s, (next_t, next_part))
+                for row in dest_row[t]:
+                    if row >= 0:
+                        stores.append((s, (t, part), row))
+                i += 1
+                yield None
         yield ("stores_read",)
 
     proc, blocked = warp(), None
@@ -444,12 +447,12 @@ def _run_spread(T: int, nprog: int, pid: int, dest_row: list[list[int]], rng: ra
             buf[s] = t
             bars[s].complete_tx(1)
         elif pick == "store":
-            s, t, row = stores.pop(rng.randrange(len(stores)))
-            if buf[s] != t:
-                raise ProtocolError(f"store of token {t} to row {row} read buffer {s} holding {buf[s]}")
-            if row in written:
-                raise ProtocolError(f"row {row} written twice")
-            written[row] = t
+            s, (t, part), row = stores.pop(rng.randrange(len(stores)))
+            if buf[s] != (t, part):
+                raise ProtocolError(f"store of token {t} part {part} to row {row} read buffer {s} holding {buf[s]}")
+            if (row, part) in written:
+                raise ProtocolError(f"row {row} part {part} written twice")
+            written[row, part] = t
         else:
             if blocked is not None and blocked[0] == "wait" and blocked[1].phase <= blocked[3]:
                 raise ProtocolError(f"wait on {blocked[1].name} for phase {blocked[3]} passed early (aliased)")
@@ -466,35 +469,37 @@ def _run_spread(T: int, nprog: int, pid: int, dest_row: list[list[int]], rng: ra
 _SPREADS = [(1, 3, 1, 0), (2, 3, 8, 0), (7, 2, 8, 0), (40, 3, 2, 5), (13, 4, 8, 3), (9, 1, 4, 0)]
 
 
+@pytest.mark.parametrize("parts", [1, 2, 3])
 @pytest.mark.parametrize("T,nprog,k,cut", _SPREADS)
-def test_spread_model_writes_every_row_once_from_its_token(T, nprog, k, cut):
-    """The model of _spread_x (gate_up_dgrad's SPREAD warp) under random schedules of its TMA loads and stores:
-    no aliased wait, no buffer reloaded before its stores read it, every row with a pair written once, from its
-    token, nothing else written."""
-    rng = random.Random(T * 100 + k)
+def test_spread_model_writes_every_row_once_from_its_token(T, nprog, k, cut, parts):
+    """The model of _spread_x (gate_up_dgrad's SPREAD warp) under random schedules of its TMA loads and stores,
+    rows in one part (H <= 4096) or several: no aliased wait, no buffer reloaded before its stores read it, every
+    part of every row with a pair written once, from its token, nothing else written."""
+    rng = random.Random(T * 100 + k * 10 + parts)
     pairs = [(t, j) for t in range(T) for j in range(k)]
     rows = rng.sample(range(len(pairs)), len(pairs))
     dest_row = [[-1] * k for _ in range(T)]
     for n, (t, j) in enumerate(pairs):
         if not cut or n % cut:
             dest_row[t][j] = rows[n]
-    want = {row: t for t in range(T) for row in dest_row[t] if row >= 0}
+    want = {(row, part): t for t in range(T) for row in dest_row[t] if row >= 0 for part in range(parts)}
     for _ in range(40):
         written = {}
         for pid in range(nprog):
-            written.update(_run_spread(T, nprog, pid, dest_row, rng))
+            written.update(_run_spread(T, nprog, pid, dest_row, rng, parts))
         assert written == want
 
 
-def test_spread_model_catches_a_reload_before_the_stores_read():
-    """Without the stores' read wait before a buffer is reloaded, some schedule loads the next token into a
+@pytest.mark.parametrize("parts", [1, 2])
+def test_spread_model_catches_a_reload_before_the_stores_read(parts):
+    """Without the stores' read wait before a buffer is reloaded, some schedule loads the next part into a
     buffer a store still reads: the model sees it (so the test above can fail)."""
-    rng = random.Random(0)
+    rng = random.Random(parts)
     dest_row = [[4 * t + j for j in range(4)] for t in range(12)]
     failures = []
     for _ in range(50):
         try:
-            _run_spread(12, 1, 0, dest_row, rng, store_wait=False)
+            _run_spread(12, 1, 0, dest_row, rng, parts, store_wait=False)
         except ProtocolError as error:
             failures.append(str(error))
     assert failures and any("still read" in f for f in failures), failures[:3]
