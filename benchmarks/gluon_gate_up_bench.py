@@ -11,8 +11,7 @@ risk:
     x rows by TMA and gathering x in its loads (gather=(row_src, k)), with and without store_gate_up; and
     torch._grouped_mm (cuBLAS) on the same segments, the GEMM alone without the SwiGLU epilogue;
   * "gluon": the Gluon kernel, x rows by TMA, every tile of the variant list;
-  * "gluon-gather": the Gluon kernel gathering x (cp.async producer warpgroup; the "-rowtma" tiles: one TMA copy
-    per row from four one-warp partitions).
+  * "gluon-gather": the Gluon kernel gathering x (cp.async producer warpgroup).
 Each Gluon part checks every variant, in both store modes, bitwise (h and gate_up, as 16-bit patterns: -0 and
 +0 differ) against the production kernel on the same inputs (the gathering variants against the production
 gathering kernel):
@@ -48,8 +47,7 @@ SMALL_H, SMALL_I = 1040, 208
 # warps of its own (gate_up_fwd_handoff_kernel).
 GLUON_VARIANTS = {
     "gluon": [("s3b2", (True, False)), ("s4b1", (True, False)), ("n64-s5b3", (True, )), ("s3-handoff", (True, False))],
-    "gluon-gather": [("s3b2", (True, False)), ("s4b1", (True, False)), ("s3b2-rowtma", (True, False)),
-                     ("s4b1-rowtma", (True, False))],
+    "gluon-gather": [("s3b2", (True, False)), ("s4b1", (True, False))],
 }
 ROUNDS = 3  # alternating timing rounds of the Gluon variants
 PART_SECONDS = {"triton": 90, "gluon": 300, "gluon-gather": 200}  # watchdog per part

@@ -95,18 +95,15 @@ from megamoe.backends.triton.kernels._common import (
     check, check_matrix, check_rows, check_weight, load_range, persistent_grid, swiglu,
 )
 from megamoe.backends.triton.kernels.gluon_common import (
-    cp_async_load, nvmma_layout, smem_reinterpret, tile_origin, tma_load, tma_store,
+    cp_async_load, nvmma_layout, tile_origin, tma_load, tma_store,
 )
 from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
 
 BLOCK_M = 128  # rows per tile: two consumer warpgroups of 64 (wgmma's M); the kernels read it from x_desc
 BLOCK_K = 64  # 128-byte rows of 16-bit operands: the widest shared-memory swizzle
 CONSUMER_ROWS = BLOCK_M // 2  # rows of one consumer warpgroup, the TMA store box (h_desc's)
-GATHER_WARPS = 4  # the gathering producer: one warpgroup of cp.async threads, or four one-warp row-TMA partitions
+GATHER_WARPS = 4  # the gathering producer: one warpgroup of cp.async threads
 _GATHER_WARPS = gl.constexpr(GATHER_WARPS)  # the same, as the kernels see it
-# A slot seen without swizzle: row r's destination for a one-row TMA copy (Gluon slices a swizzled buffer only
-# along whole 8-row patterns); the copy swizzles by its descriptor's mode, by shared-memory address.
-_PLAIN = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2))
 _BLOCK_M = gl.constexpr(BLOCK_M)
 EPILOGUE_WARPS = 2  # the hand-off kernel's epilogue warps (beside the producer's in its warpgroup)
 _EPILOGUE_WARPS = gl.constexpr(EPILOGUE_WARPS)
@@ -191,51 +188,6 @@ def _producer_gather(x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, rea
             # This thread's copies (all it issued so far) complete -> one arrive; .noinc: the barrier's count
             # includes these _GATHER_WARPS * 32 arrivals.
             async_copy.mbarrier_arrive(bar, increment_count=False)
-            p += 1
-
-
-@gluon.jit
-def _producer_rows(x_desc, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, block_expert_ptr,
-                   block_range_ptr, H, I, TOP_K: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr,
-                   FIRST: gl.constexpr):
-    """One warp of the row-TMA gather (ROW_TMA): rows [FIRST, FIRST + BLOCK_M / 4) of every slot, one TMA copy of
-    [1, BLOCK_K] each from x [T, H] (x_desc's box), row r reading x[row_src[r] // TOP_K], a coordinate of -1 (zero
-    fill) for padding; the warp of FIRST = 0 also copies the weights' tiles. Each warp arms the slot's "ready"
-    (count 4) with its own bytes."""
-    STAGES: gl.constexpr = a_bufs.shape[0]
-    BLOCK_M: gl.constexpr = a_bufs.shape[1]
-    BLOCK_K: gl.constexpr = a_bufs.shape[2]
-    BLOCK_N: gl.constexpr = gate_bufs.shape[2]
-    ROWS: gl.constexpr = BLOCK_M // _GATHER_WARPS
-    WEIGHTS: gl.constexpr = FIRST == 0
-    NBYTES: gl.constexpr = ROWS * x_desc.block_type.nbytes + WEIGHTS * 2 * w_desc.block_type.nbytes
-    first_m, end_m = load_range(block_range_ptr, SPLIT)
-    num_m = end_m - first_m
-    num_n = gl.cdiv(I, BLOCK_N)
-    k_steps = gl.cdiv(H, BLOCK_K)
-    p = 0  # slot counter, as in _producer_tma
-    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        row, col, m = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
-        expert = gl.load(block_expert_ptr + m // SPLIT)
-        src_ptr = row_src_ptr + row + FIRST
-        for ki in range(k_steps):
-            s = p % STAGES
-            mbarrier.wait(empty_bars.index(s), ((p // STAGES) & 1) ^ 1)
-            bar = ready_bars.index(s)
-            mbarrier.expect(bar, NBYTES)
-            k = ki * BLOCK_K
-            if WEIGHTS:
-                tma_load(w_desc, [expert, col, k], bar, gate_bufs.index(s))
-                tma_load(w_desc, [expert, I + col, k], bar, up_bufs.index(s))
-            slot = smem_reinterpret(a_bufs.index(s), a_bufs.dtype, [BLOCK_M, BLOCK_K], _PLAIN)
-            src = gl.load(src_ptr)
-            for j in gl.static_range(ROWS):  # the next row's source loaded before this row's copy is issued
-                if j + 1 < ROWS:
-                    next_src = gl.load(src_ptr + j + 1)
-                # (src + TOP_K) // TOP_K - 1: src // TOP_K for a pair, -1 for padding (src = -1)
-                tma_load(x_desc, [(src + TOP_K) // TOP_K - 1, k], bar, slot.slice(FIRST + j, 1))
-                if j + 1 < ROWS:
-                    src = next_src
             p += 1
 
 
@@ -420,18 +372,14 @@ def gate_up_fwd_ws_kernel(x_desc, w_desc, h_desc, gu_desc, x_ptr, row_src_ptr, b
                           H, I, top_k,
                           STORE_GATE_UP: gl.constexpr, GATHER: gl.constexpr, SPLIT: gl.constexpr,
                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, OUT_BUFS: gl.constexpr,
-                          PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, ROW_TMA: gl.constexpr,
-                          TOP_K: gl.constexpr):
+                          PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """h (and gate_up) of the row blocks in block_range (int32 [first, end] schedule blocks), tma_gemm's
     gate_up_fwd_tma_kernel semantics. x_desc: x_rows [R, H] (GATHER: x [T, H], its layout only; x_ptr, row_src_ptr
     and top_k gather), block [128, 64]; w_desc: [E, 2I, H] block [1, BLOCK_N, 64]; h_desc: h as [R, 1, I],
     gu_desc: gate_up as [R, 2, I] (without STORE_GATE_UP: any descriptor of h_desc's type), block [64, 1,
-    BLOCK_N]. ROW_TMA (with GATHER): x_desc is x [T, H] with box [1, 64] (the A slots' layout), each row copied by
-    TMA (_producer_rows, TOP_K the launch's top_k) instead of cp.async. Launch with num_warps=4 (the default
-    partition is consumer 0)."""
+    BLOCK_N]. Launch with num_warps=4 (the default partition is consumer 0)."""
     dtype: gl.constexpr = x_desc.dtype
-    CP_ASYNC: gl.constexpr = GATHER and not ROW_TMA
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_M, x_desc.block_type.shape[1]], x_desc.layout)
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     gate_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     up_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     out_bufs0 = gl.allocate_shared_memory(dtype, [OUT_BUFS] + h_desc.block_type.shape, h_desc.layout)
@@ -440,28 +388,10 @@ def gate_up_fwd_ws_kernel(x_desc, w_desc, h_desc, gu_desc, x_ptr, row_src_ptr, b
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         # ready: the producer's expect (the TMA bytes complete it), plus every gathering thread's cp.async arrive
-        if ROW_TMA:
-            mbarrier.init(ready_bars.index(i), count=_GATHER_WARPS)  # each row warp's expect
-        else:
-            mbarrier.init(ready_bars.index(i), count=1 + CP_ASYNC * _GATHER_WARPS * 32)
+        mbarrier.init(ready_bars.index(i), count=1 + GATHER * _GATHER_WARPS * 32)
         mbarrier.init(empty_bars.index(i), count=2)  # one arrive per consumer warpgroup
     fence_async_shared()  # the initialised barriers are visible to the async proxy (TMA) before use
-    if ROW_TMA:
-        gl.warp_specialize([
-            (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs0, ready_bars, empty_bars, block_range_ptr,
-                         H, I, 0, STORE_GATE_UP, False, SPLIT, GROUP_M)),
-            (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs1, ready_bars, empty_bars, block_range_ptr,
-                         H, I, 1, STORE_GATE_UP, False, SPLIT, GROUP_M)),
-            (_producer_rows, (x_desc, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars,
-                              block_expert_ptr, block_range_ptr, H, I, TOP_K, SPLIT, GROUP_M, 0)),
-            (_producer_rows, (x_desc, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars,
-                              block_expert_ptr, block_range_ptr, H, I, TOP_K, SPLIT, GROUP_M, 32)),
-            (_producer_rows, (x_desc, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars,
-                              block_expert_ptr, block_range_ptr, H, I, TOP_K, SPLIT, GROUP_M, 64)),
-            (_producer_rows, (x_desc, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars,
-                              block_expert_ptr, block_range_ptr, H, I, TOP_K, SPLIT, GROUP_M, 96)),
-        ], [4, 1, 1, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
-    elif GATHER:
+    if GATHER:
         gl.warp_specialize([
             (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs0, ready_bars, empty_bars, block_range_ptr,
                          H, I, 0, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
@@ -497,7 +427,6 @@ class GateUpTile:
     producer_regs: int = 40
     consumer_regs: int = 232
     handoff: bool = False  # gate_up_fwd_handoff_kernel: the epilogue on warps of its own (out_bufs unused)
-    row_tma: bool = False  # gathering: x's rows by one TMA copy each (four one-warp partitions), not cp.async
     epilogue_rows: int = 8  # its rows per SwiGLU step
 
     def smem_bytes(self, elem: int = 2) -> int:
@@ -519,9 +448,6 @@ TILES = {
     # The epilogue handed off (x rows only; the table's tile where x is not gathered): 3 stages + the [128, 128]
     # g and u buffers (208 KB).
     "s3-handoff": GateUpTile(stages=3, handoff=True),
-    # Gathering by one-row TMA copies (_producer_rows) instead of the cp.async warpgroup.
-    "s3b2-rowtma": GateUpTile(stages=3, out_bufs=2, row_tma=True),
-    "s4b1-rowtma": GateUpTile(stages=4, out_bufs=1, row_tma=True),
 }
 
 
@@ -531,18 +457,17 @@ def default_tile(store_gate_up: bool) -> GateUpTile:
     return TILES["s3b2"] if store_gate_up else TILES["s4b1"]
 
 
-def constexprs(tile: GateUpTile, split: int, store_gate_up: bool, gather: bool, top_k: int = 1) -> dict:
+def constexprs(tile: GateUpTile, split: int, store_gate_up: bool, gather: bool) -> dict:
     """The kernel's constexpr arguments (the launcher and tests/test_gluon_gate_up_compile.py share them)."""
     if tile.handoff:
         return dict(STORE_GATE_UP=store_gate_up, SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages,
                     PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs, EPILOGUE_ROWS=tile.epilogue_rows)
     return dict(STORE_GATE_UP=store_gate_up, GATHER=gather, SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages,
-                OUT_BUFS=tile.out_bufs, PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs,
-                ROW_TMA=gather and tile.row_tma, TOP_K=top_k if gather and tile.row_tma else 1)
+                OUT_BUFS=tile.out_bufs, PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs)
 
 
 def descriptors(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, h_RI: torch.Tensor, gate_up_R2I: torch.Tensor | None,
-                tile: GateUpTile, gather: bool = False) -> tuple:
+                tile: GateUpTile) -> tuple:
     """Host-side TMA descriptors (x_desc, w_desc, h_desc, gu_desc); without gate_up, gu_desc is h's."""
     rows, inter = h_RI.shape
     a_block = [BLOCK_M, BLOCK_K]
@@ -553,8 +478,7 @@ def descriptors(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, h_RI: torch.Te
     gu_desc = h_desc
     if gate_up_R2I is not None:
         gu_desc = TensorDescriptor(gate_up_R2I, [rows, 2, inter], [2 * inter, inter, 1], out_block, out_layout)
-    x_block = [1, BLOCK_K] if gather and tile.row_tma else a_block  # one row a copy, in the A slots' layout
-    return (TensorDescriptor.from_tensor(x_RH, x_block, nvmma_layout(a_block, x_RH.dtype)),
+    return (TensorDescriptor.from_tensor(x_RH, a_block, nvmma_layout(a_block, x_RH.dtype)),
             TensorDescriptor.from_tensor(w_gate_up_E2IH, w_block, nvmma_layout(w_block, x_RH.dtype)), h_desc, gu_desc)
 
 
@@ -577,15 +501,14 @@ def launch_gate_up_fwd(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, block_expert, bl
     check(tma_addressable(x_RH, w_gate_up_E2IH, h_RI, *([gate_up_R2I] if store_gate_up else [])),
           "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8)")
     row_src, top_k = gather if gather is not None else (block_expert, 1)  # unread without gather
-    descs = descriptors(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I if store_gate_up else None, tile, gather is not None)
+    descs = descriptors(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I if store_gate_up else None, tile)
     grid = persistent_grid(x_RH.device, h_RI.shape[0] // BLOCK_M * triton.cdiv(h_RI.shape[1], tile.block_n))
     if tile.handoff:
         gate_up_fwd_handoff_kernel[grid](*descs, block_expert, block_range, x_RH.shape[1], h_RI.shape[1],
                                          **constexprs(tile, split, store_gate_up, False), num_warps=4)
     else:
         gate_up_fwd_ws_kernel[grid](*descs, x_RH, row_src, block_expert, block_range, x_RH.shape[1], h_RI.shape[1],
-                                    top_k, **constexprs(tile, split, store_gate_up, gather is not None, top_k),
-                                    num_warps=4)
+                                    top_k, **constexprs(tile, split, store_gate_up, gather is not None), num_warps=4)
 
 
 def gate_up_fwd_gluon(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_expert: torch.Tensor,
@@ -623,7 +546,7 @@ def gate_up_fwd_gluon(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_ex
             check_matrix(gate_up, rows, 2 * inter, "gate_up")
     check(tma_addressable(x_RH, w_gate_up_E2IH, h, *([gate_up] if store_gate_up else [])),
           "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8)")
-    descs = descriptors(x_RH, w_gate_up_E2IH, h, gate_up if store_gate_up else None, tile, gather is not None)
+    descs = descriptors(x_RH, w_gate_up_E2IH, h, gate_up if store_gate_up else None, tile)
     grid = persistent_grid(x_RH.device, rows // BLOCK_M * triton.cdiv(inter, tile.block_n))
     if tile.handoff:
         check(gather is None, "the hand-off tile reads x rows by TMA (it has no gathering producer)")
@@ -631,5 +554,5 @@ def gate_up_fwd_gluon(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_ex
                                          **constexprs(tile, split, store_gate_up, False), num_warps=4)
     else:
         gate_up_fwd_ws_kernel[grid](*descs, x_RH, row_src, block_expert, block_range, hidden, inter, top_k,
-                                    **constexprs(tile, split, store_gate_up, gather is not None, top_k), num_warps=4)
+                                    **constexprs(tile, split, store_gate_up, gather is not None), num_warps=4)
     return h, (gate_up if store_gate_up else None)
