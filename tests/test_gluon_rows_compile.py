@@ -32,8 +32,8 @@ deadlocks, every wgmma reads the slot of its own (tile, K step) and the producer
 readers released it; and without the order barrier (the prototype's ping-pong) the second warpgroup's waits
 alias.
 
-A second model does the same for gate_up_dgrad's spread warp (_spread_x): its two row buffers (a row in one part or several), their barriers
-and the stores' read wait, under random schedules of the TMA loads and stores.
+A second model does the same for gate_up_dgrad's spread warp (_spread_x): its two row buffers (a row in one part
+or several), their barriers and the stores' read wait, under random schedules of the TMA loads and stores.
 
 Run: pytest tests/test_gluon_rows_compile.py -s  (prints registers, shared memory and instruction counts).
 """
@@ -180,9 +180,10 @@ def test_gluon_row_gemm_sm90a(gemm, tile_name):
 @pytest.mark.parametrize("hidden", [2048, 2880, 4096, 7168])
 def test_gate_up_dgrad_spreading_x_sm90a(hidden):
     """gate_up_dgrad with SPREAD (the table's coop tile): x's rows by one more warp beside the producer, at the
-    producer's registers: a 3-D TMA load of a whole row into one of two buffers (the prologue's and the loop's,
-    each armed by its own expect on the buffer's barrier), a 3-D TMA store per receive row, the stores' reads
-    awaited before a buffer is reloaded; the GEMM's code as without it; no spills; shared memory within the SM."""
+    producer's registers: a 3-D TMA load of a row (or of a 4096-column part of it at H = 7168) into one of two
+    buffers (the prologue's and the loop's, each armed by its own expect on the buffer's barrier), a 3-D TMA
+    store per receive row, the stores' reads awaited before a buffer is reloaded; the GEMM's code as without it;
+    no spills; shared memory within the SM."""
     tile = gluon_rows.TILES["coop"]
     assert gluon_rows.spreads_x(tile, hidden)
     r = warp_specialized_report(_compile("gate_up_dgrad", tile, spread_h=hidden))
@@ -207,7 +208,8 @@ def test_spreads_x_only_where_the_rows_fit():
     """x spreads beside gate_up_dgrad's coop tile at every H of the benchmark workloads (7168 in two parts of a
     row), not at an H that is no multiple of 64."""
     tile = gluon_rows.TILES["coop"]
-    assert [h for h in (2048, 2880, 4096, 7168, 2052, 1040) if gluon_rows.spreads_x(tile, h)] == [2048, 2880, 4096, 7168]
+    fits = [h for h in (2048, 2880, 4096, 7168, 2052, 1040) if gluon_rows.spreads_x(tile, h)]
+    assert fits == [2048, 2880, 4096, 7168], fits
 
 
 def test_gate_up_dgrad_spreads_x_only_on_the_gluon_kernel_and_addressable_x():
