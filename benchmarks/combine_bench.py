@@ -8,11 +8,9 @@ bit for bit against the table's kernel on the same inputs, then the variants alt
 triton.testing.do_bench (median per round); the table gives each variant's median ms and GB/s (bytes read and
 written once: combine k * T rows read + T rows written; spread_rows T rows read + the rows in use written).
 Variants: combine "table" (the tile table's entry) and "BTxBH/wW" tiles (tokens and columns per program, warps);
-spread_rows "table" and "BRxBH/pP" (rows and columns per step, programs per SM), and on Hopper "tma/pP": P one-warp
-CTAs per SM, each running gate_up_dgrad's spread warp (gluon_rows._spread_x: a token row loaded by TMA into one of
-two buffers, stored by TMA to each of its rows) after the padding rows' pass (spread_rows padding_only). References
-(kind "reference", not checked): "fill" (zero_ of the [rows in use, H] rows: writes only) and "copy" (a device copy
-of them: reads and writes), for the bandwidth a pass of these bytes can reach.
+spread_rows "table" and "BRxBH/pP" (rows and columns per step, programs per SM). References (kind "reference", not
+checked): "fill" (zero_ of the [rows in use, H] rows: writes only) and "copy" (a device copy of them: reads and
+writes), the bandwidth a pass of these bytes can reach (spread_rows writes k rows a token read: the fill's).
 """
 
 from __future__ import annotations
@@ -31,15 +29,6 @@ from megamoe.bench.measure import alternating_rounds
 from megamoe.bench.problem import one_gpu_problem
 from megamoe.bench.workloads import WORKLOADS
 from megamoe.schedule import build_schedule
-
-try:  # the TMA spread probe: Gluon on Hopper
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
-
-    from megamoe.backends.triton.kernels import gluon_rows
-except ImportError:  # a Triton without Gluon
-    gluon = None
 
 COMBINE_TILES = [(8, 256, 4), (16, 256, 4), (8, 512, 4), (16, 512, 8), (32, 256, 8), (4, 512, 4), (4, 1024, 8)]
 SPREAD_TILES = [(8, 256, 8), (16, 256, 8), (8, 512, 8), (8, 256, 16), (4, 512, 16)]
@@ -60,28 +49,6 @@ def spread_with(block_r: int, block_h: int, per_sm: int):
             return kernels.spread_rows(*args)
         finally:
             gather._BLOCK_R, gather._BLOCK_H, gather._PROGRAMS_PER_SM = saved
-    return run
-
-
-if gluon is not None:
-    @gluon.jit
-    def spread_tma_kernel(x_desc, rows_desc, dest_row_ptr, T, top_k):
-        """rows[dest_row[t, j]] = x[t] for this CTA's tokens (gluon_rows._spread_x, here a kernel of its own)."""
-        bufs = gl.allocate_shared_memory(x_desc.dtype, [2] + x_desc.block_type.shape, x_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(bars.index(0), count=1)
-        mbarrier.init(bars.index(1), count=1)
-        fence_async_shared()
-        gluon_rows._spread_x(x_desc, rows_desc, bufs, bars, dest_row_ptr, T, top_k)
-
-
-def spread_tma(per_sm: int):
-    def run(x, dest_row, row_src, in_use):
-        out = kernels.spread_rows(x, dest_row, row_src, in_use, padding_only=True)
-        x_desc, rows_desc = gluon_rows.spread_descriptors(x, out)
-        grid = (per_sm * torch.cuda.get_device_properties(x.device).multi_processor_count,)
-        spread_tma_kernel[grid](x_desc, rows_desc, dest_row, x.shape[0], dest_row.shape[1], num_warps=1)
-        return out
     return run
 
 
@@ -109,11 +76,6 @@ def bench_workload(name: str, rounds: int) -> list[dict]:
         run = spread_with(br, bh, per_sm)
         cases[("spread_rows", f"{br}x{bh}/p{per_sm}")] = (lambda run=run: run(x, s.dest_row, s.row_src, in_use),
                                                           spread_bytes)
-    if gluon is not None and torch.cuda.get_device_capability(device)[0] == 9 and H % gluon_rows.SPREAD_BOX_COLS == 0:
-        for per_sm in (4, 8, 12):
-            run = spread_tma(per_sm)
-            cases[("spread_rows", f"tma/p{per_sm}")] = (lambda run=run: run(x, s.dest_row, s.row_src, in_use),
-                                                        spread_bytes)
     used = rows[:used_rows]
     scratch = torch.empty_like(used)
     references = {("reference", "fill"): (lambda: scratch.zero_(), used.numel() * used.element_size()),
