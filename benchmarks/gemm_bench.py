@@ -11,9 +11,6 @@ the torch ops that epilogue replaces. Variants:
                    kernels/gluon_*.py; the weight grads given the schedule's row_src, which skip an expert's
                    last row step where it is padding only)
     "fused-noskip" the Gluon weight-grad kernel without row_src (every padding row step computed)
-    "fused-pingpong" the Gluon weight-grad kernel (with row_src) in its 128 x 128 ping-pong tile, 4 stages: each
-                   warpgroup owns whole tiles, one's epilogue beside the other's main loop (the table's tile is the
-                   128 x 256 cooperative one)
     "tma"          the Triton TMA kernel (kernels/tma_gemm.py) of the same tile, 8 warps, at most 3 stages (the
                    Gluon kernels' bitwise reference)
     "pointer"      the pointer-load core (kernels/grouped_gemm.py + weight_grad.py; the EP kernels' core)
@@ -29,7 +26,6 @@ round is in the JSON). TF/s counts
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 
@@ -142,7 +138,6 @@ def gemms(p, sweep: bool) -> dict:
             variants["fused"] = make_tma(entry, s.row_src)
             if entry.gluon:
                 variants["fused-noskip"] = make_tma(entry)
-                variants["fused-pingpong"] = make_tma(dw_pingpong(entry), s.row_src)
         else:
             variants["fused"] = make_tma(entry)
         if entry.gluon:
@@ -152,11 +147,6 @@ def gemms(p, sweep: bool) -> dict:
                 variants[f"tma{'-flat' if flat else ''} {t}"] = make_tma(tile(t, flat))
         out[name] = (flops, variants)
     return out
-
-
-def dw_pingpong(entry: TileConfig) -> TileConfig:
-    """A weight-grad entry's Gluon kernel in the 128 x 128 ping-pong tile with 4 stages (gluon_dw.CONFIGS["pingpong"])."""
-    return dataclasses.replace(entry, block_n=128, num_stages=4, pingpong=True)
 
 
 def rel_err(got, want, rows: int, dw: bool) -> float:

@@ -20,8 +20,6 @@ Variants (each a change to the tile choice that every run reads through the publ
             gate_up_dgrad's kernel beside its GEMM (kernels.gate_up_dgrad_spreads_x)
   group_m:N every GEMM's tiles swept N row blocks per column block (the table: 8)
   GEMM.group_m:N  the same for one GEMM of the table (e.g. down_dgrad.group_m:4)
-  dw.pingpong, dw_down.pingpong, dw_gate_up.pingpong  the weight grads' Gluon kernel (both, or one) in the 128 x 128
-            ping-pong tile with 4 stages instead of the table's 128 x 256 cooperative one
 """
 import argparse, dataclasses, functools, json, statistics, torch, megamoe
 from megamoe.backends.triton import configs
@@ -69,17 +67,6 @@ def with_group_m(group_m: int, gemm: str | None):
     return table
 
 
-def with_dw_pingpong(gemms: tuple[str, ...]):
-    """The table with the named weight grads in the 128 x 128 ping-pong tile, 4 stages."""
-    def table(*args):
-        t = SHIPPED[0](*args)
-        if t is None:
-            return t
-        return dataclasses.replace(t, **{name: dataclasses.replace(getattr(t, name), block_n=128, num_stages=4,
-                                                                   pingpong=True) for name in gemms})
-    return table
-
-
 def select(variant: str) -> None:
     te.tma_kernel_configs, configs._GATHER_X_MAX_H = SHIPPED
     for name, fn in SHIPPED_KERNELS.items():
@@ -99,15 +86,12 @@ def select(variant: str) -> None:
             setattr(kernels, name, without_row_src(SHIPPED_KERNELS[name]))
     elif variant == "no-spread-x":
         kernels.gate_up_dgrad_spreads_x = lambda *args: False
-    elif variant.endswith(".pingpong") and variant.removesuffix(".pingpong") in ("dw", "dw_down", "dw_gate_up"):
-        gemm = variant.removesuffix(".pingpong")
-        te.tma_kernel_configs = with_dw_pingpong(("dw_down", "dw_gate_up") if gemm == "dw" else (gemm,))
     elif "group_m:" in variant:
         gemm, _, n = variant.rpartition("group_m:")
         te.tma_kernel_configs = with_group_m(int(n), gemm.removesuffix(".") or None)
     elif variant != "default":
         raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, gather, gather-s3, no-handoff, no-skip, "
-                         "no-spread-x, group_m:N, GEMM.group_m:N or dw[_down|_gate_up].pingpong")
+                         "no-spread-x, group_m:N or GEMM.group_m:N")
 
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
