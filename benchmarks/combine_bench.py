@@ -31,7 +31,7 @@ from megamoe.bench.workloads import WORKLOADS
 from megamoe.schedule import build_schedule
 
 COMBINE_TILES = [(8, 256, 4), (16, 256, 4), (8, 512, 4), (16, 512, 8), (32, 256, 8), (4, 512, 4), (4, 1024, 8)]
-SPREAD_TILES = [(8, 256, 8), (16, 256, 8), (8, 512, 8), (8, 256, 16), (4, 512, 16)]
+SPREAD_TILES = [(8, 256, 8), (16, 256, 8), (8, 512, 8), (8, 256, 16), (4, 512, 8), (4, 1024, 16)]
 
 
 def combine_variants(table: configs.TileConfig) -> dict:
@@ -43,12 +43,12 @@ def combine_variants(table: configs.TileConfig) -> dict:
 
 def spread_with(block_r: int, block_h: int, per_sm: int):
     def run(*args):
-        saved = gather._BLOCK_R, gather._BLOCK_H, gather._PROGRAMS_PER_SM
-        gather._BLOCK_R, gather._BLOCK_H, gather._PROGRAMS_PER_SM = block_r, block_h, per_sm
+        saved = gather._SPREAD_TILE
+        gather._SPREAD_TILE = (block_r, block_h, per_sm)
         try:
             return kernels.spread_rows(*args)
         finally:
-            gather._BLOCK_R, gather._BLOCK_H, gather._PROGRAMS_PER_SM = saved
+            gather._SPREAD_TILE = saved
     return run
 
 

@@ -23,7 +23,7 @@ triton = pytest.importorskip("triton")
 
 from megamoe.backends.triton import kernels  # noqa: E402
 from megamoe.backends.triton.configs import _SM90, _SM90_TMA, TileConfig, triton_tile  # noqa: E402
-from megamoe.backends.triton.kernels import tma_gemm  # noqa: E402
+from megamoe.backends.triton.kernels import gather, tma_gemm  # noqa: E402
 from compile_checks import SMEM_LIMIT, compile_triton, ptxas_report, sass  # noqa: E402
 
 
@@ -286,10 +286,10 @@ def test_spills_stay_out_of_k_loops(name):
 def test_memory_kernel_sm90_compiles_without_spills(name):
     fn = OTHER_KERNELS[name]
     cfg = _SM90.combine
-    if fn is kernels.scale_rows_kernel:
-        consts = dict(BLOCK_R=8, BLOCK_H=256)
+    if fn is kernels.scale_rows_kernel:  # the tiles the launchers ship
+        consts = dict(zip(("BLOCK_R", "BLOCK_H"), gather._SCALE_TILE[:2]))
     elif fn is kernels.spread_rows_kernel:
-        consts = dict(BLOCK_T=8, BLOCK_H=256)
+        consts = dict(zip(("BLOCK_T", "BLOCK_H"), gather._SPREAD_TILE[:2]))
     else:
         consts = dict(BLOCK_T=cfg.block_m, BLOCK_H=cfg.block_n)
     if "HAS_WEIGHTS" in fn.arg_names:

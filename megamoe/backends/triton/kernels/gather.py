@@ -25,11 +25,13 @@ import triton.language as tl
 
 from megamoe.backends.triton.kernels._common import check, load_range, num_sms, range_of
 
-# Rows (tokens) per program step and columns per inner step (8 x 256 16-bit values: 32 bytes per thread of
-# 4 warps), and programs per SM: a copy needs several CTAs per SM in flight to reach HBM bandwidth.
-_BLOCK_R = 8
-_BLOCK_H = 256
-_PROGRAMS_PER_SM = 8
+# Rows (tokens) per program step, columns per inner step and programs per SM (4 warps a program): a copy needs
+# several CTAs per SM in flight to reach HBM bandwidth. spread_rows writes k rows for each row it reads, and at
+# 4 x 512 with 16 programs per SM it runs 1.0-2.5% faster than at 8 x 256 with 8 on every workload timed, at the
+# rate of a plain fill of the same rows (benchmarks/combine_bench.py, h200-spread-tma-probe-v1.json; the
+# copies' bits do not depend on the tile). scale_rows (expert parallel) keeps the tile it was measured with.
+_SPREAD_TILE = (4, 512, 16)
+_SCALE_TILE = (8, 256, 8)
 
 
 @triton.jit
@@ -80,11 +82,11 @@ def spread_rows(src_TH: torch.Tensor, dest_row_TK: torch.Tensor, row_src_R: torc
           f"row_src must be a contiguous int32 [R] tensor, got {row_src_R.dtype} {tuple(row_src_R.shape)}")
     row_range = range_of(rows_in_use, "rows_in_use")
     out = torch.empty(row_src_R.numel(), hidden, dtype=src_TH.dtype, device=src_TH.device)
-    programs = _PROGRAMS_PER_SM * num_sms(src_TH.device)
-    grid = (max(1, min(programs, triton.cdiv(max(tokens, row_src_R.numel()), _BLOCK_R))),)
+    block_t, block_h, per_sm = _SPREAD_TILE
+    grid = (max(1, min(per_sm * num_sms(src_TH.device), triton.cdiv(max(tokens, row_src_R.numel()), block_t))),)
     spread_rows_kernel[grid](
         src_TH, dest_row_TK, row_src_R, row_range, out, 0 if padding_only else tokens, hidden, dest_row_TK.shape[1],
-        BLOCK_T=_BLOCK_R, BLOCK_H=_BLOCK_H, num_warps=4,
+        BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
     )
     return out
 
@@ -125,7 +127,7 @@ def scale_rows(src_RH: torch.Tensor, scale_R: torch.Tensor, rows_in_use: torch.T
     check(out.dtype == src_RH.dtype and tuple(out.shape) == (rows, hidden) and out.is_contiguous(),
           f"out must be a contiguous {src_RH.dtype} [{rows}, {hidden}] tensor, got {out.dtype} {tuple(out.shape)}")
     # NOTE: the row range stays on the device; the grid is the worst case.
-    programs = _PROGRAMS_PER_SM * num_sms(src_RH.device)
-    grid = (max(1, min(programs, triton.cdiv(rows, _BLOCK_R))),)
-    scale_rows_kernel[grid](src_RH, scale_R, row_range, out, hidden, BLOCK_R=_BLOCK_R, BLOCK_H=_BLOCK_H, num_warps=4)
+    block_r, block_h, per_sm = _SCALE_TILE
+    grid = (max(1, min(per_sm * num_sms(src_RH.device), triton.cdiv(rows, block_r))),)
+    scale_rows_kernel[grid](src_RH, scale_R, row_range, out, hidden, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
     return out
