@@ -2,8 +2,10 @@
 tokens and routing, the paths alternating (order rotated every round) over ROUNDS rounds of ITERS iterations
 after 3 untimed ones; median per path, and on GPUs its peak memory above the inputs. Before timing, each other
 path's output (and, for fwd+bwd, its four gradients d_x, d_topk_weights, d_w_gate_up, d_w_down) is compared with
-megamoe's. --profile N: after the timing, each path's GPU time per kernel over N calls (torch.profiler), where
-one path's time goes.
+megamoe's. On GPUs the 8192^3 bf16 matmul of the bench's MFU ceiling (megamoe.bench.measure.ceiling_matmul) takes
+its turn in every round too, so each path's MFU is against a ceiling timed in the same rounds, at the same clock
+and power state (an H200 reaches its power cap within a second of sustained load). --profile N: after the timing,
+each path's GPU time per kernel over N calls (torch.profiler), where one path's time goes.
 
 SonicMoE (Dao-AILab/sonic-moe at 8565e84: CuTe DSL kernels, with quack at 3d0ab3ec, the commit its requirements
 pin, and nvidia-cutlass-dsl 4.2.1; no quack-kernels release on PyPI has the modules it imports) computes the
@@ -30,7 +32,7 @@ quack's `quack/` (3d0ab3ec) on PYTHONPATH (`git archive` of each). SonicMoE buil
 """
 import argparse, functools, json, statistics, torch
 from megamoe.bench.gate import experts_fn
-from megamoe.bench.measure import call_times_ms, kernel_times
+from megamoe.bench.measure import CEILING_FLOPS, call_times_ms, ceiling_matmul, kernel_times
 from megamoe.bench.problem import Tokens, forward_TH, forward_backward, make_tokens, make_weights
 from megamoe.bench.workloads import WORKLOADS, layer_flops
 
@@ -38,6 +40,7 @@ PASSES = ("fwd+bwd", "fwd")
 MAX_REL_DIFF = 2e-2  # bf16 paths with fp32 accumulation in different orders; NaN fails
 WARMUP = 3
 PROFILE_TOP = 12  # kernels printed per path with --profile (the JSON has all)
+CEILING = "matmul-8192"  # the ceiling's turn in the rounds (GPUs)
 
 
 def sonic_fixed_k(x, ids, scores, w1, w2):
@@ -138,20 +141,25 @@ def run_workload(name: str, pass_name: str, args, device: torch.device, dtype: t
         del ours
         times = {p: [] for p in paths}
         peak = dict.fromkeys(paths, 0)
+        turns = dict(paths)
         if on_gpu:
+            matmul = ceiling_matmul(device)
+            turns[CEILING] = lambda _: matmul()
+            times[CEILING] = []
             torch.cuda.synchronize()
             inputs_bytes = torch.cuda.memory_allocated()
-        order = list(paths)
+        order = list(turns)
         for rnd in range(args.rounds):
             for p in order[rnd % len(order):] + order[:rnd % len(order)]:
                 for i in range(WARMUP):
-                    paths[p](toks[i % 3])
+                    turns[p](toks[i % 3])
                 if on_gpu:
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
-                times[p] += call_times_ms(lambda i: paths[p](toks[i % 3]), iters=args.iters, warmup=0, device=device)
-                if on_gpu:
+                times[p] += call_times_ms(lambda i: turns[p](toks[i % 3]), iters=args.iters, warmup=0, device=device)
+                if on_gpu and p in paths:
                     peak[p] = max(peak[p], torch.cuda.max_memory_allocated() - inputs_bytes)
+        ceiling = CEILING_FLOPS / statistics.median(times.pop(CEILING)) / 1e9 if on_gpu else None
         profiles = {p: kernel_times(functools.partial(run, toks[0]), args.profile) for p, run in paths.items()
                     if args.profile}
         for p, t in times.items():
@@ -162,9 +170,10 @@ def run_workload(name: str, pass_name: str, args, device: torch.device, dtype: t
                       f"{profiles[p]['idle_us_per_iteration']:.0f} us idle between them", flush=True)
                 for r in profiles[p]["kernels"][:PROFILE_TOP]:
                     print(f"  {r['us']:8.1f} us  x{r['launches']:<3} {r['kernel'][:110]}", flush=True)
+            tflops = layer_flops(w, T, pass_name) / ms / 1e9
             records.append(dict(
-                workload=name, routing=routing, pass_name=pass_name, path=p, ms=ms,
-                tflops=layer_flops(w, T, pass_name) / ms / 1e9,
+                workload=name, routing=routing, pass_name=pass_name, path=p, ms=ms, tflops=tflops,
+                ceiling_tflops=ceiling, mfu=tflops / ceiling if ceiling else None,
                 peak_above_inputs_gib=peak[p] / 2**30 if on_gpu else None, experts=E, tokens=T,
                 rel_diff_to_megamoe=diff, agrees=None if diff is None else all(d <= MAX_REL_DIFF for d in diff.values()),
                 **({"profile": profiles[p]} if p in profiles else {})))
@@ -215,8 +224,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 torch.cuda.empty_cache()
         json.dump(out, open(args.json_path, "w"), indent=1)  # after each workload: a run cut short keeps what it has
     for r in out:
+        mfu = f"{100 * r['mfu']:5.1f}% MFU (ceiling {r['ceiling_tflops']:.0f})" if r["mfu"] else ""
         print(f"{r['workload']:16} {r['routing']:9} {r['pass_name']:7} {r['path']:18} {r['ms']:8.2f} ms "
-              f"{r['tflops']:6.1f} TF/s  agrees {r['agrees']}")
+              f"{r['tflops']:6.1f} TF/s {mfu} agrees {r['agrees']}")
     for key in dict.fromkeys((r["workload"], r["routing"], r["pass_name"]) for r in out):
         ms = {r["path"]: r["ms"] for r in out if (r["workload"], r["routing"], r["pass_name"]) == key}
         print(f"{key[0]:16} {key[1]:9} {key[2]:7} megamoe's speed: " + ", ".join(

@@ -95,15 +95,24 @@ def kernel_times(run, iters: int) -> dict:
             "kernels": kernels, "largest_gaps": gaps[:20]}
 
 
-def matmul_ceiling_tflops(device: torch.device) -> float:
-    """TFLOP/s of an 8192^3 bf16 matmul on this GPU: the denominator of MFU."""
+CEILING_FLOPS = 2 * CEILING_SIZE**3
+
+
+def ceiling_matmul(device: torch.device):
+    """A call of the 8192^3 bf16 matmul (CEILING_FLOPS) whose TFLOP/s is the denominator of MFU."""
     generator = torch.Generator(device=device).manual_seed(0)
     a, b = (
         torch.randn(CEILING_SIZE, CEILING_SIZE, generator=generator, device=device, dtype=torch.bfloat16)
         for _ in range(2)
     )
-    ms = median_ms(lambda i: a @ b, iters=20, warmup=5, device=device)
-    return 2 * CEILING_SIZE**3 / ms / 1e9
+    return lambda: a @ b
+
+
+def matmul_ceiling_tflops(device: torch.device) -> float:
+    """TFLOP/s of the 8192^3 bf16 matmul on this GPU: the denominator of MFU."""
+    matmul = ceiling_matmul(device)
+    ms = median_ms(lambda i: matmul(), iters=20, warmup=5, device=device)
+    return CEILING_FLOPS / ms / 1e9
 
 
 def git_commit(checkout: Path = Path(__file__).parent) -> str:
