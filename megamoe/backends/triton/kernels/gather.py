@@ -27,9 +27,9 @@ from megamoe.backends.triton.kernels._common import check, load_range, num_sms, 
 
 # Rows (tokens) per program step, columns per inner step and programs per SM (4 warps a program): a copy needs
 # several CTAs per SM in flight to reach HBM bandwidth. spread_rows writes k rows for each row it reads, and at
-# 4 x 512 with 16 programs per SM it runs 1.0-2.5% faster than at 8 x 256 with 8 on every workload timed, at the
-# rate of a plain fill of the same rows (benchmarks/combine_bench.py, h200-spread-tma-probe-v1.json; the
-# copies' bits do not depend on the tile). scale_rows (expert parallel) keeps the tile it was measured with.
+# 4 x 512 with 16 programs per SM it runs 1.0-1.8% faster than at 8 x 256 with 8 on the four workloads timed, at
+# the rate of a plain fill of the same rows (benchmarks/combine_bench.py, h200-spread-tile-v1.json; the copies'
+# bits do not depend on the tile). scale_rows (expert parallel) keeps the tile it was measured with.
 _SPREAD_TILE = (4, 512, 16)
 _SCALE_TILE = (8, 256, 8)
 
