@@ -11,9 +11,7 @@ risk:
     x rows by TMA and gathering x in its loads (gather=(row_src, k)), with and without store_gate_up; and
     torch._grouped_mm (cuBLAS) on the same segments, the GEMM alone without the SwiGLU epilogue;
   * "gluon": the Gluon kernel, x rows by TMA, every tile of the variant list;
-  * "gluon-gather": the Gluon kernel gathering x: the cp.async producer warpgroup (s3b2, s4b1), or the hand-off
-    tile's warp writing the rows ahead of its loads (s3-handoff; H a multiple of 64, so not the small problem's),
-    timed beside the spread pass + the hand-off tile on the rows it writes.
+  * "gluon-gather": the Gluon kernel gathering x (cp.async producer warpgroup).
 Each Gluon part checks every variant, in both store modes, bitwise (h and gate_up, as 16-bit patterns: -0 and
 +0 differ) against the production kernel on the same inputs (the gathering variants against the production
 gathering kernel):
@@ -49,13 +47,10 @@ SMALL_H, SMALL_I = 1040, 208
 # warps of its own (gate_up_fwd_handoff_kernel).
 GLUON_VARIANTS = {
     "gluon": [("s3b2", (True, False)), ("s4b1", (True, False)), ("n64-s5b3", (True, )), ("s3-handoff", (True, False))],
-    "gluon-gather": [("s3b2", (True, False)), ("s4b1", (True, False)), ("s3-handoff", (True, False))],
+    "gluon-gather": [("s3b2", (True, False)), ("s4b1", (True, False))],
 }
-# Timed beside the gathering variants: the table's kernel where x is not gathered, the hand-off tile on x rows, with
-# the spread pass that writes those rows inside the timing (what a forward on rows pays).
-SPREAD_THEN_ROWS = "spread+s3-handoff"
 ROUNDS = 3  # alternating timing rounds of the Gluon variants
-PART_SECONDS = {"triton": 90, "gluon": 300, "gluon-gather": 300}  # watchdog per part
+PART_SECONDS = {"triton": 90, "gluon": 300, "gluon-gather": 200}  # watchdog per part
 RECORD = "RECORD "  # stdout prefix of a part's records
 
 
@@ -136,17 +131,6 @@ def run_gluon(p, tile_name: str, store_gate_up: bool, gather: bool, blocks=None,
                                                gather=(s.row_src, p["top_k"]), tile=tile, out=out)
     return gluon_gate_up.gate_up_fwd_gluon(p["x_rows"], p["w"], s.block_expert, blocks, store_gate_up=store_gate_up,
                                            tile=tile, out=out)
-
-
-def spread_then_rows(p, store_gate_up: bool):
-    """The spread pass writing x rows, then the hand-off tile on them."""
-    from megamoe.backends.triton import kernels
-    from megamoe.backends.triton.kernels import gluon_gate_up
-
-    s = p["s"]
-    x_rows = kernels.spread_rows(p["x"], s.dest_row, s.row_src, s.expert_offsets[-1:])
-    return gluon_gate_up.gate_up_fwd_gluon(x_rows, p["w"], s.block_expert, s.num_blocks, store_gate_up=store_gate_up,
-                                           tile=gluon_gate_up.TILES["s3-handoff"])
 
 
 def bits(t):
@@ -251,11 +235,8 @@ def check_and_time_gluon_workload(name: str, device, gather: bool) -> None:
             emit(check)
             del h, gu
         # The variants alternate over ROUNDS rounds (the order rotated each round); the median round is reported.
-        runs = {t: lambda t=t, s=store_gate_up: run_gluon(p, t, s, gather) for t in checked}
-        if gather:
-            checked[SPREAD_THEN_ROWS] = True  # the rows variant checked in part "gluon"
-            runs[SPREAD_THEN_ROWS] = lambda s=store_gate_up: spread_then_rows(p, s)
-        round_ms = alternating_rounds(runs, ROUNDS, bench_ms)
+        round_ms = alternating_rounds({t: lambda t=t, s=store_gate_up: run_gluon(p, t, s, gather) for t in checked},
+                                      ROUNDS, bench_ms)
         for tile_name in checked:
             ms = statistics.median(round_ms[tile_name])
             emit(dict(kind="time", workload=name, rows=p["rows_used"], H=p["H"], I=p["I"],
@@ -281,11 +262,7 @@ def run_part(part: str) -> int:
         return 0
     gather = part == "gluon-gather"
     small = small_problem(device)
-    from megamoe.backends.triton.kernels import gluon_gate_up
-
     for tile_name, modes in GLUON_VARIANTS[part]:
-        if gather and gluon_gate_up.TILES[tile_name].handoff and not gluon_gate_up.gathers_ahead(SMALL_H):
-            continue  # the hand-off tile gathers rows of H a multiple of 64 only: checked on the workloads
         for store_gate_up in modes:
             rec = dict(kind="check", problem="small", variant=f"{part}-{tile_name}", store_gate_up=store_gate_up)
             t0 = time.time()

@@ -12,9 +12,6 @@ Variants (each a change to the tile choice that every run reads through the publ
   rows      gate_up_fwd on gathered rows (a gather pass) where the table gathers x inside the kernel's loads
   gather    gate_up_fwd gathering x inside its loads on every workload (the table: where it measured faster)
   gather-s3 the gathering gate_up_fwd with 3 stages and two staging buffers per consumer (the table: 4 and 1)
-  ahead     gate_up_fwd on the hand-off kernel with its x rows written by a warp of its own ahead of its loads
-            (gluon_gate_up AHEAD), on every workload whose H it takes, instead of a spread pass (or the cp.async
-            gathering kernel)
   no-handoff  gate_up_fwd on x rows with its epilogue on the consumer warpgroups (3 stages, two staging buffers
             each) instead of the table's hand-off kernel (TileConfig.handoff)
   no-skip   the Gluon weight grads without the schedule's row_src: an expert's last row step computed even where
@@ -28,7 +25,6 @@ import argparse, dataclasses, functools, json, statistics, torch, megamoe
 from megamoe.backends.triton import configs
 from megamoe.backends.triton import experts as te
 from megamoe.backends.triton import kernels
-from megamoe.backends.triton.kernels import gluon_gate_up
 from megamoe.bench.problem import make_weights, make_tokens, forward_backward, forward_TH
 from megamoe.bench.workloads import WORKLOADS, layer_flops
 
@@ -51,14 +47,6 @@ def gather_s3(*args):
     if table is None or not table.gate_up_fwd.gather:
         return table
     return dataclasses.replace(table, gate_up_fwd=dataclasses.replace(table.gate_up_fwd, num_stages=3))
-
-
-def ahead(hidden, *args):
-    table = SHIPPED[0](hidden, *args)
-    if table is None or not gluon_gate_up.gathers_ahead(hidden):
-        return table
-    entry = dataclasses.replace(table.gate_up_fwd, gather=True, handoff=True, num_stages=3)
-    return dataclasses.replace(table, gate_up_fwd=entry)
 
 
 def no_handoff(*args):
@@ -91,8 +79,6 @@ def select(variant: str) -> None:
         configs._GATHER_X_MAX_H = 1 << 30
     elif variant == "gather-s3":
         te.tma_kernel_configs = gather_s3
-    elif variant == "ahead":
-        te.tma_kernel_configs = ahead
     elif variant == "no-handoff":
         te.tma_kernel_configs = no_handoff
     elif variant == "no-skip":
@@ -104,7 +90,7 @@ def select(variant: str) -> None:
         gemm, _, n = variant.rpartition("group_m:")
         te.tma_kernel_configs = with_group_m(int(n), gemm.removesuffix(".") or None)
     elif variant != "default":
-        raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, gather, gather-s3, ahead, no-handoff, no-skip, "
+        raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, gather, gather-s3, no-handoff, no-skip, "
                          "no-spread-x, group_m:N or GEMM.group_m:N")
 
 

@@ -401,9 +401,7 @@ from megamoe.schedule import build_schedule
 from megamoe.backends.triton import kernels
 
 torch.manual_seed(0)
-# K and column tails; a 235b-like shape; gpt-oss-120b's H (its last 64-column box past the row, the TMA row box rounded
-# up to 64 boxes) and H 7168 (rows gathered ahead in two parts)
-for T, E, k, H, I in ((504, 6, 2, 1040, 208), (4096, 32, 8, 4096, 1536), (512, 8, 4, 2880, 256), (256, 4, 2, 7168, 128)):
+for T, E, k, H, I in ((504, 6, 2, 1040, 208), (4096, 32, 8, 4096, 1536)):  # K and column tails; a 235b-like shape
     ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).cuda()
     s = build_schedule(ids, E, block_m=128)
     x = torch.randn(T, H, device="cuda").bfloat16()
@@ -416,21 +414,15 @@ for T, E, k, H, I in ((504, 6, 2, 1040, 208), (4096, 32, 8, 4096, 1536), (512, 8
             rows = x_rows.shape[0]
             out = (torch.full((rows, I), float("nan"), device="cuda").bfloat16(),
                    torch.full((rows, 2 * I), float("nan"), device="cuda").bfloat16() if store else None)
-            got = {"rows": G.gate_up_fwd_gluon(x_rows, w, s.block_expert, blocks, store_gate_up=store,
-                                               tile=G.TILES["s3-handoff"], out=out)}
-            if G.gathers_ahead(H):  # the rows written by the kernel's own warp from x, ahead of its loads
-                out = tuple(None if t is None else torch.full_like(t, float("nan")) for t in out)
-                got["ahead"] = G.gate_up_fwd_gluon(x, w, s.block_expert, blocks, store_gate_up=store,
-                                                   gather=(s.row_src, k), tile=G.TILES["s3-handoff"], out=out)
+            got = G.gate_up_fwd_gluon(x_rows, w, s.block_expert, blocks, store_gate_up=store, tile=G.TILES["s3-handoff"],
+                                      out=out)
             first, end = (0, used) if blocks.numel() == 1 else (int(blocks[0]), int(blocks[1]))
             r = slice(first * 128, end * 128)
-            for mode, outputs in got.items():
-                for a, b in zip(outputs, want):
-                    if b is None:
-                        continue
-                    case = (T, H, I, store, mode)
-                    assert torch.equal(a[r].view(torch.int16), b[r].view(torch.int16)), (case, "bits differ")
-                    assert a[:first * 128].isnan().all() and a[end * 128:].isnan().all(), (case, "rows out of range")
+            for a, b in zip(got, want):
+                if b is None:
+                    continue
+                assert torch.equal(a[r].view(torch.int16), b[r].view(torch.int16)), (T, H, I, store, "bits differ")
+                assert a[:first * 128].isnan().all() and a[end * 128:].isnan().all(), (T, H, I, store, "rows out of range")
 print("HANDOFF OK", flush=True)
 """
 
@@ -438,9 +430,8 @@ print("HANDOFF OK", flush=True)
 def test_gate_up_handoff_gives_the_production_bits(tmp_path):
     """gate_up_fwd with its epilogue on warps of its own (gluon_gate_up.gate_up_fwd_handoff_kernel, tile
     "s3-handoff") gives the production Gluon kernel's h and gate_up bit for bit, on the whole block range and a
-    sub-range (rows outside it untouched), with and without gate_up, on x rows and with the rows written from x by
-    its own warp ahead of its loads (H a multiple of 64: padding rows, a row box past H, rows in two parts); in a
-    subprocess with a timeout, so that a barrier or flag bug fails the test instead of hanging the suite."""
+    sub-range (rows outside it untouched), with and without gate_up; in a subprocess with a timeout, so that a
+    barrier bug fails the test instead of hanging the suite."""
     import subprocess
     import sys
 

@@ -95,9 +95,8 @@ from megamoe.backends.triton.kernels._common import (
     check, check_matrix, check_rows, check_weight, load_range, persistent_grid, swiglu,
 )
 from megamoe.backends.triton.kernels.gluon_common import (
-    SMEM_PER_CTA, cp_async_load, nvmma_layout, thread_barrier, tile_origin, tma_load, tma_store,
+    cp_async_load, nvmma_layout, tile_origin, tma_load, tma_store,
 )
-from megamoe.backends.triton.kernels.gluon_rows import SPREAD_BOX_COLS, spread_box, spread_descriptors
 from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
 
 BLOCK_M = 128  # rows per tile: two consumer warpgroups of 64 (wgmma's M); the kernels read it from x_desc
@@ -110,125 +109,14 @@ EPILOGUE_WARPS = 2  # the hand-off kernel's epilogue warps (beside the producer'
 _EPILOGUE_WARPS = gl.constexpr(EPILOGUE_WARPS)
 
 
-AHEAD_UNIT_ROWS = 32  # rows of one claim of the gathering-ahead warp: a 128-row block is 4 claims
-_AHEAD_UNIT_ROWS = gl.constexpr(AHEAD_UNIT_ROWS)
-_AHEAD_TIMEOUT_NS = gl.constexpr(10_000_000_000)  # a row block awaited this long traps the kernel (a CUDA error)
-# Work counters of the gathering-ahead kernel (int32, zeroed by the launcher): the claim counter, then one
-# counter per 128-row block of the rows (claims finished).
-_LANES = gl.constexpr(gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[1], order=[0]))
-
-
-# ----------------------------------------------------------------------------------------------------
-# Cross-CTA flags of the gathering-ahead kernel, one warp's (every lane runs them; lane 0 writes)
-
-
-@gluon.jit
-def _asm_lanes(asm: gl.constexpr, lanes):
-    """A side-effecting instruction run by every lane of the warp (its result unused)."""
-    gl.inline_asm_elementwise(asm, "=r,r", [lanes], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _acquire(ptr, lanes):
-    """*ptr, loaded with GPU-scope acquire by every lane."""
-    value = gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr + lanes * 0],
-                                      dtype=gl.int32, is_pure=False, pack=1)
-    return gl.max(value, axis=0)
-
-
-@gluon.jit
-def _globaltimer(lanes):
-    t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [lanes], dtype=gl.int64, is_pure=False,
-                                  pack=1)
-    return gl.max(t, axis=0)
-
-
-@gluon.jit
-def _wait_rows(counter_ptr, target):
-    """Acquire until *counter_ptr >= target (a row block's claims all published), then order the TMA loads that
-    follow (async proxy) after it; past _AHEAD_TIMEOUT_NS the kernel traps."""
-    lanes = gl.arange(0, 32, layout=_LANES)
-    value = _acquire(counter_ptr, lanes)
-    if value < target:
-        deadline = _globaltimer(lanes) + _AHEAD_TIMEOUT_NS
-        while value < target:
-            value = _acquire(counter_ptr, lanes)
-            if value < target:
-                if _globaltimer(lanes) > deadline:
-                    _asm_lanes("trap;", lanes)
-    _asm_lanes("fence.proxy.async.global;", lanes)
-
-
-@gluon.jit
-def _claim(counter_ptr, lanes):
-    """counter++ (relaxed, GPU scope) by lane 0, its old value broadcast to the warp."""
-    old = gl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 c; mov.b32 c, 0; setp.eq.s32 p, $1, 0; "
-        "@p atom.relaxed.gpu.global.add.s32 c, [$2], 1; shfl.sync.idx.b32 $0, c, 0, 31, 0xffffffff; }",
-        "=r,r,l", [lanes, counter_ptr + lanes * 0], dtype=gl.int32, is_pure=False, pack=1)
-    return gl.max(old, axis=0)
-
-
-@gluon.jit
-def _publish(counter_ptr, lanes):
-    """After this warp's TMA stores: wait until they are complete (written, not only read), order them before the
-    release (proxy fence), then lane 0 adds 1 with GPU-scope release."""
-    _asm_lanes("cp.async.bulk.wait_group 0;", lanes)
-    _asm_lanes("fence.proxy.async.global;", lanes)
-    thread_barrier()
-    gl.inline_asm_elementwise("{ .reg .pred p; setp.eq.s32 p, $1, 0; @p red.release.gpu.global.add.s32 [$2], 1; }",
-                              "=r,r,l", [lanes, counter_ptr + lanes * 0], dtype=gl.int32, is_pure=False, pack=1)
-
-
 # ----------------------------------------------------------------------------------------------------
 # Kernel partitions
 
 
 @gluon.jit
-def _gather_ahead(x_desc, x_rows_desc, bufs, bars, row_src_ptr, work_ptr, block_range_ptr, top_k,
-                  SPLIT: gl.constexpr, BLOCK_M: gl.constexpr):
-    """One warp beside the GEMM: x_rows[r] = x[row_src[r] // top_k] (zeros where row_src[r] = -1) for the rows of the
-    block range, in claims of AHEAD_UNIT_ROWS rows taken in order from work_ptr[0] (so the rows go in the order
-    the tiles read them, and only running CTAs take claims); each finished claim adds 1 to its row block's counter
-    work_ptr[1 + block]. A row (part) is loaded by TMA into one of two buffers, the next one's load issued before
-    this one is stored; a padding row loads row -1, which TMA fills with zeros."""
-    NBYTES: gl.constexpr = x_desc.block_type.nbytes
-    BOX: gl.constexpr = x_desc.block_type.shape[1]  # 64-column boxes a part
-    UNITS: gl.constexpr = BLOCK_M // _AHEAD_UNIT_ROWS
-    lanes = gl.arange(0, 32, layout=_LANES)
-    unit_rows = gl.arange(0, _AHEAD_UNIT_ROWS, layout=_LANES)
-    parts = gl.cdiv(x_desc.shape[1], BOX)
-    items = _AHEAD_UNIT_ROWS * parts
-    first_m, end_m = load_range(block_range_ptr, SPLIT)
-    num_units = (end_m - first_m) * UNITS
-    i = 0  # row parts loaded so far: part j through bufs[j % 2], completing phase j // 2 of bars[j % 2]
-    unit = _claim(work_ptr, lanes)
-    while unit < num_units:
-        first_row = (first_m + unit // UNITS) * BLOCK_M + unit % UNITS * _AHEAD_UNIT_ROWS
-        src = gl.load(row_src_ptr + first_row + unit_rows)
-        tokens = (src + top_k) // top_k - 1  # row_src // top_k, and -1 for padding (-1)
-        for q in range(items):
-            s = i % 2
-            tma.store_wait(pendings=0)  # the stores issued so far (part i - 2's among them) have read their buffers
-            token = gl.max(gl.where(unit_rows == q // parts, tokens, -1), axis=0)
-            mbarrier.expect(bars.index(s), NBYTES)
-            tma_load(x_desc, [token, q % parts * BOX, 0], bars.index(s), bufs.index(s))
-            if q > 0:
-                mbarrier.wait(bars.index(1 - s), ((i - 1) // 2) & 1)
-                tma_store(x_rows_desc, [first_row + (q - 1) // parts, (q - 1) % parts * BOX, 0], bufs.index(1 - s))
-            i += 1
-        s = (i - 1) % 2
-        mbarrier.wait(bars.index(s), ((i - 1) // 2) & 1)
-        tma_store(x_rows_desc, [first_row + (items - 1) // parts, (items - 1) % parts * BOX, 0], bufs.index(s))
-        _publish(work_ptr + 1 + first_row // BLOCK_M, lanes)
-        unit = _claim(work_ptr, lanes)
-
-
-@gluon.jit
 def _producer_tma(x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, block_expert_ptr,
-                  block_range_ptr, work_ptr, H, I, SPLIT: gl.constexpr, GROUP_M: gl.constexpr, AHEAD: gl.constexpr):
-    """One warp: TMA copies of the A, gate and up tiles of every (tile, K step) of this CTA, in order. AHEAD: before
-    a tile's first copy, the row block's rows are awaited (_gather_ahead writes them)."""
+                  block_range_ptr, H, I, SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
+    """One warp: TMA copies of the A, gate and up tiles of every (tile, K step) of this CTA, in order."""
     STAGES: gl.constexpr = a_bufs.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
@@ -242,8 +130,6 @@ def _producer_tma(x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         row, col, m = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
         expert = gl.load(block_expert_ptr + m // SPLIT)
-        if AHEAD:
-            _wait_rows(work_ptr + 1 + row // BLOCK_M, BLOCK_M // _AHEAD_UNIT_ROWS)
         for ki in range(k_steps):
             s = p % STAGES
             # A fresh mbarrier counts as having completed the phase before phase 0: the first pass over the
@@ -444,18 +330,13 @@ def _epilogue(h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, block_range_ptr,
 
 @gluon.jit
 def gate_up_fwd_handoff_kernel(x_desc, w_desc, h_desc, gu_desc, block_expert_ptr, block_range_ptr, H, I,
-                               tokens_desc, rows_desc, row_src_ptr, work_ptr, top_k,
                                STORE_GATE_UP: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr,
                                STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                               EPILOGUE_ROWS: gl.constexpr, AHEAD: gl.constexpr):
+                               EPILOGUE_ROWS: gl.constexpr):
     """gate_up_fwd_ws_kernel's results (x rows by TMA) with the epilogue off the consumers' path: the consumers
     round g and u into two [128, BLOCK_N] hand-off buffers and go on to the next tile's main loop;
     EPILOGUE_WARPS warps of their own (in the producer's warpgroup, with its registers) store g and u, compute
-    h and store it. h_desc / gu_desc boxes cover a whole tile ([128, 1, BLOCK_N]). AHEAD: one more warp of that
-    warpgroup writes the x rows from the tokens beside the GEMM (_gather_ahead; tokens_desc, rows_desc: x [T, H]
-    and x_rows [R, H] as [rows, H / 64, 64], a box of a row or a part of one; row_src_ptr int32 [R]; work_ptr the
-    zeroed int32 counters [1 + R / 128]), and the producer awaits each row block before reading it; without AHEAD
-    those five arguments are unused. Launch with num_warps=4."""
+    h and store it. h_desc / gu_desc boxes cover a whole tile ([128, 1, BLOCK_N]). Launch with num_warps=4."""
     dtype: gl.constexpr = x_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     gate_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -473,36 +354,17 @@ def gate_up_fwd_handoff_kernel(x_desc, w_desc, h_desc, gu_desc, block_expert_ptr
         mbarrier.init(empty_bars.index(i), count=2)
     mbarrier.init(gu_ready, count=2)  # one arrive per consumer warpgroup
     mbarrier.init(gu_free, count=1)  # the epilogue warps' arrive
-    if AHEAD:
-        row_bufs = gl.allocate_shared_memory(dtype, [2] + tokens_desc.block_type.shape, tokens_desc.layout)
-        row_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(row_bars.index(0), count=1)
-        mbarrier.init(row_bars.index(1), count=1)
     fence_async_shared()
-    if AHEAD:
-        gl.warp_specialize([
-            (_consumer_handoff, (a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free,
-                                 block_range_ptr, H, I, 0, SPLIT, GROUP_M)),
-            (_consumer_handoff, (a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free,
-                                 block_range_ptr, H, I, 1, SPLIT, GROUP_M)),
-            (_producer_tma, (x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, block_expert_ptr,
-                             block_range_ptr, work_ptr, H, I, SPLIT, GROUP_M, True)),
-            (_epilogue, (h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, block_range_ptr, I, STORE_GATE_UP, SPLIT,
-                         GROUP_M, EPILOGUE_ROWS)),
-            (_gather_ahead, (tokens_desc, rows_desc, row_bufs, row_bars, row_src_ptr, work_ptr, block_range_ptr, top_k,
-                             SPLIT, _BLOCK_M)),
-        ], [4, 1, _EPILOGUE_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
-    else:
-        gl.warp_specialize([
-            (_consumer_handoff, (a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free,
-                                 block_range_ptr, H, I, 0, SPLIT, GROUP_M)),
-            (_consumer_handoff, (a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free,
-                                 block_range_ptr, H, I, 1, SPLIT, GROUP_M)),
-            (_producer_tma, (x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, block_expert_ptr,
-                             block_range_ptr, work_ptr, H, I, SPLIT, GROUP_M, False)),
-            (_epilogue, (h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, block_range_ptr, I, STORE_GATE_UP, SPLIT,
-                         GROUP_M, EPILOGUE_ROWS)),
-        ], [4, 1, _EPILOGUE_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+    gl.warp_specialize([
+        (_consumer_handoff, (a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free,
+                             block_range_ptr, H, I, 0, SPLIT, GROUP_M)),
+        (_consumer_handoff, (a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free,
+                             block_range_ptr, H, I, 1, SPLIT, GROUP_M)),
+        (_producer_tma, (x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, block_expert_ptr,
+                         block_range_ptr, H, I, SPLIT, GROUP_M)),
+        (_epilogue, (h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, block_range_ptr, I, STORE_GATE_UP, SPLIT,
+                     GROUP_M, EPILOGUE_ROWS)),
+    ], [4, 1, _EPILOGUE_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
 @gluon.jit
@@ -545,7 +407,7 @@ def gate_up_fwd_ws_kernel(x_desc, w_desc, h_desc, gu_desc, x_ptr, row_src_ptr, b
             (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs1, ready_bars, empty_bars, block_range_ptr,
                          H, I, 1, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
             (_producer_tma, (x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, block_expert_ptr,
-                             block_range_ptr, block_range_ptr, H, I, SPLIT, GROUP_M, False)),
+                             block_range_ptr, H, I, SPLIT, GROUP_M)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -596,12 +458,10 @@ def default_tile(store_gate_up: bool) -> GateUpTile:
 
 
 def constexprs(tile: GateUpTile, split: int, store_gate_up: bool, gather: bool) -> dict:
-    """The kernel's constexpr arguments (the launcher and tests/test_gluon_gate_up_compile.py share them); gather
-    on the hand-off tile: its rows gathered ahead by a warp of its own (AHEAD)."""
+    """The kernel's constexpr arguments (the launcher and tests/test_gluon_gate_up_compile.py share them)."""
     if tile.handoff:
         return dict(STORE_GATE_UP=store_gate_up, SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages,
-                    PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs, EPILOGUE_ROWS=tile.epilogue_rows,
-                    AHEAD=gather)
+                    PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs, EPILOGUE_ROWS=tile.epilogue_rows)
     return dict(STORE_GATE_UP=store_gate_up, GATHER=gather, SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages,
                 OUT_BUFS=tile.out_bufs, PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs)
 
@@ -629,54 +489,26 @@ def tile_of(config: TileConfig) -> GateUpTile:
                       group_m=config.group_m, handoff=config.handoff)
 
 
-def gathers_ahead(hidden: int) -> bool:
-    """Whether the hand-off kernel can gather rows of this H ahead (AHEAD): H a multiple of 64, and two buffers of a
-    row's TMA box beside its ring and hand-off buffers within an SM's shared memory (1 KB kept for the barriers)."""
-    if hidden % SPREAD_BOX_COLS:
-        return False
-    box = spread_box(hidden)
-    return TILES["s3-handoff"].smem_bytes() + 2 * box[1] * box[2] * 2 + 1024 <= SMEM_PER_CTA  # 16-bit rows
-
-
-def _launch(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, block_expert, block_range, split, tile: GateUpTile,
-            store_gate_up: bool, gather: tuple[torch.Tensor, int] | None) -> None:
-    """Validated operands -> the kernel of the tile. gather = (row_src, top_k): x_RH is the tokens x [T, H]; the
-    cp.async kernel gathers them in its loads, the hand-off kernel into rows of its own ahead of its loads."""
-    rows, inter = h_RI.shape
-    hidden = x_RH.shape[1]
-    check(tma_addressable(x_RH, w_gate_up_E2IH, h_RI, *([gate_up_R2I] if store_gate_up else [])),
-          "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8)")
-    row_src, top_k = gather if gather is not None else (block_expert, 1)  # unread without gather
-    grid = persistent_grid(x_RH.device, rows // BLOCK_M * triton.cdiv(inter, tile.block_n))
-    if not tile.handoff:
-        descs = descriptors(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I if store_gate_up else None, tile)
-        gate_up_fwd_ws_kernel[grid](*descs, x_RH, row_src, block_expert, block_range, hidden, inter, top_k,
-                                    **constexprs(tile, split, store_gate_up, gather is not None), num_warps=4)
-        return
-    if gather is None:
-        descs = descriptors(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I if store_gate_up else None, tile)
-        ahead_args = (descs[0], descs[0], block_expert, block_expert, 1)  # unused without AHEAD
-    else:
-        check(gathers_ahead(hidden), f"the hand-off kernel gathers rows of H a multiple of {SPREAD_BOX_COLS} that fit "
-              f"beside its buffers, got H={hidden}")
-        x_rows = torch.empty(rows, hidden, dtype=x_RH.dtype, device=x_RH.device)  # every row written by the kernel
-        work = torch.zeros(1 + rows // BLOCK_M, dtype=torch.int32, device=x_RH.device)
-        descs = descriptors(x_rows, w_gate_up_E2IH, h_RI, gate_up_R2I if store_gate_up else None, tile)
-        ahead_args = (*spread_descriptors(x_RH, x_rows), row_src, work, top_k)
-    gate_up_fwd_handoff_kernel[grid](*descs, block_expert, block_range, hidden, inter, *ahead_args,
-                                     **constexprs(tile, split, store_gate_up, gather is not None), num_warps=4)
-
-
 def launch_gate_up_fwd(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, block_expert, block_range, split, config: TileConfig,
                        store_gate_up: bool, gather: tuple[torch.Tensor, int] | None) -> None:
     """grouped_gemm.gate_up_fwd's Gluon branch (config.gluon): operands validated and outputs allocated there
     (gate_up_R2I unread without store_gate_up); the tile table's entry as this kernel's tile (tile_of)."""
     check(config.block_m == BLOCK_M and config.block_k == BLOCK_K,
           f"the Gluon gate_up_fwd runs {BLOCK_M} x n x {BLOCK_K} tiles, got {config}")
-    check(not config.handoff or config.num_stages == 3,
-          f"the hand-off kernel reads its rows by TMA through 3 stages, got {config}")
-    _launch(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, block_expert, block_range, split, tile_of(config), store_gate_up,
-            gather)
+    check(not config.handoff or (gather is None and config.num_stages == 3),
+          f"the hand-off kernel reads x rows by TMA through 3 stages, got {config} with gather={gather is not None}")
+    tile = tile_of(config)
+    check(tma_addressable(x_RH, w_gate_up_E2IH, h_RI, *([gate_up_R2I] if store_gate_up else [])),
+          "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8)")
+    row_src, top_k = gather if gather is not None else (block_expert, 1)  # unread without gather
+    descs = descriptors(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I if store_gate_up else None, tile)
+    grid = persistent_grid(x_RH.device, h_RI.shape[0] // BLOCK_M * triton.cdiv(h_RI.shape[1], tile.block_n))
+    if tile.handoff:
+        gate_up_fwd_handoff_kernel[grid](*descs, block_expert, block_range, x_RH.shape[1], h_RI.shape[1],
+                                         **constexprs(tile, split, store_gate_up, False), num_warps=4)
+    else:
+        gate_up_fwd_ws_kernel[grid](*descs, x_RH, row_src, block_expert, block_range, x_RH.shape[1], h_RI.shape[1],
+                                    top_k, **constexprs(tile, split, store_gate_up, gather is not None), num_warps=4)
 
 
 def gate_up_fwd_gluon(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_expert: torch.Tensor,
@@ -685,8 +517,8 @@ def gate_up_fwd_gluon(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_ex
     """(h [R, I], gate_up [R, 2I] or None): grouped_gemm.gate_up_fwd's results (bit for bit, its TMA config) for
     the rows of the schedule blocks in `blocks` (int32 [1] count or [2] range, on the device: no host sync).
     x_RH: the rows [R, H] (padding rows zero), or with gather = (row_src int32 [R], top_k) the tokens x [T, H],
-    row r reading x[row_src[r] // top_k] (gathered in the loads, or by the hand-off tile ahead of them). out:
-    (h, gate_up) to write into (rows outside the range keep their values); else both are allocated."""
+    row r reading x[row_src[r] // top_k]. out: (h, gate_up) to write into (rows outside the range keep their
+    values); else both are allocated."""
     check(x_RH.dtype in (torch.bfloat16, torch.float16), f"16-bit activations, got {x_RH.dtype}")
     check_matrix(x_RH, None, None, "x_rows")
     rows, hidden = x_RH.shape
@@ -695,6 +527,8 @@ def gate_up_fwd_gluon(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_ex
         check(row_src.dtype == torch.int32 and row_src.dim() == 1 and row_src.is_contiguous(), "row_src: int32 [R]")
         check(top_k >= 1, f"top_k must be >= 1, got {top_k}")
         rows = row_src.numel()
+    else:
+        row_src, top_k = block_expert, 1  # unread without gather
     check(w_gate_up_E2IH.dim() == 3 and w_gate_up_E2IH.shape[1] % 2 == 0, "w_gate_up must be [E_l, 2I, H]")
     inter = w_gate_up_E2IH.shape[1] // 2
     check_weight(w_gate_up_E2IH, x_RH, (w_gate_up_E2IH.shape[0], 2 * inter, hidden), "w_gate_up")
@@ -710,5 +544,15 @@ def gate_up_fwd_gluon(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_ex
         check(not store_gate_up or gate_up is not None, "store_gate_up needs a gate_up output")
         if store_gate_up:
             check_matrix(gate_up, rows, 2 * inter, "gate_up")
-    _launch(x_RH, w_gate_up_E2IH, h, gate_up, block_expert, block_range, split, tile, store_gate_up, gather)
+    check(tma_addressable(x_RH, w_gate_up_E2IH, h, *([gate_up] if store_gate_up else [])),
+          "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8)")
+    descs = descriptors(x_RH, w_gate_up_E2IH, h, gate_up if store_gate_up else None, tile)
+    grid = persistent_grid(x_RH.device, rows // BLOCK_M * triton.cdiv(inter, tile.block_n))
+    if tile.handoff:
+        check(gather is None, "the hand-off tile reads x rows by TMA (it has no gathering producer)")
+        gate_up_fwd_handoff_kernel[grid](*descs, block_expert, block_range, hidden, inter,
+                                         **constexprs(tile, split, store_gate_up, False), num_warps=4)
+    else:
+        gate_up_fwd_ws_kernel[grid](*descs, x_RH, row_src, block_expert, block_range, hidden, inter, top_k,
+                                    **constexprs(tile, split, store_gate_up, gather is not None), num_warps=4)
     return h, (gate_up if store_gate_up else None)

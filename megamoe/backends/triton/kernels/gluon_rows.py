@@ -351,7 +351,7 @@ SPREAD_BOX_COLS = 64  # x and x_rows seen as [rows, H / 64, 64]
 SPREAD_MAX_BOXES = 64  # a part of a row: at most 64 boxes of 64 columns (8 KB of bf16); longer rows go in parts
 
 
-def spread_box(hidden: int) -> list[int]:
+def _spread_box(hidden: int) -> list[int]:
     """The SPREAD kernel's TMA box over [rows, H / 64, 64]: a whole row, or a part of SPREAD_MAX_BOXES boxes of a
     longer one, its middle dimension rounded up to a power of two (block shapes are; the load zero-fills past H /
     64 and the store clips there)."""
@@ -364,14 +364,14 @@ def spreads_x(tile: ConsumerTile, hidden: int) -> bool:
     KB kept for the barriers)."""
     if hidden % SPREAD_BOX_COLS:
         return False
-    box = spread_box(hidden)
+    box = _spread_box(hidden)
     return tile.smem_bytes() + 2 * box[1] * box[2] * 2 + 1024 <= SMEM_PER_CTA  # 16-bit rows
 
 
 def spread_descriptors(x_TH: torch.Tensor, x_rows_RH: torch.Tensor) -> tuple:
     """The SPREAD kernel's x and x_rows descriptors: [rows, H / 64, 64] views, a box of one whole row."""
     hidden = x_TH.shape[1]
-    block = spread_box(hidden)
+    block = _spread_box(hidden)
     return tuple(TensorDescriptor.from_tensor(t.view(t.shape[0], hidden // SPREAD_BOX_COLS, SPREAD_BOX_COLS), block,
                                               nvmma_layout(block, x_TH.dtype)) for t in (x_TH, x_rows_RH))
 
