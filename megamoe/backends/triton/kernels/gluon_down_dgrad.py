@@ -386,19 +386,24 @@ def _z_producer(gu_desc, z_bufs, z_ready, z_empty, block_range_ptr, I, WG: gl.co
 
 
 @gluon.jit
-def _pp_piece(acc, z_bufs, z_ready, z_empty, s, parity, weight, d_gu_desc, h_w_desc, row, col, ROUTER: gl.constexpr,
-              STORE_H_W: gl.constexpr):
-    """_epilogue_piece on a piece held in registers (HALF_LAYOUT), its g and u prefetched into z stage s (phase
-    parity), the outputs written over them and TMA-stored; the stage is released once the stores have read it.
-    Returns the piece's router-weight partial sums (ROUTER), else 0."""
+def _pp_piece(acc, z_bufs, z_ready, z_empty, q, weight, d_gu_desc, h_w_desc, row, col, WG: gl.constexpr,
+              ROUTER: gl.constexpr, STORE_H_W: gl.constexpr):
+    """_epilogue_piece on a piece held in registers (HALF_LAYOUT), its g and u prefetched into this consumer's z
+    stage of piece counter q, the outputs written over them and TMA-stored (left in flight: the stage is released
+    at the next piece, once they have read it). Returns the piece's router-weight partial sums (ROUTER), else 0."""
+    Z: gl.constexpr = z_ready.shape[0] // 2
+    s = WG * Z + q % Z
     g_box = z_bufs.index(2 * s)
     u_box = z_bufs.index(2 * s + 1)
     PM: gl.constexpr = g_box.shape[0]
     HALF_N: gl.constexpr = g_box.shape[2]
-    mbarrier.wait(z_ready.index(s), parity)
+    mbarrier.wait(z_ready.index(s), (q // Z) & 1)
     g = g_box.reshape([PM, HALF_N]).load(HALF_LAYOUT)
     u = u_box.reshape([PM, HALF_N]).load(HALF_LAYOUT)
+    # Piece q - 1's stores (issued at its end, while this piece waited and loaded) have read its stage: release it.
+    tma.store_wait(pendings=0)
     thread_barrier()  # every thread has read g and u before any thread writes over them
+    mbarrier.arrive(z_empty.index(WG * Z + (q + Z - 1) % Z), pred=q > 0)
     d_w_part = gl.zeros([PM], gl.float32, gl.SliceLayout(1, HALF_LAYOUT))
     if ROUTER:
         acc, h_w, d_w_part = router_epilogue(acc, g, u, weight)
@@ -418,8 +423,6 @@ def _pp_piece(acc, z_bufs, z_ready, z_empty, s, parity, weight, d_gu_desc, h_w_d
     thread_barrier()
     tma_store(d_gu_desc, [row, 0, col], g_box)
     tma_store(d_gu_desc, [row, 1, col], u_box)
-    tma.store_wait(pendings=0)  # the stores have read the stage
-    mbarrier.arrive(z_empty.index(s))
     return d_w_part
 
 
@@ -449,6 +452,13 @@ def _pp_consumer(a_bufs, b_bufs, ready_bars, empty_bars, order_bars, z_bufs, z_r
         col = pid_n * BLOCK_N
         # Turn `turn` = phase `turn` (warpgroup 1) or `turn - 1` (warpgroup 0, whose turn 0 passes on the fresh
         # barrier) of order[WG], completed when the other warpgroup has issued its previous tile's K loop.
+        # The first row half's router weights, loaded before the main loop (their latency hidden behind it); the
+        # second half's at the start of the epilogue, two pieces before they are used.
+        rows = row + gl.arange(0, PIECE_M, layout=gl.SliceLayout(1, HALF_LAYOUT))
+        weight0 = gl.zeros([PIECE_M], gl.float32, gl.SliceLayout(1, HALF_LAYOUT))  # read only with ROUTER
+        weight1 = weight0
+        if ROUTER:
+            weight0 = pair_weights(row_src_ptr, weights_ptr, rows)
         mbarrier.wait(order_bars.index(WG), (turn & 1) ^ (1 - WG))
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
         acc = _k_step(a_bufs, b_bufs, ready_bars, empty_bars, acc, c, 0)
@@ -460,35 +470,32 @@ def _pp_consumer(a_bufs, b_bufs, ready_bars, empty_bars, order_bars, z_bufs, z_r
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES))
         c += k_steps  # the other warpgroup's tile
+        if ROUTER:
+            weight1 = pair_weights(row_src_ptr, weights_ptr, rows + PIECE_M)
         acc_r0, acc_r1 = row_halves(acc)
-        q = _pp_row_half(acc_r0, q, z_bufs, z_ready, z_empty, d_gu_desc, h_w_desc, row_src_ptr, weights_ptr,
-                         d_w_part_ptr, row, col, pid_n, num_n, WG, ROUTER, STORE_H_W)
-        q = _pp_row_half(acc_r1, q, z_bufs, z_ready, z_empty, d_gu_desc, h_w_desc, row_src_ptr, weights_ptr,
-                         d_w_part_ptr, row + PIECE_M, col, pid_n, num_n, WG, ROUTER, STORE_H_W)
+        q = _pp_row_half(acc_r0, q, weight0, z_bufs, z_ready, z_empty, d_gu_desc, h_w_desc, d_w_part_ptr, row, col,
+                         pid_n, num_n, WG, ROUTER, STORE_H_W)
+        q = _pp_row_half(acc_r1, q, weight1, z_bufs, z_ready, z_empty, d_gu_desc, h_w_desc, d_w_part_ptr,
+                         row + PIECE_M, col, pid_n, num_n, WG, ROUTER, STORE_H_W)
+    tma.store_wait(pendings=0)  # the last stores have read their boxes before the CTA exits
 
 
 @gluon.jit
-def _pp_row_half(acc_r, q, z_bufs, z_ready, z_empty, d_gu_desc, h_w_desc, row_src_ptr, weights_ptr, d_w_part_ptr,
-                 row, col, pid_n, num_n, WG: gl.constexpr, ROUTER: gl.constexpr, STORE_H_W: gl.constexpr):
-    """The epilogue of one row half [64, 128] of a tile (rows row..): its two pieces (column halves) in turn, then
-    the rows' d_w_part (the two pieces' partial sums added in _epilogue's order). Returns the piece counter."""
-    Z: gl.constexpr = z_ready.shape[0] // 2
+def _pp_row_half(acc_r, q, weight, z_bufs, z_ready, z_empty, d_gu_desc, h_w_desc, d_w_part_ptr, row, col, pid_n, num_n,
+                 WG: gl.constexpr, ROUTER: gl.constexpr, STORE_H_W: gl.constexpr):
+    """The epilogue of one row half [64, 128] of a tile (rows row.., router weights `weight`): its two pieces
+    (column halves) in turn, then the rows' d_w_part (the two pieces' partial sums added in _epilogue's order).
+    Returns the piece counter."""
     HALF_N: gl.constexpr = acc_r.shape[1] // 2
     piece0, piece1 = column_halves(acc_r)
-    rows = row + gl.arange(0, PIECE_M, layout=gl.SliceLayout(1, HALF_LAYOUT))
-    weight = gl.zeros([PIECE_M], gl.float32, gl.SliceLayout(1, HALF_LAYOUT))  # read only with ROUTER
-    if ROUTER:
-        weight = pair_weights(row_src_ptr, weights_ptr, rows)
-    d_w_part = _pp_piece(gl.convert_layout(piece0, HALF_LAYOUT, assert_trivial=True), z_bufs, z_ready, z_empty,
-                         WG * Z + q % Z, (q // Z) & 1, weight, d_gu_desc, h_w_desc, row, col, ROUTER, STORE_H_W)
-    q += 1
+    d_w_part = _pp_piece(gl.convert_layout(piece0, HALF_LAYOUT, assert_trivial=True), z_bufs, z_ready, z_empty, q,
+                         weight, d_gu_desc, h_w_desc, row, col, WG, ROUTER, STORE_H_W)
     d_w_part += _pp_piece(gl.convert_layout(piece1, HALF_LAYOUT, assert_trivial=True), z_bufs, z_ready, z_empty,
-                          WG * Z + q % Z, (q // Z) & 1, weight, d_gu_desc, h_w_desc, row, col + HALF_N, ROUTER,
-                          STORE_H_W)
-    q += 1
+                          q + 1, weight, d_gu_desc, h_w_desc, row, col + HALF_N, WG, ROUTER, STORE_H_W)
     if ROUTER:
+        rows = row + gl.arange(0, PIECE_M, layout=gl.SliceLayout(1, HALF_LAYOUT))
         gl.store(d_w_part_ptr + rows * num_n + pid_n, d_w_part)
-    return q
+    return q + 2
 
 
 @gluon.jit
