@@ -2,7 +2,7 @@
 production Triton TMA kernel, then time both.
 
 Usage (one H200, torch + Triton 3.6):  PYTHONPATH=$PWD python3 benchmarks/gluon_down_dgrad_bench.py OUT.json
-    [--workload NAME ...] [--variant NAME ...] [--config split|pingpong ...] [--deadline SECONDS]
+    [--workload NAME ...] [--variant NAME ...] [--deadline SECONDS]
 
 Jobs, in order: the small irregular problem (every variant, then the router variant on a block sub-range),
 then qwen3-30b-a3b and qwen3-235b-a22b (every variant). Variants:
@@ -12,10 +12,8 @@ then qwen3-30b-a3b and qwen3-235b-a22b (every variant). Variants:
 The production side runs through the launchers of kernels/grouped_gemm.py with the Triton TMA kernel's
 tile (configs.triton_tile of configs.tma_kernel_configs(...).down_dgrad). Per job: the production outputs
 and timing first, then the Gluon kernel: every output (d_gate_up, h_w, d_w_part) over the rows of the block
-range must be bitwise equal (torch.equal) and bitwise repeatable; then the production kernel and every checked Gluon
-config (--config: split, the shipped down_dgrad_ws_kernel, and/or pingpong, down_dgrad_pp_kernel) are timed in 3
-alternating rounds (triton.testing.do_bench medians; the median round reported, every round recorded). TF/s
-counts 2 * rows in use * H * I (padding rows included: both kernels compute them).
+range must be bitwise equal (torch.equal) and bitwise repeatable, then it is timed (triton.testing.do_bench,
+median). TF/s counts 2 * rows in use * H * I (padding rows included: both kernels compute them).
 
 Crashes and hangs: the jobs run in a child process that appends each record to a JSON-lines file as it
 finishes (and a "started" line before). The parent watches it: a child that dies (a launch failure
@@ -38,13 +36,6 @@ import tempfile
 import time
 
 VARIANTS = ("router-h_w", "router", "plain")
-ROUNDS = 3  # alternating timing rounds of the production kernel and the Gluon configs
-
-
-def _gluon_configs() -> dict:
-    from megamoe.backends.triton.kernels import gluon_down_dgrad as gdd
-
-    return {"split": gdd.DEFAULT_CONFIG, "pingpong": gdd.PINGPONG_CONFIG}
 WORKLOAD_NAMES = ("qwen3-30b-a3b", "qwen3-235b-a22b")
 BLOCK_M = 128  # schedule rows per block (configs.block_m_for on every table entry)
 
@@ -128,7 +119,7 @@ def workload_problem(name: str, device) -> dict:
 # One job (child process): production first, then the Gluon kernel
 
 
-def _calls(p: dict, variant: str, tma_cfg, gluon_cfg):
+def _calls(p: dict, variant: str, tma_cfg):
     """(production fn, Gluon fn): production() -> (d_gate_up, h_w or None, d_w_part or None); gluon() -> (the
     same triple, the compiled kernel)."""
     from megamoe.backends.triton import kernels
@@ -140,12 +131,12 @@ def _calls(p: dict, variant: str, tma_cfg, gluon_cfg):
         weights = weights.to(d.dtype)  # the activations'-dtype weights path (pair_weights converts to fp32)
     if variant == "plain":
         def gluon_plain():
-            d_gate_up, kernel = gdd.down_dgrad_gluon(d, w, gu, be, bl, config=gluon_cfg, return_kernel=True)
+            d_gate_up, kernel = gdd.down_dgrad_gluon(d, w, gu, be, bl, return_kernel=True)
             return (d_gate_up, None, None), kernel
         return lambda: (kernels.down_dgrad(d, w, gu, be, bl, config=tma_cfg), None, None), gluon_plain
     store_h_w = variant == "router-h_w"
     return (lambda: kernels.down_dgrad_router(d, w, gu, rs, weights, be, bl, store_h_w=store_h_w, config=tma_cfg),
-            lambda: gdd.down_dgrad_router_gluon(d, w, gu, rs, weights, be, bl, store_h_w=store_h_w, config=gluon_cfg,
+            lambda: gdd.down_dgrad_router_gluon(d, w, gu, rs, weights, be, bl, store_h_w=store_h_w,
                                                 return_kernel=True))
 
 
@@ -177,26 +168,23 @@ def _bench_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def run_job(p: dict, variant: str, skip_gluon: bool, rec: dict, emit, configs: list[str]) -> None:
-    """Fill rec: the production timing (emitted as a partial record before a Gluon kernel first runs), then each
-    Gluon config's bitwise checks, then the production kernel and the checked configs timed in ROUNDS alternating
-    rounds (median; every round in the record)."""
+def run_job(p: dict, variant: str, skip_gluon: bool, rec: dict, emit) -> None:
+    """Fill rec: the production timing (emitted as a partial record before the Gluon kernel first runs), then
+    the Gluon kernel's bitwise checks and timing."""
     import dataclasses
 
     import torch
 
     from megamoe.backends.triton.configs import tma_kernel_configs, triton_tile
-    from megamoe.bench.measure import alternating_rounds
+    from megamoe.backends.triton.kernels import gluon_down_dgrad as gdd
 
     H, I = p["H"], p["I"]
-    known = _gluon_configs()
     tma_cfg = triton_tile(tma_kernel_configs(H, I, torch.bfloat16, p["d_rows"].device, BLOCK_M).down_dgrad)
     rows = p["row_range"][1] - p["row_range"][0]
     flops = 2 * rows * H * I
     rec.update(rows=rows, H=H, I=I, experts=p["E"], triton_config=dataclasses.asdict(tma_cfg),
-               gluon_configs={name: dataclasses.asdict(known[name]) for name in configs})
-    calls = {name: _calls(p, variant, tma_cfg, known[name]) for name in configs}
-    production = next(iter(calls.values()))[0]
+               gluon_config=dataclasses.asdict(gdd.DEFAULT_CONFIG))
+    production, gluon = _calls(p, variant, tma_cfg)
     want = production()
     torch.cuda.synchronize()
     ms = _bench_ms(production)
@@ -204,34 +192,22 @@ def run_job(p: dict, variant: str, skip_gluon: bool, rec: dict, emit, configs: l
     if skip_gluon:
         rec["status"] = "gluon skipped (this variant failed earlier)"
         return
-    emit(dict(rec, status="production done; running the Gluon kernels"))
-    rec["gluon"] = {}
-    timed = {"triton": production}
-    for name, (_, gluon) in calls.items():
-        got, kernel = gluon()
-        torch.cuda.synchronize()
-        bitwise = _compare(want, got, p["row_range"])
-        again, _ = gluon()
-        torch.cuda.synchronize()
-        ok = _all_equal(bitwise) and _all_equal(_compare(got, again, p["row_range"]))
-        rec["gluon"][name] = dict(bitwise=bitwise, ok=ok, n_regs=getattr(kernel, "n_regs", None),
-                                  n_spills=getattr(kernel, "n_spills", None),
-                                  shared=getattr(kernel.metadata, "shared", None))
-        del got, again
-        if ok:
-            timed[name] = gluon
-    del want
-    round_ms = alternating_rounds(timed, ROUNDS, _bench_ms)
-    for name, ms_list in round_ms.items():
-        ms = sorted(ms_list)[len(ms_list) // 2]
-        entry = rec if name == "triton" else rec["gluon"][name]
-        key = "triton" if name == "triton" else ""
-        entry.update({f"{key}_ms".lstrip("_"): ms, f"{key}_round_ms".lstrip("_"): ms_list,
-                      f"{key}_tflops".lstrip("_"): flops / ms / 1e9})
-    rec["status"] = "ok" if all(g["ok"] for g in rec["gluon"].values()) else "NOT BITWISE EQUAL"
+    emit(dict(rec, status="production done; running the Gluon kernel"))
+    got, kernel = gluon()
+    torch.cuda.synchronize()
+    rec["bitwise"] = _compare(want, got, p["row_range"])
+    again, _ = gluon()
+    torch.cuda.synchronize()
+    rec["repeatable"] = _all_equal(_compare(got, again, p["row_range"]))
+    del want, got, again
+    rec.update(n_regs=getattr(kernel, "n_regs", None), n_spills=getattr(kernel, "n_spills", None),
+               shared=getattr(kernel.metadata, "shared", None))
+    ms = _bench_ms(gluon)
+    rec.update(gluon_ms=ms, gluon_tflops=flops / ms / 1e9, speedup=rec["triton_ms"] / ms)
+    rec["status"] = "ok" if _all_equal(rec["bitwise"]) and rec["repeatable"] else "NOT BITWISE EQUAL"
 
 
-def child(jobs: list, skip: list, path: str, configs: list[str]) -> int:
+def child(jobs: list, skip: list, path: str) -> int:
     """Run jobs [(problem, variant)], appending JSON lines to path; exit on the first exception (a failed
     launch leaves the CUDA context unusable)."""
     import torch
@@ -254,7 +230,7 @@ def child(jobs: list, skip: list, path: str, configs: list[str]) -> int:
                 torch.cuda.empty_cache()
                 problems[problem] = (small_problem(device, problem == "small-range") if problem.startswith("small")
                                      else workload_problem(problem, device))
-            run_job(problems[problem], variant, variant in skip, rec, emit, configs)
+            run_job(problems[problem], variant, variant in skip, rec, emit)
         except Exception as error:  # noqa: BLE001 -- recorded; the parent continues in a fresh child
             rec.update(status=f"error: {type(error).__name__}: {str(error)[:400]}", done=True)
             emit(rec)
@@ -309,7 +285,6 @@ def parent(args) -> int:
         _log("needs a Hopper GPU (sm_90): the kernels use wgmma, TMA and setmaxnreg")
         return 2
     variants = args.variant or list(VARIANTS)
-    configs = args.config or ["split"]
     jobs = [("small", v) for v in variants]
     if "router-h_w" in variants:
         jobs.append(("small-range", "router-h_w"))
@@ -324,7 +299,7 @@ def parent(args) -> int:
             todo = [j for j in jobs if j not in done]
             finished_before = len(done)
             proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", json.dumps(todo),
-                                     json.dumps(skip), path, json.dumps(configs)], start_new_session=True)
+                                     json.dumps(skip), path], start_new_session=True)
             fate = None
             while proc.poll() is None:
                 time.sleep(0.5)
@@ -368,16 +343,16 @@ def parent(args) -> int:
     with open(args.json_path, "w") as f:
         json.dump(result, f, indent=1)
 
-    _log(f"\n{'problem':16} {'variant':11} {'kernel':9} {'ms':>7} {'TF/s':>6} {'regs':>4} {'shared':>7}  bitwise / status")
+    _log(f"\n{'problem':16} {'variant':11} {'triton ms':>9} {'TF/s':>6} {'gluon ms':>9} {'TF/s':>6} {'speedup':>7} "
+         f"{'regs':>4} {'shared':>7}  bitwise / status")
     for r in result["records"]:
-        def num(d, key, fmt):
-            return format(d[key], fmt) if d.get(key) is not None else "-"
-        _log(f"{r['problem']:16} {r['variant']:11} {'triton':9} {num(r, 'triton_ms', '7.3f'):>7} "
-             f"{num(r, 'triton_tflops', '6.0f'):>6} {'':>4} {'':>7}  {r.get('status')}")
-        for name, g in r.get("gluon", {}).items():
-            bitwise = " ".join(f"{k}={'ok' if v else 'DIFF'}" for k, v in g["bitwise"].items() if isinstance(v, bool))
-            _log(f"{'':16} {'':11} {name:9} {num(g, 'ms', '7.3f'):>7} {num(g, 'tflops', '6.0f'):>6} "
-                 f"{num(g, 'n_regs', '4d'):>4} {num(g, 'shared', '7d'):>7}  {bitwise} {'ok' if g['ok'] else 'NOT OK'}")
+        def num(key, fmt):
+            return format(r[key], fmt) if r.get(key) is not None else "-"
+        bitwise = " ".join(f"{k}={'ok' if v else 'DIFF'}" for k, v in r.get("bitwise", {}).items()
+                           if isinstance(v, bool))
+        _log(f"{r['problem']:16} {r['variant']:11} {num('triton_ms', '9.3f'):>9} {num('triton_tflops', '6.0f'):>6} "
+             f"{num('gluon_ms', '9.3f'):>9} {num('gluon_tflops', '6.0f'):>6} {num('speedup', '7.2f'):>7} "
+             f"{num('n_regs', '4d'):>4} {num('shared', '7d'):>7}  {bitwise} {r.get('status')}")
     _log(f"all bitwise equal and timed: {result['all_ok']}; {result['wall_s']:.0f} s; wrote {args.json_path}")
     return 0 if result["all_ok"] else 1
 
@@ -385,15 +360,12 @@ def parent(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--child":
-        return child([tuple(j) for j in json.loads(argv[1])], json.loads(argv[2]), argv[3], json.loads(argv[4]))
+        return child([tuple(j) for j in json.loads(argv[1])], json.loads(argv[2]), argv[3])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json_path", help="where to write the records (JSON)")
     parser.add_argument("--workload", action="append", choices=list(WORKLOAD_NAMES) + ["gpt-oss-120b", "deepseek-v3"],
                         help="default: qwen3-30b-a3b and qwen3-235b-a22b")
     parser.add_argument("--variant", action="append", choices=list(VARIANTS), help="default: all")
-    parser.add_argument("--config", action="append", choices=["split", "pingpong"],
-                        help="Gluon kernel configs, timed alternating with the production kernel (default: split, "
-                             "the shipped down_dgrad_ws_kernel; pingpong: down_dgrad_pp_kernel)")
     parser.add_argument("--deadline", type=float, default=110.0, help="seconds for the whole run")
     parser.add_argument("--job-timeout", type=float, default=60.0,
                         help="seconds one job may take (compiles included) before it counts as hung")

@@ -12,8 +12,6 @@ Variants (each a change to the tile choice that every run reads through the publ
   rows      gate_up_fwd on gathered rows (a gather pass) where the table gathers x inside the kernel's loads
   gather    gate_up_fwd gathering x inside its loads on every workload (the table: where it measured faster)
   gather-s3 the gathering gate_up_fwd with 3 stages and two staging buffers per consumer (the table: 4 and 1)
-  dd-pingpong  down_dgrad on its ping-pong kernel (gluon_down_dgrad.down_dgrad_pp_kernel: two consumer warpgroups on
-            alternate tiles, each running its epilogue on its own accumulator; 4 stages) instead of the split one
   no-handoff  gate_up_fwd on x rows with its epilogue on the consumer warpgroups (3 stages, two staging buffers
             each) instead of the table's hand-off kernel (TileConfig.handoff)
   no-skip   the Gluon weight grads without the schedule's row_src: an expert's last row step computed even where
@@ -51,13 +49,6 @@ def gather_s3(*args):
     return dataclasses.replace(table, gate_up_fwd=dataclasses.replace(table.gate_up_fwd, num_stages=3))
 
 
-def dd_pingpong(*args):
-    table = SHIPPED[0](*args)
-    if table is None:
-        return table
-    return dataclasses.replace(table, down_dgrad=dataclasses.replace(table.down_dgrad, pingpong=True, num_stages=4))
-
-
 def no_handoff(*args):
     table = SHIPPED[0](*args)
     if table is None or not table.gate_up_fwd.handoff:
@@ -88,8 +79,6 @@ def select(variant: str) -> None:
         configs._GATHER_X_MAX_H = 1 << 30
     elif variant == "gather-s3":
         te.tma_kernel_configs = gather_s3
-    elif variant == "dd-pingpong":
-        te.tma_kernel_configs = dd_pingpong
     elif variant == "no-handoff":
         te.tma_kernel_configs = no_handoff
     elif variant == "no-skip":
@@ -101,8 +90,8 @@ def select(variant: str) -> None:
         gemm, _, n = variant.rpartition("group_m:")
         te.tma_kernel_configs = with_group_m(int(n), gemm.removesuffix(".") or None)
     elif variant != "default":
-        raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, gather, gather-s3, dd-pingpong, "
-                         "no-handoff, no-skip, no-spread-x, group_m:N or GEMM.group_m:N")
+        raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, gather, gather-s3, no-handoff, no-skip, "
+                         "no-spread-x, group_m:N or GEMM.group_m:N")
 
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

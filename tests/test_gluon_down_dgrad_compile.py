@@ -75,7 +75,7 @@ def _compile_gluon(router: bool, store_h_w: bool, cfg=G.DEFAULT_CONFIG):
     bf16 = dict(dtype=torch.bfloat16)
     descs = G.descriptors(torch.empty(R, H, **bf16), torch.empty(E, H, I, **bf16), torch.empty(R, 2 * I, **bf16),
                           torch.empty(R, 2 * I, **bf16), torch.empty(R, I, **bf16), cfg)
-    fn = G.down_dgrad_pp_kernel if cfg.pingpong else G.down_dgrad_ws_kernel
+    fn = G.down_dgrad_ws_kernel
     consts = G.constexprs(cfg, 1, router, store_h_w)
     signature = kernel_signature(fn, consts, {name: mangle_type(d) for name, d in descs.items()}, _pointer_type)
     return compile_gluon(fn, signature, consts, divisible_by_16(fn, pointers(fn)))
@@ -163,33 +163,6 @@ def test_gluon_down_dgrad_sm90a(name):
     assert_no_spills_or_serialisation(name, r)
     want = cfg.smem_bytes()
     assert want <= meta.shared <= SMEM_LIMIT, f"{name}: shared {meta.shared} B (buffers {want} B)"
-
-
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_gluon_down_dgrad_pingpong_sm90a(name):
-    """The ping-pong kernel (down_dgrad_pp_kernel): both consumer warpgroups run the main loop (two m64n128k16 a
-    k16 step, K step 0 peeled, kept in flight) and the epilogue on the pieces of their own accumulator; 12 warps
-    (two consumer warpgroups at consumer_regs, the producer's warp and the two g/u prefetch warps in one warpgroup
-    at producer_regs); no spills; the ring and both consumers' g/u stages within the SM's shared memory."""
-    router, store_h_w = VARIANTS[name]
-    cfg = G.PINGPONG_CONFIG
-    r = warp_specialized_report(_compile_gluon(router, store_h_w, cfg))
-    meta = r["compiled"].metadata
-    h_w = router and store_h_w
-    print(f"\ngluon down_dgrad ping-pong {name}: {meta.num_warps} warps, setmaxnreg {r['setmaxnreg']}, shared "
-          f"{meta.shared} B, wgmma {r['wgmma_any']}, wait_group {r['wait_groups']}, TMA loads 2d/3d "
-          f"{r['tma_load_2d']}/{r['tma_load_3d']}, mbarrier init {r['mbar_init']}")
-    assert r["wgmma_any"] == 2 * 2 * 8, f"{name}: wgmma {r['wgmma_any']}"  # two consumers x (peeled + loop)
-    assert 1 in r["wait_groups"], f"{name}: wgmma not kept in flight across K steps ({r['wait_groups']})"
-    assert r["tma_load_2d"] == 1 and r["tma_load_3d"] >= 1 + 2 * 2, f"{name}: TMA loads"
-    h_w_stores = count(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta\.bulk_group", r["ptx"])
-    assert (h_w_stores > 0) == h_w, f"{name}: {h_w_stores} h_w stores"
-    assert r["mbar_init"] == 2 * cfg.stages + 2 + 4 * cfg.z_stages, f"{name}: {r['mbar_init']} mbarrier.init"
-    assert meta.num_warps == 12, f"{name}: {meta.num_warps} warps"
-    assert 2 * cfg.consumer_regs + cfg.producer_regs <= 512, "the three warpgroups' registers exceed the file"
-    assert_register_split(name, r, cfg.producer_regs, cfg.consumer_regs)
-    assert_no_spills_or_serialisation(name, r)
-    assert cfg.smem_bytes() <= meta.shared <= SMEM_LIMIT, f"{name}: shared {meta.shared} B ({cfg.smem_bytes()})"
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -354,197 +354,6 @@ def down_dgrad_ws_kernel(d_y_desc, w_desc, gu_desc, d_gu_desc, h_w_desc, row_src
 
 
 # ----------------------------------------------------------------------------------------------------
-# The ping-pong variant: each consumer warpgroup owns whole tiles and runs the epilogue on its own accumulator
-
-
-@gluon.jit
-def _z_producer(gu_desc, z_bufs, z_ready, z_empty, block_range_ptr, I, WG: gl.constexpr, SPLIT: gl.constexpr,
-                GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """One warp per consumer warpgroup WG: g and u of every piece of WG's tiles (the CTA's local tiles WG, WG + 2,
-    ...), pieces in the epilogue's order, by TMA into WG's Z-stage ring (stage = a g box and a u box)."""
-    Z: gl.constexpr = z_ready.shape[0] // 2
-    HALF_N: gl.constexpr = BLOCK_N // 2
-    NBYTES: gl.constexpr = 2 * gu_desc.block_type.nbytes
-    first_m, end_m = load_range(block_range_ptr, SPLIT)
-    num_m = end_m - first_m
-    num_n = gl.cdiv(I, BLOCK_N)
-    q = 0  # pieces of WG's tiles so far: stage q % Z, its use number q // Z
-    for tile in range(gl.program_id(0) + WG * gl.num_programs(0), num_m * num_n, 2 * gl.num_programs(0)):
-        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-        row = (first_m + pid_m) * BLOCK_M
-        col = pid_n * BLOCK_N
-        for piece in gl.static_range(4):
-            s = WG * Z + q % Z
-            mbarrier.wait(z_empty.index(s), ((q // Z) & 1) ^ 1)
-            bar = z_ready.index(s)
-            mbarrier.expect(bar, NBYTES)
-            r = row + (piece // 2) * PIECE_M
-            c = col + (piece % 2) * HALF_N
-            tma_load(gu_desc, [r, 0, c], bar, z_bufs.index(2 * s))
-            tma_load(gu_desc, [r, 1, c], bar, z_bufs.index(2 * s + 1))
-            q += 1
-
-
-@gluon.jit
-def _pp_piece(acc, z_bufs, z_ready, z_empty, q, weight, d_gu_desc, h_w_desc, row, col, WG: gl.constexpr,
-              ROUTER: gl.constexpr, STORE_H_W: gl.constexpr):
-    """_epilogue_piece on a piece held in registers (HALF_LAYOUT), its g and u prefetched into this consumer's z
-    stage of piece counter q, the outputs written over them and TMA-stored (left in flight: the stage is released
-    at the next piece, once they have read it). Returns the piece's router-weight partial sums (ROUTER), else 0."""
-    Z: gl.constexpr = z_ready.shape[0] // 2
-    s = WG * Z + q % Z
-    g_box = z_bufs.index(2 * s)
-    u_box = z_bufs.index(2 * s + 1)
-    PM: gl.constexpr = g_box.shape[0]
-    HALF_N: gl.constexpr = g_box.shape[2]
-    mbarrier.wait(z_ready.index(s), (q // Z) & 1)
-    g = g_box.reshape([PM, HALF_N]).load(HALF_LAYOUT)
-    u = u_box.reshape([PM, HALF_N]).load(HALF_LAYOUT)
-    # Piece q - 1's stores (issued at its end, while this piece waited and loaded) have read its stage: release it.
-    tma.store_wait(pendings=0)
-    thread_barrier()  # every thread has read g and u before any thread writes over them
-    mbarrier.arrive(z_empty.index(WG * Z + (q + Z - 1) % Z), pred=q > 0)
-    d_w_part = gl.zeros([PM], gl.float32, gl.SliceLayout(1, HALF_LAYOUT))
-    if ROUTER:
-        acc, h_w, d_w_part = router_epilogue(acc, g, u, weight)
-        if STORE_H_W:
-            hw_buf = smem_reinterpret(g_box, h_w_desc.dtype, h_w_desc.block_type.shape, h_w_desc.layout)
-            hw_buf.store(h_w.to(h_w_desc.dtype))
-            fence_async_shared()
-            thread_barrier()
-            tma_store(h_w_desc, [row, col], hw_buf)
-    d_g, d_u = swiglu_bwd(acc, g, u)
-    u_box.reshape([PM, HALF_N]).store(d_u.to(d_gu_desc.dtype))
-    if ROUTER and STORE_H_W:
-        tma.store_wait(pendings=0)  # the h_w store has read the g box
-        thread_barrier()
-    g_box.reshape([PM, HALF_N]).store(d_g.to(d_gu_desc.dtype))
-    fence_async_shared()
-    thread_barrier()
-    tma_store(d_gu_desc, [row, 0, col], g_box)
-    tma_store(d_gu_desc, [row, 1, col], u_box)
-    return d_w_part
-
-
-@gluon.jit
-def _pp_consumer(a_bufs, b_bufs, ready_bars, empty_bars, order_bars, z_bufs, z_ready, z_empty, d_gu_desc, h_w_desc,
-                 row_src_ptr, weights_ptr, d_w_part_ptr, block_range_ptr, H, I, WG: gl.constexpr,
-                 SPLIT: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 ROUTER: gl.constexpr, STORE_H_W: gl.constexpr):
-    """Consumer warpgroup WG: the CTA's local tiles WG, WG + 2, ..., each a [128, 128] main loop over the ring (in
-    turn with the other warpgroup: order_bars, as gluon_rows' ping-pong) and then its epilogue on the accumulator
-    in registers, piece by piece (row half, column half) in the order of _epilogue, on g and u the z producer
-    prefetched."""
-    STAGES: gl.constexpr = a_bufs.shape[0]
-    BLOCK_K: gl.constexpr = a_bufs.shape[2]
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
-    first_m, end_m = load_range(block_range_ptr, SPLIT)
-    num_m = end_m - first_m
-    num_n = gl.cdiv(I, BLOCK_N)
-    k_steps = gl.cdiv(H, BLOCK_K)
-    c = WG * k_steps  # the producer's fill counter at this warpgroup's first K step
-    turn = 0  # tiles of this warpgroup so far
-    q = 0  # pieces so far (the z producer's counter)
-    for tile in range(gl.program_id(0) + WG * gl.num_programs(0), num_m * num_n, 2 * gl.num_programs(0)):
-        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-        row = (first_m + pid_m) * BLOCK_M
-        col = pid_n * BLOCK_N
-        # Turn `turn` = phase `turn` (warpgroup 1) or `turn - 1` (warpgroup 0, whose turn 0 passes on the fresh
-        # barrier) of order[WG], completed when the other warpgroup has issued its previous tile's K loop.
-        # The first row half's router weights, loaded before the main loop (their latency hidden behind it); the
-        # second half's at the start of the epilogue, two pieces before they are used.
-        rows = row + gl.arange(0, PIECE_M, layout=gl.SliceLayout(1, HALF_LAYOUT))
-        weight0 = gl.zeros([PIECE_M], gl.float32, gl.SliceLayout(1, HALF_LAYOUT))  # read only with ROUTER
-        weight1 = weight0
-        if ROUTER:
-            weight0 = pair_weights(row_src_ptr, weights_ptr, rows)
-        mbarrier.wait(order_bars.index(WG), (turn & 1) ^ (1 - WG))
-        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
-        acc = _k_step(a_bufs, b_bufs, ready_bars, empty_bars, acc, c, 0)
-        for ki in range(1, k_steps):
-            acc = _k_step(a_bufs, b_bufs, ready_bars, empty_bars, acc, c + ki, ki)
-        mbarrier.arrive(order_bars.index(1 - WG))  # the whole K loop is issued: the other's turn
-        turn += 1
-        c += k_steps
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES))
-        c += k_steps  # the other warpgroup's tile
-        if ROUTER:
-            weight1 = pair_weights(row_src_ptr, weights_ptr, rows + PIECE_M)
-        acc_r0, acc_r1 = row_halves(acc)
-        q = _pp_row_half(acc_r0, q, weight0, z_bufs, z_ready, z_empty, d_gu_desc, h_w_desc, d_w_part_ptr, row, col,
-                         pid_n, num_n, WG, ROUTER, STORE_H_W)
-        q = _pp_row_half(acc_r1, q, weight1, z_bufs, z_ready, z_empty, d_gu_desc, h_w_desc, d_w_part_ptr,
-                         row + PIECE_M, col, pid_n, num_n, WG, ROUTER, STORE_H_W)
-    tma.store_wait(pendings=0)  # the last stores have read their boxes before the CTA exits
-
-
-@gluon.jit
-def _pp_row_half(acc_r, q, weight, z_bufs, z_ready, z_empty, d_gu_desc, h_w_desc, d_w_part_ptr, row, col, pid_n, num_n,
-                 WG: gl.constexpr, ROUTER: gl.constexpr, STORE_H_W: gl.constexpr):
-    """The epilogue of one row half [64, 128] of a tile (rows row.., router weights `weight`): its two pieces
-    (column halves) in turn, then the rows' d_w_part (the two pieces' partial sums added in _epilogue's order).
-    Returns the piece counter."""
-    HALF_N: gl.constexpr = acc_r.shape[1] // 2
-    piece0, piece1 = column_halves(acc_r)
-    d_w_part = _pp_piece(gl.convert_layout(piece0, HALF_LAYOUT, assert_trivial=True), z_bufs, z_ready, z_empty, q,
-                         weight, d_gu_desc, h_w_desc, row, col, WG, ROUTER, STORE_H_W)
-    d_w_part += _pp_piece(gl.convert_layout(piece1, HALF_LAYOUT, assert_trivial=True), z_bufs, z_ready, z_empty,
-                          q + 1, weight, d_gu_desc, h_w_desc, row, col + HALF_N, WG, ROUTER, STORE_H_W)
-    if ROUTER:
-        rows = row + gl.arange(0, PIECE_M, layout=gl.SliceLayout(1, HALF_LAYOUT))
-        gl.store(d_w_part_ptr + rows * num_n + pid_n, d_w_part)
-    return q + 2
-
-
-@gluon.jit
-def down_dgrad_pp_kernel(d_y_desc, w_desc, gu_desc, d_gu_desc, h_w_desc, row_src_ptr, weights_ptr, d_w_part_ptr,
-                         block_expert_ptr, block_range_ptr, ROUTER: gl.constexpr, STORE_H_W: gl.constexpr,
-                         SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, Z_STAGES: gl.constexpr,
-                         PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    """down_dgrad_ws_kernel's results with the work split as a ping-pong: two consumer warpgroups own alternate
-    [128, 128] tiles and run each tile's epilogue on their own accumulator while the other runs its main loop; a
-    producer warp fills the operand ring, and one warp per consumer prefetches the g and u boxes of its pieces into
-    a Z_STAGES ring of its own. Same descriptors and pointers as down_dgrad_ws_kernel. Launch with num_warps=4."""
-    BLOCK_M: gl.constexpr = d_y_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = w_desc.block_type.shape[2]
-    gl.static_assert(BLOCK_M == 2 * PIECE_M and BLOCK_N == 128, "128 x 128 tiles: pieces of 64 x 64")
-    dtype: gl.constexpr = d_y_desc.dtype
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + d_y_desc.block_type.shape, d_y_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    z_bufs = gl.allocate_shared_memory(dtype, [2 * 2 * Z_STAGES] + gu_desc.block_type.shape, gu_desc.layout)
-    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    order_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    z_ready = gl.allocate_shared_memory(gl.int64, [2 * Z_STAGES, 1], mbarrier.MBarrierLayout())
-    z_empty = gl.allocate_shared_memory(gl.int64, [2 * Z_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready_bars.index(i), count=1)
-        mbarrier.init(empty_bars.index(i), count=1)  # one reader per slot
-    for i in gl.static_range(2):
-        mbarrier.init(order_bars.index(i), count=1)
-    for i in gl.static_range(2 * Z_STAGES):
-        mbarrier.init(z_ready.index(i), count=1)
-        mbarrier.init(z_empty.index(i), count=1)
-    fence_async_shared()
-    H = d_y_desc.shape[1]
-    I = w_desc.shape[2]
-    gl.warp_specialize([
-        (_pp_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, order_bars, z_bufs, z_ready, z_empty, d_gu_desc,
-                        h_w_desc, row_src_ptr, weights_ptr, d_w_part_ptr, block_range_ptr, H, I, 0, SPLIT, GROUP_M,
-                        BLOCK_M, BLOCK_N, ROUTER, STORE_H_W)),
-        (_pp_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, order_bars, z_bufs, z_ready, z_empty, d_gu_desc,
-                        h_w_desc, row_src_ptr, weights_ptr, d_w_part_ptr, block_range_ptr, H, I, 1, SPLIT, GROUP_M,
-                        BLOCK_M, BLOCK_N, ROUTER, STORE_H_W)),
-        (_producer, (d_y_desc, w_desc, a_bufs, b_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr,
-                     SPLIT, GROUP_M)),
-        (_z_producer, (gu_desc, z_bufs, z_ready, z_empty, block_range_ptr, I, 0, SPLIT, GROUP_M, BLOCK_M, BLOCK_N)),
-        (_z_producer, (gu_desc, z_bufs, z_ready, z_empty, block_range_ptr, I, 1, SPLIT, GROUP_M, BLOCK_M, BLOCK_N)),
-    ], [4, 1, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
-
-
-# ----------------------------------------------------------------------------------------------------
 # Config and host launchers
 
 
@@ -552,8 +361,7 @@ def down_dgrad_pp_kernel(d_y_desc, w_desc, gu_desc, d_gu_desc, h_w_desc, row_src
 class GluonDownDgradConfig:
     """The tile (128 x 128 x 64: the TMA table's down_dgrad tile, which d_w_part's column blocks and the
     bitwise match depend on), the ring depth and the registers of the epilogue warpgroups and the producer
-    (the MMA warpgroup gets the rest). pingpong: down_dgrad_pp_kernel (z_stages of g and u per consumer,
-    consumer_regs for its two consumer warpgroups) instead of down_dgrad_ws_kernel (epilogue_regs)."""
+    (the MMA warpgroup gets the rest)."""
 
     stages: int = 5
     group_m: int = 8
@@ -562,28 +370,18 @@ class GluonDownDgradConfig:
     block_m: int = 128
     block_n: int = 128
     block_k: int = 64
-    pingpong: bool = False
-    z_stages: int = 3
-    consumer_regs: int = 240
 
     def smem_bytes(self, elem: int = 2) -> int:
-        """Ring + accumulator pieces (fp32; g, u and the outputs pass through them too), or with pingpong the two
-        consumers' g and u stages; without the barriers."""
+        """Ring + accumulator pieces (fp32; g, u and the outputs pass through them too), without the barriers."""
         ring = self.stages * (self.block_m + self.block_n) * self.block_k * elem
-        if self.pingpong:
-            return ring + 2 * self.z_stages * 2 * PIECE_M.value * (self.block_n // 2) * elem
         return ring + self.block_m * self.block_n * 4
 
 
 DEFAULT_CONFIG = GluonDownDgradConfig()
-PINGPONG_CONFIG = GluonDownDgradConfig(stages=4, pingpong=True)  # ring 128 KB + 2 x 3 x 16 KB of g and u
 
 
 def constexprs(cfg: GluonDownDgradConfig, split: int, router: bool, store_h_w: bool) -> dict:
     """The kernel's constexpr arguments (the launcher and tests/test_gluon_down_dgrad_compile.py share them)."""
-    if cfg.pingpong:
-        return dict(ROUTER=router, STORE_H_W=store_h_w, SPLIT=split, GROUP_M=cfg.group_m, STAGES=cfg.stages,
-                    Z_STAGES=cfg.z_stages, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
     return dict(ROUTER=router, STORE_H_W=store_h_w, SPLIT=split, GROUP_M=cfg.group_m, STAGES=cfg.stages,
                 PRODUCER_REGS=cfg.producer_regs, EPILOGUE_REGS=cfg.epilogue_regs)
 
@@ -616,8 +414,7 @@ def _run(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, row_src, weights, h_
           "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8 in bf16)")
     descs = descriptors(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, h_w_RI, cfg)
     tiles = d_rows_RH.shape[0] // cfg.block_m * triton.cdiv(w_down_EHI.shape[2], cfg.block_n)
-    kernel = down_dgrad_pp_kernel if cfg.pingpong else down_dgrad_ws_kernel
-    return kernel[(max(1, min(num_sms(d_rows_RH.device), tiles)), )](
+    return down_dgrad_ws_kernel[(max(1, min(num_sms(d_rows_RH.device), tiles)), )](
         descs["d_y_desc"], descs["w_desc"], descs["gu_desc"], descs["d_gu_desc"], descs["h_w_desc"], row_src, weights,
         d_w_part, block_expert, block_range, **constexprs(cfg, split, router, store_h_w), num_warps=4)
 
@@ -650,7 +447,7 @@ def launch_down_dgrad(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, row_src
     """grouped_gemm._down_dgrad's Gluon branch (config.gluon): operands validated and outputs allocated there
     (its placeholders where router / store_h_w are off); the tile table's entry as this kernel's tile."""
     cfg = GluonDownDgradConfig(stages=config.num_stages, group_m=config.group_m, block_m=config.block_m,
-                               block_n=config.block_n, block_k=config.block_k, pingpong=config.pingpong)
+                               block_n=config.block_n, block_k=config.block_k)
     _run(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, row_src, weights, h_w_RI, d_w_part, block_expert,
          block_range, split, cfg, router, store_h_w)
 
