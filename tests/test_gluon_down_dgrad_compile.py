@@ -6,20 +6,23 @@ launcher builds, here on CPU tensors), in its three variants: the router epilogu
 one-GPU backward runs), the router epilogue without h_w, and plain down_dgrad (no router). The assertions are
 about the code an H200 would run:
 
-  * wgmma: per K step, 8 wgmma.mma_async m64n128k16 (two row halves x four k16) in the MMA partition only
-    (16 in the PTX: K step 0 is peeled out of the loop; HGMMA 64x128x16 in the SASS), kept in flight across
-    K steps (wgmma.wait_group 1);
-  * TMA: d_y rows by one 2-D copy, the weight tile by a 3-D copy, g and u of a piece by 3-D copies (three
-    call sites in each epilogue partition: the first tile, the second piece, the next tile), all completing
-    on mbarriers; d_gate_up by 3-D stores (2 epilogue partitions x 2 pieces x gate/up), h_w by 2-D stores
-    (2 x 2, only with ROUTER and STORE_H_W); the stores' shared-memory reads awaited with
-    cp.async.bulk.wait_group.read before the staging buffers and pieces are reused; no cp.async;
-  * the accumulator through shared memory: 8-byte stores (STS.64) from the MMA partition and 8-byte loads
-    (LDS.64) in the epilogue partitions; g and u by ldmatrix, d_g, d_u, h_w by stmatrix;
-  * mbarriers: ready + empty per stage, acc_ready, acc_empty, one gu_ready per epilogue partition;
-  * warp specialization: 16 warps, setmaxnreg 152 (epilogue partitions) / 40 (producer), the MMA partition
-    the rest (168);
-  * ptxas -v: no spills, no stack frame, no C7510 (wgmma serialisation); no local memory in the SASS;
+  * wgmma: per K step, 8 wgmma.mma_async m64n128k16 (two row halves x four k16) in each consumer partition
+    (32 in the PTX: two consumers, K step 0 peeled out of the loop; HGMMA 64x128x16 in the SASS), kept in
+    flight across K steps (wgmma.wait_group 1);
+  * TMA: d_y rows by one 2-D copy and the weight tile by a 3-D copy (the producer), g and u by 3-D copies
+    (each z producer: 4 pieces x g, u), all completing on mbarriers; d_gate_up by 3-D stores (2 consumers x
+    2 pieces x gate/up: the epilogue is a loop over the row halves, one copy of its two pieces), h_w by 2-D
+    stores (2 x 2, only with ROUTER and STORE_H_W); the stores' shared-memory reads awaited with
+    cp.async.bulk.wait_group.read before a z stage is released or d_g written over the h_w box; no cp.async;
+  * no accumulator through shared memory (no STS.64 / LDS.64), g and u by ldmatrix, d_g, d_u, h_w by
+    stmatrix; the router weights by pointer loads in the z producers only (the consumers read them from
+    shared memory);
+  * mbarriers: ready + empty per stage, two order barriers, z_ready + z_empty per z stage of each consumer;
+  * warp specialization: 12 warps, setmaxnreg 240 (consumers) / 32 (the producers' warpgroup);
+  * code size: within the instruction cache's reach (unrolled, the epilogue made 10,144 instructions and the
+    warps waited on instruction fetch 37% of the time);
+  * ptxas -v: no spills, no stack frame, no C7510 (wgmma serialisation), no local memory in the SASS --
+    except the router variant with h_w, where ptxas keeps 16 bytes of scalars in local memory (bounded);
     shared memory within the 227 KB of an SM and at least the buffers the config accounts for.
 
 Bitwise equality with tma_gemm.down_dgrad_tma_kernel (checked on a GPU by benchmarks/gluon_down_dgrad_bench.py
@@ -28,10 +31,15 @@ math in the same layout: test_epilogue_matches_the_triton_kernel compiles the pr
 TMA table entry and compares the d_w_part row sums' layout, the reduction's lane shuffles and the count of
 fused multiply-adds (LLVM's contractions decide bits) per epilogue.
 
-A Python model of the barrier protocol (test_barrier_protocol_model) runs the four partitions' loops, with
-the kernel's counters and parities, against a model of mbarriers, TMA copies and stores in random
-interleavings: no deadlock, every read sees the data of its own tile, nothing overwritten while a TMA
-store or an in-flight wgmma still reads it.
+A Python model of the barrier protocol (test_barrier_protocol_model) runs the five partitions' loops (the
+producer; consumers 0 and 1 on alternate tiles, their K loops in turn through the order barriers, their
+epilogues piece by piece; a z producer per consumer), with the kernel's counters and parities, against a
+model of mbarriers, TMA loads, TMA stores and wgmmas completing asynchronously, in random interleavings,
+for tile counts of none, one (consumer 1 idle) and odd ones (consumer 0 a tile ahead), K loops shorter and
+longer than the ring, and the default ring depths: no deadlock, every read sees the data of its own (tile,
+K step) or (tile, piece), nothing overwritten while a TMA store or an in-flight wgmma still reads it, no
+ring slot or z stage written before its consumer gave it back. Without either store wait, the order wait
+or the z producer's z_empty wait the model fails (test_barrier_protocol_model_catches_a_missing_wait).
 
 Run: pytest tests/test_gluon_down_dgrad_compile.py -s  (prints registers, shared memory and instruction counts).
 """
@@ -116,6 +124,7 @@ def _report(name: str) -> dict:
             hgmma=count(r"HGMMA\.64x128x16\.F32\.BF16", sass),
             utmaldg=count(r"UTMALDG", sass), utmastg=count(r"UTMASTG", sass),
             sts64=count(r"\bSTS\.64\b", sass), lds64=count(r"\bLDS\.64\b", sass),
+            ldg=count(r"\bLDG\.E", sass), instructions=count(r"/\*[0-9a-f]{4,}\*/\s+[A-Z@]", sass),
         )
     return _CACHE[name]
 
@@ -125,43 +134,54 @@ def test_gluon_down_dgrad_sm90a(name):
     r = _report(name)
     cfg, meta, px = G.DEFAULT_CONFIG, r["compiled"].metadata, r["ptxas"]
     h_w = r["router"] and r["store_h_w"]
-    print(f"\ngluon down_dgrad {name} (stages {cfg.stages}): {meta.num_warps} warps, {px['registers']} "
-          f"registers/thread (kernel max), setmaxnreg {r['setmaxnreg']}, shared {meta.shared} B, spills "
+    print(f"\ngluon down_dgrad {name} (stages {cfg.stages}, z stages {cfg.z_stages}): {meta.num_warps} warps, "
+          f"{r['instructions']} SASS instructions, setmaxnreg {r['setmaxnreg']}, shared {meta.shared} B, spills "
           f"{px['spill_stores']}/{px['spill_loads']} B, stack {px['stack']} B; PTX: {r['wgmma']} wgmma m64n128k16, "
           f"wait_group {r['wait_groups']}, TMA loads 2d/3d {r['tma_load_2d']}/{r['tma_load_3d']}, TMA stores 2d/3d "
           f"{r['tma_store_2d']}/{r['tma_store_3d']}, store waits {r['store_wait_read']}, ldmatrix {r['ldmatrix']}, "
           f"stmatrix {r['stmatrix']}, mbarrier init {r['mbar_init']} / try_wait {r['mbar_wait']} / expect_tx "
           f"{r['mbar_expect']} / arrive {r['mbar_arrive']}; SASS: {r['hgmma']} HGMMA, UTMALDG {r['utmaldg']}, "
-          f"UTMASTG {r['utmastg']}, STS.64 {r['sts64']}, LDS.64 {r['lds64']}, local {r['local']}")
-    # wgmma: a K step is 2 x 4 m64n128k16 (two row halves, BLOCK_K 64 / 16), twice in the code (K step 0 peeled).
-    assert r["wgmma"] == r["wgmma_any"] == 2 * 8, f"{name}: wgmma {r['wgmma']}/{r['wgmma_any']}"
-    assert r["hgmma"] == 2 * 8, f"{name}: {r['hgmma']} HGMMA in the SASS"
+          f"UTMASTG {r['utmastg']}, LDG {r['ldg']}, local {r['local']}")
+    # wgmma: a K step is 2 x 4 m64n128k16 (two row halves, BLOCK_K 64 / 16), twice in each consumer's code (K
+    # step 0 peeled).
+    assert r["wgmma"] == r["wgmma_any"] == 2 * 2 * 8, f"{name}: wgmma {r['wgmma']}/{r['wgmma_any']}"
+    assert r["hgmma"] == 2 * 2 * 8, f"{name}: {r['hgmma']} HGMMA in the SASS"
     assert 1 in r["wait_groups"], f"{name}: wgmma not kept in flight across K steps ({r['wait_groups']})"
-    # TMA: d_y (2-D) and the weight tile (3-D, two 64-column messages) in the producer; g and u (3-D) once per
-    # piece in each epilogue partition; d_gate_up (3-D) and h_w (2-D) out, per partition and piece.
-    assert r["tma_load_2d"] == 1 and r["tma_load_3d"] == 2 + 2 * 2 * 2, (
+    # TMA: d_y (2-D) and the weight tile (3-D, two 64-column messages) in the producer; g and u (3-D) for each
+    # of the 4 pieces in each z producer; d_gate_up (3-D) and h_w (2-D) out, per consumer and piece of the loop.
+    assert r["tma_load_2d"] == 1 and r["tma_load_3d"] == 2 + 2 * 4 * 2, (
         f"{name}: TMA loads {r['tma_load_2d']}/{r['tma_load_3d']}")
     assert r["tma_store_3d"] == 2 * 2 * 2, f"{name}: {r['tma_store_3d']} d_gate_up stores"
     assert r["tma_store_2d"] == (2 * 2 if h_w else 0), f"{name}: {r['tma_store_2d']} h_w stores"
-    # The stores' reads awaited: per partition at the end of a tile, and with h_w after each piece's h_w store
-    # (d_g goes into the box it was read from).
-    assert r["store_wait_read"] == 2 * (1 + (2 if h_w else 0)) and r["cp_async"] == 0, f"{name}: store waits"
+    # The stores' reads awaited: per consumer and piece before its z stage is released, at the consumer's end,
+    # and with h_w after each piece's h_w store (d_g goes into the box it was read from).
+    assert r["store_wait_read"] == 2 * (2 + 1 + (2 if h_w else 0)) and r["cp_async"] == 0, f"{name}: store waits"
     assert r["utmaldg"] >= 3 and r["utmastg"] >= 2 * 2 * 2
-    # The accumulator through shared memory in 8-byte accesses (128 fp32 registers: 64 stores in the MMA
-    # partition; 2 pieces x 32 registers: 32 loads in each epilogue partition); g, u by ldmatrix, the outputs
-    # by stmatrix.
-    assert r["sts64"] >= 64 and r["lds64"] == 2 * 32, f"{name}: STS.64 {r['sts64']}, LDS.64 {r['lds64']}"
+    # No accumulator through shared memory (its 128 fp32 registers would take 64 8-byte stores and loads; the few
+    # STS.64 are the z producers' router weights, two a lane); g, u by ldmatrix, the outputs by stmatrix.
+    assert r["sts64"] < 64 and r["lds64"] == 0, f"{name}: STS.64 {r['sts64']}, LDS.64 {r['lds64']}"
     assert r["ldmatrix"] > 0 and r["stmatrix"] > 0, f"{name}: ldmatrix {r['ldmatrix']}, stmatrix {r['stmatrix']}"
-    # mbarriers: ready + empty per stage, acc_ready, acc_empty, gu_ready x 2.
-    assert r["mbar_init"] == 2 * cfg.stages + 4, f"{name}: {r['mbar_init']} mbarrier.init"
-    assert r["mbar_expect"] >= 1 + 2 * 2, f"{name}: expect_tx for the ring and for each g, u copy"
-    assert r["mbar_wait"] >= 2 + 2 + 2 * 2 and r["mbar_arrive"] >= 2 + 2
+    # Against plain down_dgrad, the router's global loads are the z producers' alone: per producer and piece
+    # (unrolled 4 times) the 64 rows' row_src (one 8-byte load a lane) and their 2 weights a lane.
+    weight_loads = r["ldg"] - _report("plain")["ldg"]
+    assert weight_loads == (2 * 4 * 3 if r["router"] else 0), f"{name}: {weight_loads} more global loads than plain"
+    # mbarriers: ready + empty per stage, order x 2, z_ready + z_empty per z stage of each consumer.
+    assert r["mbar_init"] == 2 * cfg.stages + 2 + 4 * cfg.z_stages, f"{name}: {r['mbar_init']} mbarrier.init"
+    assert r["mbar_expect"] >= 1 + 2 * 4, f"{name}: expect_tx for the ring and for each g, u copy"
     # Warp specialization and its register split.
-    assert meta.num_warps == 16, f"{name}: {meta.num_warps} warps"
-    assert_register_split(name, r, cfg.producer_regs, cfg.epilogue_regs)
-    # No spills, nothing serialised, shared memory within the SM.
-    assert_no_spills_or_serialisation(name, r)
-    want = cfg.smem_bytes()
+    assert meta.num_warps == 12, f"{name}: {meta.num_warps} warps"
+    assert 2 * cfg.consumer_regs + cfg.producer_regs <= 512, "the three warpgroups' registers exceed the file"
+    assert_register_split(name, r, cfg.producer_regs, cfg.consumer_regs)
+    # One copy of the epilogue's pieces per consumer: the code stays far below the unrolled kernel's 10,144
+    # instructions, whose warps stalled on instruction fetch.
+    assert r["instructions"] <= 6500, f"{name}: {r['instructions']} SASS instructions"
+    # Nothing serialised; no spills but, with h_w, 16 bytes of scalars (set-up values and one counter a tile).
+    if h_w:
+        assert px["spill_stores"] <= 16 and px["stack"] <= 16 and r["local"] <= 8, f"{name} spills:\n{px['log']}"
+        assert "C7510" not in px["log"] and "serialized" not in px["log"], f"{name}: wgmma serialised"
+    else:
+        assert_no_spills_or_serialisation(name, r)
+    want = cfg.smem_bytes(router=r["router"])
     assert want <= meta.shared <= SMEM_LIMIT, f"{name}: shared {meta.shared} B (buffers {want} B)"
 
 
@@ -238,175 +258,255 @@ class _MBarrier:
             self.completed += 1
             self.pending = self.count
 
-    def passed(self, parity: int) -> bool:
-        """try_wait.parity: the phase of this parity has completed (the current phase has the other one)."""
-        return (self.completed & 1) != parity
+    def passed(self, parity: int):
+        """try_wait.parity, as the condition a partition waits on: the phase of this parity has completed (the
+        current phase has the other one)."""
+        return lambda: (self.completed & 1) != parity
 
 
 class _Cell:
-    """A shared-memory buffer: its content tag and the async readers (TMA stores, wgmmas) not done yet."""
+    """A shared-memory buffer: the tag of its content, the asynchronous reads of it in flight (wgmmas, TMA
+    stores) and whether a consumer holds it (from the wait that hands it over to the arrive that gives it back)."""
 
     def __init__(self):
-        self.tag, self.readers = None, 0
+        self.tag, self.readers, self.held = None, 0, False
+
+    def fill(self, tag) -> None:
+        """The producing side's write (a TMA load landing, the router weights): never into a held buffer."""
+        assert not self.held, f"{tag} landed in a buffer a consumer still holds ({self.tag})"
+        self._write(tag)
 
     def write(self, tag) -> None:
+        """A consumer's write (h_w, d_u, d_g over g and u): only into a buffer it holds."""
+        assert self.held, f"{tag} written into a buffer no consumer holds ({self.tag})"
+        self._write(tag)
+
+    def read(self, tag) -> None:
+        assert self.tag == tag, f"read {self.tag}, not {tag}"
+
+    def _write(self, tag) -> None:
         assert self.readers == 0, f"overwritten ({self.tag} -> {tag}) while still being read"
         self.tag = tag
 
 
-class _Model:
-    """The kernel's four partitions: producer, MMA warpgroup, epilogue warpgroups 0 and 1."""
+class _AsyncReads:
+    """One consumer's asynchronous readers of shared memory (its wgmmas, or its TMA stores) in issue order: each
+    reads its buffers at some later point (an event the model's scheduler runs), and nobody may write them before
+    it has. warpgroup_mma_wait(n) / tma.store_wait(n) wait until all but the n newest have read."""
 
-    def __init__(self, tiles: int, k_steps: int, stages: int, router: bool, seed: int, store_h_w: bool = True):
-        self.tiles, self.k_steps, self.stages, self.router, self.store_h_w = tiles, k_steps, stages, router, store_h_w
+    def __init__(self, events: list):
+        self.events, self.done = events, []
+
+    def issue(self, reads: list) -> None:
+        """reads: (cell, the tag it must hold) for each buffer the operation reads."""
+        for cell, _ in reads:
+            cell.readers += 1
+        index = len(self.done)
+        self.done.append(False)
+
+        def read():
+            for cell, tag in reads:
+                cell.read(tag)
+                cell.readers -= 1
+            self.done[index] = True
+        self.events.append(read)
+
+    def all_read_but(self, newest: int):
+        issued = len(self.done) - newest
+        return lambda: all(self.done[:issued])
+
+
+class _Model:
+    """The kernel's five partitions, each a generator with the kernel's loops, counters and parities that yields
+    what it waits for (a label and a condition): the producer, consumers 0 and 1 (CTA-local tile j on consumer
+    j % 2) and their z producers. run() interleaves them at random (seeded) with the asynchronous operations,
+    each an event at a random later point: TMA loads landing (then complete_tx), wgmmas reading their ring slot,
+    TMA stores reading their box. A partition also yields right after each arrive, where the partition it wakes
+    may overtake it. Buffers carry tags: (tile, K step) in a ring slot, (tile, piece) in a z stage."""
+
+    def __init__(self, tiles: int, k_steps: int, stages: int, z_stages: int, router: bool, store_h_w: bool,
+                 seed: int):
+        self.tiles, self.k_steps, self.stages, self.z_stages = tiles, k_steps, stages, z_stages
+        self.router, self.store_h_w = router, router and store_h_w
         self.rng = random.Random(seed)
+        self.events: list = []  # the asynchronous operations not done yet, as callables
         self.ready = [_MBarrier(1) for _ in range(stages)]
         self.empty = [_MBarrier(1) for _ in range(stages)]
-        self.acc_ready, self.acc_empty = _MBarrier(1), _MBarrier(2)
-        self.gu_ready = [_MBarrier(1), _MBarrier(1)]
-        self.slots = [_Cell() for _ in range(stages)]
-        # Accumulator piece p is boxes 2p (g, then h_w, then d_g) and 2p + 1 (u, then d_u).
-        self.boxes = [_Cell() for _ in range(8)]
-        self.events: list = []  # async completions: TMA copies landing, TMA stores reading shared memory
-        self.stores = [[], []]  # per warpgroup, in issue order: [done] of each TMA store
+        self.order = [_MBarrier(1) for _ in range(2)]
+        self.z_ready = [_MBarrier(1) for _ in range(2 * z_stages)]
+        self.z_empty = [_MBarrier(1) for _ in range(2 * z_stages)]
+        self.slots = [(_Cell(), _Cell()) for _ in range(stages)]  # (d_y rows, w_down tile)
+        self.z = [(_Cell(), _Cell(), _Cell()) for _ in range(2 * z_stages)]  # (g box, u box, router weights)
+        self.wgmmas = [_AsyncReads(self.events) for _ in range(2)]
+        self.stores = [_AsyncReads(self.events) for _ in range(2)]
 
-    # async operations
-    def _tma_load(self, cells, tag, bar) -> None:
+    # helpers
+    def _tma_load(self, bar: _MBarrier, cell: _Cell, tag) -> None:
         def land():
-            for cell in cells:
-                cell.write(tag)
+            cell.fill(tag)
             bar.complete_tx(1)
         self.events.append(land)
 
-    def _tma_store(self, wg: int, cell: _Cell, tag) -> None:
-        cell.readers += 1
-        done = [False]
-        self.stores[wg].append(done)
+    @staticmethod
+    def _hold(cells) -> None:
+        for cell in cells:
+            assert not cell.held, f"a buffer ({cell.tag}) handed to a consumer twice"
+            cell.held = True
 
-        def read():
-            assert cell.tag == tag, f"a TMA store read {cell.tag}, not {tag}"
-            cell.readers -= 1
-            done[0] = True
-        self.events.append(read)
+    @staticmethod
+    def _arrive(bar: _MBarrier, released=()):
+        """An arrive that gives the released cells back; the other partitions may run right after it."""
+        for cell in released:
+            cell.held = False
+        bar.arrive()
+        yield "arrived", lambda: True
 
-    # the partitions (their loops as the kernel's, waits yielded)
+    # the partitions
     def producer(self):
-        p = 0
+        p = 0  # slot counter
         for j in range(self.tiles):
             for ki in range(self.k_steps):
                 s = p % self.stages
-                yield ("bar", self.empty[s], ((p // self.stages) & 1) ^ 1)
-                self.ready[s].expect(1)
-                self._tma_load([self.slots[s]], (j, ki), self.ready[s])
+                yield "empty", self.empty[s].passed(((p // self.stages) & 1) ^ 1)
+                d_y, w_down = self.slots[s]
+                self.ready[s].expect(2)
+                self._tma_load(self.ready[s], d_y, ("d_y", j, ki))
+                self._tma_load(self.ready[s], w_down, ("w_down", j, ki))
                 p += 1
 
-    def mma(self):
-        c = 0
-        for j in range(self.tiles):
-            in_flight = None  # the wgmma not retired yet: (slot cell, tag)
-            for ki in range(self.k_steps):
-                s = c % self.stages
-                yield ("bar", self.ready[s], (c // self.stages) & 1)
-                assert self.slots[s].tag == (j, ki), f"wgmma of {(j, ki)} read {self.slots[s].tag}"
-                self.slots[s].readers += 1
-                if in_flight is not None:  # warpgroup_mma_wait(1): the previous wgmma retires
-                    in_flight[0].readers -= 1
-                    assert in_flight[0].tag == in_flight[1]
-                in_flight = (self.slots[s], (j, ki))
-                if ki > 0:
-                    self.empty[(c + self.stages - 1) % self.stages].arrive()
-                c += 1
-            in_flight[0].readers -= 1  # warpgroup_mma_wait(0)
-            assert in_flight[0].tag == in_flight[1]
-            self.empty[(c + self.stages - 1) % self.stages].arrive()
-            yield ("bar", self.acc_empty, (j & 1) ^ 1)
-            for box in self.boxes:
-                box.write(("acc", j))
-            self.acc_ready.arrive()
+    def z_producer(self, wg: int):
+        z = self.z_stages
+        q = 0  # piece counter
+        for j in range(wg, self.tiles, 2):
+            for piece in range(4):
+                s = wg * z + q % z
+                g_box, u_box, weights = self.z[s]
+                yield "z_empty", self.z_empty[s].passed(((q // z) & 1) ^ 1)
+                if self.router:
+                    weights.fill(("weights", j, piece))
+                self.z_ready[s].expect(2)
+                self._tma_load(self.z_ready[s], g_box, ("g", j, piece))
+                self._tma_load(self.z_ready[s], u_box, ("u", j, piece))
+                q += 1
 
-    def epilogue(self, wg: int):
-        for j in range(self.tiles):
-            yield ("bar", self.acc_ready, j & 1)
-            for half in range(2):
-                g_box, u_box = self.boxes[4 * wg + 2 * half], self.boxes[4 * wg + 2 * half + 1]
-                assert g_box.tag == u_box.tag == ("acc", j), f"tile {j} read the accumulator {g_box.tag} / {u_box.tag}"
-                # (fence, barrier) then g and u by TMA into the piece's boxes
-                self.gu_ready[wg].expect(2)
-                self._tma_load([g_box], ("g", j, half), self.gu_ready[wg])
-                self._tma_load([u_box], ("u", j, half), self.gu_ready[wg])
-                yield ("bar", self.gu_ready[wg], half)
-                assert (g_box.tag, u_box.tag) == (("g", j, half), ("u", j, half)), f"read {g_box.tag} / {u_box.tag}"
-                h_w = self.router and self.store_h_w
-                if h_w:
-                    g_box.write(("h_w", j, half))
-                    self._tma_store(wg, g_box, ("h_w", j, half))
-                u_box.write(("d_u", j, half))
-                if h_w:
-                    yield ("stores", wg, 0, "h_w")  # tma.store_wait(0): the h_w store has read the g box
-                g_box.write(("d_g", j, half))
-                self._tma_store(wg, g_box, ("d_g", j, half))
-                self._tma_store(wg, u_box, ("d_u", j, half))
-            yield ("stores", wg, 0, "tile")  # every store has read its box
-            self.acc_empty.arrive()
+    def consumer(self, wg: int):
+        stages, k_steps = self.stages, self.k_steps
+        c = wg * k_steps  # slot counter
+        turn = 0
+        q = 0  # piece counter
+        for j in range(wg, self.tiles, 2):
+            yield "order", self.order[wg].passed((turn & 1) ^ (1 - wg))
+            for ki in range(k_steps):
+                s = (c + ki) % stages
+                yield "ready", self.ready[s].passed(((c + ki) // stages) & 1)
+                self._hold(self.slots[s])
+                d_y, w_down = self.slots[s]
+                self.wgmmas[wg].issue([(d_y, ("d_y", j, ki)), (w_down, ("w_down", j, ki))])
+                yield "wgmma wait 1", self.wgmmas[wg].all_read_but(1)
+                if ki > 0:
+                    previous = (c + ki - 1) % stages
+                    yield from self._arrive(self.empty[previous], self.slots[previous])
+            yield from self._arrive(self.order[1 - wg])
+            turn += 1
+            c += k_steps
+            yield "wgmma wait 0", self.wgmmas[wg].all_read_but(0)
+            last = (c - 1) % stages
+            yield from self._arrive(self.empty[last], self.slots[last])
+            c += k_steps  # the other consumer's tile
+            for piece in range(4):  # (row half 0: column half 0, 1), (row half 1: column half 0, 1)
+                yield from self._epilogue_piece(wg, j, piece, q)
+                q += 1
+        yield "store wait at the exit", self.stores[wg].all_read_but(0)
+
+    def _epilogue_piece(self, wg: int, j: int, piece: int, q: int):
+        z, stores = self.z_stages, self.stores[wg]
+        s = wg * z + q % z
+        g_box, u_box, weights = self.z[s]
+        yield "z_ready", self.z_ready[s].passed((q // z) & 1)
+        self._hold(self.z[s])
+        g_box.read(("g", j, piece))
+        u_box.read(("u", j, piece))
+        if self.router:
+            weights.read(("weights", j, piece))
+        yield "store wait before the release", stores.all_read_but(0)
+        if q > 0:
+            previous = wg * z + (q - 1) % z
+            yield from self._arrive(self.z_empty[previous], self.z[previous])
+        if self.store_h_w:  # through the g box
+            g_box.write(("h_w", j, piece))
+            stores.issue([(g_box, ("h_w", j, piece))])
+        u_box.write(("d_u", j, piece))
+        if self.store_h_w:
+            yield "store wait for the h_w store", stores.all_read_but(0)
+        g_box.write(("d_g", j, piece))
+        stores.issue([(g_box, ("d_g", j, piece))])
+        stores.issue([(u_box, ("d_u", j, piece))])
+
+    def partitions(self) -> dict:
+        return {"producer": self.producer(), "consumer 0": self.consumer(0), "consumer 1": self.consumer(1),
+                "z producer 0": self.z_producer(0), "z producer 1": self.z_producer(1)}
 
     def run(self) -> None:
-        procs = [self.producer(), self.mma(), self.epilogue(0), self.epilogue(1)]
-        waiting = {i: None for i in range(len(procs))}  # what each process waits for (None: runnable)
-
-        def runnable(i):
-            w = waiting[i]
-            if w is None:
-                return True
-            if w[0] == "bar":
-                return w[1].passed(w[2])
-            stores = self.stores[w[1]]  # ("stores", wg, n): all but the n most recent stores have read
-            return all(done[0] for done in stores[:len(stores) - w[2]])
-
-        while waiting:
-            ready = [i for i in waiting if runnable(i)]
-            if self.events and (not ready or self.rng.random() < 0.5):
+        """Until every partition has finished: at each step an event (at the run's random pace) or a partition
+        whose wait is satisfied runs to its next wait; neither left is a deadlock."""
+        partitions = self.partitions()
+        waits = {name: ("start", lambda: True) for name in partitions}
+        pace = self.rng.random()  # how eagerly the asynchronous operations complete, this run
+        while waits:
+            runnable = [name for name, (_, satisfied) in waits.items() if satisfied()]
+            if self.events and (not runnable or self.rng.random() < pace):
                 self.events.pop(self.rng.randrange(len(self.events)))()
                 continue
-            assert ready, f"deadlock: {[waiting[i] for i in waiting]}"
-            i = self.rng.choice(ready)
+            assert runnable, f"deadlock: {', '.join(f'{name} on {label}' for name, (label, _) in waits.items())}"
+            name = self.rng.choice(runnable)
             try:
-                waiting[i] = next(procs[i])
+                waits[name] = next(partitions[name])
             except StopIteration:
-                del waiting[i]
-        while self.events:
-            self.events.pop()()
+                del waits[name]
+        assert not self.events, f"{len(self.events)} asynchronous operations still in flight at the CTA's exit"
 
 
-@pytest.mark.parametrize("router", [True, False])
-def test_barrier_protocol_model(router):
-    runs = 0
-    for tiles in (0, 1, 2, 3, 6):
-        for k_steps in (1, 2, 3, 7):
-            for stages in (2, 3, G.DEFAULT_CONFIG.stages):
-                for seed in range(8):
-                    _Model(tiles, k_steps, stages, router, seed).run()
-                    runs += 1
-    print(f"\n{runs} random interleavings of the partitions: no deadlock, no stale or overwritten buffer")
+# (tiles, k_steps, stages, z_stages): one tile (consumer 1 idle) or none; odd counts (consumer 0 a tile ahead);
+# K loops shorter than, as long as and longer than the ring; the default config's rings.
+_SHAPES = [(tiles, k_steps, stages, z_stages) for tiles in (0, 1, 2, 3, 4, 7) for k_steps in (1, 2, 3, 7)
+           for stages in (2, 3, G.DEFAULT_CONFIG.stages) for z_stages in (G.DEFAULT_CONFIG.z_stages, 3)]
 
 
-@pytest.mark.parametrize("dropped", ["h_w", "tile"])
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_barrier_protocol_model(name):
+    router, store_h_w = VARIANTS[name]
+    seeds = 8
+    for shape in _SHAPES:
+        for seed in range(seeds):
+            _Model(*shape, router, store_h_w, seed).run()
+    print(f"\n{name}: {len(_SHAPES) * seeds} random interleavings of the partitions: no deadlock, no stale or "
+          "overwritten buffer")
+
+
+@pytest.mark.parametrize("dropped", ["store wait before the release", "store wait for the h_w store", "order",
+                                     "z_empty"])
 def test_barrier_protocol_model_catches_a_missing_wait(dropped):
-    """The model fails where the kernel would without either of the epilogue's store waits: d_g written over
-    the g box while the h_w store still reads it ("h_w"), or the next tile's accumulator over boxes whose
-    stores have not read them ("tile")."""
+    """The model fails where the kernel would without one of its waits. Without the store wait before a piece
+    gives the previous piece's z stage back, the z producer's next g or u load lands in a box whose d_g or d_u
+    store has not read it; without the one after the h_w store, d_g goes over the g box that store still reads.
+    Without the order wait, consumer 1 starts its first K loop at once: with a K loop longer than the ring its
+    first ready wait is for a slot's second phase, whose parity a fresh barrier shows as passed, so its wgmma
+    reads a slot no load has landed in (or the producer's load lands in the slot it holds). Without the z_empty
+    wait, the z producer arms a stage's z_ready for its next use before this use's loads have landed (more
+    arrivals than the barrier's count in one phase)."""
     class Unwaited(_Model):
-        def epilogue(self, wg):
-            for item in super().epilogue(wg):
-                if item[0] != "stores" or item[3] != dropped:
-                    yield item
+        def partitions(self):
+            return {name: (wait for wait in partition if wait[0] != dropped)
+                    for name, partition in super().partitions().items()}
 
-    failures = 0
+    failures = []
     for seed in range(20):
-        try:
-            Unwaited(3, 2, 2, True, seed).run()
-        except AssertionError:
-            failures += 1
-    assert failures > 0
+        try:  # an odd tile count, a K loop longer than the ring, h_w stored
+            Unwaited(3, 3, 2, 2, True, True, seed).run()
+        except AssertionError as failure:
+            failures.append(str(failure).splitlines()[0])  # without pytest's explanation
+    print(f"\nwithout the wait '{dropped}': {len(failures)} of 20 runs fail, e.g. {failures[:1]}")
+    assert failures
 
 
 def test_config_fits_and_matches_the_triton_tile():
@@ -415,3 +515,5 @@ def test_config_fits_and_matches_the_triton_tile():
     assert (cfg.block_m, cfg.block_n, cfg.block_k) == (table.block_m, table.block_n, table.block_k)
     assert cfg.stages == table.num_stages and cfg.group_m == table.group_m  # the launcher's config is the table's
     assert cfg.smem_bytes() + 1024 <= SMEM_LIMIT, dataclasses.asdict(cfg)
+    with pytest.raises(ValueError, match="z_stages must be at least 2, got 1"):
+        dataclasses.replace(cfg, z_stages=1)  # a piece's stage is released only after the next piece's wait

@@ -103,14 +103,13 @@ _SM90_TMA = KernelConfigs(
     # kernel's 614 / 624, qwen3-235b-a22b 668 / 658 against 645 / 643 (benchmarks/gluon_rows_bench.py,
     # h200-gluon-rows-v1.json); ping-pong (128 x 128, alternate tiles) 609-635, below.
     down_fwd=TileConfig(128, 256, 64, num_warps=4, num_stages=3, tma=True, gluon=True),
-    # down_dgrad (the router epilogue, h_w stored): the Gluon kernel (kernels/gluon_down_dgrad.py), one
-    # warpgroup on the tensor cores and two on the SwiGLU-backward epilogue beside it: 1.00-1.09x the
-    # cooperative Gluon kernel before it (which ran 1.28x / 1.18x the flattened Triton kernel at
-    # qwen3-30b-a3b / qwen3-235b-a22b), bitwise equal (h200-down-dgrad-split-ab-v1.json,
-    # h200-down-dgrad-split-prefetch-ab-v1.json); 5 stages, g and u passing through the accumulator's shared
-    # memory instead of staging buffers: against the 4-stage kernel, best of 6 alternating, qwen3-30b-a3b
-    # 1.19x, gpt-oss-120b 1.03x, qwen3-235b-a22b 0.97x (h200-down-dgrad-5stage-ab-v1.json); the layer faster
-    # on 13 of 18 workload-routings (h200-down-dgrad-5stage-layer-ab-v1/v2.json).
+    # down_dgrad (the router epilogue, h_w stored): the Gluon kernel (kernels/gluon_down_dgrad.py), two consumer
+    # warpgroups on alternate tiles, each running the SwiGLU-backward epilogue from its own accumulator beside the
+    # other's main loop (the epilogue a loop, so both fit the instruction cache), 5 operand stages: against the
+    # kernel before it (one MMA warpgroup, two epilogue warpgroups through shared memory), 3 alternating rounds,
+    # qwen3-30b-a3b 0.855 ms / 0.891, qwen3-235b-a22b 3.260 / 3.427, gpt-oss-120b 2.460 / 2.411; the layer
+    # fwd+bwd, 6 alternating rounds: 7.06 / 7.09, 26.50 / 26.86, 19.21 / 19.32, mixtral-8x7b 27.64 / 27.95 ms
+    # (h200-down-dgrad-pingpong-loop-v2.json, h200-down-dgrad-pingpong-loop-layer-ab-v1.json).
     down_dgrad=TileConfig(128, 128, 64, num_warps=4, num_stages=5, tma=True, gluon=True),
     gate_up_dgrad=TileConfig(128, 256, 64, num_warps=4, num_stages=3, tma=True, gluon=True),
     # The Gluon weight-grad kernel (kernels/gluon_dw.py), the same 128 x 256 x 64 tile, bitwise equal:

@@ -1,73 +1,70 @@
-"""down_dgrad on Hopper in Gluon: one warpgroup runs the tensor cores without pause, two others run the
-SwiGLU-backward epilogue beside it.
+"""down_dgrad on Hopper in Gluon: two consumer warpgroups on alternate tiles (a ping-pong), each running the
+SwiGLU-backward epilogue of its own tile while the other runs its main loop.
 
 What it computes (bit for bit what tma_gemm.down_dgrad_tma_kernel computes with the TMA tile table's
 128 x 128 x 64 tile, kernels.down_dgrad / down_dgrad_router):
 
     acc [128, 128] = d_y_rows[rows] @ w_down[e][:, cols]        K = H in steps of 64, in order, fp32
-    then per column half (64 columns), as tma_gemm._down_dgrad_half:
+    then per row half and column half (a 64 x 64 piece), as tma_gemm._down_dgrad_half:
       ROUTER:  d_h, h_w, part = router_epilogue(acc, g, u, w[row]);  h_w stored if STORE_H_W
       else:    d_h = acc
       d_gate_up[rows, cols] = swiglu_bwd(d_h, g, u)                  (gate half, up half)
-    ROUTER: d_w_part[row, tile column] = part(half 0) + part(half 1)
+    ROUTER: d_w_part[row, tile column] = part(column half 0) + part(column half 1)
 
-with g, u the tile's saved gate_up columns ([R, 2I] read as [R, 2, I]: the gate and up halves clip at I
-separately). The epilogue math is _common's own jit functions (column_halves, router_epilogue, swiglu_bwd,
-pair_weights), called from Gluon, on the layout the Triton kernel's epilogue has (HALF_LAYOUT: each row's
-64 columns in the same registers and lanes), so the row sums of d_w_part are reduced in the same order
-(tests/test_gluon_down_dgrad_compile.py compares the layouts and the fused multiply-adds).
+with g, u the piece's saved gate_up columns ([R, 2I] read as [R, 2, I]: the gate and up halves clip at I
+separately). The epilogue math is _common's own jit functions (router_epilogue, swiglu_bwd), called from Gluon,
+on the layout the Triton kernel's epilogue has (HALF_LAYOUT: each row's 64 columns in the same registers and
+lanes), so the row sums of d_w_part are reduced in the same order (tests/test_gluon_down_dgrad_compile.py
+compares the layouts and the fused multiply-adds).
 
-Structure of a CTA (persistent: one per SM, tiles in the order of _common.tile_coords; tiles past the
-device block range are never visited, so no host sync):
+Structure of a CTA (persistent: one per SM, tiles in the order of _common.tile_coords, local tile j to consumer
+j % 2; tiles past the device block range are never visited, so no host sync):
 
   * producer (1 warp): per (tile, K step) waits for a free slot of the STAGES-deep operand ring ("empty"
-    mbarrier), arms the slot's "ready" mbarrier with the byte count and issues two TMA copies: the d_y
-    rows [128, 64] and the weight tile [1, 64, 128] of w_down [E, H, I] (N-contiguous; a K or N tail reads
-    zeros, never the next expert).
-  * MMA warpgroup (the default partition): every tile's main loop whole: acc [128, 128] (two m64n128k16
-    wgmmas per k16 step, one K step in flight, the previous step's slot released when its wgmma retires).
-    Then, once the epilogue warpgroups have taken the previous tile's accumulator ("acc_empty"), it writes
-    acc to shared memory as four fp32 [64, 64] pieces (row half, column half; register renaming into
-    HALF_LAYOUT, then conflict-free 8-byte stores) and arrives on "acc_ready" -- about 0.3 us -- and goes on
-    with the next tile's main loop.
-  * epilogue warpgroups 0 and 1: rows [64 w, 64 w + 64) of every tile, one column half (piece) at a time:
-    acc from its piece into registers, then (proxy fence, warpgroup barrier) g and u of the piece by TMA
-    into the piece's own two bf16 boxes ("gu_ready"), the rows' router weights by pointer loads, the math in
-    registers, then h_w written over g and TMA-stored, d_u over u, and d_g over g once the h_w store has read
-    it (cp.async.bulk.wait_group.read), both TMA-stored (clipped at I and at the rows' end). After the second
-    piece, every store's read is awaited, then "acc_empty". There are no staging buffers: their 32 KB are the
-    ring's 5th stage, and g, u are no longer prefetched (each piece waits for its copies; the epilogue runs
-    beside the main loop, so its length matters only past the main loop's).
+    mbarrier), arms the slot's "ready" mbarrier with the byte count and issues two TMA copies: the d_y rows
+    [128, 64] and the weight tile [1, 64, 128] of w_down [E, H, I] (N-contiguous; a K or N tail reads zeros,
+    never the next expert).
+  * z producers (1 warp per consumer): for every piece of that consumer's tiles, in the epilogue's order, the
+    piece's g and u boxes by TMA into the consumer's own Z_STAGES ring, and (ROUTER) the 64 rows' router
+    weights (pair_weights' pointer loads, issued before the stage is free) written into the stage's w buffer
+    before the arrive that the consumer's wait acquires. The epilogue never waits on global memory.
+  * consumers 0 and 1 (a warpgroup each, 240 registers): in turn (the "order" mbarriers: a consumer issues its
+    K loop once the other has issued its own), the tile's main loop whole (two m64n128k16 wgmmas a k16 step, one
+    K step kept in flight, each slot released when its wgmma retires); then the epilogue straight from the
+    accumulator registers, while the other consumer runs its main loop: a loop over the two row halves, each
+    two pieces: wait for the piece's z stage, g, u and the weights into registers, release the previous piece's
+    stage once its TMA stores have read it, the math, h_w written over g and TMA-stored, d_u over u, d_g over g
+    once the h_w store has read it, both TMA-stored and left in flight; after a row half, its d_w_part.
 
-Why this split (benchmarks/results/h200-down-dgrad-*-v1.json, docs/perf-notes.md "GEMM core v4"): in the
-previous, cooperative design both warpgroups ran the main loop on 64 rows each and then the epilogue
-together, the tensor cores idle meanwhile; here the epilogue (~9 us a tile at qwen3-30b-a3b, against a
-~16 us main loop) runs beside the next main loop: 1.00-1.09x and 1.04-1.08x the old kernel in two A/B
-runs. A ping-pong of two warpgroups with a 128-row tile each lost (its one-warpgroup epilogue, with 128
-accumulator registers live, took 28 us a tile). The main loop beside the epilogue is bound by the bytes the
-ring keeps in flight (16.2 us a tile against 11.2 with no epilogue at all; 3 stages instead of 4 made the
-kernel 1.2-1.24x slower, h200-down-dgrad-stages-ab-v1.json), hence the 5th stage (against 4: 1.19x at
-qwen3-30b-a3b, 1.03x at gpt-oss-120b, 0.97x at qwen3-235b-a22b, h200-down-dgrad-5stage-ab-v1.json). What bounds
-it now is L2 throughput (83% of peak at mixtral-8x7b under Nsight Compute, the tensor pipe 80%): a 128 x 128
-tile asks a third more operand bytes per FLOP than the row GEMMs' 128 x 256.
+Why a ping-pong, and why the epilogue is a loop (benchmarks/results/h200-down-dgrad-pingpong-*.json,
+docs/perf-notes.md "GEMM core v17"): the kernel before this one ran the main loop on one MMA warpgroup and the
+epilogue on two others, through the accumulator written to shared memory (64 KB of it, so 5 operand stages at
+most beside it). Here no accumulator passes through shared memory and each consumer's epilogue runs beside the
+other's main loop; that lost while the epilogue was straight-line code: four unrolled pieces in each of the two
+consumers made 10,144 SASS instructions (162 KB), more than the SM's instruction cache holds, and Nsight Compute
+sampled the consumer warps stalled on instruction fetch ("no instruction") 37% of the time. With the row halves
+as a loop (one copy of two pieces, the second row half rotated into the first's registers) the kernel is ~6,000
+instructions and the fetch stalls 2.5%: against the kernel before it (router epilogue, h_w stored; 3 alternating
+rounds) qwen3-30b-a3b 0.855 ms / 0.891, qwen3-235b-a22b 3.260 / 3.427, gpt-oss-120b 2.460 / 2.411.
 
-Shared memory (bf16, the default 5 stages): ring 5 x (128 x 64 + 64 x 128) x 2 B = 160 KB, accumulator
-pieces 4 x 64 x 64 x 4 B = 64 KB (each piece's bytes then hold g and u, then h_w, d_g and d_u), barriers:
-224 KB of the 227 KB an SM allows.
-
-Registers: 16 warps (the MMA warpgroup, two epilogue warpgroups, the producer's warp padded to a fourth);
-setmaxnreg gives the epilogue warpgroups 160 (the accumulator piece stays in registers while g and u
-arrive; at 152 ptxas spilled 16 bytes), the producer 24 and the MMA warpgroup the rest, 168 (its accumulator
-takes 128).
+Shared memory (bf16): operand ring 5 x (128 x 64 + 64 x 128) x 2 B = 160 KB, each consumer's z ring 2 stages x
+(g, u) x 64 x 64 x 2 B = 32 KB, the weights 2 x 2 x 64 x 4 B = 1 KB, barriers: 225.5 KB of the 227 KB an SM allows.
+Registers: 12 warps; setmaxnreg gives each consumer warpgroup 240 (its accumulator takes 128) and the warpgroup of
+the producer, the two z producers and one idle warp 32. In the router variant with h_w ptxas keeps a few scalars in
+local memory (16 bytes: set-up values and one counter loaded and stored once a tile;
+tests/test_gluon_down_dgrad_compile.py bounds it).
 
 Barrier protocol (phase parities; a fresh mbarrier counts as having completed the phase before phase 0):
-  ready[s] (count 1: expect + TMA bytes)   MMA waits parity (c // STAGES) & 1 for slot counter c
+  ready[s] (count 1: expect + TMA bytes)   consumer waits parity (c // STAGES) & 1 for slot counter c
   empty[s] (count 1)                       producer waits ((p // STAGES) & 1) ^ 1
-  acc_ready (count 1)                      epilogue warpgroups wait parity j & 1 for the CTA's j-th tile
-  acc_empty (count 2: one per epilogue)    MMA waits (j & 1) ^ 1 before writing tile j's accumulator
-  gu_ready[w] (count 1: expect + bytes)    warpgroup w's two pieces a tile: parities 0, then 1 (each copy is
-                                           issued after the previous one was waited for)
-Every partition walks the same tiles in the same order, so the counters agree.
+  order[w] (count 1)                       consumer w waits parity (turn & 1) ^ (1 - w) before its turn-th K loop;
+                                           the other consumer arrives once it has issued its own K loop
+  z_ready[w Z + s] (count 1: expect + TMA bytes; the weights' shared stores precede the expect's arrive)
+                                           consumer w waits parity (q // Z) & 1 for its piece counter q
+  z_empty[w Z + s] (count 1)               z producer w waits ((q // Z) & 1) ^ 1; consumer w arrives for piece q
+                                           at piece q + 1, once piece q's stores have read the stage
+The consumers' slot counters skip the other's K steps (tiles alternate); every partition walks the tiles in the
+same order, so the counters agree.
 """
 
 from __future__ import annotations
@@ -94,19 +91,15 @@ from megamoe.backends.triton.kernels.gluon_common import (
 )
 from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
 
-PIECE_M = gl.constexpr(64)  # rows of an epilogue warpgroup's part of a tile
-# An accumulator piece [64, 64] (the column-64 and row-64 bits of the MMA warpgroup's [128, 128] wgmma
-# accumulator taken out): the layout Triton gives the epilogue of down_dgrad_tma_kernel (its 128-row tile
-# over 8 warps: the same bases plus a third warp bit for rows 64..127), so the row sums of d_w_part run over
-# the same registers and lanes in the same order.
+PIECE_M = gl.constexpr(64)  # rows of a piece: half a tile
+# An accumulator piece [64, 64] (the column-64 and row-64 bits of a consumer's [128, 128] wgmma accumulator taken
+# out): the layout Triton gives the epilogue of down_dgrad_tma_kernel (its 128-row tile over 8 warps: the same
+# bases plus a third warp bit for rows 64..127), so the row sums of d_w_part run over the same registers and lanes
+# in the same order.
 HALF_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [8, 0], [0, 8], [0, 16], [0, 32]], lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
     warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 64]))
-# An fp32 piece in shared memory: offset bits 0-5 are one HALF_LAYOUT access's 8 rows x 8 columns (column
-# bits 0-2, row bits 0-2), so each 8-byte store of the MMA warpgroup and load of an epilogue warpgroup is two
-# wavefronts of 32 banks, the fewest 256 bytes take.
-ACC_SMEM_LAYOUT = gl.constexpr(gl.SharedLinearLayout(
-    offset_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [4, 0], [0, 8], [0, 16], [0, 32], [8, 0], [16, 0], [32, 0]]))
+ROWS_LAYOUT = gl.constexpr(gl.SliceLayout(1, HALF_LAYOUT))  # a value per row of a piece
 
 
 @triton.jit
@@ -168,84 +161,62 @@ def _k_step(a_bufs, b_bufs, ready_bars, empty_bars, acc, c, ki):
 
 
 @gluon.jit
-def _acc_piece(acc_out, i: gl.constexpr):
-    """Accumulator piece i (2 * row half + column half): fp32 [64, 64] over the bytes of d_gate_up boxes
-    2i and 2i + 1."""
-    PM: gl.constexpr = acc_out.shape[1]
-    HALF_N: gl.constexpr = acc_out.shape[3]
-    return smem_reinterpret(acc_out, gl.float32, [4, PM, HALF_N], ACC_SMEM_LAYOUT).index(i)
-
-
-@gluon.jit
-def _store_piece(acc_out, i: gl.constexpr, piece):
-    # Register renaming only (assert_trivial): the piece already is in HALF_LAYOUT.
-    _acc_piece(acc_out, i).store(gl.convert_layout(piece, HALF_LAYOUT, assert_trivial=True))
-
-
-@gluon.jit
-def _mma(a_bufs, b_bufs, acc_out, ready_bars, empty_bars, acc_ready, acc_empty, block_range_ptr, H, I,
-         SPLIT: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-         BLOCK_K: gl.constexpr):
-    """One warpgroup: every tile's [128, 128] accumulator over the ring, then into shared memory."""
-    STAGES: gl.constexpr = a_bufs.shape[0]
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
+def _z_producer(gu_desc, z_bufs, w_bufs, z_ready, z_empty, row_src_ptr, weights_ptr, block_range_ptr, I,
+                WG: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, ROUTER: gl.constexpr):
+    """One warp per consumer WG: g and u of every piece of WG's tiles (the CTA's local tiles WG, WG + 2, ...),
+    pieces in the epilogue's order, by TMA into WG's Z-stage ring (a stage: a g box, a u box and, with ROUTER, the
+    piece rows' router weights)."""
+    Z: gl.constexpr = z_ready.shape[0] // 2
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    NBYTES: gl.constexpr = 2 * gu_desc.block_type.nbytes
+    w_layout: gl.constexpr = gl.BlockedLayout([PIECE_M // 32], [32], [1], [0])
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
     num_n = gl.cdiv(I, BLOCK_N)
-    k_steps = gl.cdiv(H, BLOCK_K)
-    c = 0  # slot counter, as the producer's
-    j = 0  # this CTA's tile counter
-    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        # K step 0 outside the loop (H >= 1: every tile has it): the accumulator's zeros then reach only a
-        # wgmma. With the zeros also on the path of an empty loop, LLVM may copy them into the accumulator
-        # where that path meets the loop's exit, with a wgmma still in flight, and ptxas answers by
-        # serialising every wgmma (C7515).
-        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
-        acc = _k_step(a_bufs, b_bufs, ready_bars, empty_bars, acc, c, 0)
-        for ki in range(1, k_steps):
-            acc = _k_step(a_bufs, b_bufs, ready_bars, empty_bars, acc, c + ki, ki)
-        c += k_steps
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES))
-        # The epilogue warpgroups are done with tile j - 1's pieces (their stores have read them).
-        mbarrier.wait(acc_empty, (j & 1) ^ 1)
-        acc_r0, acc_r1 = row_halves(acc)
-        piece0, piece1 = column_halves(acc_r0)
-        piece2, piece3 = column_halves(acc_r1)
-        _store_piece(acc_out, 0, piece0)
-        _store_piece(acc_out, 1, piece1)
-        _store_piece(acc_out, 2, piece2)
-        _store_piece(acc_out, 3, piece3)
-        mbarrier.arrive(acc_ready)
-        j += 1
+    q = 0  # pieces of WG's tiles so far: stage q % Z, its use number q // Z
+    for tile in range(gl.program_id(0) + WG * gl.num_programs(0), num_m * num_n, 2 * gl.num_programs(0)):
+        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+        for piece in gl.static_range(4):
+            s = WG * Z + q % Z
+            row = (first_m + pid_m) * BLOCK_M + (piece // 2) * PIECE_M
+            col = pid_n * BLOCK_N + (piece % 2) * HALF_N
+            if ROUTER:  # loaded while the stage may still be in use
+                weight = pair_weights(row_src_ptr, weights_ptr, row + gl.arange(0, PIECE_M, layout=w_layout))
+            mbarrier.wait(z_empty.index(s), ((q // Z) & 1) ^ 1)
+            if ROUTER:
+                w_bufs.index(s).store(weight)
+                thread_barrier()  # every lane's store before the one arrive below releases them
+            bar = z_ready.index(s)
+            mbarrier.expect(bar, NBYTES)
+            tma_load(gu_desc, [row, 0, col], bar, z_bufs.index(2 * s))
+            tma_load(gu_desc, [row, 1, col], bar, z_bufs.index(2 * s + 1))
+            q += 1
 
 
 @gluon.jit
-def _epilogue_piece(acc_out, P: gl.constexpr, gu_desc, gu_ready, PARITY: gl.constexpr, weight, d_gu_desc, h_w_desc,
-                    row, col, ROUTER: gl.constexpr, STORE_H_W: gl.constexpr):
-    """tma_gemm._down_dgrad_half on accumulator piece P (this warpgroup's rows, one column half): the fp32
-    piece into registers, then g and u by TMA into the piece's own two boxes (no staging buffers: their 32 KB
-    are the ring's 5th stage), h_w written over g and TMA-stored, d_u over u, d_g over g once the h_w store has
-    read it, and both TMA-stored. Returns the router-weight gradient's partial sum over the half's columns (ROUTER), else
-    0. The caller has waited for the accumulator; gu_ready's phase for this piece has parity PARITY."""
-    g_box = acc_out.index(2 * P)
-    u_box = acc_out.index(2 * P + 1)
+def _epilogue_piece(acc, z_bufs, w_bufs, z_ready, z_empty, q, d_gu_desc, h_w_desc, row, col, WG: gl.constexpr,
+                    ROUTER: gl.constexpr, STORE_H_W: gl.constexpr):
+    """tma_gemm._down_dgrad_half on a piece held in registers (HALF_LAYOUT) with its g, u (and router weights) from
+    this consumer's z stage of piece counter q; the outputs are written over g and u and TMA-stored, left in flight
+    (the stage is released at the next piece, once they have read it). Returns the router weight gradient's
+    partial sums over the piece's columns (ROUTER), else 0."""
+    Z: gl.constexpr = z_ready.shape[0] // 2
+    s = WG * Z + q % Z
+    g_box = z_bufs.index(2 * s)
+    u_box = z_bufs.index(2 * s + 1)
     PM: gl.constexpr = g_box.shape[0]
     HALF_N: gl.constexpr = g_box.shape[2]
-    acc = _acc_piece(acc_out, P).load(HALF_LAYOUT)
-    # Every thread's reads of the piece, ordered before the async proxy's writes over it (the TMA copies),
-    # and done before one thread issues them.
-    fence_async_shared()
-    thread_barrier()
-    mbarrier.expect(gu_ready, 2 * gu_desc.block_type.nbytes)
-    tma_load(gu_desc, [row, 0, col], gu_ready, g_box)
-    tma_load(gu_desc, [row, 1, col], gu_ready, u_box)
-    mbarrier.wait(gu_ready, PARITY)
+    mbarrier.wait(z_ready.index(s), (q // Z) & 1)
     g = g_box.reshape([PM, HALF_N]).load(HALF_LAYOUT)
     u = u_box.reshape([PM, HALF_N]).load(HALF_LAYOUT)
+    d_w_part = gl.zeros([PM], gl.float32, ROWS_LAYOUT)
+    if ROUTER:
+        weight = w_bufs.index(s).load(ROWS_LAYOUT)
+    # Piece q - 1's stores (issued at its end, while this piece waited and loaded) have read its stage: release it.
+    tma.store_wait(pendings=0)
     thread_barrier()  # every thread has read g and u before any thread writes over them
-    d_w_part = gl.zeros([PM], gl.float32, gl.SliceLayout(1, HALF_LAYOUT))
+    mbarrier.arrive(z_empty.index(WG * Z + (q + Z - 1) % Z), pred=q > 0)
     if ROUTER:
         acc, h_w, d_w_part = router_epilogue(acc, g, u, weight)
         if STORE_H_W:  # first, through the g box: its registers are free before d_g and d_u take theirs
@@ -260,8 +231,8 @@ def _epilogue_piece(acc_out, P: gl.constexpr, gu_desc, gu_ready, PARITY: gl.cons
         tma.store_wait(pendings=0)  # the h_w store has read the g box
         thread_barrier()
     g_box.reshape([PM, HALF_N]).store(d_g.to(d_gu_desc.dtype))
-    # Every thread's generic-proxy writes, then its proxy fence, then a barrier of the warpgroup, then the
-    # TMA stores (issued by one thread).
+    # Every thread's generic-proxy writes, then its proxy fence, then a barrier of the warpgroup, then the TMA
+    # stores (issued by one thread).
     fence_async_shared()
     thread_barrier()
     tma_store(d_gu_desc, [row, 0, col], g_box)
@@ -270,87 +241,117 @@ def _epilogue_piece(acc_out, P: gl.constexpr, gu_desc, gu_ready, PARITY: gl.cons
 
 
 @gluon.jit
-def _epilogue(gu_desc, d_gu_desc, h_w_desc, acc_out, acc_ready, acc_empty, gu_ready, row_src_ptr, weights_ptr,
-              d_w_part_ptr, block_range_ptr, I, WG: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROUTER: gl.constexpr, STORE_H_W: gl.constexpr):
-    """One warpgroup: rows [64 WG, 64 WG + 64) of every tile, its two pieces (column halves) in turn, and the
-    d_w_part store."""
+def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, order_bars, z_bufs, w_bufs, z_ready, z_empty, d_gu_desc,
+              h_w_desc, d_w_part_ptr, block_range_ptr, H, I, WG: gl.constexpr, SPLIT: gl.constexpr,
+              GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROUTER: gl.constexpr,
+              STORE_H_W: gl.constexpr):
+    """Consumer warpgroup WG: the CTA's local tiles WG, WG + 2, ..., each a [128, 128] main loop over the ring (in
+    turn with the other consumer) and then its epilogue on the accumulator in registers, piece by piece."""
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    BLOCK_K: gl.constexpr = a_bufs.shape[2]
     HALF_N: gl.constexpr = BLOCK_N // 2
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
     num_n = gl.cdiv(I, BLOCK_N)
-    j = 0  # this CTA's tile counter
-    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+    k_steps = gl.cdiv(H, BLOCK_K)
+    c = WG * k_steps  # the producer's fill counter at this consumer's first K step
+    turn = 0  # tiles of this consumer so far
+    q = 0  # pieces so far (the z producer's counter)
+    for tile in range(gl.program_id(0) + WG * gl.num_programs(0), num_m * num_n, 2 * gl.num_programs(0)):
         pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-        row = (first_m + pid_m) * BLOCK_M + WG * PIECE_M
+        row = (first_m + pid_m) * BLOCK_M
         col = pid_n * BLOCK_N
-        rows = row + gl.arange(0, PIECE_M, layout=gl.SliceLayout(1, HALF_LAYOUT))
-        weight = gl.zeros([PIECE_M], gl.float32, gl.SliceLayout(1, HALF_LAYOUT))  # read only with ROUTER
-        if ROUTER:
-            weight = pair_weights(row_src_ptr, weights_ptr, rows)
-        mbarrier.wait(acc_ready, j & 1)
-        d_w_part = _epilogue_piece(acc_out, 2 * WG, gu_desc, gu_ready, 0, weight, d_gu_desc, h_w_desc, row, col,
-                                   ROUTER, STORE_H_W)
-        d_w_part += _epilogue_piece(acc_out, 2 * WG + 1, gu_desc, gu_ready, 1, weight, d_gu_desc, h_w_desc, row,
-                                    col + HALF_N, ROUTER, STORE_H_W)
-        if ROUTER:
-            gl.store(d_w_part_ptr + rows * num_n + pid_n, d_w_part)
-        tma.store_wait(pendings=0)  # every store has read its box: the pieces are free
-        mbarrier.arrive(acc_empty)
-        j += 1
+        # Turn `turn` = phase `turn` (consumer 1) or `turn - 1` (consumer 0, whose turn 0 passes on the fresh
+        # barrier) of order[WG], completed when the other consumer has issued its previous tile's K loop.
+        mbarrier.wait(order_bars.index(WG), (turn & 1) ^ (1 - WG))
+        # K step 0 outside the loop (H >= 1: every tile has it): the accumulator's zeros then reach only a wgmma.
+        # With the zeros also on the path of an empty loop, LLVM may copy them into the accumulator where that
+        # path meets the loop's exit, with a wgmma still in flight, and ptxas answers by serialising every wgmma.
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+        acc = _k_step(a_bufs, b_bufs, ready_bars, empty_bars, acc, c, 0)
+        for ki in range(1, k_steps):
+            acc = _k_step(a_bufs, b_bufs, ready_bars, empty_bars, acc, c + ki, ki)
+        mbarrier.arrive(order_bars.index(1 - WG))  # the whole K loop is issued: the other's turn
+        turn += 1
+        c += k_steps
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES))
+        c += k_steps  # the other consumer's tile
+        # The epilogue: a loop over the row halves (one copy of the code: unrolled, the pieces of both consumers
+        # overflow the instruction cache), the second half's pieces rotated into the first's registers.
+        acc_r0, acc_r1 = row_halves(acc)
+        piece0, piece1 = column_halves(acc_r0)
+        piece2, piece3 = column_halves(acc_r1)
+        piece0 = gl.convert_layout(piece0, HALF_LAYOUT, assert_trivial=True)
+        piece1 = gl.convert_layout(piece1, HALF_LAYOUT, assert_trivial=True)
+        piece2 = gl.convert_layout(piece2, HALF_LAYOUT, assert_trivial=True)
+        piece3 = gl.convert_layout(piece3, HALF_LAYOUT, assert_trivial=True)
+        for half in range(2):
+            r = row + half * PIECE_M
+            d_w_part = _epilogue_piece(piece0, z_bufs, w_bufs, z_ready, z_empty, q, d_gu_desc, h_w_desc, r, col,
+                                       WG, ROUTER, STORE_H_W)
+            d_w_part += _epilogue_piece(piece1, z_bufs, w_bufs, z_ready, z_empty, q + 1, d_gu_desc, h_w_desc, r,
+                                        col + HALF_N, WG, ROUTER, STORE_H_W)
+            if ROUTER:
+                rows = r + gl.arange(0, PIECE_M, layout=ROWS_LAYOUT)
+                gl.store(d_w_part_ptr + rows * num_n + pid_n, d_w_part)
+            q += 2
+            piece0, piece1 = piece2, piece3
+    tma.store_wait(pendings=0)  # the last stores have read their boxes before the CTA exits
 
 
 @gluon.jit
 def down_dgrad_ws_kernel(d_y_desc, w_desc, gu_desc, d_gu_desc, h_w_desc, row_src_ptr, weights_ptr, d_w_part_ptr,
                          block_expert_ptr, block_range_ptr, ROUTER: gl.constexpr, STORE_H_W: gl.constexpr,
-                         SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                         PRODUCER_REGS: gl.constexpr, EPILOGUE_REGS: gl.constexpr):
-    """down_dgrad_tma_kernel's tiles (module docstring). Descriptors: d_y_desc d_y_rows [R, H] block
-    [128, BLOCK_K]; w_desc w_down [E, H, I] block [1, BLOCK_K, BLOCK_N]; gu_desc gate_up and d_gu_desc
-    d_gate_up, both as [R, 2, I] with block [64, 1, BLOCK_N / 2]; h_w_desc h_w [*, I] block [64, BLOCK_N / 2]
-    (unused without ROUTER and STORE_H_W). row_src, weights, d_w_part: unused without ROUTER. Launch with
-    num_warps=4 (the default partition is the MMA warpgroup)."""
+                         SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, Z_STAGES: gl.constexpr,
+                         PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    """down_dgrad (ROUTER: down_dgrad_router) on [128, 128] tiles. d_y_desc: the rows [R, H], box [128, 64];
+    w_desc: w_down [E, H, I], box [1, 64, 128]; gu_desc / d_gu_desc: gate_up / d_gate_up [R, 2I] as [R, 2, I], box
+    [64, 1, 64]; h_w_desc: h_w [R, I] (a placeholder without STORE_H_W), box [64, 64]; row_src_ptr, weights_ptr:
+    the schedule's row_src and the router weights (ROUTER); d_w_part_ptr: fp32 [R, cdiv(I, 128)] (ROUTER);
+    block_expert_ptr, block_range_ptr: the schedule's block experts and the device block range (SPLIT kernel row
+    blocks a schedule block). Launch with num_warps=4, one CTA per SM at most."""
     BLOCK_M: gl.constexpr = d_y_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = d_y_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[2]
-    gl.static_assert(BLOCK_M == 2 * PIECE_M, "128-row tiles: one row half per epilogue warpgroup")
-    gl.static_assert(BLOCK_N == 128, "HALF_LAYOUT: column halves of a 128-column accumulator")
-    gl.static_assert(gu_desc.block_type.shape[0] == PIECE_M and d_gu_desc.block_type.shape[0] == PIECE_M,
-                     "gate_up and d_gate_up boxes: a piece's rows")
-    gl.static_assert(2 * gu_desc.block_type.shape[2] == BLOCK_N, "gate_up boxes: column halves")
+    gl.static_assert(BLOCK_M == 2 * PIECE_M and BLOCK_N == 128, "128 x 128 tiles: pieces of 64 x 64")
     dtype: gl.constexpr = d_y_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + d_y_desc.block_type.shape, d_y_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    # The accumulator's four fp32 pieces; piece P is reused for its d_g and d_u (boxes 2P and 2P + 1).
-    acc_out = gl.allocate_shared_memory(dtype, [8] + d_gu_desc.block_type.shape, d_gu_desc.layout)
+    z_bufs = gl.allocate_shared_memory(dtype, [2 * 2 * Z_STAGES] + gu_desc.block_type.shape, gu_desc.layout)
+    w_bufs = gl.allocate_shared_memory(gl.float32, [2 * Z_STAGES, PIECE_M],
+                                       gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
     ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    acc_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    acc_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    gu_ready0 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    gu_ready1 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    order_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    z_ready = gl.allocate_shared_memory(gl.int64, [2 * Z_STAGES, 1], mbarrier.MBarrierLayout())
+    z_empty = gl.allocate_shared_memory(gl.int64, [2 * Z_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready_bars.index(i), count=1)  # the producer's expect; the bytes complete it
-        mbarrier.init(empty_bars.index(i), count=1)  # the MMA warpgroup's arrive
-    mbarrier.init(acc_ready, count=1)
-    mbarrier.init(acc_empty, count=2)  # one arrive per epilogue warpgroup
-    mbarrier.init(gu_ready0, count=1)
-    mbarrier.init(gu_ready1, count=1)
-    fence_async_shared()  # the initialised barriers are visible to the async proxy (TMA) before use
+        mbarrier.init(ready_bars.index(i), count=1)
+        mbarrier.init(empty_bars.index(i), count=1)  # one reader per slot
+    for i in gl.static_range(2):
+        mbarrier.init(order_bars.index(i), count=1)
+    for i in gl.static_range(2 * Z_STAGES):
+        mbarrier.init(z_ready.index(i), count=1)
+        mbarrier.init(z_empty.index(i), count=1)
+    fence_async_shared()
     H = d_y_desc.shape[1]
     I = w_desc.shape[2]
     gl.warp_specialize([
-        (_mma, (a_bufs, b_bufs, acc_out, ready_bars, empty_bars, acc_ready, acc_empty, block_range_ptr, H, I, SPLIT,
-                GROUP_M, BLOCK_M, BLOCK_N, BLOCK_K)),
-        (_epilogue, (gu_desc, d_gu_desc, h_w_desc, acc_out, acc_ready, acc_empty, gu_ready0, row_src_ptr,
-                     weights_ptr, d_w_part_ptr, block_range_ptr, I, 0, SPLIT, GROUP_M, BLOCK_M, BLOCK_N, ROUTER,
+        (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, order_bars, z_bufs, w_bufs, z_ready, z_empty, d_gu_desc,
+                     h_w_desc, d_w_part_ptr, block_range_ptr, H, I, 0, SPLIT, GROUP_M, BLOCK_M, BLOCK_N, ROUTER,
                      STORE_H_W)),
-        (_epilogue, (gu_desc, d_gu_desc, h_w_desc, acc_out, acc_ready, acc_empty, gu_ready1, row_src_ptr,
-                     weights_ptr, d_w_part_ptr, block_range_ptr, I, 1, SPLIT, GROUP_M, BLOCK_M, BLOCK_N, ROUTER,
+        (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, order_bars, z_bufs, w_bufs, z_ready, z_empty, d_gu_desc,
+                     h_w_desc, d_w_part_ptr, block_range_ptr, H, I, 1, SPLIT, GROUP_M, BLOCK_M, BLOCK_N, ROUTER,
                      STORE_H_W)),
         (_producer, (d_y_desc, w_desc, a_bufs, b_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr,
                      SPLIT, GROUP_M)),
-    ], [4, 4, 1], [EPILOGUE_REGS, EPILOGUE_REGS, PRODUCER_REGS])
+        (_z_producer, (gu_desc, z_bufs, w_bufs, z_ready, z_empty, row_src_ptr, weights_ptr, block_range_ptr, I, 0,
+                       SPLIT, GROUP_M, BLOCK_M, BLOCK_N, ROUTER)),
+        (_z_producer, (gu_desc, z_bufs, w_bufs, z_ready, z_empty, row_src_ptr, weights_ptr, block_range_ptr, I, 1,
+                       SPLIT, GROUP_M, BLOCK_M, BLOCK_N, ROUTER)),
+    ], [4, 1, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -359,22 +360,30 @@ def down_dgrad_ws_kernel(d_y_desc, w_desc, gu_desc, d_gu_desc, h_w_desc, row_src
 
 @dataclasses.dataclass(frozen=True)
 class GluonDownDgradConfig:
-    """The tile (128 x 128 x 64: the TMA table's down_dgrad tile, which d_w_part's column blocks and the
-    bitwise match depend on), the ring depth and the registers of the epilogue warpgroups and the producer
-    (the MMA warpgroup gets the rest)."""
+    """The tile (128 x 128 x 64: the TMA table's down_dgrad tile, which d_w_part's column blocks and the bitwise
+    match depend on), the operand ring's depth, the depth of each consumer's ring of g and u, the tile order and
+    the registers of the consumer warpgroups and of the producers' warpgroup."""
 
     stages: int = 5
+    z_stages: int = 2
     group_m: int = 8
-    producer_regs: int = 24
-    epilogue_regs: int = 160
+    producer_regs: int = 32
+    consumer_regs: int = 240
     block_m: int = 128
     block_n: int = 128
     block_k: int = 64
 
-    def smem_bytes(self, elem: int = 2) -> int:
-        """Ring + accumulator pieces (fp32; g, u and the outputs pass through them too), without the barriers."""
+    def __post_init__(self):
+        # A piece's z stage is released at the next piece, after that piece's wait: one stage would deadlock.
+        if self.z_stages < 2:
+            raise ValueError(f"z_stages must be at least 2, got {self.z_stages}")
+
+    def smem_bytes(self, router: bool = True, elem: int = 2) -> int:
+        """The operand ring, both consumers' g and u stages and (router) their router weights; without the
+        barriers."""
         ring = self.stages * (self.block_m + self.block_n) * self.block_k * elem
-        return ring + self.block_m * self.block_n * 4
+        z_ring = 2 * self.z_stages * 2 * PIECE_M.value * (self.block_n // 2) * elem
+        return ring + z_ring + (2 * self.z_stages * PIECE_M.value * 4 if router else 0)
 
 
 DEFAULT_CONFIG = GluonDownDgradConfig()
@@ -383,7 +392,7 @@ DEFAULT_CONFIG = GluonDownDgradConfig()
 def constexprs(cfg: GluonDownDgradConfig, split: int, router: bool, store_h_w: bool) -> dict:
     """The kernel's constexpr arguments (the launcher and tests/test_gluon_down_dgrad_compile.py share them)."""
     return dict(ROUTER=router, STORE_H_W=store_h_w, SPLIT=split, GROUP_M=cfg.group_m, STAGES=cfg.stages,
-                PRODUCER_REGS=cfg.producer_regs, EPILOGUE_REGS=cfg.epilogue_regs)
+                Z_STAGES=cfg.z_stages, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
 
 
 def _desc(t: torch.Tensor, shape: list, strides: list, block: list) -> TensorDescriptor:
