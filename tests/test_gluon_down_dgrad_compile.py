@@ -22,7 +22,8 @@ about the code an H200 would run:
   * code size: within the instruction cache's reach (unrolled, the epilogue made 10,144 instructions and the
     warps waited on instruction fetch 37% of the time);
   * ptxas -v: no spills, no stack frame, no C7510 (wgmma serialisation), no local memory in the SASS --
-    except the router variant with h_w, where ptxas keeps 16 bytes of scalars in local memory (bounded);
+    except in the router variants, where ptxas keeps a few scalars in local memory (bounded; which ones
+    depends on the ptxas version);
     shared memory within the 227 KB of an SM and at least the buffers the config accounts for.
 
 Bitwise equality with tma_gemm.down_dgrad_tma_kernel (checked on a GPU by benchmarks/gluon_down_dgrad_bench.py
@@ -175,9 +176,12 @@ def test_gluon_down_dgrad_sm90a(name):
     # One copy of the epilogue's pieces per consumer: the code stays far below the unrolled kernel's 10,144
     # instructions, whose warps stalled on instruction fetch.
     assert r["instructions"] <= 6500, f"{name}: {r['instructions']} SASS instructions"
-    # Nothing serialised; no spills but, with h_w, 16 bytes of scalars (set-up values and one counter a tile).
-    if h_w:
-        assert px["spill_stores"] <= 16 and px["stack"] <= 16 and r["local"] <= 8, f"{name} spills:\n{px['log']}"
+    # Nothing serialised, and no local memory in plain down_dgrad. The router variants keep a few scalars in local
+    # memory: with Triton 3.6's ptxas, 16 bytes with h_w (set-up values and one counter loaded and stored once a
+    # tile: 8 instructions), none without; with Triton 3.9's, no spill but the thread index, stored once at entry and
+    # reloaded where the d_w_part stores' row offsets need it (8 instructions; 18 with h_w).
+    if r["router"]:
+        assert px["spill_stores"] <= 16 and px["stack"] <= 16 and r["local"] <= 18, f"{name} spills:\n{px['log']}"
         assert "C7510" not in px["log"] and "serialized" not in px["log"], f"{name}: wgmma serialised"
     else:
         assert_no_spills_or_serialisation(name, r)

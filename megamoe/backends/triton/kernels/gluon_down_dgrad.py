@@ -50,9 +50,9 @@ rounds) qwen3-30b-a3b 0.855 ms / 0.891, qwen3-235b-a22b 3.260 / 3.427, gpt-oss-1
 Shared memory (bf16): operand ring 5 x (128 x 64 + 64 x 128) x 2 B = 160 KB, each consumer's z ring 2 stages x
 (g, u) x 64 x 64 x 2 B = 32 KB, the weights 2 x 2 x 64 x 4 B = 1 KB, barriers: 225.5 KB of the 227 KB an SM allows.
 Registers: 12 warps; setmaxnreg gives each consumer warpgroup 240 (its accumulator takes 128) and the warpgroup of
-the producer, the two z producers and one idle warp 32. In the router variant with h_w ptxas keeps a few scalars in
-local memory (16 bytes: set-up values and one counter loaded and stored once a tile;
-tests/test_gluon_down_dgrad_compile.py bounds it).
+the producer, the two z producers and one idle warp 32. In the router variant with h_w Triton 3.6's ptxas keeps a
+few scalars in local memory (16 bytes: set-up values and one counter loaded and stored once a tile); Triton 3.9's
+keeps the thread index there instead, in both router variants (tests/test_gluon_down_dgrad_compile.py bounds both).
 
 Barrier protocol (phase parities; a fresh mbarrier counts as having completed the phase before phase 0):
   ready[s] (count 1: expect + TMA bytes)   consumer waits parity (c // STAGES) & 1 for slot counter c
