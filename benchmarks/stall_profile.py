@@ -49,17 +49,22 @@ def kernel_filter(names: list[str]) -> str:
 
 
 def parse_raw(text: str) -> list[dict]:
-    """ncu --page raw --csv output (a header row, a units row, a row per profiled launch) -> per launch, in order:
-    kernel name, duration in us and the stall reasons' shares of all stall samples."""
+    """ncu --page raw --csv --print-units base output (a header row, a units row, a row per profiled launch; times
+    in ns) -> per launch, in order: kernel name, duration in us and each stall reason's share of the warps' stalled
+    cycles ("selected", a warp issuing, is not a stall and left out)."""
     rows = list(csv.reader(io.StringIO(text)))
     start = next((i for i, row in enumerate(rows) if "Kernel Name" in row), None)
     if start is None:
         raise ValueError("no 'Kernel Name' header in ncu's CSV output")
     header = rows[start]
     column = {name: i for i, name in enumerate(header)}
-    reasons = [h for h in header if h.startswith(STALL_PREFIX) and h.endswith(STALL_SUFFIX)]
+    reasons = [h for h in header if h.startswith(STALL_PREFIX) and h.endswith(STALL_SUFFIX)
+               and h != STALL_PREFIX + "selected" + STALL_SUFFIX]
     if not reasons or "gpu__time_duration.sum" not in column:
         raise ValueError("ncu's CSV lacks the WarpStateStats stall ratios or gpu__time_duration.sum")
+    units = rows[start + 1][column["gpu__time_duration.sum"]]
+    if units != "nsecond":
+        raise ValueError(f"gpu__time_duration.sum in {units!r}, not nsecond: read ncu's CSV with --print-units base")
 
     def number(row, name):
         return float(row[column[name]].replace(",", "") or 0)
@@ -90,8 +95,8 @@ def profile(workload: str, ncu: str) -> list[dict]:
         subprocess.run([ncu, "--kernel-name", kernel_filter(kernel_names()), "--section", "WarpStateStats",
                         "--section", "SpeedOfLight", "-f", "-o", report, sys.executable,
                         os.path.join(here, "one_step.py"), workload, str(ITERATIONS)], check=True)
-        raw = subprocess.run([ncu, "-i", report + ".ncu-rep", "--page", "raw", "--csv"], check=True,
-                             capture_output=True, text=True).stdout
+        raw = subprocess.run([ncu, "-i", report + ".ncu-rep", "--page", "raw", "--csv", "--print-units", "base"],
+                             check=True, capture_output=True, text=True).stdout
     return last_iteration(parse_raw(raw))
 
 

@@ -37,26 +37,34 @@ def _csv(launches):
     separators)."""
     stall = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
     header = ["ID", "Kernel Name", "gpu__time_duration.sum", stall.format("no_instruction"),
-              stall.format("long_scoreboard"), stall.format("barrier")]
-    lines = [",".join(f'"{h}"' for h in header), '"","","nsecond","","",""']
+              stall.format("long_scoreboard"), stall.format("barrier"), stall.format("selected")]
+    lines = [",".join(f'"{h}"' for h in header), '"","","nsecond","","","",""']
     for i, (name, ns, stalls) in enumerate(launches):
         lines.append(",".join(f'"{v}"' for v in (i, name, f"{ns:,}", *stalls)))
     return "\n".join(lines) + "\n"
 
 
 def test_parse_raw_gives_durations_and_stall_shares_in_launch_order(sp):
-    text = _csv([("row_gemm_ws_kernel", 1_500_000, (1.0, 3.0, 0.0)), ("down_dgrad_ws_kernel", 800_000, (6.0, 2.0, 2.0))])
+    text = _csv([("row_gemm_ws_kernel", 1_500_000, (1.0, 3.0, 0.0, 9.0)),
+                 ("down_dgrad_ws_kernel", 800_000, (6.0, 2.0, 2.0, 9.0))])
     launches = sp.parse_raw(text)
     assert [l["kernel"] for l in launches] == ["row_gemm_ws_kernel", "down_dgrad_ws_kernel"]
     assert launches[0]["duration_us"] == pytest.approx(1500.0)
+    # "selected" (a warp issuing) is no stall: the shares are of the others.
     assert launches[1]["stall_share"] == pytest.approx({"no_instruction": 0.6, "long_scoreboard": 0.2, "barrier": 0.2})
 
 
+def test_parse_raw_refuses_scaled_units(sp):
+    text = _csv([("row_gemm_ws_kernel", 1_500, (1.0, 3.0, 0.0, 9.0))]).replace("nsecond", "usecond")
+    with pytest.raises(ValueError, match="in 'usecond', not nsecond"):
+        sp.parse_raw(text)
+
+
 def test_last_iteration_takes_the_second_half_and_refuses_an_odd_count(sp):
-    text = _csv([(f"k{i}_kernel", 1000 * (i + 1), (1.0, 1.0, 1.0)) for i in range(4)])
+    text = _csv([(f"k{i}_kernel", 1000 * (i + 1), (1.0, 1.0, 1.0, 1.0)) for i in range(4)])
     assert [l["kernel"] for l in sp.last_iteration(sp.parse_raw(text))] == ["k2_kernel", "k3_kernel"]
     with pytest.raises(ValueError, match="3 profiled launches do not split into 2 iterations"):
-        sp.last_iteration(sp.parse_raw(_csv([("a_kernel", 1, (1, 1, 1))] * 3)))
+        sp.last_iteration(sp.parse_raw(_csv([("a_kernel", 1, (1, 1, 1, 1))] * 3)))
 
 
 def test_parse_raw_refuses_output_without_the_metrics(sp):

@@ -105,11 +105,12 @@ _SM90_TMA = KernelConfigs(
     down_fwd=TileConfig(128, 256, 64, num_warps=4, num_stages=3, tma=True, gluon=True),
     # down_dgrad (the router epilogue, h_w stored): the Gluon kernel (kernels/gluon_down_dgrad.py), two consumer
     # warpgroups on alternate tiles, each running the SwiGLU-backward epilogue from its own accumulator beside the
-    # other's main loop (the epilogue a loop, so both fit the instruction cache), 5 operand stages: against the
-    # kernel before it (one MMA warpgroup, two epilogue warpgroups through shared memory), 3 alternating rounds,
-    # qwen3-30b-a3b 0.855 ms / 0.891, qwen3-235b-a22b 3.260 / 3.427, gpt-oss-120b 2.460 / 2.411; the layer
-    # fwd+bwd, 6 alternating rounds: 7.06 / 7.09, 26.50 / 26.86, 19.21 / 19.32, mixtral-8x7b 27.64 / 27.95 ms
-    # (h200-down-dgrad-pingpong-loop-v2.json, h200-down-dgrad-pingpong-loop-layer-ab-v1.json).
+    # other's main loop (the epilogue a loop, so both fit the instruction cache), 5 operand stages. Against the
+    # kernel before it (one MMA warpgroup, two epilogue warpgroups through shared memory), 3 alternating rounds, its
+    # predecessor (router weights carried across pieces): qwen3-30b-a3b 0.855 ms / 0.891, qwen3-235b-a22b 3.260 /
+    # 3.427, gpt-oss-120b 2.460 / 2.411 (h200-down-dgrad-pingpong-loop-v2.json); the layer fwd+bwd, 6 alternating
+    # rounds, 7.06 / 7.09, 26.50 / 26.86, 19.21 / 19.32, mixtral-8x7b 27.64 / 27.95 ms (h200-down-dgrad-pingpong-
+    # loop-layer-ab-v1.json). This kernel alone, a later run: 0.787 / 3.036 / 2.262 (h200-down-dgrad-pingpong-v3).
     down_dgrad=TileConfig(128, 128, 64, num_warps=4, num_stages=5, tma=True, gluon=True),
     gate_up_dgrad=TileConfig(128, 256, 64, num_warps=4, num_stages=3, tma=True, gluon=True),
     # The Gluon weight-grad kernel (kernels/gluon_dw.py), the same 128 x 256 x 64 tile, bitwise equal:

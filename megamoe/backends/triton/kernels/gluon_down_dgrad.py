@@ -24,11 +24,12 @@ j % 2; tiles past the device block range are never visited, so no host sync):
     mbarrier), arms the slot's "ready" mbarrier with the byte count and issues two TMA copies: the d_y rows
     [128, 64] and the weight tile [1, 64, 128] of w_down [E, H, I] (N-contiguous; a K or N tail reads zeros,
     never the next expert).
-  * z producers (1 warp per consumer): for every piece of that consumer's tiles, in the epilogue's order, the
+  * z producers (1 warp per consumer; z is the saved pre-activation gate_up, g and u, as SonicMoE names it): for
+    every piece of that consumer's tiles, in the epilogue's order, the
     piece's g and u boxes by TMA into the consumer's own Z_STAGES ring, and (ROUTER) the 64 rows' router
     weights (pair_weights' pointer loads, issued before the stage is free) written into the stage's w buffer
     before the arrive that the consumer's wait acquires. The epilogue never waits on global memory.
-  * consumers 0 and 1 (a warpgroup each, 240 registers): in turn (the "order" mbarriers: a consumer issues its
+  * consumers 0 and 1 (a warpgroup each, 232 and 240 registers): in turn (the "order" mbarriers: a consumer issues its
     K loop once the other has issued its own), the tile's main loop whole (two m64n128k16 wgmmas a k16 step, one
     K step kept in flight, each slot released when its wgmma retires); then the epilogue straight from the
     accumulator registers, while the other consumer runs its main loop: a loop over the two row halves, each
@@ -50,11 +51,15 @@ whose consumers read the weights per piece instead of carrying them across piece
 3.036 / 2.262 in a later run.
 
 Shared memory (bf16): operand ring 5 x (128 x 64 + 64 x 128) x 2 B = 160 KB, each consumer's z ring 2 stages x
-(g, u) x 64 x 64 x 2 B = 32 KB, the weights 2 x 2 x 64 x 4 B = 1 KB, barriers: 225.5 KB of the 227 KB an SM allows.
-Registers: 12 warps; setmaxnreg gives each consumer warpgroup 240 (its accumulator takes 128) and the warpgroup of
-the producer, the two z producers and one idle warp 32. In the router variant with h_w Triton 3.6's ptxas keeps a
-few scalars in local memory (16 bytes: set-up values and one counter loaded and stored once a tile); Triton 3.9's
-keeps the thread index there instead, in both router variants (tests/test_gluon_down_dgrad_compile.py bounds both).
+(g, u) x 64 x 64 x 2 B = 32 KB, the weights 2 x 2 x 64 x 4 B = 1 KB, barriers: 230,840 B (225.4 KiB; 1 KiB less
+without the router) of the 227 KiB an SM allows.
+Registers: 12 warps start at 168 a thread (65536 / 384, rounded down to 8), 504 over the three warpgroups;
+setmaxnreg gives consumer 1 240 and the warpgroup of the producer, the two z producers and one idle warp 32, which
+leaves consumer 0 (the default partition) 232; the accumulator takes 128 of them. In the router variant with h_w
+Triton 3.6's ptxas keeps a few scalars of consumer 0 in local memory (16 bytes, one counter loaded and stored once a
+tile); Triton 3.9's keeps the thread index there instead, in both router variants
+(tests/test_gluon_down_dgrad_compile.py bounds both). With producer_regs 24 consumer 0 would get 240 and compile
+without local memory; not yet measured.
 
 Barrier protocol (phase parities; a fresh mbarrier counts as having completed the phase before phase 0):
   ready[s] (count 1: expect + TMA bytes)   consumer waits parity (c // STAGES) & 1 for slot counter c
@@ -94,6 +99,7 @@ from megamoe.backends.triton.kernels.gluon_common import (
 from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
 
 PIECE_M = gl.constexpr(64)  # rows of a piece: half a tile
+PIECES = gl.constexpr(4)  # pieces of a tile: two row halves x two column halves
 # An accumulator piece [64, 64] (the column-64 and row-64 bits of a consumer's [128, 128] wgmma accumulator taken
 # out): the layout Triton gives the epilogue of down_dgrad_tma_kernel (its 128-row tile over 8 warps: the same
 # bases plus a third warp bit for rows 64..127), so the row sums of d_w_part run over the same registers and lanes
@@ -163,7 +169,7 @@ def _k_step(a_bufs, b_bufs, ready_bars, empty_bars, acc, c, ki):
 
 
 @gluon.jit
-def _z_producer(gu_desc, z_bufs, w_bufs, z_ready, z_empty, row_src_ptr, weights_ptr, block_range_ptr, I,
+def _z_producer(gu_desc, z_bufs, weight_bufs, z_ready, z_empty, row_src_ptr, weights_ptr, block_range_ptr, I,
                 WG: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr, ROUTER: gl.constexpr):
     """One warp per consumer WG: g and u of every piece of WG's tiles (the CTA's local tiles WG, WG + 2, ...),
@@ -179,7 +185,7 @@ def _z_producer(gu_desc, z_bufs, w_bufs, z_ready, z_empty, row_src_ptr, weights_
     q = 0  # pieces of WG's tiles so far: stage q % Z, its use number q // Z
     for tile in range(gl.program_id(0) + WG * gl.num_programs(0), num_m * num_n, 2 * gl.num_programs(0)):
         pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-        for piece in gl.static_range(4):
+        for piece in gl.static_range(PIECES):
             s = WG * Z + q % Z
             row = (first_m + pid_m) * BLOCK_M + (piece // 2) * PIECE_M
             col = pid_n * BLOCK_N + (piece % 2) * HALF_N
@@ -187,7 +193,7 @@ def _z_producer(gu_desc, z_bufs, w_bufs, z_ready, z_empty, row_src_ptr, weights_
                 weight = pair_weights(row_src_ptr, weights_ptr, row + gl.arange(0, PIECE_M, layout=w_layout))
             mbarrier.wait(z_empty.index(s), ((q // Z) & 1) ^ 1)
             if ROUTER:
-                w_bufs.index(s).store(weight)
+                weight_bufs.index(s).store(weight)
                 thread_barrier()  # every lane's store before the one arrive below releases them
             bar = z_ready.index(s)
             mbarrier.expect(bar, NBYTES)
@@ -197,7 +203,7 @@ def _z_producer(gu_desc, z_bufs, w_bufs, z_ready, z_empty, row_src_ptr, weights_
 
 
 @gluon.jit
-def _epilogue_piece(acc, z_bufs, w_bufs, z_ready, z_empty, q, d_gu_desc, h_w_desc, row, col, WG: gl.constexpr,
+def _epilogue_piece(acc, z_bufs, weight_bufs, z_ready, z_empty, q, d_gu_desc, h_w_desc, row, col, WG: gl.constexpr,
                     ROUTER: gl.constexpr, STORE_H_W: gl.constexpr):
     """tma_gemm._down_dgrad_half on a piece held in registers (HALF_LAYOUT) with its g, u (and router weights) from
     this consumer's z stage of piece counter q; the outputs are written over g and u and TMA-stored, left in flight
@@ -214,7 +220,7 @@ def _epilogue_piece(acc, z_bufs, w_bufs, z_ready, z_empty, q, d_gu_desc, h_w_des
     u = u_box.reshape([PM, HALF_N]).load(HALF_LAYOUT)
     d_w_part = gl.zeros([PM], gl.float32, ROWS_LAYOUT)
     if ROUTER:
-        weight = w_bufs.index(s).load(ROWS_LAYOUT)
+        weight = weight_bufs.index(s).load(ROWS_LAYOUT)
     # Piece q - 1's stores (issued at its end, while this piece waited and loaded) have read its stage: release it.
     tma.store_wait(pendings=0)
     thread_barrier()  # every thread has read g and u before any thread writes over them
@@ -243,7 +249,7 @@ def _epilogue_piece(acc, z_bufs, w_bufs, z_ready, z_empty, q, d_gu_desc, h_w_des
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, order_bars, z_bufs, w_bufs, z_ready, z_empty, d_gu_desc,
+def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, order_bars, z_bufs, weight_bufs, z_ready, z_empty, d_gu_desc,
               h_w_desc, d_w_part_ptr, block_range_ptr, H, I, WG: gl.constexpr, SPLIT: gl.constexpr,
               GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROUTER: gl.constexpr,
               STORE_H_W: gl.constexpr):
@@ -292,9 +298,9 @@ def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, order_bars, z_bufs, w_bufs
         piece3 = gl.convert_layout(piece3, HALF_LAYOUT, assert_trivial=True)
         for half in range(2):
             r = row + half * PIECE_M
-            d_w_part = _epilogue_piece(piece0, z_bufs, w_bufs, z_ready, z_empty, q, d_gu_desc, h_w_desc, r, col,
+            d_w_part = _epilogue_piece(piece0, z_bufs, weight_bufs, z_ready, z_empty, q, d_gu_desc, h_w_desc, r, col,
                                        WG, ROUTER, STORE_H_W)
-            d_w_part += _epilogue_piece(piece1, z_bufs, w_bufs, z_ready, z_empty, q + 1, d_gu_desc, h_w_desc, r,
+            d_w_part += _epilogue_piece(piece1, z_bufs, weight_bufs, z_ready, z_empty, q + 1, d_gu_desc, h_w_desc, r,
                                         col + HALF_N, WG, ROUTER, STORE_H_W)
             if ROUTER:
                 rows = r + gl.arange(0, PIECE_M, layout=ROWS_LAYOUT)
@@ -318,11 +324,14 @@ def down_dgrad_ws_kernel(d_y_desc, w_desc, gu_desc, d_gu_desc, h_w_desc, row_src
     BLOCK_M: gl.constexpr = d_y_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[2]
     gl.static_assert(BLOCK_M == 2 * PIECE_M and BLOCK_N == 128, "128 x 128 tiles: pieces of 64 x 64")
+    gl.static_assert(gu_desc.block_type.shape == [PIECE_M, 1, BLOCK_N // 2], "g and u boxes: a piece's rows and columns")
+    gl.static_assert(d_gu_desc.block_type.shape == [PIECE_M, 1, BLOCK_N // 2], "d_g and d_u boxes: a piece")
+    gl.static_assert(h_w_desc.block_type.shape == [PIECE_M, BLOCK_N // 2], "h_w box: a piece")
     dtype: gl.constexpr = d_y_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + d_y_desc.block_type.shape, d_y_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     z_bufs = gl.allocate_shared_memory(dtype, [2 * 2 * Z_STAGES] + gu_desc.block_type.shape, gu_desc.layout)
-    w_bufs = gl.allocate_shared_memory(gl.float32, [2 * Z_STAGES, PIECE_M],
+    weight_bufs = gl.allocate_shared_memory(gl.float32, [2 * Z_STAGES, PIECE_M],
                                        gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
     ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -341,17 +350,17 @@ def down_dgrad_ws_kernel(d_y_desc, w_desc, gu_desc, d_gu_desc, h_w_desc, row_src
     H = d_y_desc.shape[1]
     I = w_desc.shape[2]
     gl.warp_specialize([
-        (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, order_bars, z_bufs, w_bufs, z_ready, z_empty, d_gu_desc,
+        (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, order_bars, z_bufs, weight_bufs, z_ready, z_empty, d_gu_desc,
                      h_w_desc, d_w_part_ptr, block_range_ptr, H, I, 0, SPLIT, GROUP_M, BLOCK_M, BLOCK_N, ROUTER,
                      STORE_H_W)),
-        (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, order_bars, z_bufs, w_bufs, z_ready, z_empty, d_gu_desc,
+        (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, order_bars, z_bufs, weight_bufs, z_ready, z_empty, d_gu_desc,
                      h_w_desc, d_w_part_ptr, block_range_ptr, H, I, 1, SPLIT, GROUP_M, BLOCK_M, BLOCK_N, ROUTER,
                      STORE_H_W)),
         (_producer, (d_y_desc, w_desc, a_bufs, b_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr,
                      SPLIT, GROUP_M)),
-        (_z_producer, (gu_desc, z_bufs, w_bufs, z_ready, z_empty, row_src_ptr, weights_ptr, block_range_ptr, I, 0,
+        (_z_producer, (gu_desc, z_bufs, weight_bufs, z_ready, z_empty, row_src_ptr, weights_ptr, block_range_ptr, I, 0,
                        SPLIT, GROUP_M, BLOCK_M, BLOCK_N, ROUTER)),
-        (_z_producer, (gu_desc, z_bufs, w_bufs, z_ready, z_empty, row_src_ptr, weights_ptr, block_range_ptr, I, 1,
+        (_z_producer, (gu_desc, z_bufs, weight_bufs, z_ready, z_empty, row_src_ptr, weights_ptr, block_range_ptr, I, 1,
                        SPLIT, GROUP_M, BLOCK_M, BLOCK_N, ROUTER)),
     ], [4, 1, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
