@@ -2,7 +2,7 @@
 production Triton TMA kernel, then time both.
 
 Usage (one H200, torch + Triton 3.6):  PYTHONPATH=$PWD python3 benchmarks/gluon_down_dgrad_bench.py OUT.json
-    [--workload NAME ...] [--variant NAME ...] [--deadline SECONDS]
+    [--workload NAME ...] [--variant NAME ...] [--deadline SECONDS] [--alt-config KEY=VALUE[,KEY=VALUE...]]
 
 Jobs, in order: the small irregular problem (every variant, then the router variant on a block sub-range),
 then qwen3-30b-a3b and qwen3-235b-a22b (every variant). Variants:
@@ -14,6 +14,8 @@ tile (configs.triton_tile of configs.tma_kernel_configs(...).down_dgrad). Per jo
 and timing first, then the Gluon kernel: every output (d_gate_up, h_w, d_w_part) over the rows of the block
 range must be bitwise equal (torch.equal) and bitwise repeatable, then it is timed (triton.testing.do_bench,
 median). TF/s counts 2 * rows in use * H * I (padding rows included: both kernels compute them).
+--alt-config names a second GluonDownDgradConfig (DEFAULT_CONFIG with those fields replaced): it is checked
+bitwise the same way, and the two configs are then timed in --rounds alternating rounds (median per config).
 
 Crashes and hangs: the jobs run in a child process that appends each record to a JSON-lines file as it
 finishes (and a "started" line before). The parent watches it: a child that dies (a launch failure
@@ -119,9 +121,9 @@ def workload_problem(name: str, device) -> dict:
 # One job (child process): production first, then the Gluon kernel
 
 
-def _calls(p: dict, variant: str, tma_cfg):
-    """(production fn, Gluon fn): production() -> (d_gate_up, h_w or None, d_w_part or None); gluon() -> (the
-    same triple, the compiled kernel)."""
+def _calls(p: dict, variant: str, tma_cfg, gluon_cfg):
+    """(production fn, Gluon fn with gluon_cfg): production() -> (d_gate_up, h_w or None, d_w_part or None);
+    gluon() -> (the same triple, the compiled kernel)."""
     from megamoe.backends.triton import kernels
     from megamoe.backends.triton.kernels import gluon_down_dgrad as gdd
 
@@ -131,13 +133,13 @@ def _calls(p: dict, variant: str, tma_cfg):
         weights = weights.to(d.dtype)  # the activations'-dtype weights path (pair_weights converts to fp32)
     if variant == "plain":
         def gluon_plain():
-            d_gate_up, kernel = gdd.down_dgrad_gluon(d, w, gu, be, bl, return_kernel=True)
+            d_gate_up, kernel = gdd.down_dgrad_gluon(d, w, gu, be, bl, config=gluon_cfg, return_kernel=True)
             return (d_gate_up, None, None), kernel
         return lambda: (kernels.down_dgrad(d, w, gu, be, bl, config=tma_cfg), None, None), gluon_plain
     store_h_w = variant == "router-h_w"
     return (lambda: kernels.down_dgrad_router(d, w, gu, rs, weights, be, bl, store_h_w=store_h_w, config=tma_cfg),
             lambda: gdd.down_dgrad_router_gluon(d, w, gu, rs, weights, be, bl, store_h_w=store_h_w,
-                                                return_kernel=True))
+                                                config=gluon_cfg, return_kernel=True))
 
 
 def _compare(want, got, row_range) -> dict:
@@ -168,10 +170,27 @@ def _bench_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def run_job(p: dict, variant: str, skip_gluon: bool, rec: dict, emit) -> None:
+def _check(gluon, want, row_range, rec: dict, prefix: str) -> None:
+    """Run gluon twice: rec[prefix + "bitwise"] against want, prefix + "repeatable", the compiled kernel's
+    registers, spills and shared memory."""
+    import torch
+
+    got, kernel = gluon()
+    torch.cuda.synchronize()
+    rec[prefix + "bitwise"] = _compare(want, got, row_range)
+    again, _ = gluon()
+    torch.cuda.synchronize()
+    rec[prefix + "repeatable"] = _all_equal(_compare(got, again, row_range))
+    rec.update({prefix + "n_regs": getattr(kernel, "n_regs", None), prefix + "n_spills": getattr(kernel, "n_spills", None),
+                prefix + "shared": getattr(kernel.metadata, "shared", None)})
+
+
+def run_job(p: dict, variant: str, skip_gluon: bool, rec: dict, emit, alt_fields: dict, rounds: int) -> None:
     """Fill rec: the production timing (emitted as a partial record before the Gluon kernel first runs), then
-    the Gluon kernel's bitwise checks and timing."""
+    the Gluon kernel's bitwise checks and timing; with alt_fields, the same checks for the alternate config
+    and both configs timed in alternating rounds."""
     import dataclasses
+    import statistics
 
     import torch
 
@@ -184,7 +203,7 @@ def run_job(p: dict, variant: str, skip_gluon: bool, rec: dict, emit) -> None:
     flops = 2 * rows * H * I
     rec.update(rows=rows, H=H, I=I, experts=p["E"], triton_config=dataclasses.asdict(tma_cfg),
                gluon_config=dataclasses.asdict(gdd.DEFAULT_CONFIG))
-    production, gluon = _calls(p, variant, tma_cfg)
+    production, gluon = _calls(p, variant, tma_cfg, gdd.DEFAULT_CONFIG)
     want = production()
     torch.cuda.synchronize()
     ms = _bench_ms(production)
@@ -193,21 +212,29 @@ def run_job(p: dict, variant: str, skip_gluon: bool, rec: dict, emit) -> None:
         rec["status"] = "gluon skipped (this variant failed earlier)"
         return
     emit(dict(rec, status="production done; running the Gluon kernel"))
-    got, kernel = gluon()
-    torch.cuda.synchronize()
-    rec["bitwise"] = _compare(want, got, p["row_range"])
-    again, _ = gluon()
-    torch.cuda.synchronize()
-    rec["repeatable"] = _all_equal(_compare(got, again, p["row_range"]))
-    del want, got, again
-    rec.update(n_regs=getattr(kernel, "n_regs", None), n_spills=getattr(kernel, "n_spills", None),
-               shared=getattr(kernel.metadata, "shared", None))
-    ms = _bench_ms(gluon)
+    _check(gluon, want, p["row_range"], rec, "")
+    ok = _all_equal(rec["bitwise"]) and rec["repeatable"]
+    if not alt_fields:
+        del want
+        ms = _bench_ms(gluon)
+    else:
+        alt_cfg = dataclasses.replace(gdd.DEFAULT_CONFIG, **alt_fields)
+        rec["alt_config"] = dataclasses.asdict(alt_cfg)
+        alt = _calls(p, variant, tma_cfg, alt_cfg)[1]
+        _check(alt, want, p["row_range"], rec, "alt_")
+        del want
+        ok = ok and _all_equal(rec["alt_bitwise"]) and rec["alt_repeatable"]
+        times: dict = {"gluon": [], "alt": []}
+        for _ in range(rounds):
+            times["gluon"].append(_bench_ms(gluon))
+            times["alt"].append(_bench_ms(alt))
+        ms, alt_ms = statistics.median(times["gluon"]), statistics.median(times["alt"])
+        rec.update(rounds_ms=times, alt_ms=alt_ms, alt_tflops=flops / alt_ms / 1e9, alt_speedup=ms / alt_ms)
     rec.update(gluon_ms=ms, gluon_tflops=flops / ms / 1e9, speedup=rec["triton_ms"] / ms)
-    rec["status"] = "ok" if _all_equal(rec["bitwise"]) and rec["repeatable"] else "NOT BITWISE EQUAL"
+    rec["status"] = "ok" if ok else "NOT BITWISE EQUAL"
 
 
-def child(jobs: list, skip: list, path: str) -> int:
+def child(jobs: list, skip: list, path: str, alt_fields: dict, rounds: int) -> int:
     """Run jobs [(problem, variant)], appending JSON lines to path; exit on the first exception (a failed
     launch leaves the CUDA context unusable)."""
     import torch
@@ -230,7 +257,7 @@ def child(jobs: list, skip: list, path: str) -> int:
                 torch.cuda.empty_cache()
                 problems[problem] = (small_problem(device, problem == "small-range") if problem.startswith("small")
                                      else workload_problem(problem, device))
-            run_job(problems[problem], variant, variant in skip, rec, emit)
+            run_job(problems[problem], variant, variant in skip, rec, emit, alt_fields, rounds)
         except Exception as error:  # noqa: BLE001 -- recorded; the parent continues in a fresh child
             rec.update(status=f"error: {type(error).__name__}: {str(error)[:400]}", done=True)
             emit(rec)
@@ -299,7 +326,8 @@ def parent(args) -> int:
             todo = [j for j in jobs if j not in done]
             finished_before = len(done)
             proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", json.dumps(todo),
-                                     json.dumps(skip), path], start_new_session=True)
+                                     json.dumps(skip), path, json.dumps(args.alt_config), str(args.rounds)],
+                                    start_new_session=True)
             fate = None
             while proc.poll() is None:
                 time.sleep(0.5)
@@ -344,7 +372,7 @@ def parent(args) -> int:
         json.dump(result, f, indent=1)
 
     _log(f"\n{'problem':16} {'variant':11} {'triton ms':>9} {'TF/s':>6} {'gluon ms':>9} {'TF/s':>6} {'speedup':>7} "
-         f"{'regs':>4} {'shared':>7}  bitwise / status")
+         f"{'regs':>4} {'shared':>7} {'alt ms':>8} {'alt x':>6}  bitwise / status")
     for r in result["records"]:
         def num(key, fmt):
             return format(r[key], fmt) if r.get(key) is not None else "-"
@@ -352,15 +380,35 @@ def parent(args) -> int:
                            if isinstance(v, bool))
         _log(f"{r['problem']:16} {r['variant']:11} {num('triton_ms', '9.3f'):>9} {num('triton_tflops', '6.0f'):>6} "
              f"{num('gluon_ms', '9.3f'):>9} {num('gluon_tflops', '6.0f'):>6} {num('speedup', '7.2f'):>7} "
-             f"{num('n_regs', '4d'):>4} {num('shared', '7d'):>7}  {bitwise} {r.get('status')}")
+             f"{num('n_regs', '4d'):>4} {num('shared', '7d'):>7} {num('alt_ms', '8.3f'):>8} "
+             f"{num('alt_speedup', '6.3f'):>6}  {bitwise} {r.get('status')}")
     _log(f"all bitwise equal and timed: {result['all_ok']}; {result['wall_s']:.0f} s; wrote {args.json_path}")
     return 0 if result["all_ok"] else 1
+
+
+def alt_config(text: str) -> dict:
+    """"producer_regs=24,stages=4" -> {"producer_regs": 24, "stages": 4}, the fields checked against
+    GluonDownDgradConfig (its own __post_init__ checks the values when the config is built)."""
+    import dataclasses
+
+    from megamoe.backends.triton.kernels.gluon_down_dgrad import GluonDownDgradConfig
+
+    fields = {f.name for f in dataclasses.fields(GluonDownDgradConfig)}
+    out = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields or not value.strip().lstrip("-").isdigit():
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: expected KEY=INTEGER with KEY one of {sorted(fields)}")
+        out[key] = int(value)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--child":
-        return child([tuple(j) for j in json.loads(argv[1])], json.loads(argv[2]), argv[3])
+        return child([tuple(j) for j in json.loads(argv[1])], json.loads(argv[2]), argv[3], json.loads(argv[4]),
+                     int(argv[5]))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json_path", help="where to write the records (JSON)")
     parser.add_argument("--workload", action="append", choices=list(WORKLOAD_NAMES) + ["gpt-oss-120b", "deepseek-v3"],
@@ -369,6 +417,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline", type=float, default=110.0, help="seconds for the whole run")
     parser.add_argument("--job-timeout", type=float, default=60.0,
                         help="seconds one job may take (compiles included) before it counts as hung")
+    parser.add_argument("--alt-config", type=alt_config, default={},
+                        help="a second Gluon config to check and time against the default: KEY=VALUE[,KEY=VALUE...] "
+                             "over GluonDownDgradConfig's integer fields")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds with --alt-config")
     return parent(parser.parse_args(argv))
 
 

@@ -63,8 +63,8 @@ def parse_raw(text: str) -> list[dict]:
     if not reasons or "gpu__time_duration.sum" not in column:
         raise ValueError("ncu's CSV lacks the WarpStateStats stall ratios or gpu__time_duration.sum")
     units = rows[start + 1][column["gpu__time_duration.sum"]]
-    if units != "nsecond":
-        raise ValueError(f"gpu__time_duration.sum in {units!r}, not nsecond: read ncu's CSV with --print-units base")
+    if units != "ns":
+        raise ValueError(f"gpu__time_duration.sum in {units!r}, not ns: read ncu's CSV with --print-units base")
 
     def number(row, name):
         return float(row[column[name]].replace(",", "") or 0)

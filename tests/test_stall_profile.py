@@ -38,7 +38,7 @@ def _csv(launches):
     stall = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
     header = ["ID", "Kernel Name", "gpu__time_duration.sum", stall.format("no_instruction"),
               stall.format("long_scoreboard"), stall.format("barrier"), stall.format("selected")]
-    lines = [",".join(f'"{h}"' for h in header), '"","","nsecond","","","",""']
+    lines = [",".join(f'"{h}"' for h in header), '"","","ns","","","",""']
     for i, (name, ns, stalls) in enumerate(launches):
         lines.append(",".join(f'"{v}"' for v in (i, name, f"{ns:,}", *stalls)))
     return "\n".join(lines) + "\n"
@@ -55,8 +55,8 @@ def test_parse_raw_gives_durations_and_stall_shares_in_launch_order(sp):
 
 
 def test_parse_raw_refuses_scaled_units(sp):
-    text = _csv([("row_gemm_ws_kernel", 1_500, (1.0, 3.0, 0.0, 9.0))]).replace("nsecond", "usecond")
-    with pytest.raises(ValueError, match="in 'usecond', not nsecond"):
+    text = _csv([("row_gemm_ws_kernel", 1_500, (1.0, 3.0, 0.0, 9.0))]).replace('"ns"', '"us"')
+    with pytest.raises(ValueError, match="in 'us', not ns"):
         sp.parse_raw(text)
 
 
@@ -71,7 +71,7 @@ def test_parse_raw_refuses_output_without_the_metrics(sp):
     with pytest.raises(ValueError, match="no 'Kernel Name' header"):
         sp.parse_raw("==PROF== nothing profiled\n")
     with pytest.raises(ValueError, match="lacks the WarpStateStats stall ratios"):
-        sp.parse_raw('"ID","Kernel Name","gpu__time_duration.sum"\n"","","nsecond"\n')
+        sp.parse_raw('"ID","Kernel Name","gpu__time_duration.sum"\n"","","ns"\n')
 
 
 def test_unknown_workload_is_refused_before_anything_runs(sp, capsys):
