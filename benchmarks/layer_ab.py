@@ -18,8 +18,6 @@ Variants (each a change to the tile choice that every run reads through the publ
             it holds padding rows only (the default skips it)
   no-spread-x  dw_gate_up's x rows by a spread pass of their own after gate_up_dgrad, not spread by a warp of
             gate_up_dgrad's kernel beside its GEMM (kernels.gate_up_dgrad_spreads_x)
-  gate-up-store-n:N  the gathering gate_up_fwd's stores in boxes of N columns (half its 128: two staging
-            buffers of half the bytes per consumer; the table: whole 128-column boxes, one buffer)
   group_m:N every GEMM's tiles swept N row blocks per column block (the table: 8)
   GEMM.group_m:N  the same for one GEMM of the table (e.g. down_dgrad.group_m:4)
 """
@@ -58,15 +56,6 @@ def no_handoff(*args):
     return dataclasses.replace(table, gate_up_fwd=dataclasses.replace(table.gate_up_fwd, handoff=False))
 
 
-def gate_up_store_n(store_n: int):
-    def table(*args):
-        t = SHIPPED[0](*args)
-        if t is None or not t.gate_up_fwd.gather:
-            return t
-        return dataclasses.replace(t, gate_up_fwd=dataclasses.replace(t.gate_up_fwd, store_n=store_n))
-    return table
-
-
 def with_group_m(group_m: int, gemm: str | None):
     """The table with group_m on every GEMM's entry (gemm None) or on the one named."""
     def table(*args):
@@ -97,14 +86,12 @@ def select(variant: str) -> None:
             setattr(kernels, name, without_row_src(SHIPPED_KERNELS[name]))
     elif variant == "no-spread-x":
         kernels.gate_up_dgrad_spreads_x = lambda *args: False
-    elif variant.startswith("gate-up-store-n:"):
-        te.tma_kernel_configs = gate_up_store_n(int(variant.rpartition(":")[2]))
     elif "group_m:" in variant:
         gemm, _, n = variant.rpartition("group_m:")
         te.tma_kernel_configs = with_group_m(int(n), gemm.removesuffix(".") or None)
     elif variant != "default":
         raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, gather, gather-s3, no-handoff, no-skip, "
-                         "no-spread-x, gate-up-store-n:N, group_m:N or GEMM.group_m:N")
+                         "no-spread-x, group_m:N or GEMM.group_m:N")
 
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

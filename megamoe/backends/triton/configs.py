@@ -29,9 +29,7 @@ class TileConfig:
     (a producer warp feeding two consumer warpgroups through an mbarrier ring; num_warps is then its
     default partition's, 4), its two warpgroups on alternate tiles with pingpong, else on halves of each
     tile; handoff (gate_up_fwd's Gluon kernel on x rows): its epilogue on warps of its own
-    (gluon_gate_up.gate_up_fwd_handoff_kernel, 3 stages); store_n (gate_up_fwd's Gluon kernel, consumers'
-    epilogue): the columns of its TMA store box, block_n (None) or half of it, each half through a staging
-    buffer of its own."""
+    (gluon_gate_up.gate_up_fwd_handoff_kernel, 3 stages)."""
 
     block_m: int
     block_n: int
@@ -45,7 +43,6 @@ class TileConfig:
     gluon: bool = False
     pingpong: bool = False
     handoff: bool = False
-    store_n: int | None = None
 
     def with_block_m(self, block_m: int) -> "TileConfig":
         return dataclasses.replace(self, block_m=block_m)

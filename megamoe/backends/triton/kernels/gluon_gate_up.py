@@ -227,7 +227,7 @@ def _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, W
 
 @gluon.jit
 def _stage_store(desc, row, plane, col, value, out_bufs, n_stored):
-    """TMA store of value [64, STORE_N] at [row, plane, col] through staging buffer n_stored % OUT_BUFS; waits
+    """TMA store of value [64, BLOCK_N] at [row, plane, col] through staging buffer n_stored % OUT_BUFS; waits
     only for the store that last used that buffer. Returns the consumer's store count."""
     OUT_BUFS: gl.constexpr = out_bufs.shape[0]
     buf = out_bufs.index(n_stored % OUT_BUFS)
@@ -236,41 +236,6 @@ def _stage_store(desc, row, plane, col, value, out_bufs, n_stored):
     fence_async_shared()  # the generic-proxy writes are visible to the TMA engine
     tma_store(desc, [row, plane, col], buf)
     return n_stored + 1
-
-
-@gluon.jit
-def _column_halves(value):
-    """[M, N] -> its columns [0, N/2) and [N/2, N): a register split in the wgmma accumulator's layout (a
-    thread holds columns 8j + 2 (lane % 4) + {0, 1} for every j)."""
-    M: gl.constexpr = value.shape[0]
-    N: gl.constexpr = value.shape[1]
-    return value.reshape([M, 2, N // 2]).permute((0, 2, 1)).split()
-
-
-@gluon.jit
-def _store_tile(desc, row, plane, col, value, out_bufs, n_stored):
-    """value [64, BLOCK_N] at [row, plane, col] as BLOCK_N / STORE_N stores of [64, STORE_N] (the store box,
-    desc's last dimension; 1, 2 or 4 pieces), left to right, each through the next staging buffer: a buffer is
-    written while the store before it is still reading its own."""
-    BLOCK_N: gl.constexpr = value.shape[1]
-    STORE_N: gl.constexpr = desc.block_type.shape[2]
-    PIECES: gl.constexpr = BLOCK_N // STORE_N
-    gl.static_assert(PIECES == 1 or PIECES == 2 or PIECES == 4, "the store box splits BLOCK_N in 1, 2 or 4")
-    if PIECES == 1:
-        n_stored = _stage_store(desc, row, plane, col, value, out_bufs, n_stored)
-    else:
-        left, right = _column_halves(value)
-        if PIECES == 2:
-            n_stored = _stage_store(desc, row, plane, col, left, out_bufs, n_stored)
-            n_stored = _stage_store(desc, row, plane, col + STORE_N, right, out_bufs, n_stored)
-        else:
-            q0, q1 = _column_halves(left)
-            q2, q3 = _column_halves(right)
-            n_stored = _stage_store(desc, row, plane, col, q0, out_bufs, n_stored)
-            n_stored = _stage_store(desc, row, plane, col + STORE_N, q1, out_bufs, n_stored)
-            n_stored = _stage_store(desc, row, plane, col + 2 * STORE_N, q2, out_bufs, n_stored)
-            n_stored = _stage_store(desc, row, plane, col + 3 * STORE_N, q3, out_bufs, n_stored)
-    return n_stored
 
 
 @gluon.jit
@@ -297,9 +262,9 @@ def _consumer(h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs, ready_bars,
         u = acc_u.to(dtype)
         out_row = row + WG * CONSUMER_ROWS
         if STORE_GATE_UP:
-            n_stored = _store_tile(gu_desc, out_row, 0, col, g, out_bufs, n_stored)
-            n_stored = _store_tile(gu_desc, out_row, 1, col, u, out_bufs, n_stored)
-        n_stored = _store_tile(h_desc, out_row, 0, col, swiglu(g, u).to(dtype), out_bufs, n_stored)
+            n_stored = _stage_store(gu_desc, out_row, 0, col, g, out_bufs, n_stored)
+            n_stored = _stage_store(gu_desc, out_row, 1, col, u, out_bufs, n_stored)
+        n_stored = _stage_store(h_desc, out_row, 0, col, swiglu(g, u).to(dtype), out_bufs, n_stored)
     tma.store_wait(pendings=0)
 
 
@@ -463,18 +428,13 @@ class GateUpTile:
     consumer_regs: int = 232
     handoff: bool = False  # gate_up_fwd_handoff_kernel: the epilogue on warps of its own (out_bufs unused)
     epilogue_rows: int = 8  # its rows per SwiGLU step
-    store_n: int | None = None  # columns of a store box (and staging buffer): block_n, or 1/2 or 1/4 of it
-
-    @property
-    def store_cols(self) -> int:
-        return self.block_n if self.store_n is None else self.store_n
 
     def smem_bytes(self, elem: int = 2) -> int:
         """Operand ring + both consumers' staging buffers, or the hand-off buffers (without the barriers)."""
         ring = self.stages * (BLOCK_M + 2 * self.block_n) * BLOCK_K * elem
         if self.handoff:
             return ring + 2 * BLOCK_M * self.block_n * elem
-        return ring + 2 * self.out_bufs * CONSUMER_ROWS * self.store_cols * elem
+        return ring + 2 * self.out_bufs * CONSUMER_ROWS * self.block_n * elem
 
 
 # The tiles the benchmark compares (name: tile); each fits 227 KB of shared memory. Registers: Triton starts
@@ -484,9 +444,6 @@ class GateUpTile:
 TILES = {
     "s3b2": GateUpTile(stages=3, out_bufs=2),  # gate_up stores: 3 stages, g and u and h through 2 buffers
     "s4b1": GateUpTile(stages=4, out_bufs=1),  # h alone: 4 stages, 1 buffer (its store has a main loop to drain)
-    # 4 stages, the stores in column halves through 2 buffers of half the s4b1 buffer's bytes: a half is written
-    # while the one before it is still being read by its store (quarters through 4 buffers spill when gathering)
-    "s4b2n64": GateUpTile(stages=4, out_bufs=2, store_n=64),
     "n64-s5b3": GateUpTile(block_n=64, stages=5, out_bufs=3),  # the narrow tile, for the register argument
     # The epilogue handed off (x rows only; the table's tile where x is not gathered): 3 stages + the [128, 128]
     # g and u buffers (208 KB).
@@ -515,7 +472,7 @@ def descriptors(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, h_RI: torch.Te
     rows, inter = h_RI.shape
     a_block = [BLOCK_M, BLOCK_K]
     w_block = [1, tile.block_n, BLOCK_K]
-    out_block = [BLOCK_M, 1, tile.block_n] if tile.handoff else [CONSUMER_ROWS, 1, tile.store_cols]
+    out_block = [BLOCK_M if tile.handoff else CONSUMER_ROWS, 1, tile.block_n]
     out_layout = nvmma_layout(out_block, h_RI.dtype)
     h_desc = TensorDescriptor(h_RI, [rows, 1, inter], [inter, inter, 1], out_block, out_layout)
     gu_desc = h_desc
@@ -527,13 +484,9 @@ def descriptors(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, h_RI: torch.Te
 
 def tile_of(config: TileConfig) -> GateUpTile:
     """The tile a tile-table entry launches: 4 stages beside one staging buffer per consumer, or 3 beside two
-    (the shared memory holds one or the other), or the hand-off kernel's; with config.store_n, as many buffers
-    of the store box's width as fill those bytes."""
-    out_bufs = 1 if config.num_stages >= 4 else 2
-    if config.store_n is not None:
-        out_bufs *= config.block_n // config.store_n
-    return GateUpTile(block_n=config.block_n, stages=config.num_stages, out_bufs=out_bufs, group_m=config.group_m,
-                      handoff=config.handoff, store_n=config.store_n)
+    (the shared memory holds one or the other), or the hand-off kernel's."""
+    return GateUpTile(block_n=config.block_n, stages=config.num_stages, out_bufs=1 if config.num_stages >= 4 else 2,
+                      group_m=config.group_m, handoff=config.handoff)
 
 
 def launch_gate_up_fwd(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, block_expert, block_range, split, config: TileConfig,
