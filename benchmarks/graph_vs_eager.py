@@ -11,7 +11,7 @@ import sys
 import torch
 
 import megamoe
-from megamoe.bench.measure import median_ms
+from megamoe.bench.measure import cuda_graph, median_ms
 from megamoe.bench.problem import forward_backward, one_gpu_problem
 from megamoe.bench.workloads import WORKLOADS
 
@@ -26,16 +26,8 @@ def measure(name: str, device: torch.device) -> dict:
         forward_backward(megamoe.experts, weights, tokens, config=config)
 
     eager_ms = median_ms(step, iters=ITERS, warmup=WARMUP, device=device)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # the warm-up a capture needs: allocator pools and autotuning settled
-        for _ in range(2):
-            step(0)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step(0)
-    graph_ms = median_ms(lambda i: graph.replay(), iters=ITERS, warmup=WARMUP, device=device)
+    replay = cuda_graph(lambda: step(0))
+    graph_ms = median_ms(lambda i: replay(), iters=ITERS, warmup=WARMUP, device=device)
     eager_again_ms = median_ms(step, iters=ITERS, warmup=WARMUP, device=device)
     return {"workload": name, "eager_ms": eager_ms, "graph_ms": graph_ms, "eager_again_ms": eager_again_ms}
 

@@ -12,7 +12,7 @@ import sys
 import torch
 
 import megamoe
-from megamoe.bench.measure import kernel_times
+from megamoe.bench.measure import cuda_graph, kernel_times
 from megamoe.bench.problem import forward_backward, one_gpu_problem
 from megamoe.bench.workloads import WORKLOADS
 
@@ -26,18 +26,12 @@ def profile_one(name: str, device: torch.device, graphed: bool) -> dict:
     def step():
         forward_backward(megamoe.experts, weights, tokens, config=config)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up on a side stream, as a capture needs
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    run = step
     if graphed:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        run = cuda_graph(step, warmup=3)
+    else:
+        run = step
+        for _ in range(3):  # warm-up
             step()
-        run = graph.replay
     return {"workload": name, "graph": graphed, **kernel_times(run, ITERS)}
 
 

@@ -23,7 +23,10 @@ TorchTitan-style path (megamoe.bench.baselines, the bench's headline baseline) t
 
 Usage: python benchmarks/sonicmoe_ab.py WORKLOAD[,WORKLOAD...] OUT.json [--routing balanced,skewed]
        [--sonic fixed-k,general|none] [--torchtitan] [--pass fwd+bwd,fwd] [--backend auto] [--rounds 4] [--iters 10]
-       [--profile N]
+       [--graph] [--profile N]
+--graph: each path's call (on the first input set) captured once as a CUDA graph and the replays timed: the
+kernels without the host's launch work, as in a training step captured whole; a path that cannot be captured (a
+host synchronisation) is reported with its error instead of a time; no peak memory (the graphs' pools count).
 Set-up for SonicMoE (an sm_90 GPU): `pip install nvidia-cutlass-dsl==4.2.1` (its `cutlass` package lives in
 nvidia_cutlass_dsl/python_packages, which a .pth file adds to the path; with `pip install --target DIR` put
 DIR/nvidia_cutlass_dsl/python_packages on PYTHONPATH yourself), and sonic-moe's `sonicmoe/` (8565e84) and
@@ -32,7 +35,7 @@ quack's `quack/` (3d0ab3ec) on PYTHONPATH (`git archive` of each). SonicMoE buil
 """
 import argparse, functools, json, statistics, torch
 from megamoe.bench.gate import experts_fn
-from megamoe.bench.measure import CEILING_FLOPS, call_times_ms, ceiling_matmul, kernel_times
+from megamoe.bench.measure import CEILING_FLOPS, call_times_ms, ceiling_matmul, cuda_graph, kernel_times
 from megamoe.bench.problem import Tokens, forward_TH, forward_backward, make_tokens, make_weights
 from megamoe.bench.workloads import WORKLOADS, layer_flops
 
@@ -139,9 +142,22 @@ def run_workload(name: str, pass_name: str, args, device: torch.device, dtype: t
                       + ", ".join(f"{key} {d:.1e}" for key, d in diffs[p].items()), flush=True)
                 del theirs
         del ours
-        times = {p: [] for p in paths}
-        peak = dict.fromkeys(paths, 0)
         turns = dict(paths)
+        graph_errors = {}
+        if args.graph:
+            turns = {}
+            for p, run in paths.items():
+                try:
+                    replay = cuda_graph(functools.partial(run, toks[0]))
+                except Exception as error:  # e.g. a host synchronisation inside the path: reported, not timed
+                    graph_errors[p] = f"{type(error).__name__}: {error}"
+                    print(f"{name} {routing} {pass_name} {p}: not captured as a CUDA graph: {graph_errors[p]}",
+                          flush=True)
+                    continue
+                turns[p] = lambda tokens, replay=replay: replay()
+        timed = list(turns)
+        times = {p: [] for p in timed}
+        peak = dict.fromkeys(timed, 0)
         if on_gpu:
             matmul = ceiling_matmul(device)
             turns[CEILING] = lambda _: matmul()
@@ -160,8 +176,8 @@ def run_workload(name: str, pass_name: str, args, device: torch.device, dtype: t
                 if on_gpu and p in paths:
                     peak[p] = max(peak[p], torch.cuda.max_memory_allocated() - inputs_bytes)
         ceiling = CEILING_FLOPS / statistics.median(times.pop(CEILING)) / 1e9 if on_gpu else None
-        profiles = {p: kernel_times(functools.partial(run, toks[0]), args.profile) for p, run in paths.items()
-                    if args.profile}
+        profiles = {p: kernel_times(functools.partial(turns[p], toks[0]), args.profile) for p in timed
+                    if args.profile and p in paths}
         for p, t in times.items():
             ms = statistics.median(t)
             diff = diffs.get(p)
@@ -174,10 +190,14 @@ def run_workload(name: str, pass_name: str, args, device: torch.device, dtype: t
             records.append(dict(
                 workload=name, routing=routing, pass_name=pass_name, path=p, ms=ms, tflops=tflops,
                 ceiling_tflops=ceiling, mfu=tflops / ceiling if ceiling else None,
-                peak_above_inputs_gib=peak[p] / 2**30 if on_gpu else None, experts=E, tokens=T,
+                # With --graph the captured graphs' memory pools count as allocated: no peak.
+                peak_above_inputs_gib=peak[p] / 2**30 if on_gpu and not args.graph else None, experts=E, tokens=T,
+                graph=args.graph,
                 rel_diff_to_megamoe=diff, agrees=None if diff is None else all(d <= MAX_REL_DIFF for d in diff.values()),
                 **({"profile": profiles[p]} if p in profiles else {})))
             print(json.dumps(records[-1]), flush=True)
+        records += [dict(workload=name, routing=routing, pass_name=pass_name, path=p, graph=True, graph_error=error)
+                    for p, error in graph_errors.items()]
     return records
 
 
@@ -194,6 +214,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--backend", default="auto", help="megamoe's backend (MoEConfig.backend)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--graph", action="store_true",
+                        help="time each path as a CUDA graph of one call, replayed (its host work gone; a CUDA GPU)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after timing, each path's GPU time per kernel over N calls (torch.profiler; a CUDA GPU)")
     args = parser.parse_args(argv)
@@ -209,6 +231,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.rounds < 1 or args.iters < 1:
         parser.error(f"--rounds and --iters must be >= 1, got {args.rounds} and {args.iters}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.graph and device.type != "cuda":
+        parser.error("--graph needs a CUDA GPU")
     if args.profile < 0 or (args.profile and device.type != "cuda"):
         parser.error(f"--profile takes a count >= 0 of profiled calls and needs a CUDA GPU, got {args.profile} "
                      f"on {device.type}")
@@ -223,14 +247,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         json.dump(out, open(args.json_path, "w"), indent=1)  # after each workload: a run cut short keeps what it has
+    timed = [r for r in out if "ms" in r]
     for r in out:
+        if "ms" not in r:
+            print(f"{r['workload']:16} {r['routing']:9} {r['pass_name']:7} {r['path']:18} not captured: "
+                  f"{r['graph_error'][:80]}")
+            continue
         mfu = f"{100 * r['mfu']:5.1f}% MFU (ceiling {r['ceiling_tflops']:.0f})" if r["mfu"] else ""
         print(f"{r['workload']:16} {r['routing']:9} {r['pass_name']:7} {r['path']:18} {r['ms']:8.2f} ms "
               f"{r['tflops']:6.1f} TF/s {mfu} agrees {r['agrees']}")
-    for key in dict.fromkeys((r["workload"], r["routing"], r["pass_name"]) for r in out):
-        ms = {r["path"]: r["ms"] for r in out if (r["workload"], r["routing"], r["pass_name"]) == key}
-        print(f"{key[0]:16} {key[1]:9} {key[2]:7} megamoe's speed: " + ", ".join(
-            f"{t / ms['megamoe']:.3f}x {p}'s" for p, t in ms.items() if p != "megamoe"))
+    for key in dict.fromkeys((r["workload"], r["routing"], r["pass_name"]) for r in timed):
+        ms = {r["path"]: r["ms"] for r in timed if (r["workload"], r["routing"], r["pass_name"]) == key}
+        if "megamoe" in ms:
+            print(f"{key[0]:16} {key[1]:9} {key[2]:7} megamoe's speed: " + ", ".join(
+                f"{t / ms['megamoe']:.3f}x {p}'s" for p, t in ms.items() if p != "megamoe"))
     return out
 
 

@@ -71,7 +71,8 @@ def test_bad_arguments_are_usage_errors(ab, capsys):
                           (["tiny", "x.json", "--pass", "fwd,bwd"], "unknown passes ['bwd']"),
                           (["qwen3-31b", "x.json"], "unknown workloads ['qwen3-31b']"),
                           (["tiny", "x.json", "--iters", "0"], "--rounds and --iters must be >= 1"),
-                          (["tiny", "x.json", "--profile", "2"], "needs a CUDA GPU, got 2 on cpu")):
+                          (["tiny", "x.json", "--profile", "2"], "needs a CUDA GPU, got 2 on cpu"),
+                          (["tiny", "x.json", "--graph"], "--graph needs a CUDA GPU")):
         with pytest.raises(SystemExit):
             ab.main(argv)
         assert message in capsys.readouterr().err

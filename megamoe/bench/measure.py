@@ -95,6 +95,23 @@ def kernel_times(run, iters: int) -> dict:
             "kernels": kernels, "largest_gaps": gaps[:20]}
 
 
+def cuda_graph(step, warmup: int = 2):
+    """step() captured once as a CUDA graph: the graph's replay (a call that re-runs step's kernels on the tensors
+    the capture saw, without the host's launch work). step runs warmup times on a side stream first, as a capture
+    needs (allocator pools and compiled kernels settled). A step that synchronises with the host or otherwise
+    cannot be captured raises here (torch's error)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
 CEILING_FLOPS = 2 * CEILING_SIZE**3
 
 
