@@ -33,7 +33,7 @@ DIR/nvidia_cutlass_dsl/python_packages on PYTHONPATH yourself), and sonic-moe's 
 quack's `quack/` (3d0ab3ec) on PYTHONPATH (`git archive` of each). SonicMoE builds a small CUDA extension
 (count_cumsum) with nvcc on first use.
 """
-import argparse, functools, json, statistics, torch
+import argparse, contextlib, functools, json, statistics, torch
 from megamoe.bench.gate import experts_fn
 from megamoe.bench.measure import CEILING_FLOPS, call_times_ms, ceiling_matmul, cuda_graph, kernel_times
 from megamoe.bench.problem import Tokens, forward_TH, forward_backward, make_tokens, make_weights
@@ -238,15 +238,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
                      f"on {device.type}")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out = []
-    for name in args.workloads.split(","):
-        if args.sonic and WORKLOADS[name].shared_intermediate:
-            print(f"{name}: skipped (a shared expert, which SonicMoE does not run)", flush=True)
-            continue
-        for pass_name in args.passes:
-            out += run_workload(name, pass_name, args, device, dtype)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        json.dump(out, open(args.json_path, "w"), indent=1)  # after each workload: a run cut short keeps what it has
+    # --graph: every call on one side stream, the capturing one (measure.cuda_graph: the backward's leaves).
+    with torch.cuda.stream(torch.cuda.Stream()) if args.graph else contextlib.nullcontext():
+        for name in args.workloads.split(","):
+            if args.sonic and WORKLOADS[name].shared_intermediate:
+                print(f"{name}: skipped (a shared expert, which SonicMoE does not run)", flush=True)
+                continue
+            for pass_name in args.passes:
+                out += run_workload(name, pass_name, args, device, dtype)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            json.dump(out, open(args.json_path, "w"), indent=1)  # after each workload: a run cut short keeps what it has
     timed = [r for r in out if "ms" in r]
     for r in out:
         if "ms" not in r:

@@ -97,18 +97,21 @@ def kernel_times(run, iters: int) -> dict:
 
 def cuda_graph(step, warmup: int = 2):
     """step() captured once as a CUDA graph: the graph's replay (a call that re-runs step's kernels on the tensors
-    the capture saw, without the host's launch work). step runs warmup times on a side stream first, as a capture
-    needs (allocator pools and compiled kernels settled). A step that synchronises with the host or otherwise
-    cannot be captured raises here (torch's error)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    the capture saw, without the host's launch work). step runs warmup times first, as a capture needs (allocator
+    pools and compiled kernels settled); warm-up and capture run on the current stream, or on a new side stream
+    where that is the default stream (which cannot capture). A backward captured on a stream other than the one its
+    leaves' gradient nodes were made on syncs with that stream and fails the capture: run the eager calls on the
+    capturing stream too. A step that synchronises with the host raises here (torch's error)."""
+    caller = torch.cuda.current_stream()
+    stream = torch.cuda.Stream() if caller == torch.cuda.default_stream() else caller
+    stream.wait_stream(caller)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
         for _ in range(warmup):
             step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+        with torch.cuda.graph(graph, stream=stream):
+            step()
+    caller.wait_stream(stream)
     return graph.replay
 
 
