@@ -26,7 +26,7 @@ def measure(name: str, device: torch.device) -> dict:
         forward_backward(megamoe.experts, weights, tokens, config=config)
 
     eager_ms = median_ms(step, iters=ITERS, warmup=WARMUP, device=device)
-    replay = cuda_graph(lambda: step(0))
+    replay, _ = cuda_graph(lambda: step(0))
     graph_ms = median_ms(lambda i: replay(), iters=ITERS, warmup=WARMUP, device=device)
     eager_again_ms = median_ms(step, iters=ITERS, warmup=WARMUP, device=device)
     return {"workload": name, "eager_ms": eager_ms, "graph_ms": graph_ms, "eager_again_ms": eager_again_ms}

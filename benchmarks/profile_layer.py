@@ -27,7 +27,7 @@ def profile_one(name: str, device: torch.device, graphed: bool) -> dict:
         forward_backward(megamoe.experts, weights, tokens, config=config)
 
     if graphed:
-        run = cuda_graph(step, warmup=3)
+        run, _ = cuda_graph(step, warmup=3)
     else:
         run = step
         for _ in range(3):  # warm-up

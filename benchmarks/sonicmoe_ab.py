@@ -11,8 +11,10 @@ SonicMoE (Dao-AILab/sonic-moe at 8565e84: CuTe DSL kernels, with quack at 3d0ab3
 pin, and nvidia-cutlass-dsl 4.2.1; no quack-kernels release on PyPI has the modules it imports) computes the
 experts part: the token gather inside the up-projection's loads, SwiGLU in its epilogue, the down-projection,
 the weighted sum over a token's k experts. Two entry points (--sonic):
-  fixed-k  its top-k layer (moe_TC_softmax_topk_layer) after the router: count_cumsum, TC_topk_router_metadata,
-           _UpProjection, _DownProjection with fixed k, on the given top-k ids and scores (the default)
+  fixed-k  its top-k layer (moe_TC_softmax_topk_layer) after the router: the experts' row counts and offsets,
+           TC_topk_router_metadata, _UpProjection, _DownProjection with fixed k, on the given top-k ids and scores
+           (the default; the counts by torch ops, not its count_cumsum, which launches on the legacy default
+           stream whatever the current one: sonic_fixed_k)
   general  moe_general_routing_inputs on the flattened (token, expert, score) triples
   none     no SonicMoE (megamoe against the TorchTitan-style path only; runs on a CPU too)
 Its gate/up weight interleaves gate and up rows (row 2j gate j, row 2j + 1 up j); it gets a copy of megamoe's
@@ -26,12 +28,12 @@ Usage: python benchmarks/sonicmoe_ab.py WORKLOAD[,WORKLOAD...] OUT.json [--routi
        [--graph] [--profile N]
 --graph: each path's call (on the first input set) captured once as a CUDA graph and the replays timed: the
 kernels without the host's launch work, as in a training step captured whole; a path that cannot be captured (a
-host synchronisation) is reported with its error instead of a time; no peak memory (the graphs' pools count).
+host synchronisation) is reported with its error instead of a time, as is one whose replay's results differ from
+an eager call's (beyond the comparison's tolerance); no peak memory (the graphs' pools count).
 Set-up for SonicMoE (an sm_90 GPU): `pip install nvidia-cutlass-dsl==4.2.1` (its `cutlass` package lives in
 nvidia_cutlass_dsl/python_packages, which a .pth file adds to the path; with `pip install --target DIR` put
 DIR/nvidia_cutlass_dsl/python_packages on PYTHONPATH yourself), and sonic-moe's `sonicmoe/` (8565e84) and
-quack's `quack/` (3d0ab3ec) on PYTHONPATH (`git archive` of each). SonicMoE builds a small CUDA extension
-(count_cumsum) with nvcc on first use.
+quack's `quack/` (3d0ab3ec) on PYTHONPATH (`git archive` of each).
 """
 import argparse, contextlib, functools, json, statistics, torch
 from megamoe.bench.gate import experts_fn
@@ -48,15 +50,20 @@ CEILING = "matmul-8192"  # the ceiling's turn in the rounds (GPUs)
 
 def sonic_fixed_k(x, ids, scores, w1, w2):
     """SonicMoE's top-k layer (moe_TC_softmax_topk_layer) after its router: the fixed-k metadata and kernels
-    (is_varlen_K False) on the given ids and scores instead of its own softmax top-k."""
-    from sonicmoe.count_cumsum import count_cumsum
+    (is_varlen_K False) on the given ids and scores instead of its own softmax top-k. The experts' row counts and
+    their running sum (its count_cumsum's outputs) come from torch ops: count_cumsum launches on the legacy
+    default stream whatever the current one is, so on a side stream it races the ids it reads and a CUDA graph
+    captured there leaves it out (replays then read offsets that nothing rewrote)."""
     from sonicmoe.enums import ActivationType
     from sonicmoe.functional import TC_topk_router_metadata, _DownProjection, _UpProjection
 
     num_tokens, k = ids.shape
     stream = torch.cuda.current_stream().cuda_stream
+    flat = ids.reshape(-1).long()
+    counts = torch.zeros(w2.shape[-1], dtype=torch.int32, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offsets = counts.cumsum(0, dtype=torch.int32)
     ids = ids.to(torch.int32)
-    _, offsets = count_cumsum(ids.view(-1), w2.shape[-1], do_cumsum=True)
     offsets, x_gather_idx, s_scatter_idx, s_reverse_scatter_idx, per_token_offset = TC_topk_router_metadata(ids, offsets, k)
     meta = (x_gather_idx, s_scatter_idx, s_reverse_scatter_idx, per_token_offset, False, ActivationType.SWIGLU)
     y1, z = _UpProjection.apply(x, w1, None, offsets, num_tokens * k, k, stream, *meta, False)
@@ -112,6 +119,13 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def _replay_diff(replay, captured: dict[str, torch.Tensor], eager: dict[str, torch.Tensor]) -> dict[str, float]:
+    """A replay's results (the tensors the capture returned, refreshed) against an eager call's on the same inputs,
+    relative difference per key: a graph that left out or mis-recorded work shows here, not as a fast time."""
+    replay()
+    return {key: rel_diff(captured[key], eager[key]) for key in eager}
+
+
 def run_workload(name: str, pass_name: str, args, device: torch.device, dtype: torch.dtype) -> list[dict]:
     """The paths on one workload and pass, per routing: a record per (routing, path)."""
     w = WORKLOADS[name]
@@ -148,11 +162,17 @@ def run_workload(name: str, pass_name: str, args, device: torch.device, dtype: t
             turns = {}
             for p, run in paths.items():
                 try:
-                    replay = cuda_graph(functools.partial(run, toks[0]))
+                    replay, captured = cuda_graph(functools.partial(run, toks[0]))
+                    replay_diff = _replay_diff(replay, captured, run(toks[0]))
                 except Exception as error:  # e.g. a host synchronisation inside the path: reported, not timed
                     graph_errors[p] = f"{type(error).__name__}: {error}"
                     print(f"{name} {routing} {pass_name} {p}: not captured as a CUDA graph: {graph_errors[p]}",
                           flush=True)
+                    continue
+                if not all(d <= MAX_REL_DIFF for d in replay_diff.values()):
+                    graph_errors[p] = "its replay differs from its eager call: " + ", ".join(
+                        f"{key} {d:.1e}" for key, d in replay_diff.items())
+                    print(f"{name} {routing} {pass_name} {p}: {graph_errors[p]}; not timed", flush=True)
                     continue
                 turns[p] = lambda tokens, replay=replay: replay()
         timed = list(turns)

@@ -96,8 +96,10 @@ def kernel_times(run, iters: int) -> dict:
 
 
 def cuda_graph(step, warmup: int = 2):
-    """step() captured once as a CUDA graph: the graph's replay (a call that re-runs step's kernels on the tensors
-    the capture saw, without the host's launch work). step runs warmup times first, as a capture needs (allocator
+    """step() captured once as a CUDA graph: (the graph's replay, what step returned while captured). The replay
+    re-runs step's kernels on the tensors the capture saw, without the host's launch work, and refreshes the
+    returned tensors in place (check them after a replay: a kernel launched outside the capture, e.g. on another
+    stream, is not in the graph). step runs warmup times first, as a capture needs (allocator
     pools and compiled kernels settled); warm-up and capture run on the current stream, or on a new side stream
     where that is the default stream (which cannot capture). A backward captured on a stream other than the one its
     leaves' gradient nodes were made on syncs with that stream and fails the capture: run the eager calls on the
@@ -110,9 +112,9 @@ def cuda_graph(step, warmup: int = 2):
         for _ in range(warmup):
             step()
         with torch.cuda.graph(graph, stream=stream):
-            step()
+            result = step()
     caller.wait_stream(stream)
-    return graph.replay
+    return graph.replay, result
 
 
 CEILING_FLOPS = 2 * CEILING_SIZE**3

@@ -6,9 +6,11 @@ budget as docs/design.md) — for every backend and direction, bitwise across ru
 settings (num_comm_sms, minibatch_tokens), under a CUDA graph, with skewed routing and an empty rank. Exits non-zero on the first failure.
 Modes beyond "checks": "timeout" (a peer that never arrives), "workspace" (one workspace reused across T),
 "mismatch" (ranks each on a different already-checked shape), "reject" (a rank rejecting its arguments).
-Usage: torchrun --nproc-per-node=N tests/gpu/ep_worker.py [checks|timeout|workspace|mismatch|reject]
+"ep-kernels" runs the EP path's own functions (ep.experts_fwd / _bwd) on any number of GPUs, one included.
+Usage: torchrun --nproc-per-node=N tests/gpu/ep_worker.py [checks|ep-kernels|timeout|workspace|mismatch|reject]
 """
 
+import dataclasses
 import os
 import sys
 
@@ -16,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import megamoe
+from megamoe.backends.triton.configs import block_m_for
 
 
 def problem(seed, tokens, hidden, inter, experts, topk, world, routing="balanced", shared=0):
@@ -138,6 +141,92 @@ def checks(rank, world):
             print(f"rank {rank} {tag} {backend}: ok", flush=True)
     for num_comm_sms, minibatch_tokens in ((None, None), (4, 1)):
         graph_check(rank, world, megamoe.MoEConfig(backend="triton", num_comm_sms=num_comm_sms, minibatch_tokens=minibatch_tokens))
+
+
+def run_ep_kernels(ids, p, d_out, rank, world, tokens, experts, config, overlap=True, dtype=torch.bfloat16):
+    """run_ep through the expert-parallel path itself (ep.experts_fwd / _bwd: workspace, exchanges and the fused
+    kernels), whatever the group's size: megamoe.experts takes the one-GPU path for a group of one, so this is
+    how one GPU runs the EP kernels (pulls from and pushes to its own symmetric memory)."""
+    from megamoe.backends.triton import ep, place_routing
+
+    e_l = experts // world
+    rows = slice(rank * tokens, (rank + 1) * tokens)
+    local = {}
+    for n, t in p.items():
+        t = t[rows] if n in ("x", "topk_weights") else t[rank * e_l : (rank + 1) * e_l] if n in ("w_gate_up", "w_down") else t
+        local[n] = (t.float() if n == "topk_weights" else t.to(dtype)).detach().contiguous()
+    group = dist.group.WORLD
+    config = dataclasses.replace(config, block_m=block_m_for(local["x"].shape[1], local["w_down"].shape[2], dtype))
+    schedule = megamoe.build_schedule(
+        ids[rows], experts, group=group, config=config, place_routing=place_routing,
+        gather_routing=ep.routing_exchange(local["x"], local["w_gate_up"], group, config))
+    args = (local["x"], local["topk_weights"], local["w_gate_up"], local["w_down"], local.get("shared_gate_up"),
+            local.get("shared_down"))
+    out, saved = ep.experts_fwd(*args, schedule, group, config, overlap=overlap)
+    grads = ep.experts_bwd(d_out[rows].to(dtype), *args, schedule, group, config, saved, overlap=overlap)
+    names = ["d_x", "d_topk_weights", "d_w_gate_up", "d_w_down", "d_shared_gate_up", "d_shared_down"]
+    return {"out": out, **{n: g for n, g in zip(names, grads) if g is not None}}
+
+
+def ep_kernels(rank, world):
+    """The EP path's kernels on any number of GPUs, one included: against the fp64 reference, bitwise across
+    reruns, dispatch/combine directions, overlap settings and the unfused layer, and under a CUDA graph."""
+    cases = [  # (tokens per rank, H, I, E, k, routing, shared)
+        (1000, 256, 128, 8 * world, 4, "balanced", 0),
+        (333, 2880, 256, 4 * world, 2, "balanced", 128),
+        (1, 256, 128, 2 * world, 1, "balanced", 0),
+    ]
+    directions = [("pull", "push"), ("push", "pull"), ("pull", "pull"), ("push", "push")]
+    for tokens, hidden, inter, experts, topk, routing, shared in cases:
+        tag = f"T{tokens}-H{hidden}-I{inter}-E{experts}-k{topk}-{routing}-S{shared}"
+        ids, p, d_out = problem(4321, tokens, hidden, inter, experts, topk, world, routing, shared)
+        ref64 = shard(run_reference(ids, p, d_out, torch.float64), rank, world, tokens, experts)
+        ref16 = shard(run_reference(ids, p, d_out, torch.bfloat16), rank, world, tokens, experts)
+        fused = run_ep_kernels(ids, p, d_out, rank, world, tokens, experts, megamoe.MoEConfig(backend="triton"))
+        check_budget(f"{tag} fused", fused, ref64, ref16)
+        again = run_ep_kernels(ids, p, d_out, rank, world, tokens, experts, megamoe.MoEConfig(backend="triton"))
+        check_bitwise(f"{tag} fused rerun", fused, again)
+        for dispatch, combine in directions:
+            for (num_comm_sms, minibatch_tokens), overlap in [(OVERLAPS[0], False), *((o, True) for o in OVERLAPS)]:
+                config = megamoe.MoEConfig(backend="triton", dispatch=dispatch, combine=combine,
+                                           num_comm_sms=num_comm_sms, minibatch_tokens=minibatch_tokens)
+                got = run_ep_kernels(ids, p, d_out, rank, world, tokens, experts, config, overlap=overlap)
+                check_bitwise(f"{tag} {dispatch}/{combine} comm_sms={num_comm_sms} minibatch={minibatch_tokens} "
+                              f"overlap={overlap} vs the fused default", got, fused)
+        print(f"rank {rank} {tag} EP kernels: ok", flush=True)
+    ep_graph_check(rank, world)
+
+
+def ep_graph_check(rank, world):
+    """The EP path's forward+backward captured in a CUDA graph; replays with new x, routing and d_out == eager."""
+    tokens, hidden, inter, experts, topk = 512, 256, 128, 4 * world, 2
+    ids, p, d_out = problem(8, tokens, hidden, inter, experts, topk, world)
+    config = megamoe.MoEConfig(backend="triton")
+    g = torch.Generator(device="cuda").manual_seed(9)
+
+    def step():
+        result = run_ep_kernels(ids, p, d_out, rank, world, tokens, experts, config)
+        return [result[n] for n in ("out", "d_x", "d_topk_weights", "d_w_gate_up", "d_w_down")]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            static = step()
+    torch.cuda.current_stream().wait_stream(side)
+    for trial in range(3):
+        p["x"].copy_(torch.randn(p["x"].shape, generator=g, device="cuda", dtype=p["x"].dtype))
+        d_out.copy_(torch.randn(d_out.shape, generator=g, device="cuda", dtype=d_out.dtype))
+        ids.copy_(torch.rand(ids.shape[0], experts, generator=g, device="cuda").topk(topk, -1).indices)
+        graph.replay()
+        eager = step()
+        for name, a, b in zip(["out", "d_x", "d_topk_weights", "d_w_gate_up", "d_w_down"], static, eager):
+            if not torch.equal(a, b):
+                raise AssertionError(f"EP kernels, cuda graph replay {trial}: {name} differs from eager")
+    print(f"rank {rank} EP kernels cuda graph: ok", flush=True)
 
 
 def graph_check(rank, world, config):
@@ -277,9 +366,10 @@ def main():
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     world = dist.get_world_size()
-    modes = {"checks": checks, "timeout": timeout, "workspace": workspace, "mismatch": mismatch, "reject": reject}
+    modes = {"checks": checks, "ep-kernels": ep_kernels, "timeout": timeout, "workspace": workspace, "mismatch": mismatch,
+             "reject": reject}
     modes[mode](rank, world)
-    if mode in ("checks", "workspace", "reject"):
+    if mode in ("checks", "ep-kernels", "workspace", "reject"):
         dist.barrier()
         dist.destroy_process_group()
 
