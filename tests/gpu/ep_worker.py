@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 import megamoe
 from megamoe.backends.triton.configs import block_m_for
+from megamoe.bench.measure import cuda_graph
 
 
 def problem(seed, tokens, hidden, inter, experts, topk, world, routing="balanced", shared=0):
@@ -62,13 +63,21 @@ def shard(result, rank, world, tokens, experts):
     return local
 
 
-def run_ep(ids, p, d_out, rank, world, tokens, experts, config, dtype=torch.bfloat16):
+def local_inputs(p, rank, world, tokens, experts, dtype):
+    """This rank's part of the global problem's inputs: its tokens' x and topk_weights (fp32), its experts'
+    weights, the shared expert's whole; in dtype, contiguous, detached."""
     e_l = experts // world
     rows = slice(rank * tokens, (rank + 1) * tokens)
-    leaves = {}
+    local = {}
     for n, t in p.items():
         t = t[rows] if n in ("x", "topk_weights") else t[rank * e_l : (rank + 1) * e_l] if n in ("w_gate_up", "w_down") else t
-        leaves[n] = (t.float() if n == "topk_weights" else t.to(dtype)).contiguous().requires_grad_()
+        local[n] = (t.float() if n == "topk_weights" else t.to(dtype)).detach().contiguous()
+    return local
+
+
+def run_ep(ids, p, d_out, rank, world, tokens, experts, config, dtype=torch.bfloat16):
+    rows = slice(rank * tokens, (rank + 1) * tokens)
+    leaves = {n: t.requires_grad_() for n, t in local_inputs(p, rank, world, tokens, experts, dtype).items()}
     out = megamoe.experts(leaves["x"], ids[rows], leaves["topk_weights"], leaves["w_gate_up"], leaves["w_down"],
                           shared_gate_up=leaves.get("shared_gate_up"), shared_down=leaves.get("shared_down"),
                           group=dist.group.WORLD, config=config)
@@ -149,12 +158,8 @@ def run_ep_kernels(ids, p, d_out, rank, world, tokens, experts, config, overlap=
     how one GPU runs the EP kernels (pulls from and pushes to its own symmetric memory)."""
     from megamoe.backends.triton import ep, place_routing
 
-    e_l = experts // world
     rows = slice(rank * tokens, (rank + 1) * tokens)
-    local = {}
-    for n, t in p.items():
-        t = t[rows] if n in ("x", "topk_weights") else t[rank * e_l : (rank + 1) * e_l] if n in ("w_gate_up", "w_down") else t
-        local[n] = (t.float() if n == "topk_weights" else t.to(dtype)).detach().contiguous()
+    local = local_inputs(p, rank, world, tokens, experts, dtype)
     group = dist.group.WORLD
     config = dataclasses.replace(config, block_m=block_m_for(local["x"].shape[1], local["w_down"].shape[2], dtype))
     schedule = megamoe.build_schedule(
@@ -208,20 +213,12 @@ def ep_graph_check(rank, world):
         result = run_ep_kernels(ids, p, d_out, rank, world, tokens, experts, config)
         return [result[n] for n in ("out", "d_x", "d_topk_weights", "d_w_gate_up", "d_w_down")]
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            static = step()
-    torch.cuda.current_stream().wait_stream(side)
+    replay, static = cuda_graph(step)
     for trial in range(3):
         p["x"].copy_(torch.randn(p["x"].shape, generator=g, device="cuda", dtype=p["x"].dtype))
         d_out.copy_(torch.randn(d_out.shape, generator=g, device="cuda", dtype=d_out.dtype))
         ids.copy_(torch.rand(ids.shape[0], experts, generator=g, device="cuda").topk(topk, -1).indices)
-        graph.replay()
+        replay()
         eager = step()
         for name, a, b in zip(["out", "d_x", "d_topk_weights", "d_w_gate_up", "d_w_down"], static, eager):
             if not torch.equal(a, b):
