@@ -95,3 +95,20 @@ def test_timed_sonic_calls_leave_the_gate_up_gradient_interleaved(ab, monkeypatc
     interleaved = timed["d_w_gate_up_interleaved"]
     assert torch.equal(interleaved[:, 0::2], compared["d_w_gate_up"][:, :two_i // 2])
     assert torch.equal(interleaved[:, 1::2], compared["d_w_gate_up"][:, two_i // 2:])
+
+
+def test_replay_check_catches_a_graph_that_left_work_out(ab):
+    """--graph times a path only if a replay refreshes what its capture returned to an eager call's values: a
+    replay that rewrites the results passes, one that leaves them as they were (work left out of the graph, as
+    SonicMoE's count_cumsum on the legacy stream was) shows the full difference."""
+    eager = {"out": torch.arange(1.0, 9.0), "d_x": torch.ones(3, 2)}
+    captured = {key: torch.zeros_like(t) for key, t in eager.items()}
+
+    def replay():
+        for key, t in captured.items():
+            t.copy_(eager[key])
+
+    assert ab._replay_diff(replay, captured, eager) == {"out": 0.0, "d_x": 0.0}
+    stale = {key: torch.zeros_like(t) for key, t in eager.items()}
+    diffs = ab._replay_diff(lambda: None, stale, eager)
+    assert diffs == {"out": 1.0, "d_x": 1.0} and all(d > ab.MAX_REL_DIFF for d in diffs.values())
