@@ -15,6 +15,8 @@ ranks (megamoe.bench.measure):
   comm     the exchanges alone (barriers, publishes, whole pulls/pushes, the final copies), no compute
            (ep_probes.py)
   serial   no overlap: whole exchanges around plain GEMMs on every SM (the layer with overlap=False)
+  one_gpu  EP = 1 only: the one-GPU path on the same schedule (its Gluon kernels, no exchange), what a group of
+           one runs through megamoe.experts: the time the EP kernels would match with no peer to talk to
 --probes times a subset (hidden/exposed need fused, compute and comm).
 hidden = compute + comm - fused (the communication time that ran under compute), reported as a
 fraction of comm; exposed = fused - compute (it includes what the SMs given to communication cost the
@@ -31,7 +33,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from megamoe.backends.triton import ep
+from megamoe.backends.triton import ep, experts
 from megamoe.backends.triton.configs import block_m_for
 from megamoe.bench.measure import median_ms
 from megamoe.bench.routing import ROUTINGS, route
@@ -47,6 +49,7 @@ PASSES = {
     "compute": (compute_fwd, compute_bwd),
     "comm": (comm_fwd, comm_bwd),
     "serial": (functools.partial(ep.experts_fwd, overlap=False), functools.partial(ep.experts_bwd, overlap=False)),
+    "one_gpu": (experts.experts_fwd, experts.experts_bwd),
 }
 PROBES = tuple(PASSES)
 
@@ -104,6 +107,8 @@ def main() -> None:
     device = torch.device("cuda", rank)
     dist.init_process_group("nccl", device_id=device)
     group, world = dist.group.WORLD, dist.get_world_size()
+    if world > 1:  # the one-GPU path takes a group of one only
+        probes = [p for p in probes if p != "one_gpu"]
     records = []
     for name in args.workloads.split(","):
         w = WORKLOADS[name]
@@ -140,11 +145,11 @@ def main() -> None:
     if rank == 0:
         print(f"EP={world}, num_comm_sms={config.num_comm_sms}, minibatch_tokens={config.minibatch_tokens}")
         print(f"{'workload':17} {'pass':8} {'comm SMs':>8} {'fused':>7} {'compute':>7} {'comm':>7} {'c+c':>7} "
-              f"{'serial':>7} {'hidden':>7} {'hid%':>5} {'exposed':>7}")
+              f"{'serial':>7} {'hidden':>7} {'hid%':>5} {'exposed':>7} {'1-GPU':>7}")
         for r in records:
             print(f"{r['workload']:17} {r['pass']:8} {r['num_comm_sms']:8d} {r['fused_ms']:7.3f} {r['compute_ms']:7.3f} "
                   f"{r['comm_ms']:7.3f} {r['compute_ms'] + r['comm_ms']:7.3f} {r['serial_ms']:7.3f} "
-                  f"{r['hidden_ms']:7.3f} {100 * r['hidden_frac']:5.1f} {r['exposed_ms']:7.3f}")
+                  f"{r['hidden_ms']:7.3f} {100 * r['hidden_frac']:5.1f} {r['exposed_ms']:7.3f} {r['one_gpu_ms']:7.3f}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump([{k: None if v != v else v for k, v in r.items()} for r in records], f, indent=1)
