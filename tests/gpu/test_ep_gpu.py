@@ -12,7 +12,6 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-
 def multigpu(test):
     """Marks a test that needs several GPUs: skipped with fewer than 2."""
     test = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")(test)
