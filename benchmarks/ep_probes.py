@@ -18,18 +18,18 @@ from __future__ import annotations
 from megamoe.backends.swiglu import shared_bwd, shared_fwd
 from megamoe.backends.triton import ep, kernels
 from megamoe.backends.triton.comm import exchange
-from megamoe.backends.triton.experts import all_blocks, configs_for, rows_in_use
+from megamoe.backends.triton.experts import all_blocks, rows_in_use
 
 
-def _setup(x, w_gate_up, schedule, group, config):
+def _setup(x, w_gate_up, w_down, schedule, group, config):
     """What ep.experts_fwd / _bwd set up on every call (workspace, tiles, receive maps, block range): both
     probes pay it, as the layer does, so that they time the layer less one side."""
     ws = ep._workspace(x, schedule.num_tokens, schedule.top_k, schedule.num_rows, group, config)
-    return ws, configs_for(x, w_gate_up, schedule), exchange.receive_maps(schedule), all_blocks(schedule)
+    return ws, ep.ep_configs(x, w_gate_up, w_down, schedule), exchange.receive_maps(schedule), all_blocks(schedule)
 
 
 def compute_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config):
-    ws, cfg, _, blocks = _setup(x, w_gate_up, schedule, group, config)
+    ws, cfg, _, blocks = _setup(x, w_gate_up, w_down, schedule, group, config)
     shared_out, shared_saved = shared_fwd(x, shared_gate_up, shared_down)
     x_rows = x.new_empty(schedule.num_rows, x.shape[1])
     h, gate_up = kernels.gate_up_fwd(x_rows, w_gate_up, schedule.block_expert, blocks, store_gate_up=True,
@@ -43,7 +43,7 @@ def compute_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
 def compute_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config,
                 saved):
     x_rows, h, gate_up, y_pairs, *shared_saved = saved
-    ws, cfg, _, blocks = _setup(x, w_gate_up, schedule, group, config)
+    ws, cfg, _, blocks = _setup(x, w_gate_up, w_down, schedule, group, config)
     pair_index, experts = ep._pair_index(schedule), w_down.shape[0]
     d_out = d_out.to(x.dtype).contiguous()
     d_topk_weights = kernels.combine_bwd(d_out, y_pairs, pair_index, config=cfg.combine)
@@ -51,15 +51,17 @@ def compute_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, share
     d_y_rows = x.new_empty(schedule.num_rows, x.shape[1])
     d_gate_up = kernels.down_dgrad(d_y_rows, w_down, gate_up, schedule.block_expert, blocks, config=cfg.down_dgrad)
     kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad)
-    d_w_down = kernels.dw_down(d_y_rows, h, schedule.expert_offsets, experts, config=cfg.dw_down)
-    d_w_gate_up = kernels.dw_gate_up(d_gate_up, x_rows, schedule.expert_offsets, experts, config=cfg.dw_gate_up)
+    d_w_down = kernels.dw_down(d_y_rows, h, schedule.expert_offsets, experts, config=cfg.dw_down,
+                               row_src=schedule.row_src)
+    d_w_gate_up = kernels.dw_gate_up(d_gate_up, x_rows, schedule.expert_offsets, experts, config=cfg.dw_gate_up,
+                                     row_src=schedule.row_src)
     d_x = kernels.combine(ws.pairs.local, None, pair_index, d_x_shared, config=cfg.combine)
     return d_x, d_topk_weights, d_w_gate_up, d_w_down, d_shared_gate_up, d_shared_down
 
 
 def comm_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config):
     """Returns (the pairs rows the combine delivered, (the receive rows the dispatch filled,))."""
-    ws, _, maps, _ = _setup(x, w_gate_up, schedule, group, config)
+    ws, _, maps, _ = _setup(x, w_gate_up, w_down, schedule, group, config)
     x = x.contiguous()
     if ep._direction(config, "dispatch") == "pull":
         x_rows = x.new_empty(schedule.num_rows, x.shape[1])
@@ -74,7 +76,7 @@ def comm_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, sc
 def comm_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config,
              saved):
     """Returns (the d_y rows the dispatch and gather filled, the d_x pairs rows the combine delivered)."""
-    ws, _, maps, _ = _setup(x, w_gate_up, schedule, group, config)
+    ws, _, maps, _ = _setup(x, w_gate_up, w_down, schedule, group, config)
     rows, hidden = schedule.num_rows, x.shape[1]
     d_out = d_out.to(x.dtype).contiguous()
     weights = topk_weights.float().contiguous()

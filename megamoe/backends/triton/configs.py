@@ -177,6 +177,19 @@ def tma_kernel_configs(
     return table
 
 
+def ep_tma_kernel_configs(
+    hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device, block_m: int
+) -> KernelConfigs | None:
+    """The expert-parallel path's tiles on the Gluon core, or None where tma_kernel_configs has none: the one-GPU
+    table with gate_up_fwd on x rows by TMA and its epilogue on the consumers, 3 stages beside two staging
+    buffers (gate_up is always stored): the kernel the pulls run in (kernels/gluon_ep.py)."""
+    table = tma_kernel_configs(hidden, intermediate, dtype, device, block_m)
+    if table is None:
+        return None
+    rows = dataclasses.replace(table.gate_up_fwd, gather=False, handoff=False, num_stages=3)
+    return dataclasses.replace(table, gate_up_fwd=rows)
+
+
 def triton_tile(cfg: TileConfig) -> TileConfig:
     """The Triton TMA kernel's version of a tile-table entry that runs a Gluon kernel (TileConfig.gluon): the same
     tile and K step, hence the same bits (the Gluon kernels' reference in the GPU tests and the benchmarks), with

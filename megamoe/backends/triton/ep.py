@@ -2,17 +2,23 @@
 GEMMs.
 
 Forward: the routing exchange and the schedule (on the device, before this); the token owners publish x
-(barrier, copy into symmetric memory, barrier); then one persistent kernel (kernels/ep_fused.py): its
-communication programs pull each group of receive-row blocks from the token owners and raise the group's
-ready flag, then join the GEMM; tasks are claimed in dependency order, gate/up tiles (SwiGLU epilogue)
-as soon as their rows have landed, down tiles a stage behind, whose epilogue stores each result row
-straight into its (token, slot) row of the token owner's pairs buffer (push combine); a barrier
-(everything has landed), then the fixed-order fp32 slot sum (+ the shared expert, last).
-Backward mirrors it: d_out and the router weights are published; one persistent kernel pulls the d_out
-rows scaled by their pair's router weight (the d_y rows, fp32 product rounded to the dtype, as the
-one-GPU gather does), runs the down-projection data grad (SwiGLU backward epilogue) and the gate/up data
-grad, whose epilogue pushes the d_x rows, then the two weight grads (tiles that wait for every row of
-their expert); a barrier, then the slot sum of d_x.
+(barrier, copy into symmetric memory, barrier); then the GEMMs with the communication inside them. On the
+Gluon core (Hopper, ep_configs): gate_up_fwd's kernel (kernels/gluon_ep.py) pulls its own rows: its first
+CTAs pull each group of receive-row blocks from the token owners and raise the group's ready flag before
+they join the GEMM, whose tiles are claimed in order and start as soon as their rows have landed; then
+down_fwd's kernel (kernels/gluon_rows.py with PUSH) stores each result row straight into its (token, slot)
+row of the token owner's pairs buffer (push combine). Elsewhere one persistent Triton kernel of the
+pointer-load core (kernels/ep_fused.py) does both GEMMs with the same pulls, flags and pushes, the down
+tiles a stage behind the gate/up tiles. Then a barrier (everything has landed), and the fixed-order fp32
+slot sum (+ the shared expert, last).
+Backward mirrors it: d_out and the router weights are published; the d_out rows are pulled scaled by
+their pair's router weight (the d_y rows, fp32 product rounded to the dtype, as the one-GPU gather does),
+then the down-projection data grad (SwiGLU backward epilogue) and the gate/up data grad, whose epilogue
+pushes the d_x rows, then the two weight grads; a barrier, then the slot sum of d_x. On the Gluon core the
+pulls are still whole copies before the kernels (pull_rows, scale_rows), and the weight grads are the
+one-GPU kernels, run before the final barrier while the peers' pushes land; the pointer-load core's one
+persistent kernel (kernels/ep_fused.py) pulls inside and runs the weight-grad tiles as tasks that wait for
+every row of their expert.
 No host synchronisation: every buffer has its worst-case (or declared-capacity) size and every range is
 read on the device, so a forward+backward can be captured in a CUDA graph.
 
@@ -26,13 +32,13 @@ the exchanges without the GEMMs are benchmarks/ep_probes.py.)
 Inference (experts_fwd(..., save_for_backward=False)): saved = (), so x_rows, h, gate_up and the pairs
 rows are released when the forward returns, and the fused path's slot sum reads the symmetric pairs
 buffer in place (no copy of [T*k, H] kept for a backward); the fused forward kernel still stores gate_up
-(not storing it would be a change to kernels/ep_fused.py). Gradients not needed (experts_bwd's
-needs_grad) skip only what is local to this rank and outside the fused kernel: d_topk_weights
-(combine_bwd), the shared expert's gradients, the final slot sum of d_x and, on the unfused paths, the
-two weight-grad kernels. The fused backward kernel computes d_x rows and both weight grads whatever is
-needed (skipping inside it would need kernel changes), and the exchanges always run: a peer's d_x and
-weight grads need this rank's rows whatever this rank needs. Gradients computed but not needed are
-returned anyway; megamoe.autograd drops them.
+(not storing it would be a change to the kernels). Gradients not needed (experts_bwd's needs_grad) skip
+only what is local to this rank and outside a fused kernel: d_topk_weights (combine_bwd), the shared
+expert's gradients, the final slot sum of d_x and, except in the pointer-load core's fused kernel, the
+two weight-grad kernels. That kernel computes d_x rows and both weight grads whatever is needed
+(skipping inside it would need kernel changes), and the exchanges always run: a peer's d_x and weight
+grads need this rank's rows whatever this rank needs. Gradients computed but not needed are returned
+anyway; megamoe.autograd drops them.
 
 The empty batch (T = 0): the ranks of a group agree on T (megamoe.autograd.check_ranks_agree: a rank
 alone with T = 0 is a ValueError on every rank), so T = 0 here means no rank has a token and R = 0 on
@@ -58,14 +64,17 @@ from megamoe.backends.triton.comm.exchange import (
     ReceiveMaps, collect_pushed, combine, dispatch, dispatch_pair_weights, gather_routing, publish, pull_rows, receive_maps,
 )
 from megamoe.backends.triton.comm.workspace import Workspace, _Buffer, get_workspace
+from megamoe.backends.triton.configs import KernelConfigs, ep_tma_kernel_configs
 from megamoe.backends.triton.experts import all_blocks, configs_for, empty_batch_grads, rows_in_use
+from megamoe.backends.triton.kernels import tma_gemm
 from megamoe.backends.triton.kernels._common import num_sms
 from megamoe.schedule import Schedule, receive_rows
 
 # The direction "auto" resolves to, per operation (docs/perf-notes.md has the measurements).
 AUTO_DIRECTIONS = {"dispatch": "pull", "combine": "push"}
-# MoEConfig.num_comm_sms = None: communication programs of each fused kernel (kernels/ep_fused.py), one
-# SM each; they join its GEMM tasks when the pulls run out. Swept on the fused kernels at EP=2, fwd+bwd
+# MoEConfig.num_comm_sms = None: communication programs (CTAs) of each pulling kernel (kernels/ep_fused.py,
+# kernels/gluon_ep.py), one SM each; they join its GEMM tasks when the pulls run out. Swept on the
+# pointer-load core's fused kernels at EP=2, fwd+bwd
 # (docs/perf-notes.md, "EP v7"): qwen3-30b-a3b 16 / 24 / 32 / 48 -> 9.50 / 9.44 / 9.41 / 9.48 ms,
 # qwen3-235b-a22b 32.78 / 32.76 / 32.57 / 32.69 ms: flat within 1%, 32 the best of both.
 DEFAULT_COMM_SMS = 32
@@ -146,6 +155,16 @@ def _push(ws: Workspace, maps: ReceiveMaps) -> kernels.RowPush:
 # Forward and backward
 
 
+def ep_configs(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, schedule: Schedule) -> KernelConfigs:
+    """The tiles of the expert-parallel path: the Gluon core's where it runs (a Hopper GPU, 16-bit operands TMA can
+    address: configs.ep_tma_kernel_configs and 16-byte aligned weights), the pointer-load core's elsewhere. Host
+    metadata only: no sync."""
+    tma = ep_tma_kernel_configs(x.shape[1], w_gate_up.shape[1] // 2, x.dtype, x.device, schedule.block_m)
+    if tma is not None and tma_gemm.tma_addressable(w_gate_up, w_down):
+        return tma
+    return configs_for(x, w_gate_up, schedule)
+
+
 def _fused(config, overlap: bool) -> bool:
     """Whether the layer runs the fused kernels: pull dispatch and push combine (the "auto" directions),
     unless overlap=False. Otherwise whole exchanges run around the one-GPU GEMMs (the same bits)."""
@@ -161,7 +180,7 @@ def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
         return x.new_empty(0, x.shape[1]), saved
     fused = _fused(config, overlap)
     ws = _workspace(x, schedule.num_tokens, schedule.top_k, schedule.num_rows, group, config)
-    cfg = configs_for(x, w_gate_up, schedule)
+    cfg = ep_configs(x, w_gate_up, w_down, schedule)
     x = x.contiguous()
     rows, hidden = schedule.num_rows, x.shape[1]
     pull, push = _direction(config, "dispatch") == "pull", _direction(config, "combine") == "push"
@@ -174,9 +193,14 @@ def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
         x_rows = x.new_empty(rows, hidden)
         publish(ws, [(ws.tokens, x)], "dispatch")
     if fused:
-        h, gate_up = kernels.ep_forward(x_rows, w_gate_up, w_down, schedule.block_expert, blocks,
-                                        _pull(ws.tokens, None, maps, schedule, config, x.device), _push(ws, maps),
-                                        gate_up_config=cfg.gate_up_fwd, down_config=cfg.down_fwd)
+        row_pull, row_push = _pull(ws.tokens, None, maps, schedule, config, x.device), _push(ws, maps)
+        if cfg.gate_up_fwd.gluon:  # two Gluon kernels: gate_up_fwd pulling its rows, down_fwd pushing its own
+            h, gate_up = kernels.gate_up_fwd_pull(x_rows, w_gate_up, schedule.block_expert, blocks, row_pull,
+                                                  config=cfg.gate_up_fwd)
+            kernels.down_fwd(h, w_down, schedule.block_expert, blocks, config=cfg.down_fwd, push=row_push)
+        else:  # one persistent Triton kernel (the pointer-load core)
+            h, gate_up = kernels.ep_forward(x_rows, w_gate_up, w_down, schedule.block_expert, blocks, row_pull,
+                                            row_push, gate_up_config=cfg.gate_up_fwd, down_config=cfg.down_fwd)
         # Kept for the backward: a copy. Inference: the buffer itself, read only by the slot sum below.
         y_pairs = collect_pushed(ws, keep=save_for_backward)
     else:
@@ -215,7 +239,7 @@ def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, share
     fused = _fused(config, overlap)
     x_rows, h, gate_up, y_pairs, *shared_saved = saved
     ws = _workspace(x, schedule.num_tokens, schedule.top_k, schedule.num_rows, group, config)
-    cfg = configs_for(x, w_gate_up, schedule)
+    cfg = ep_configs(x, w_gate_up, w_down, schedule)
     rows, hidden, experts = schedule.num_rows, x.shape[1], w_down.shape[0]
     pull, push = _direction(config, "dispatch") == "pull", _direction(config, "combine") == "push"
     maps, blocks, in_use = receive_maps(schedule), all_blocks(schedule), rows_in_use(schedule)
@@ -234,13 +258,13 @@ def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, share
     d_y_rows = x.new_empty(rows, hidden)
     if pull:
         publish(ws, [(ws.tokens, d_out), (ws.weights, weights)], "dispatch")
-    if fused:
+    if fused and not cfg.down_dgrad.gluon:  # one persistent Triton kernel (the pointer-load core)
         d_w_gate_up, d_w_down = kernels.ep_backward(
             d_y_rows, x_rows, h, gate_up, w_gate_up, w_down, schedule.block_expert, blocks, schedule.expert_offsets,
             _pull(ws.tokens, ws.weights, maps, schedule, config, x.device), _push(ws, maps),
             down_dgrad_config=cfg.down_dgrad, gate_up_dgrad_config=cfg.gate_up_dgrad,
             dw_down_config=cfg.dw_down, dw_gate_up_config=cfg.dw_gate_up)
-    else:
+    else:  # the Gluon core fused (its pulls still whole copies, gate_up_dgrad pushing its rows), or unfused
         if pull:
             d_out_rows, weight_rows = x.new_empty(rows, hidden), weights.new_empty(rows)
             pull_rows(ws.tokens, maps, d_out_rows, by_token=True)
@@ -250,14 +274,17 @@ def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, share
             weight_rows = dispatch_pair_weights(ws, weights, schedule)
             kernels.scale_rows(dispatch(ws, d_out, schedule, "push"), weight_rows, in_use, out=d_y_rows)
         d_gate_up = kernels.down_dgrad(d_y_rows, w_down, gate_up, schedule.block_expert, blocks, config=cfg.down_dgrad)
-        d_x_rows = kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad)
-        # the weight grads need every row of an expert: kernels of their own here (local: skipped when not needed)
+        d_x_rows = kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad,
+                                         push=_push(ws, maps) if fused else None)
+        # the weight grads need every row of an expert: kernels of their own here (local: skipped when not needed),
+        # before the final barrier, while the peers' pushes land
         d_w_down = d_w_gate_up = None
         if need_w_down:
-            d_w_down = kernels.dw_down(d_y_rows, h, schedule.expert_offsets, experts, config=cfg.dw_down)
+            d_w_down = kernels.dw_down(d_y_rows, h, schedule.expert_offsets, experts, config=cfg.dw_down,
+                                       row_src=schedule.row_src)
         if need_w_gate_up:
             d_w_gate_up = kernels.dw_gate_up(d_gate_up, x_rows, schedule.expert_offsets, experts,
-                                             config=cfg.dw_gate_up)
+                                             config=cfg.dw_gate_up, row_src=schedule.row_src)
 
     if fused:
         d_x_pairs = collect_pushed(ws, keep=False)  # read once, by the slot sum below

@@ -154,7 +154,7 @@ def pull_then_claim(
         offs_c = tl.arange(0, BLOCK)
         first_group = first_block // group_blocks
         end_group = tl.cdiv(end_block, group_blocks)
-        group = first_group + tl.atomic_add(work_ptr + _NEXT_GROUP, 1, sem="relaxed")
+        group = pull_next_group(work_ptr, first_group)
         while group < end_group:
             row_begin = tl.maximum(group * group_blocks, first_block) * BLOCK_ROWS
             row_end = tl.minimum((group + 1) * group_blocks, end_block) * BLOCK_ROWS
@@ -180,9 +180,21 @@ def pull_then_claim(
                     tl.store(dst[:, None] + cols[None, :], value, mask=col_ok)
             # Every thread's stores are done (CTA barrier) before one release publishes them GPU-wide.
             tl.debug_barrier()
-            tl.atomic_xchg(work_ptr + _FLAGS + group, 1, sem="release", scope="gpu")
-            group = first_group + tl.atomic_add(work_ptr + _NEXT_GROUP, 1, sem="relaxed")
+            tl.atomic_xchg(pull_flag(work_ptr, group), 1, sem="release", scope="gpu")
+            group = pull_next_group(work_ptr, first_group)
     return claim_task(work_ptr, 1)
+
+
+@triton.jit
+def pull_next_group(work_ptr, first_group):
+    """The next group of schedule blocks a communication program pulls (claimed in order from a counter)."""
+    return first_group + tl.atomic_add(work_ptr + _NEXT_GROUP, 1, sem="relaxed")
+
+
+@triton.jit
+def pull_flag(work_ptr, group):
+    """The ready flag of a group of schedule blocks (1 once its rows have landed)."""
+    return work_ptr + _FLAGS + group
 
 
 @triton.jit
@@ -195,7 +207,7 @@ def claim_task(work_ptr, COUNT: tl.constexpr):
 @triton.jit
 def wait_ready(work_ptr, group, timeout_ns):
     """Acquire the ready flag of a group of schedule blocks (its rows have landed)."""
-    wait_at_least(work_ptr + _FLAGS + group, 1, timeout_ns)
+    wait_at_least(pull_flag(work_ptr, group), 1, timeout_ns)
 
 
 @triton.jit

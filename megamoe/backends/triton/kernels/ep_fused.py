@@ -1,4 +1,6 @@
-"""One persistent kernel per direction of the expert-parallel layer, communication inside.
+"""One persistent kernel per direction of the expert-parallel layer, communication inside, on the pointer-load
+core: what ep.py runs where the Gluon core does not (not a Hopper GPU, the CPU interpreter). On Hopper the same
+pulls, flags and pushes run inside the Gluon kernels (kernels/gluon_ep.py, kernels/gluon_rows.py with PUSH).
 
 Forward (ep_forward): dispatch pulls, the gate/up GEMM (SwiGLU epilogue) and the down GEMM, whose
 epilogue pushes each result row to its token owner. Backward (ep_backward): the pulls of the

@@ -117,31 +117,38 @@ _EPILOGUE_WARPS = gl.constexpr(EPILOGUE_WARPS)
 def _producer_tma(x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, block_expert_ptr,
                   block_range_ptr, H, I, SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
     """One warp: TMA copies of the A, gate and up tiles of every (tile, K step) of this CTA, in order."""
-    STAGES: gl.constexpr = a_bufs.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
-    BLOCK_K: gl.constexpr = a_bufs.shape[2]
     BLOCK_N: gl.constexpr = gate_bufs.shape[2]
-    NBYTES: gl.constexpr = x_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
     num_n = gl.cdiv(I, BLOCK_N)
-    k_steps = gl.cdiv(H, BLOCK_K)
     p = 0  # slot counter: slot p % STAGES, its use number p // STAGES
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         row, col, m = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
         expert = gl.load(block_expert_ptr + m // SPLIT)
-        for ki in range(k_steps):
-            s = p % STAGES
-            # A fresh mbarrier counts as having completed the phase before phase 0: the first pass over the
-            # ring (parity 1) does not wait.
-            mbarrier.wait(empty_bars.index(s), ((p // STAGES) & 1) ^ 1)
-            bar = ready_bars.index(s)
-            mbarrier.expect(bar, NBYTES)
-            k = ki * BLOCK_K
-            tma_load(x_desc, [row, k], bar, a_bufs.index(s))
-            tma_load(w_desc, [expert, col, k], bar, gate_bufs.index(s))
-            tma_load(w_desc, [expert, I + col, k], bar, up_bufs.index(s))
-            p += 1
+        p = produce_tile(x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, row, col, expert, p, H, I)
+
+
+@gluon.jit
+def produce_tile(x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, row, col, expert, p, H, I):
+    """The TMA copies of one tile's K steps (x rows from `row`, gate and up weight rows of `expert` from `col`) into
+    the ring's slots from fill counter p on. Returns the next fill counter."""
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    BLOCK_K: gl.constexpr = a_bufs.shape[2]
+    NBYTES: gl.constexpr = x_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes
+    for ki in range(gl.cdiv(H, BLOCK_K)):
+        s = p % STAGES
+        # A fresh mbarrier counts as having completed the phase before phase 0: the first pass over the ring
+        # (parity 1) does not wait.
+        mbarrier.wait(empty_bars.index(s), ((p // STAGES) & 1) ^ 1)
+        bar = ready_bars.index(s)
+        mbarrier.expect(bar, NBYTES)
+        k = ki * BLOCK_K
+        tma_load(x_desc, [row, k], bar, a_bufs.index(s))
+        tma_load(w_desc, [expert, col, k], bar, gate_bufs.index(s))
+        tma_load(w_desc, [expert, I + col, k], bar, up_bufs.index(s))
+        p += 1
+    return p
 
 
 @gluon.jit
@@ -192,7 +199,7 @@ def _producer_gather(x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, rea
 
 
 @gluon.jit
-def _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG: gl.constexpr, GATHER: gl.constexpr):
+def consumer_main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG: gl.constexpr, GATHER: gl.constexpr):
     """One consumer warpgroup's K loop over a tile: rows [64 WG, 64 WG + 64) of the slots c, c + 1, ... (the
     producer's fill counter), two wgmma groups (gate, up) a step kept in flight, each slot released once its
     groups retired. Returns the fp32 accumulators (gate, up) and the next slot counter."""
@@ -247,8 +254,6 @@ def _consumer(h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs, ready_bars,
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
     BLOCK_N: gl.constexpr = gate_bufs.shape[2]
-    CONSUMER_ROWS: gl.constexpr = h_desc.block_type.shape[0]
-    dtype: gl.constexpr = h_desc.dtype
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
     num_n = gl.cdiv(I, BLOCK_N)
@@ -257,15 +262,26 @@ def _consumer(h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs, ready_bars,
     n_stored = 0
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         row, col, _ = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
-        acc_g, acc_u, c = _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG, GATHER)
-        g = acc_g.to(dtype)
-        u = acc_u.to(dtype)
-        out_row = row + WG * CONSUMER_ROWS
-        if STORE_GATE_UP:
-            n_stored = _stage_store(gu_desc, out_row, 0, col, g, out_bufs, n_stored)
-            n_stored = _stage_store(gu_desc, out_row, 1, col, u, out_bufs, n_stored)
-        n_stored = _stage_store(h_desc, out_row, 0, col, swiglu(g, u).to(dtype), out_bufs, n_stored)
+        acc_g, acc_u, c = consumer_main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG, GATHER)
+        n_stored = consumer_epilogue(h_desc, gu_desc, acc_g, acc_u, row, col, out_bufs, n_stored, WG, STORE_GATE_UP)
     tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def consumer_epilogue(h_desc, gu_desc, acc_g, acc_u, row, col, out_bufs, n_stored, WG: gl.constexpr,
+                      STORE_GATE_UP: gl.constexpr):
+    """A consumer's epilogue of one tile (rows [64 WG, 64 WG + 64) from `row`): g, u rounded, with STORE_GATE_UP
+    TMA-stored, h = swiglu(g, u) TMA-stored, all through the staging buffers (_stage_store). Returns the store
+    count."""
+    CONSUMER_ROWS: gl.constexpr = h_desc.block_type.shape[0]
+    dtype: gl.constexpr = h_desc.dtype
+    g = acc_g.to(dtype)
+    u = acc_u.to(dtype)
+    out_row = row + WG * CONSUMER_ROWS
+    if STORE_GATE_UP:
+        n_stored = _stage_store(gu_desc, out_row, 0, col, g, out_bufs, n_stored)
+        n_stored = _stage_store(gu_desc, out_row, 1, col, u, out_bufs, n_stored)
+    return _stage_store(h_desc, out_row, 0, col, swiglu(g, u).to(dtype), out_bufs, n_stored)
 
 
 @gluon.jit
@@ -286,7 +302,7 @@ def _consumer_handoff(a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empt
     c = 0  # slot counter: the producer's p for the same (tile, K step)
     t = 0  # tiles of this CTA so far: use t of the hand-off buffers
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        acc_g, acc_u, c = _main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG, False)
+        acc_g, acc_u, c = consumer_main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG, False)
         # The epilogue warps have stored the previous tile out of the buffers (a fresh barrier passes use 0).
         mbarrier.wait(gu_free, (t & 1) ^ 1)
         g_buf.slice(WG * CONSUMER_ROWS, CONSUMER_ROWS).store(acc_g.to(g_buf.dtype))

@@ -113,8 +113,9 @@ from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import (
     check, check_matrix, check_rows, check_weight, load_range, persistent_grid,
 )
+from megamoe.backends.triton.kernels.comm_tiles import RowPush, check_push
 from megamoe.backends.triton.kernels.gluon_common import (
-    GL_DTYPES, SMEM_PER_CTA, ConsumerTile, nvmma_layout, tile_origin, tma_load, tma_store,
+    GL_DTYPES, SMEM_PER_CTA, ConsumerTile, nvmma_layout, thread_barrier, tile_origin, tma_load, tma_store,
 )
 from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
 
@@ -158,11 +159,13 @@ def _producer(a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, block_expe
 
 @gluon.jit
 def _consumer(out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_smem, block_range_ptr, N, K,
+              push_table_ptr, push_rank_ptr, push_pair_ptr,
               WG: gl.constexpr, PINGPONG: gl.constexpr, W_NK: gl.constexpr, SPLIT: gl.constexpr,
-              GROUP_M: gl.constexpr):
-    """Consumer warpgroup WG (0 or 1): async wgmma over the slots of its tiles, then the TMA-store epilogue.
-    PINGPONG: whole tiles, the CTA's local tiles WG, WG + 2, ..., main loops in turn with the other
-    warpgroup (order_bars); else rows [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of every tile."""
+              GROUP_M: gl.constexpr, PUSH: gl.constexpr):
+    """Consumer warpgroup WG (0 or 1): async wgmma over the slots of its tiles, then the epilogue: a TMA store,
+    or with PUSH each row pushed to its token owner (_push_tile). PINGPONG: whole tiles, the CTA's local tiles
+    WG, WG + 2, ..., main loops in turn with the other warpgroup (order_bars); else rows
+    [WG * BLOCK_M / 2, (WG + 1) * BLOCK_M / 2) of every tile."""
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
     BLOCK_N: gl.constexpr = out_smem.shape[1]
@@ -215,13 +218,49 @@ def _consumer(out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_
         mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES))
         c += skip
         out = acc.to(out_desc.dtype)
-        tma.store_wait(pendings=0)  # the previous tile's store has read out_smem
-        out_smem.store(out)
-        fence_async_shared()
         if not PINGPONG:
             row += WG * WG_M
-        tma_store(out_desc, [row, col], out_smem)
+        if PUSH:
+            _push_tile(out, out_smem, push_table_ptr, push_rank_ptr, push_pair_ptr, row, col, N)
+        else:
+            tma.store_wait(pendings=0)  # the previous tile's store has read out_smem
+            out_smem.store(out)
+            fence_async_shared()
+            tma_store(out_desc, [row, col], out_smem)
     tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _push_tile(out, out_smem, table_ptr, rank_ptr, pair_ptr, row, col, N):
+    """PUSH's epilogue of one warpgroup: its rows [row, row + WG_M) x columns [col, col + BLOCK_N) of the result,
+    each row stored into its (token, slot) row of the token owner's pairs buffer [T*k, N] (table_ptr: int64 [W]
+    base addresses; rank_ptr, pair_ptr: int32 [R] per receive row, rank -1 for padding: not stored), as
+    kernels/comm_tiles.push_pointers addresses them. Through out_smem into rows of 16-byte pieces (a warp
+    stores 32 x 16 contiguous bytes of a row), as plain global stores: the same bits as the TMA store."""
+    WG_M: gl.constexpr = out_smem.shape[0]
+    BLOCK_N: gl.constexpr = out_smem.shape[1]
+    dtype: gl.constexpr = out_smem.dtype
+    VEC: gl.constexpr = 128 // dtype.primitive_bitwidth  # elements per 16-byte store
+    COL_THREADS: gl.constexpr = BLOCK_N // VEC if BLOCK_N // VEC < 32 else 32
+    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, VEC], threads_per_warp=[32 // COL_THREADS, COL_THREADS],
+                                            warps_per_cta=[4, 1], order=[1, 0])
+    out_smem.store(out)
+    thread_barrier()  # every thread's part of the tile is in out_smem
+    value = out_smem.load(layout)
+    rows = row + gl.arange(0, WG_M, layout=gl.SliceLayout(1, layout))
+    cols = col + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    rank = gl.load(rank_ptr + rows)
+    live = rank >= 0
+    pair = gl.load(pair_ptr + rows, mask=live, other=0)
+    base = gl.load(table_ptr + gl.maximum(rank, 0)).to(gl.pointer_type(dtype))
+    # N is a multiple of VEC (the launcher's TMA check; written as one, the compiler sees it) and the buffers are
+    # 16-byte aligned (symmetric memory): every row starts 16-byte aligned and the column tail masks whole
+    # vectors, so the stores stay 16-byte vectors.
+    N = N // VEC * VEC
+    dst = gl.multiple_of(base + pair.to(gl.int64) * N, 16)
+    mask = gl.expand_dims(live, 1) & gl.expand_dims(cols < N, 0)
+    gl.store(gl.expand_dims(dst, 1) + gl.expand_dims(cols, 0), value, mask=mask)
+    thread_barrier()  # every thread has read out_smem before the next tile writes it
 
 
 @gluon.jit
@@ -262,10 +301,10 @@ def _spread_x(x_desc, x_rows_desc, bufs, bars, dest_row_ptr, T, top_k):
 
 @gluon.jit
 def row_gemm_ws_kernel(a_desc, w_desc, out_desc, block_expert_ptr, block_range_ptr, x_desc, x_rows_desc, dest_row_ptr,
-                       T, top_k,
+                       T, top_k, push_table_ptr, push_rank_ptr, push_pair_ptr,
                        W_NK: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                        PINGPONG: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                       SPREAD: gl.constexpr):
+                       SPREAD: gl.constexpr, PUSH: gl.constexpr):
     """out_rows[r, n] = a_rows[r] . w[e][:, n] over K for the row blocks of the range (module docstring).
 
     a_desc: a [R, K], block [BLOCK_M, BLOCK_K]; w_desc: w [E_l, N, K] block [1, BLOCK_N, BLOCK_K] (W_NK)
@@ -273,7 +312,10 @@ def row_gemm_ws_kernel(a_desc, w_desc, out_desc, block_expert_ptr, block_range_p
     BLOCK_M / 2, BLOCK_N]. block_range_ptr: int32 [2], the schedule blocks (first, end). SPREAD: a warp beside
     the producer also spreads x's token rows to x_rows (_spread_x; x_desc, x_rows_desc: x [T, H] and x_rows [R, H]
     as [rows, H / 64, 64], box one whole row rounded up to a power of two boxes; dest_row_ptr: int32 [T, top_k]);
-    without it those five arguments (with T, top_k) are unused. Launch with num_warps=4 (the default partition is consumer warpgroup 0)."""
+    without it those five arguments (with T, top_k) are unused. PUSH: the result rows go to the token owners' pairs
+    buffers instead of out (_push_tile: push_table_ptr int64 [W], push_rank_ptr and push_pair_ptr int32 [R]; out_desc
+    then only gives the epilogue buffer's shape); without it those three are unused. Launch with num_warps=4 (the
+    default partition is consumer warpgroup 0)."""
     dtype: gl.constexpr = a_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -300,9 +342,11 @@ def row_gemm_ws_kernel(a_desc, w_desc, out_desc, block_expert_ptr, block_range_p
     if SPREAD:
         gl.warp_specialize([
             (_consumer, (out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_bufs.index(0),
-                         block_range_ptr, N, K, 0, PINGPONG, W_NK, SPLIT, GROUP_M)),
+                         block_range_ptr, N, K, push_table_ptr, push_rank_ptr, push_pair_ptr, 0, PINGPONG, W_NK,
+                         SPLIT, GROUP_M, PUSH)),
             (_consumer, (out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_bufs.index(1),
-                         block_range_ptr, N, K, 1, PINGPONG, W_NK, SPLIT, GROUP_M)),
+                         block_range_ptr, N, K, push_table_ptr, push_rank_ptr, push_pair_ptr, 1, PINGPONG, W_NK,
+                         SPLIT, GROUP_M, PUSH)),
             (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr, N,
                          K, W_NK, SPLIT, GROUP_M)),
             (_spread_x, (x_desc, x_rows_desc, x_bufs, x_bars, dest_row_ptr, T, top_k)),
@@ -310,9 +354,11 @@ def row_gemm_ws_kernel(a_desc, w_desc, out_desc, block_expert_ptr, block_range_p
     else:
         gl.warp_specialize([
             (_consumer, (out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_bufs.index(0),
-                         block_range_ptr, N, K, 0, PINGPONG, W_NK, SPLIT, GROUP_M)),
+                         block_range_ptr, N, K, push_table_ptr, push_rank_ptr, push_pair_ptr, 0, PINGPONG, W_NK,
+                         SPLIT, GROUP_M, PUSH)),
             (_consumer, (out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_bufs.index(1),
-                         block_range_ptr, N, K, 1, PINGPONG, W_NK, SPLIT, GROUP_M)),
+                         block_range_ptr, N, K, push_table_ptr, push_rank_ptr, push_pair_ptr, 1, PINGPONG, W_NK,
+                         SPLIT, GROUP_M, PUSH)),
             (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr, N,
                          K, W_NK, SPLIT, GROUP_M)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -322,10 +368,10 @@ def row_gemm_ws_kernel(a_desc, w_desc, out_desc, block_expert_ptr, block_range_p
 # Tiles and the host launchers
 
 
-def constexprs(tile: ConsumerTile, w_nk: bool, split: int, spread: bool = False) -> dict:
+def constexprs(tile: ConsumerTile, w_nk: bool, split: int, spread: bool = False, push: bool = False) -> dict:
     """The kernel's constexpr arguments (the launcher and the compile tests share them)."""
     return dict(W_NK=w_nk, SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages, PINGPONG=tile.pingpong,
-                PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs, SPREAD=spread)
+                PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs, SPREAD=spread, PUSH=push)
 
 
 # The tiles the benchmark compares (benchmarks/gluon_rows_bench.py). Accumulators: 128 fp32 registers per
@@ -381,16 +427,23 @@ def _is_hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
 
 
-def _launch(a_RK, w, out_RN, w_nk, block_expert, blocks, tile, spread=None):
+def _launch(a_RK, w, out_RN, w_nk, block_expert, blocks, tile, spread=None, push: RowPush | None = None):
     """Validated operands -> row_gemm_ws_kernel over the worst-case tiles (out_RN's rows x columns); spread: (x
-    [T, H], dest_row [T, k], x_rows [R, H]) to spread beside the GEMM (gate_up_dgrad only)."""
+    [T, H], dest_row [T, k], x_rows [R, H]) to spread beside the GEMM (gate_up_dgrad only); push: the rows go to
+    their token owners instead (out_RN None)."""
     device = a_RK.device
+    if push is not None:
+        check(out_RN is None and spread is None, "a pushing GEMM has no local output and spreads nothing")
+        check_push(push, a_RK.shape[0])
+        # Not written: only the epilogue buffer's shape and layout come from its descriptor.
+        out_RN = a_RK.new_empty(tile.store_m, w.shape[1] if w_nk else w.shape[2])
     index = device.index if device.index is not None else torch.cuda.current_device()
     check(device.type == "cuda" and _is_hopper(index), "the Gluon row GEMMs run on Hopper GPUs (sm_90: wgmma, TMA)")
     check(a_RK.dtype in GL_DTYPES, f"16-bit operands (bf16, fp16), got {a_RK.dtype}")
     check(tma_addressable(a_RK, w, out_RN), "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8)")
-    check(out_RN.dtype == a_RK.dtype and out_RN.shape == (a_RK.shape[0], w.shape[1] if w_nk else w.shape[2])
-          and out_RN.is_contiguous(), "out must be a contiguous [R, N] tensor of the operands' dtype")
+    check(out_RN.dtype == a_RK.dtype and out_RN.shape[1] == (w.shape[1] if w_nk else w.shape[2])
+          and (push is not None or out_RN.shape[0] == a_RK.shape[0]) and out_RN.is_contiguous(),
+          "out must be a contiguous [R, N] tensor of the operands' dtype")
     split, block_range = check_rows(a_RK.shape[0], block_expert, blocks, tile.block_m)
     descs = descriptors(a_RK, w, out_RN, w_nk, tile)
     if spread is None:
@@ -413,10 +466,11 @@ def _launch(a_RK, w, out_RN, w_nk, block_expert, blocks, tile, spread=None):
               f"x of H={x_TH.shape[1]} cannot be spread beside tile {tile} (H a multiple of 64, rows that fit, "
               "16-byte aligned)")
         spread_args = (*spread_descriptors(x_TH, x_rows_RH), dest_row_TK, x_TH.shape[0], dest_row_TK.shape[1])
+    push_args = (block_expert,) * 3 if push is None else (push.table, push.dst_rank, push.dst_pair)  # unused without
     max_tiles = a_RK.shape[0] // tile.block_m * triton.cdiv(out_RN.shape[1], tile.block_n)
     row_gemm_ws_kernel[persistent_grid(device, max_tiles)](
-        *descs, block_expert, block_range, *spread_args, **constexprs(tile, w_nk, split, spread is not None),
-        num_warps=4,
+        *descs, block_expert, block_range, *spread_args, *push_args,
+        **constexprs(tile, w_nk, split, spread is not None, push is not None), num_warps=4,
     )
     return out_RN
 
@@ -426,6 +480,14 @@ def launch(a_RK: torch.Tensor, w: torch.Tensor, out_RN: torch.Tensor, w_nk: bool
     """grouped_gemm.down_fwd's and gate_up_dgrad's Gluon branch (config.gluon): the tile table's entry as this
     kernel's tile; operands validated there; spread as in _launch."""
     return _launch(a_RK, w, out_RN, w_nk, block_expert, blocks, ConsumerTile.of(config), spread)
+
+
+def launch_push(a_RK: torch.Tensor, w: torch.Tensor, w_nk: bool, block_expert: torch.Tensor, blocks: torch.Tensor,
+                config: TileConfig, push: RowPush) -> None:
+    """The expert-parallel path's down_fwd (w_nk, w_down) or gate_up_dgrad (w_gate_up): launch's GEMM with every
+    result row of the block range pushed into its (token, slot) row of its token owner's pairs buffer (padding
+    rows dropped) instead of stored locally; the same bits. Operands validated by the caller."""
+    _launch(a_RK, w, None, w_nk, block_expert, blocks, ConsumerTile.of(config), push=push)
 
 
 # Shared by both launchers (as grouped_gemm.down_fwd / gate_up_dgrad with a TMA config):

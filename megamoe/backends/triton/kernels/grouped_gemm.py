@@ -34,7 +34,7 @@ from megamoe.backends.triton.kernels._common import (
 )
 from megamoe.backends.triton.kernels import gluon_down_dgrad, gluon_gate_up, gluon_rows, tma_gemm
 from megamoe.backends.triton.kernels.gluon_common import ConsumerTile
-from megamoe.backends.triton.kernels.comm_tiles import push_pointers
+from megamoe.backends.triton.kernels.comm_tiles import RowPush, push_pointers
 
 
 @triton.jit
@@ -390,14 +390,19 @@ def down_fwd(
     blocks: torch.Tensor,
     *,
     config: TileConfig,
-) -> torch.Tensor:
-    """y_rows [R, H] = h[r] @ w_down[e]^T."""
+    push: RowPush | None = None,
+) -> torch.Tensor | None:
+    """y_rows [R, H] = h[r] @ w_down[e]^T; with push (the expert-parallel path, the Gluon kernel only) each row
+    goes to its (token, slot) row of its token owner's pairs buffer instead, and None is returned."""
     check_matrix(h_RI, None, None, "h")
     rows, inter = h_RI.shape
     check(w_down_EHI.dim() == 3, "w_down must be [E_l, H, I]")
     hidden = w_down_EHI.shape[1]
     check_weight(w_down_EHI, h_RI, (w_down_EHI.shape[0], hidden, inter), "w_down")
     split, blocks = check_rows(rows, block_expert, blocks, config.block_m)
+    if push is not None:
+        check(config.gluon, f"only the Gluon kernel pushes its rows, got {config}")
+        return gluon_rows.launch_push(h_RI, w_down_EHI, True, block_expert, blocks, config, push)
     y_rows = torch.empty(rows, hidden, dtype=h_RI.dtype, device=h_RI.device)
     if config.gluon:
         return gluon_rows.launch(h_RI, w_down_EHI, y_rows, True, block_expert, blocks, config)
@@ -505,16 +510,20 @@ def gate_up_dgrad(
     *,
     config: TileConfig,
     spread_x: tuple | None = None,
-) -> torch.Tensor:
+    push: RowPush | None = None,
+) -> torch.Tensor | None:
     """d_x_rows [R, H] = d_gate_up[r] @ w_gate_up[e]. spread_x: (x [T, H], dest_row [T, k], x_rows [R, H]) to fill
     x_rows[dest_row[t, j]] = x[t] beside the GEMM, on a warp of the Gluon kernel (config.gluon and
-    gluon_rows.spreads_x); the padding rows of x_rows are left to the caller."""
+    gluon_rows.spreads_x); the padding rows of x_rows are left to the caller. push: as down_fwd's (None returned)."""
     check_matrix(d_gate_up_R2I, None, None, "d_gate_up")
     rows, inter2 = d_gate_up_R2I.shape
     check(w_gate_up_E2IH.dim() == 3 and w_gate_up_E2IH.shape[1] == inter2, "w_gate_up must be [E_l, 2I, H]")
     hidden = w_gate_up_E2IH.shape[2]
     check_weight(w_gate_up_E2IH, d_gate_up_R2I, (w_gate_up_E2IH.shape[0], inter2, hidden), "w_gate_up")
     split, blocks = check_rows(rows, block_expert, blocks, config.block_m)
+    if push is not None:
+        check(config.gluon and spread_x is None, f"only the Gluon kernel pushes its rows, spreading nothing; got {config}")
+        return gluon_rows.launch_push(d_gate_up_R2I, w_gate_up_E2IH, False, block_expert, blocks, config, push)
     d_x_rows = torch.empty(rows, hidden, dtype=d_gate_up_R2I.dtype, device=d_gate_up_R2I.device)
     if config.gluon:
         check(spread_x is None or (isinstance(spread_x, tuple) and len(spread_x) == 3),

@@ -1,0 +1,203 @@
+"""CPU checks of the expert-parallel path's Gluon kernels: gluon_ep.gate_up_fwd_pull_kernel (pulls, claimed tiles,
+ready flags) and gluon_rows.row_gemm_ws_kernel with PUSH (down_fwd and gate_up_dgrad pushing their rows).
+
+Compiled for sm_90a as the other Gluon kernels are (tests/compile_checks.py); the assertions are about the code an
+H200 would run:
+  * the pulling gate_up_fwd: the one-GPU kernel's GEMM (the same wgmma, TMA loads and stores, register split);
+    the pull loop's copies as 16-byte vectors (8 loads and 8 stores a step: 8 rows x 1024 columns over 4 warps);
+    its flag raised by one release at GPU scope; tiles and groups claimed by relaxed atomics; the producer's
+    acquire of a flag (an acquire load at GPU scope) followed by `fence.proxy.async.global` before its TMA
+    copies; the bounded wait's trap; the claimed-tile ring's mbarriers (STAGES x 2 + 2 x 2 initialised);
+  * the pushing row GEMMs: the same wgmma as without PUSH, no TMA store, the rows stored as 16-byte vectors
+    (each consumer's 64 x 256 tile: 16 a thread);
+  * no spills, no local memory, shared memory within the SM.
+A Python model of the claimed-tile ring (one producer, two consumers, two slots, parity waits as the hardware's)
+checks under random interleavings that every consumer sees every claimed tile in claim order, the end marker
+last, and that no wait passes on a phase it does not mean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+
+import pytest
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("compile checks need compiled (not interpreted) kernels", allow_module_level=True)
+
+triton = pytest.importorskip("triton")
+pytest.importorskip("triton.experimental.gluon")
+import torch  # noqa: E402
+from triton.runtime.jit import mangle_type  # noqa: E402
+
+from megamoe.backends.triton import configs  # noqa: E402
+from megamoe.backends.triton.kernels import gluon_ep, gluon_gate_up, gluon_rows  # noqa: E402
+from compile_checks import (  # noqa: E402
+    SMEM_LIMIT, assert_no_spills_or_serialisation, assert_register_split, compile_gluon, count, divisible_by_16,
+    int32_arg, kernel_signature, pointers, warp_specialized_report,
+)
+
+R, H, I, E = 2048, 2048, 768, 4  # qwen3-30b-a3b-like operands
+POINTER_TYPES = {"x_rows_ptr": "*bf16", "pull_table_ptr": "*i64", "push_table_ptr": "*i64"}
+
+
+def _arg_type(name: str) -> str:
+    return POINTER_TYPES.get(name) or int32_arg(name)
+
+
+def _ep_configs(hidden: int, inter: int, monkeypatch):
+    """The expert-parallel table on a Hopper GPU (configs._arch patched: there is none here)."""
+    monkeypatch.setattr(configs, "_arch", lambda device: (9, 0))
+    return configs.ep_tma_kernel_configs(hidden, inter, torch.bfloat16, torch.device("cpu"), 128)
+
+
+def test_ep_table_runs_the_compiled_kernels(monkeypatch):
+    """The expert-parallel table is the one-GPU Hopper table but for gate_up_fwd, which runs the pulling kernel's
+    tile (x rows by TMA, the consumers' epilogue, 3 stages beside two staging buffers: gluon_gate_up's "s3b2") at
+    every H, gathering or not on one GPU."""
+    for hidden, inter in ((2048, 768), (4096, 1536), (2880, 2880)):
+        ep = _ep_configs(hidden, inter, monkeypatch)
+        one_gpu = configs.tma_kernel_configs(hidden, inter, torch.bfloat16, torch.device("cpu"), 128)
+        cfg = ep.gate_up_fwd
+        assert cfg.gluon and not cfg.gather and not cfg.handoff and gluon_gate_up.tile_of(cfg) == gluon_gate_up.TILES["s3b2"]
+        assert dataclasses.replace(ep, gate_up_fwd=one_gpu.gate_up_fwd) == one_gpu
+
+
+def _compile_pull(monkeypatch):
+    config = _ep_configs(H, I, monkeypatch).gate_up_fwd
+    tile = gluon_gate_up.tile_of(config)
+    x, w = torch.empty(R, H, dtype=torch.bfloat16), torch.empty(E, 2 * I, H, dtype=torch.bfloat16)
+    h, gate_up = torch.empty(R, I, dtype=torch.bfloat16), torch.empty(R, 2 * I, dtype=torch.bfloat16)
+    descs = dict(zip(("x_desc", "w_desc", "h_desc", "gu_desc"), gluon_gate_up.descriptors(x, w, h, gate_up, tile)))
+    fn = gluon_ep.gate_up_fwd_pull_kernel
+    consts = gluon_ep.constexprs(config, 1)
+    signature = kernel_signature(fn, consts, {name: mangle_type(d) for name, d in descs.items()}, _arg_type)
+    return tile, warp_specialized_report(compile_gluon(fn, signature, consts, divisible_by_16(fn, pointers(fn) | {"H", "I"})))
+
+
+def _compile_push(gemm: str):
+    tile = gluon_rows.TILES["coop"]
+    w_nk = gemm == "down_fwd"
+    a = torch.empty(R, I if w_nk else 2 * I, dtype=torch.bfloat16)
+    w = torch.empty(E, H, I, dtype=torch.bfloat16) if w_nk else torch.empty(E, 2 * I, H, dtype=torch.bfloat16)
+    out = torch.empty(tile.store_m, H, dtype=torch.bfloat16)  # what the launcher passes: the buffer's shape only
+    descs = dict(zip(("a_desc", "w_desc", "out_desc"), gluon_rows.descriptors(a, w, out, w_nk, tile)))
+    descs |= {"x_desc": descs["a_desc"], "x_rows_desc": descs["w_desc"]}
+    fn = gluon_rows.row_gemm_ws_kernel
+    consts = gluon_rows.constexprs(tile, w_nk, 1, push=True)
+    signature = kernel_signature(fn, consts, {name: mangle_type(d) for name, d in descs.items()}, _arg_type)
+    return tile, warp_specialized_report(compile_gluon(fn, signature, consts, divisible_by_16(fn, pointers(fn))))
+
+
+def test_pulling_gate_up_fwd_sm90a(monkeypatch):
+    tile, r = _compile_pull(monkeypatch)
+    ptx, meta, name = r["ptx"], r["compiled"].metadata, "gate_up_fwd_pull"
+    print(f"\n{name}: {meta.num_warps} warps, {r['ptxas']['registers']} registers, shared {meta.shared} B, "
+          f"setmaxnreg {r['setmaxnreg']}")
+    # The GEMM: gluon_gate_up's (2 consumers x gate, up x 4 k16 steps a K step, kept in flight), its TMA copies
+    # and its stores (g, u, h: 3 per consumer), x rows by TMA (no cp.async).
+    assert r["wgmma_any"] == 16 and count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16", ptx) == 16
+    assert 2 in r["wait_groups"]
+    assert (r["tma_load_2d"], r["tma_load_3d"], r["cp_async"]) == (1, 2, 0)
+    assert count(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta\.bulk_group", ptx) == 6
+    # The pull loop: 16-byte copies, a release per group; the claims; the producer's acquire, proxy fence, trap.
+    assert count(r"ld\.global\.v4", ptx) == 8 and count(r"st\.global\.v4", ptx) == 8
+    assert count(r"atom\.global\.gpu\.release\.exch\.b32", ptx) == 1
+    assert count(r"atom\.global\.gpu\.relaxed\.add", ptx) >= 3  # groups (2 claim sites) and tiles
+    assert count(r"ld\.global\.gpu\.acquire\.b32", ptx) >= 1
+    assert count(r"fence\.proxy\.async\.global", ptx) == 1
+    assert count(r"\btrap;", ptx) == 1
+    ring = 2 * tile.stages + 2 * 2  # ready/empty per stage, full/empty per claimed-tile slot
+    assert r["mbar_init"] == ring, f"{name}: {r['mbar_init']} mbarrier.init"
+    assert meta.num_warps == 12
+    assert_register_split(name, r, tile.producer_regs, tile.consumer_regs)
+    assert_no_spills_or_serialisation(name, r)
+    assert tile.smem_bytes() <= meta.shared <= SMEM_LIMIT
+
+
+@pytest.mark.parametrize("gemm", ["down_fwd", "gate_up_dgrad"])
+def test_pushing_row_gemm_sm90a(gemm):
+    tile, r = _compile_push(gemm)
+    ptx, meta, name = r["ptx"], r["compiled"].metadata, f"{gemm} push"
+    per_step = 2 * (tile.store_m // 64) * (tile.block_k // 16)
+    assert r["wgmma_any"] == per_step
+    assert count(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.bulk_group", ptx) == 0, f"{name}: TMA stores"
+    vectors = tile.store_m * tile.block_n * 2 // (128 * 16)  # 16-byte stores a thread of each consumer
+    assert count(r"st\.global\.v4\.b32", ptx) == 2 * vectors and count(r"st\.global\.(?!v4)", ptx) == 0
+    assert meta.num_warps == 12
+    assert_register_split(name, r, tile.producer_regs, tile.consumer_regs)
+    assert_no_spills_or_serialisation(name, r)
+    assert meta.shared <= SMEM_LIMIT
+
+
+# ----------------------------------------------------------------------------------------------------
+# The claimed-tile ring, modelled
+
+
+class _Barrier:
+    """An mbarrier: arrival count, completed phases; a parity wait passes when the current phase's parity
+    differs from the one asked for (a fresh barrier counts as having completed the phase before phase 0)."""
+
+    def __init__(self, count):
+        self.count, self.pending, self.phase = count, count, 0
+
+    def arrive(self):
+        self.pending -= 1
+        if self.pending == 0:
+            self.phase, self.pending = self.phase + 1, self.count
+
+    def passes(self, parity):
+        return (self.phase & 1) != parity
+
+
+def _run_ring(tiles: list[int], end: int, rng: random.Random):
+    """The producer publishes tiles + [end] as _publish_tile does, each consumer reads as _claimed_tile does, in a
+    random interleaving of the three. Returns what each consumer read; fails on a deadlock or an aliased wait."""
+    full, empty = [_Barrier(1) for _ in range(2)], [_Barrier(2) for _ in range(2)]
+    slots = [None, None]
+    claims = tiles + [end]
+    state = {"p": 0, "c": [0, 0]}
+    read = [[], []]
+
+    def producer_step():
+        j = state["p"]
+        if j == len(claims):
+            return False
+        slot, parity = j % 2, ((j // 2) & 1) ^ 1
+        if not empty[slot].passes(parity):
+            return False
+        # the wait means phase j // 2 - 1 of empty[slot] (both consumers read claim j - 2): exactly that phase done
+        assert empty[slot].phase == j // 2, "producer's wait aliased"
+        slots[slot] = claims[j]
+        full[slot].arrive()
+        state["p"] += 1
+        return True
+
+    def consumer_step(wg):
+        j = state["c"][wg]
+        if read[wg] and read[wg][-1] == end:
+            return False
+        slot, parity = j % 2, (j // 2) & 1
+        if not full[slot].passes(parity):
+            return False
+        assert full[slot].phase == j // 2 + 1, "consumer's wait aliased"
+        read[wg].append(slots[slot])
+        empty[slot].arrive()
+        state["c"][wg] += 1
+        return True
+
+    steps = [producer_step, lambda: consumer_step(0), lambda: consumer_step(1)]
+    while not (read[0] and read[0][-1] == end and read[1] and read[1][-1] == end):
+        order = rng.sample(steps, 3)
+        assert any(step() for step in order), "deadlock"
+    return read
+
+
+def test_claimed_tile_ring_model():
+    rng = random.Random(0)
+    for _ in range(300):
+        tiles = sorted(rng.sample(range(200), rng.randint(0, 12)))
+        read = _run_ring(tiles, 200, rng)
+        assert read[0] == read[1] == tiles + [200]
