@@ -65,7 +65,7 @@ def main() -> None:
     kernels = {
         ("dispatch", "pull"): lambda shape: pull_rows(ws.tokens, maps, pulled, by_token=True, shape=shape),
         ("dispatch", "push"): lambda shape: push_tokens(ws, x, s, maps, shape),
-        ("combine", "push"): lambda shape: push_rows(ws, rows, maps, shape),
+        ("combine", "push"): lambda shape: push_rows(ws.pairs, rows, maps, shape),
         ("combine", "pull"): lambda shape: pull_pairs(ws, s, pairs_out, shape),
     }
     records = []

@@ -6,7 +6,8 @@ wrong by design (timing only); nothing in the library calls them.
            barrier: the GEMMs run on unfilled receive rows and the slot sums read whatever the pairs
            buffer holds. The best the layer could do if communication were free.
   comm     the unfused layer's exchanges alone (barriers, publishes, whole pulls/pushes, the final
-           copies, the backward's d_y row gather), no GEMM, no slot sum, no shared expert.
+           copies, the backward's push of the router weights' gradients), no GEMM, no slot sum, no shared
+           expert.
 
 The layer itself, overlapped or not (overlap=False: whole exchanges around the one-GPU GEMMs), is
 ep.experts_fwd / ep.experts_bwd. Each probe takes the arguments they take and returns what is
@@ -15,10 +16,12 @@ passed on the same way: (out, saved) from a forward, a tuple of tensors from a b
 
 from __future__ import annotations
 
+import torch
+
 from megamoe.backends.swiglu import shared_bwd, shared_fwd
 from megamoe.backends.triton import ep, kernels
 from megamoe.backends.triton.comm import exchange
-from megamoe.backends.triton.experts import all_blocks, rows_in_use
+from megamoe.backends.triton.experts import all_blocks
 
 
 def _setup(x, w_gate_up, w_down, schedule, group, config):
@@ -37,24 +40,28 @@ def compute_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
     kernels.down_fwd(h, w_down, schedule.block_expert, blocks, config=cfg.down_fwd)
     y_pairs = ws.pairs.local
     out = kernels.combine(y_pairs, topk_weights, ep._pair_index(schedule), shared_out, config=cfg.combine)
-    return out, (x_rows, h, gate_up, y_pairs, *shared_saved)
+    return out, (x_rows, gate_up, *shared_saved)
 
 
 def compute_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config,
                 saved):
-    x_rows, h, gate_up, y_pairs, *shared_saved = saved
-    ws, cfg, _, blocks = _setup(x, w_gate_up, w_down, schedule, group, config)
-    pair_index, experts = ep._pair_index(schedule), w_down.shape[0]
+    x_rows, gate_up, *shared_saved = saved
+    ws, cfg, maps, blocks = _setup(x, w_gate_up, w_down, schedule, group, config)
+    pair_index, experts, row_index = ep._pair_index(schedule), w_down.shape[0], ep._row_index(maps)
     d_out = d_out.to(x.dtype).contiguous()
-    d_topk_weights = kernels.combine_bwd(d_out, y_pairs, pair_index, config=cfg.combine)
     d_x_shared, d_shared_gate_up, d_shared_down = shared_bwd(d_out, x, shared_gate_up, shared_down, shared_saved)
-    d_y_rows = x.new_empty(schedule.num_rows, x.shape[1])
-    d_gate_up = kernels.down_dgrad(d_y_rows, w_down, gate_up, schedule.block_expert, blocks, config=cfg.down_dgrad)
+    d_out_rows = x.new_empty(schedule.num_rows, x.shape[1])
+    weight_rows = torch.zeros(schedule.num_rows, dtype=torch.float32, device=x.device)
+    d_gate_up, h_w, d_w_part = kernels.down_dgrad_router(
+        d_out_rows, w_down, gate_up, row_index, weight_rows, schedule.block_expert, blocks, store_h_w=True,
+        config=cfg.down_dgrad)
     kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad)
-    d_w_down = kernels.dw_down(d_y_rows, h, schedule.expert_offsets, experts, config=cfg.dw_down,
+    d_w_down = kernels.dw_down(d_out_rows, h_w, schedule.expert_offsets, experts, config=cfg.dw_down,
                                row_src=schedule.row_src)
     d_w_gate_up = kernels.dw_gate_up(d_gate_up, x_rows, schedule.expert_offsets, experts, config=cfg.dw_gate_up,
                                      row_src=schedule.row_src)
+    kernels.row_sums(d_w_part, row_index.view(-1, 1), torch.float32)  # each row's sum, which the layer pushes
+    d_topk_weights = torch.where(schedule.dest_row >= 0, ws.weights.local, 0.0)  # read as the layer reads it
     d_x = kernels.combine(ws.pairs.local, None, pair_index, d_x_shared, config=cfg.combine)
     return d_x, d_topk_weights, d_w_gate_up, d_w_down, d_shared_gate_up, d_shared_down
 
@@ -75,12 +82,11 @@ def comm_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, sc
 
 def comm_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config,
              saved):
-    """Returns (the d_y rows the dispatch and gather filled, the d_x pairs rows the combine delivered)."""
+    """Returns (the d_out rows the dispatch filled, the d_x pairs rows the combine delivered)."""
     ws, _, maps, _ = _setup(x, w_gate_up, w_down, schedule, group, config)
     rows, hidden = schedule.num_rows, x.shape[1]
     d_out = d_out.to(x.dtype).contiguous()
     weights = topk_weights.float().contiguous()
-    d_y_rows = x.new_empty(rows, hidden)
     if ep._direction(config, "dispatch") == "pull":
         d_out_rows, weight_rows = x.new_empty(rows, hidden), weights.new_empty(rows)
         exchange.publish(ws, [(ws.tokens, d_out), (ws.weights, weights)], "dispatch")
@@ -89,6 +95,6 @@ def comm_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_d
     else:
         weight_rows = exchange.dispatch_pair_weights(ws, weights, schedule)
         d_out_rows = exchange.dispatch(ws, d_out, schedule, "push")
-    kernels.scale_rows(d_out_rows, weight_rows, rows_in_use(schedule), out=d_y_rows)
+    exchange.push_rows(ws.weights, weight_rows, maps)  # the router weights' gradients (here: the weights themselves)
     d_x_rows = x.new_empty(rows, hidden)  # the gate/up data grad's rows, never computed
-    return d_y_rows, exchange.combine(ws, d_x_rows, schedule, ep._direction(config, "combine"))
+    return d_out_rows, exchange.combine(ws, d_x_rows, schedule, ep._direction(config, "combine"))

@@ -70,7 +70,7 @@ class Counter:
 
 def spy_one_gpu(monkeypatch, counter: Counter) -> None:
     """Every GEMM launcher experts.py calls (whichever core its tiles select) and the gather/combine kernels."""
-    for name in (*GEMMS, "spread_rows", "combine", "combine_bwd"):
+    for name in (*GEMMS, "spread_rows", "combine", "row_sums"):
         monkeypatch.setattr(kernels, name, counter.wrap(name, getattr(kernels, name)))
 
 
@@ -106,7 +106,7 @@ def test_inference_forward_same_bits_nothing_saved(case, dtype, monkeypatch):
     # gate_up is not stored (the SwiGLU epilogue alone), every other kernel runs once.
     assert [c["store_gate_up"] for c in counter.calls["gate_up_fwd"]] == [False]
     assert counter.count("down_fwd") == 1 and counter.count("combine") == 1 and counter.count("spread_rows") == 1
-    assert all(counter.count(n) == 0 for n in ("down_dgrad", "gate_up_dgrad", "dw_down", "dw_gate_up", "combine_bwd"))
+    assert all(counter.count(n) == 0 for n in ("down_dgrad", "gate_up_dgrad", "dw_down", "dw_gate_up", "row_sums"))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -130,7 +130,7 @@ def test_partial_backward(needed, dtype, recompute, monkeypatch):
         # A kernel whose gradient is not needed raises if launched; the expert-parallel kernels never run here.
         fail = {n for n, need in [("dw_down", need_d), ("dw_gate_up", need_gu), ("gate_up_dgrad", need_x),
                                   ("down_dgrad_router", rows_part), ("combine", need_x), ("down_dgrad", False),
-                                  ("combine_bwd", False)]
+                                  ("row_sums", need_w)]
                 if not need}
         counter = Counter(fail)
         spy_one_gpu(monkeypatch, counter)

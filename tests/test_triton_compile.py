@@ -55,28 +55,29 @@ GEMM_KERNELS = {
 }
 # Spill bytes allowed (stores and loads each), per kernel; every other kernel must not spill. The fused
 # backward holds down_dgrad's 128 x 128 tile (255 registers alone) beside gate_up_dgrad's, the
-# weight-grad tile and the communication role: 20 / 12 bytes of per-task scalars spill. Where a spill is
-# allowed, the SASS must show no spill instruction inside a K loop (test_spills_stay_out_of_k_loops). The
-# spill-free 128 x 64 down_dgrad tile measured slower (qwen3-30b-a3b EP=2 fwd+bwd 10.12 ms against 9.73;
-# docs/perf-notes.md).
-SPILL_BUDGET = {"ep_bwd": 20}
+# weight-grad tile and the communication role; with the router epilogue (g, u, the accumulator and h_w
+# live together, as in the one-GPU down_dgrad_router) 268 / 244 bytes spill. Where a spill is allowed,
+# the SASS must show no spill instruction inside a K loop (test_spills_stay_out_of_k_loops). This kernel
+# runs on Hopper only where the Gluon core cannot (ep.ep_configs: fp32, rows TMA cannot address); the
+# spill-free 128 x 64 down_dgrad tile measured slower when it was the Hopper path (qwen3-30b-a3b EP=2
+# fwd+bwd 10.12 ms against 9.73, without the router epilogue; docs/perf-notes.md).
+SPILL_BUDGET = {"ep_bwd": 280}
 # GEMMs whose K loop reads contiguous rows only: Triton must pipeline them (async copies, async wgmma).
 PIPELINED = {"gate_up_fwd", "down_fwd", "down_dgrad", "down_dgrad-router", "gate_up_dgrad", "dw_down", "dw_gate_up",
              "ep_fwd", "ep_bwd"}
 OTHER_KERNELS = {
     "combine": kernels.combine_kernel,
-    "combine_bwd": kernels.combine_bwd_kernel,
-    "scale_rows": kernels.scale_rows_kernel,
     "spread_rows": kernels.spread_rows_kernel,
 }
 # Pointer arguments that are not activations/weights (bf16).
 _POINTER_TYPES = {
     "row_src_ptr": "*i32", "dest_row_ptr": "*i32", "block_expert_ptr": "*i32", "num_blocks_ptr": "*i32", "block_range_ptr": "*i32",
     "expert_offsets_ptr": "*i32", "weights_ptr": "*fp32", "d_w_part_ptr": "*fp32",
-    "index_ptr": "*i32", "rows_in_use_ptr": "*i32", "scale_ptr": "*fp32",
+    "index_ptr": "*i32", "rows_in_use_ptr": "*i32",
     "w_ptr": "*bf16", "d_w_ptr": "*fp32",
-    "pull_table_ptr": "*i64", "pull_weight_table_ptr": "*i64", "push_table_ptr": "*i64",
-    "pull_rank_ptr": "*i32", "pull_token_ptr": "*i32", "pull_pair_ptr": "*i32", "work_ptr": "*i32",
+    "pull_table_ptr": "*i64", "push_table_ptr": "*i64",
+    "pull_rank_ptr": "*i32", "pull_token_ptr": "*i32", "work_ptr": "*i32", "row_index_ptr": "*i32",
+    "weight_rows_ptr": "*fp32",
     "push_rank_ptr": "*i32", "push_pair_ptr": "*i32",
 }
 _INT_TYPES = {"timeout_ns": "i64"}
@@ -286,9 +287,7 @@ def test_spills_stay_out_of_k_loops(name):
 def test_memory_kernel_sm90_compiles_without_spills(name):
     fn = OTHER_KERNELS[name]
     cfg = _SM90.combine
-    if fn is kernels.scale_rows_kernel:  # the tiles the launchers ship
-        consts = dict(zip(("BLOCK_R", "BLOCK_H"), gather._SCALE_TILE[:2]))
-    elif fn is kernels.spread_rows_kernel:
+    if fn is kernels.spread_rows_kernel:  # the tile the launcher ships
         consts = dict(zip(("BLOCK_T", "BLOCK_H"), gather._SPREAD_TILE[:2]))
     else:
         consts = dict(BLOCK_T=cfg.block_m, BLOCK_H=cfg.block_n)

@@ -173,9 +173,26 @@ def run_ep_kernels(ids, p, d_out, rank, world, tokens, experts, config, overlap=
     return {"out": out, **{n: g for n, g in zip(names, grads) if g is not None}}
 
 
+def run_one_gpu(ids, p, d_out, experts, config, dtype=torch.bfloat16):
+    """The one-GPU path's functions (experts.experts_fwd / _bwd) on the whole problem: what the EP path at one
+    rank must equal bit for bit."""
+    from megamoe.backends.triton import experts as one_gpu
+
+    local = local_inputs(p, 0, 1, ids.shape[0], experts, dtype)
+    config = dataclasses.replace(config, block_m=block_m_for(local["x"].shape[1], local["w_down"].shape[2], dtype))
+    schedule = megamoe.build_schedule(ids, experts, config=config)
+    args = (local["x"], local["topk_weights"], local["w_gate_up"], local["w_down"], local.get("shared_gate_up"),
+            local.get("shared_down"))
+    out, saved = one_gpu.experts_fwd(*args, schedule, None, config)
+    grads = one_gpu.experts_bwd(d_out.to(dtype), *args, schedule, None, config, saved)
+    names = ["d_x", "d_topk_weights", "d_w_gate_up", "d_w_down", "d_shared_gate_up", "d_shared_down"]
+    return {"out": out, **{n: g for n, g in zip(names, grads) if g is not None}}
+
+
 def ep_kernels(rank, world):
     """The EP path's kernels on any number of GPUs, one included: against the fp64 reference, bitwise across
-    reruns, dispatch/combine directions, overlap settings and the unfused layer, and under a CUDA graph."""
+    reruns, dispatch/combine directions, overlap settings and the unfused layer, and under a CUDA graph; on one
+    GPU bitwise equal to the one-GPU path too (the same math: the router weight in down_dgrad's epilogue)."""
     cases = [  # (tokens per rank, H, I, E, k, routing, shared)
         (1000, 256, 128, 8 * world, 4, "balanced", 0),
         (333, 2880, 256, 4 * world, 2, "balanced", 128),
@@ -191,6 +208,9 @@ def ep_kernels(rank, world):
         check_budget(f"{tag} fused", fused, ref64, ref16)
         again = run_ep_kernels(ids, p, d_out, rank, world, tokens, experts, megamoe.MoEConfig(backend="triton"))
         check_bitwise(f"{tag} fused rerun", fused, again)
+        if world == 1:
+            check_bitwise(f"{tag} EP at one rank vs the one-GPU path", fused,
+                          run_one_gpu(ids, p, d_out, experts, megamoe.MoEConfig(backend="triton")))
         for dispatch, combine in directions:
             for (num_comm_sms, minibatch_tokens), overlap in [(OVERLAPS[0], False), *((o, True) for o in OVERLAPS)]:
                 config = megamoe.MoEConfig(backend="triton", dispatch=dispatch, combine=combine,

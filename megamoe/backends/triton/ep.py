@@ -11,14 +11,18 @@ row of the token owner's pairs buffer (push combine). Elsewhere one persistent T
 pointer-load core (kernels/ep_fused.py) does both GEMMs with the same pulls, flags and pushes, the down
 tiles a stage behind the gate/up tiles. Then a barrier (everything has landed), and the fixed-order fp32
 slot sum (+ the shared expert, last).
-Backward mirrors it: d_out and the router weights are published; the d_out rows are pulled scaled by
-their pair's router weight (the d_y rows, fp32 product rounded to the dtype, as the one-GPU gather does),
-then the down-projection data grad (SwiGLU backward epilogue) and the gate/up data grad, whose epilogue
-pushes the d_x rows, then the two weight grads; a barrier, then the slot sum of d_x. On the Gluon core the
-pulls are still whole copies before the kernels (pull_rows, scale_rows), and the weight grads are the
-one-GPU kernels, run before the final barrier while the peers' pushes land; the pointer-load core's one
-persistent kernel (kernels/ep_fused.py) pulls inside and runs the weight-grad tiles as tasks that wait for
-every row of their expert.
+Backward mirrors it, with the one-GPU backward's math: d_out and the router weights are published; the
+d_out rows are pulled unweighted and each receive row's router weight beside them; then the down-projection
+data grad with the router epilogue (kernels.down_dgrad_router: d_gate_up, h_w = w * h for d_w_down, and
+the router weight's partial sums per row), the gate/up data grad, whose epilogue pushes the d_x rows, and
+the two weight grads; each receive row's partials summed in order (row_sums) go into its pair's slot of the
+token owner's weights buffer (which the expert owner alone read, for that pair's weight, earlier in the
+same stream); a barrier, then the slot sum of d_x, and d_topk_weights read from the weights buffer. So
+nothing of the forward's results is kept but x_rows and gate_up (saved), and at EP = 1 every result is the
+one-GPU path's, bit for bit. On the Gluon core the d_out pull is still a whole copy before the kernels
+(pull_rows), and the weight grads are the one-GPU kernels, run before the final barrier while the peers'
+pushes land; the pointer-load core's one persistent kernel (kernels/ep_fused.py) pulls inside and runs the
+weight-grad tiles as tasks that wait for every row of their expert.
 No host synchronisation: every buffer has its worst-case (or declared-capacity) size and every range is
 read on the device, so a forward+backward can be captured in a CUDA graph.
 
@@ -29,16 +33,15 @@ give the same bits: every element is written by one program with the same values
 whatever num_comm_sms and minibatch_tokens are. (The probes that time the GEMMs without the exchanges and
 the exchanges without the GEMMs are benchmarks/ep_probes.py.)
 
-Inference (experts_fwd(..., save_for_backward=False)): saved = (), so x_rows, h, gate_up and the pairs
-rows are released when the forward returns, and the fused path's slot sum reads the symmetric pairs
-buffer in place (no copy of [T*k, H] kept for a backward); the fused forward kernel still stores gate_up
-(not storing it would be a change to the kernels). Gradients not needed (experts_bwd's needs_grad) skip
-only what is local to this rank and outside a fused kernel: d_topk_weights (combine_bwd), the shared
-expert's gradients, the final slot sum of d_x and, except in the pointer-load core's fused kernel, the
-two weight-grad kernels. That kernel computes d_x rows and both weight grads whatever is needed
-(skipping inside it would need kernel changes), and the exchanges always run: a peer's d_x and weight
-grads need this rank's rows whatever this rank needs. Gradients computed but not needed are returned
-anyway; megamoe.autograd drops them.
+Inference (experts_fwd(..., save_for_backward=False)): saved = (), so x_rows and gate_up are released when
+the forward returns (the slot sum reads the symmetric pairs buffer in place, in training too); the forward
+kernels still store gate_up (not storing it would be a change to the kernels). Gradients not needed
+(experts_bwd's needs_grad) skip only what is local to this rank and outside a fused kernel: reading
+d_topk_weights, the shared expert's gradients, the final slot sum of d_x and, except in the pointer-load
+core's fused kernel, the weight-grad kernels (h_w is then not stored either). That kernel computes d_x
+rows and both weight grads whatever is needed (skipping inside it would need kernel changes), and the
+exchanges always run: a peer's d_x, router-weight and weight grads need this rank's rows whatever this
+rank needs. Gradients computed but not needed are returned anyway; megamoe.autograd drops them.
 
 The empty batch (T = 0): the ranks of a group agree on T (megamoe.autograd.check_ranks_agree: a rank
 alone with T = 0 is a ValueError on every rank), so T = 0 here means no rank has a token and R = 0 on
@@ -61,7 +64,8 @@ import torch
 from megamoe.backends.swiglu import empty_shared_saved, shared_bwd, shared_fwd
 from megamoe.backends.triton import kernels
 from megamoe.backends.triton.comm.exchange import (
-    ReceiveMaps, collect_pushed, combine, dispatch, dispatch_pair_weights, gather_routing, publish, pull_rows, receive_maps,
+    ReceiveMaps, collect_pushed, combine, dispatch, dispatch_pair_weights, gather_routing, publish, pull_rows, push_rows,
+    receive_maps,
 )
 from megamoe.backends.triton.comm.workspace import Workspace, _Buffer, get_workspace
 from megamoe.backends.triton.configs import KernelConfigs, ep_tma_kernel_configs
@@ -135,12 +139,9 @@ def group_blocks(schedule: Schedule, config) -> int:
     return max(1, math.ceil(config.minibatch_tokens * schedule.top_k / schedule.block_m))
 
 
-def _pull(buffer: _Buffer, weights: _Buffer | None, maps: ReceiveMaps, schedule: Schedule, config,
-          device: torch.device) -> kernels.RowPull:
-    return kernels.RowPull(
-        buffer.peer_ptrs, maps.src_rank, maps.src_token, maps.src_pair, None if weights is None else weights.peer_ptrs,
-        comm_programs(config, device), group_blocks(schedule, config), _timeout_ns(config),
-    )
+def _pull(buffer: _Buffer, maps: ReceiveMaps, schedule: Schedule, config, device: torch.device) -> kernels.RowPull:
+    return kernels.RowPull(buffer.peer_ptrs, maps.src_rank, maps.src_token, comm_programs(config, device),
+                           group_blocks(schedule, config), _timeout_ns(config))
 
 
 def _timeout_ns(config) -> int:
@@ -193,7 +194,7 @@ def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
         x_rows = x.new_empty(rows, hidden)
         publish(ws, [(ws.tokens, x)], "dispatch")
     if fused:
-        row_pull, row_push = _pull(ws.tokens, None, maps, schedule, config, x.device), _push(ws, maps)
+        row_pull, row_push = _pull(ws.tokens, maps, schedule, config, x.device), _push(ws, maps)
         if cfg.gate_up_fwd.gluon:  # two Gluon kernels: gate_up_fwd pulling its rows, down_fwd pushing its own
             h, gate_up = kernels.gate_up_fwd_pull(x_rows, w_gate_up, schedule.block_expert, blocks, row_pull,
                                                   config=cfg.gate_up_fwd)
@@ -201,8 +202,7 @@ def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
         else:  # one persistent Triton kernel (the pointer-load core)
             h, gate_up = kernels.ep_forward(x_rows, w_gate_up, w_down, schedule.block_expert, blocks, row_pull,
                                             row_push, gate_up_config=cfg.gate_up_fwd, down_config=cfg.down_fwd)
-        # Kept for the backward: a copy. Inference: the buffer itself, read only by the slot sum below.
-        y_pairs = collect_pushed(ws, keep=save_for_backward)
+        y_pairs = collect_pushed(ws, keep=False)  # read once, by the slot sum below
     else:
         if pull:
             pull_rows(ws.tokens, maps, x_rows, by_token=True)
@@ -213,19 +213,19 @@ def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
     out = kernels.combine(y_pairs, topk_weights, _pair_index(schedule), shared_out, config=cfg.combine)
     if not save_for_backward:
         return out, ()
-    return out, (x_rows, h, gate_up, y_pairs, *shared_saved)
+    return out, (x_rows, gate_up, *shared_saved)
 
 
 def empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule: Schedule):
-    """Tensors shaped like experts_fwd's `saved`: (x_rows, h, gate_up, y_pairs, *the shared expert's)."""
+    """Tensors shaped like experts_fwd's `saved`: (x_rows, gate_up, *the shared expert's)."""
     rows, inter, hidden = schedule.num_rows, w_down.shape[2], x.shape[1]
-    return (
-        x.new_empty(rows, hidden),
-        x.new_empty(rows, inter),
-        x.new_empty(rows, 2 * inter),
-        x.new_empty(schedule.num_tokens * schedule.top_k, hidden),
-        *empty_shared_saved(x, shared_gate_up),
-    )
+    return (x.new_empty(rows, hidden), x.new_empty(rows, 2 * inter), *empty_shared_saved(x, shared_gate_up))
+
+
+def _row_index(maps: ReceiveMaps) -> torch.Tensor:
+    """int32 [R]: r for a receive row holding a pair, -1 for padding: the index of each row's router weight in the
+    pulled weight rows (down_dgrad_router's row_src), and of its partial sums (row_sums)."""
+    return torch.where(maps.src_rank >= 0, maps.rows, -1).to(torch.int32)
 
 
 def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule: Schedule, group, config,
@@ -237,60 +237,67 @@ def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, share
         return empty_batch_grads(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, needs_grad)
     need_x, need_weights, need_w_gate_up, need_w_down, need_shared_gate_up, need_shared_down = needs_grad
     fused = _fused(config, overlap)
-    x_rows, h, gate_up, y_pairs, *shared_saved = saved
+    x_rows, gate_up, *shared_saved = saved
     ws = _workspace(x, schedule.num_tokens, schedule.top_k, schedule.num_rows, group, config)
     cfg = ep_configs(x, w_gate_up, w_down, schedule)
     rows, hidden, experts = schedule.num_rows, x.shape[1], w_down.shape[0]
     pull, push = _direction(config, "dispatch") == "pull", _direction(config, "combine") == "push"
-    maps, blocks, in_use = receive_maps(schedule), all_blocks(schedule), rows_in_use(schedule)
-    pair_index = _pair_index(schedule)
+    maps, blocks = receive_maps(schedule), all_blocks(schedule)
+    row_index = _row_index(maps)
     d_out = d_out.to(x.dtype).contiguous()
     weights = topk_weights.float().contiguous()
 
-    d_topk_weights = None
-    if need_weights:
-        d_topk_weights = kernels.combine_bwd(d_out, y_pairs, pair_index, config=cfg.combine).to(topk_weights.dtype)
     d_x_shared, d_shared_gate_up, d_shared_down = shared_bwd(
         d_out, x, shared_gate_up, shared_down, shared_saved,
         need_x=need_x, need_gate_up=need_shared_gate_up, need_down=need_shared_down,
     )
-    # d_y rows: each row's d_out times its pair's router weight (fp32 product rounded to the dtype).
-    d_y_rows = x.new_empty(rows, hidden)
+    # The d_out rows (unweighted) and each receive row's router weight, as the one-GPU backward has them.
     if pull:
         publish(ws, [(ws.tokens, d_out), (ws.weights, weights)], "dispatch")
+        weight_rows = weights.new_empty(rows)
+        pull_rows(ws.weights, maps, weight_rows, by_token=False)
+    else:
+        weight_rows = dispatch_pair_weights(ws, weights, schedule)
     if fused and not cfg.down_dgrad.gluon:  # one persistent Triton kernel (the pointer-load core)
-        d_w_gate_up, d_w_down = kernels.ep_backward(
-            d_y_rows, x_rows, h, gate_up, w_gate_up, w_down, schedule.block_expert, blocks, schedule.expert_offsets,
-            _pull(ws.tokens, ws.weights, maps, schedule, config, x.device), _push(ws, maps),
+        d_out_rows = x.new_empty(rows, hidden)
+        d_w_gate_up, d_w_down, d_w_part = kernels.ep_backward(
+            d_out_rows, x_rows, gate_up, w_gate_up, w_down, schedule.block_expert, blocks, schedule.expert_offsets,
+            row_index, weight_rows, _pull(ws.tokens, maps, schedule, config, x.device), _push(ws, maps),
             down_dgrad_config=cfg.down_dgrad, gate_up_dgrad_config=cfg.gate_up_dgrad,
             dw_down_config=cfg.dw_down, dw_gate_up_config=cfg.dw_gate_up)
-    else:  # the Gluon core fused (its pulls still whole copies, gate_up_dgrad pushing its rows), or unfused
+    else:  # the Gluon core fused (its d_out pull still a whole copy, gate_up_dgrad pushing its rows), or unfused
         if pull:
-            d_out_rows, weight_rows = x.new_empty(rows, hidden), weights.new_empty(rows)
+            d_out_rows = x.new_empty(rows, hidden)
             pull_rows(ws.tokens, maps, d_out_rows, by_token=True)
-            pull_rows(ws.weights, maps, weight_rows, by_token=False)
-            kernels.scale_rows(d_out_rows, weight_rows, in_use, out=d_y_rows)
         else:
-            weight_rows = dispatch_pair_weights(ws, weights, schedule)
-            kernels.scale_rows(dispatch(ws, d_out, schedule, "push"), weight_rows, in_use, out=d_y_rows)
-        d_gate_up = kernels.down_dgrad(d_y_rows, w_down, gate_up, schedule.block_expert, blocks, config=cfg.down_dgrad)
+            d_out_rows = dispatch(ws, d_out, schedule, "push")
+        # The router weight in the epilogue: d_gate_up, h_w = w * h (for d_w_down) and the router weight's partials.
+        d_gate_up, h_w, d_w_part = kernels.down_dgrad_router(
+            d_out_rows, w_down, gate_up, row_index, weight_rows, schedule.block_expert, blocks,
+            store_h_w=need_w_down, config=cfg.down_dgrad)
         d_x_rows = kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad,
                                          push=_push(ws, maps) if fused else None)
         # the weight grads need every row of an expert: kernels of their own here (local: skipped when not needed),
         # before the final barrier, while the peers' pushes land
         d_w_down = d_w_gate_up = None
         if need_w_down:
-            d_w_down = kernels.dw_down(d_y_rows, h, schedule.expert_offsets, experts, config=cfg.dw_down,
+            d_w_down = kernels.dw_down(d_out_rows, h_w, schedule.expert_offsets, experts, config=cfg.dw_down,
                                        row_src=schedule.row_src)
         if need_w_gate_up:
             d_w_gate_up = kernels.dw_gate_up(d_gate_up, x_rows, schedule.expert_offsets, experts,
                                              config=cfg.dw_gate_up, row_src=schedule.row_src)
-
+    # The router weights' gradient: each receive row's partials summed in order (row_sums, as the one-GPU path
+    # sums them), pushed into its pair's slot of the token owner's weights buffer, which only this rank read.
+    push_rows(ws.weights, kernels.row_sums(d_w_part, row_index.view(-1, 1), torch.float32).view(-1), maps)
     if fused:
         d_x_pairs = collect_pushed(ws, keep=False)  # read once, by the slot sum below
     else:
         d_x_pairs = combine(ws, d_x_rows, schedule, "push" if push else "pull")
+    # After the final barrier every pair's gradient has landed (0 for a pair a capacity dropped, as on one GPU).
+    d_topk_weights = None
+    if need_weights:
+        d_topk_weights = torch.where(schedule.dest_row >= 0, ws.weights.local, 0.0).to(topk_weights.dtype)
     d_x = None
     if need_x:
-        d_x = kernels.combine(d_x_pairs, None, pair_index, d_x_shared, config=cfg.combine)
+        d_x = kernels.combine(d_x_pairs, None, _pair_index(schedule), d_x_shared, config=cfg.combine)
     return d_x, d_topk_weights, d_w_gate_up, d_w_down, d_shared_gate_up, d_shared_down

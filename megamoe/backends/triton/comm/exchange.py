@@ -108,12 +108,14 @@ def pull_pairs(ws: Workspace, schedule: Schedule, out: torch.Tensor, shape: Copy
               src_is_table=True, dst_is_table=False, shape=shape, **_size(out))
 
 
-def push_rows(ws: Workspace, rows_RH: torch.Tensor, maps: ReceiveMaps, shape: CopyShape = COPY_SHAPE) -> None:
-    """Write every receive row r in use into row p of its source rank's pairs buffer (padding skipped).
-    The caller has passed a barrier after every peer's last read of its pairs buffer (collect_pushed
-    of the previous exchange is followed, on every rank, by at least one barrier before this)."""
-    copy_rows(rows_RH, maps.zeros, maps.rows, ws.pairs.peer_ptrs, maps.src_rank, maps.src_pair,
-              src_is_table=False, dst_is_table=True, shape=shape, **_size(rows_RH))
+def push_rows(buffer: _Buffer, rows: torch.Tensor, maps: ReceiveMaps, shape: CopyShape = COPY_SHAPE) -> None:
+    """Write every receive row r in use (rows [R, H], or [R] values) into row p = its pair of its source rank's
+    buffer (the pairs buffer [T*k, H], or the weights buffer [T, k] for one value a pair); padding skipped.
+    The caller knows that no peer reads those rows meanwhile (for the pairs buffer: a barrier was passed
+    after every peer's last read of it, collect_pushed of the previous exchange being followed, on every rank,
+    by at least one barrier before this; for a slot of the weights buffer: this rank was its only reader)."""
+    copy_rows(rows, maps.zeros, maps.rows, buffer.peer_ptrs, maps.src_rank, maps.src_pair,
+              src_is_table=False, dst_is_table=True, shape=shape, **_size(rows))
 
 
 def collect_pushed(ws: Workspace, *, keep: bool = True) -> torch.Tensor:
@@ -156,7 +158,7 @@ def combine(ws: Workspace, rows_RH: torch.Tensor, schedule: Schedule, direction:
     expert owner (a pair a capacity dropped reads as zeros under "pull" and is unspecified under "push")."""
     ws.barrier("combine")
     if direction == "push":
-        push_rows(ws, rows_RH, receive_maps(schedule))
+        push_rows(ws.pairs, rows_RH, receive_maps(schedule))
         return collect_pushed(ws)
     ws.rows_out.local.copy_(rows_RH)
     ws.barrier("combine")

@@ -1,5 +1,5 @@
-"""Combine: out[t] = sum_j w[t, j] * rows[index[t, j]] (+ shared[t]) and its router-weight gradient, and the
-one-GPU router-weight gradient from down_dgrad's per-row partial sums (row_sums).
+"""Combine: out[t] = sum_j w[t, j] * rows[index[t, j]] (+ shared[t]), and the router-weight gradient from
+down_dgrad_router's per-row partial sums (row_sums).
 
 Both are memory-bound, one program per [BLOCK_T tokens x BLOCK_H columns] tile; the slot loop runs j = 0..k-1
 in order with an fp32 accumulator (the reference's order), and the shared expert's output is added last.
@@ -52,31 +52,6 @@ def combine_kernel(
     tl.store(out_ptr + t[:, None] * H + h[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def combine_bwd_kernel(
-    d_out_ptr, y_ptr, index_ptr, d_w_ptr,
-    T, H, top_k,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    """d_w[t, j] = <d_out[t], rows[index[t, j]]> in fp32, columns in a fixed order; 0 where index is -1."""
-    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < T
-    offs_h = tl.arange(0, BLOCK_H)
-    for j in range(0, top_k):
-        pair = t * top_k + j
-        row = tl.load(index_ptr + pair, mask=t_ok, other=-1)
-        routed = t_ok & (row >= 0)
-        row = tl.where(routed, row, 0).to(tl.int64)
-        acc = tl.zeros((BLOCK_T,), dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            h = h0 + offs_h
-            h_ok = (h < H)[None, :]
-            d = tl.load(d_out_ptr + t[:, None] * H + h[None, :], mask=routed[:, None] & h_ok, other=0.0)
-            y = tl.load(y_ptr + row[:, None] * H + h[None, :], mask=routed[:, None] & h_ok, other=0.0)
-            acc += tl.sum(d.to(tl.float32) * y.to(tl.float32), axis=1)
-        tl.store(d_w_ptr + pair, acc, mask=t_ok)
-
-
 def _check_index(index_TK: torch.Tensor, rows_NH: torch.Tensor) -> tuple[int, int, int]:
     check(index_TK.dim() == 2 and index_TK.dtype == torch.int32 and index_TK.is_contiguous(),
           "index must be a contiguous int32 [T, k] tensor")
@@ -118,20 +93,6 @@ def combine(
         BLOCK_T=config.block_m, BLOCK_H=config.block_n, num_warps=config.num_warps,
     )
     return out
-
-
-def combine_bwd(d_out_TH: torch.Tensor, rows_NH: torch.Tensor, index_TK: torch.Tensor, *, config: TileConfig) -> torch.Tensor:
-    """d_topk_weights [T, k] fp32: <d_out[t], rows[index[t, j]]>; 0 where index is -1."""
-    num_tokens, top_k, hidden = _check_index(index_TK, rows_NH)
-    check(tuple(d_out_TH.shape) == (num_tokens, hidden) and d_out_TH.is_contiguous(),
-          f"d_out must be a contiguous [{num_tokens}, {hidden}] tensor, got {tuple(d_out_TH.shape)}")
-    d_w = torch.empty(num_tokens, top_k, dtype=torch.float32, device=d_out_TH.device)
-    combine_bwd_kernel[(triton.cdiv(num_tokens, config.block_m),)](
-        d_out_TH, rows_NH, index_TK, d_w,
-        num_tokens, hidden, top_k,
-        BLOCK_T=config.block_m, BLOCK_H=config.block_n, num_warps=config.num_warps,
-    )
-    return d_w
 
 
 @triton.jit

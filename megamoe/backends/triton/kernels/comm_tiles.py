@@ -1,7 +1,9 @@
-"""Communication inside the persistent kernels of the expert-parallel path (kernels/ep_fused.py).
+"""Communication inside the persistent kernels of the expert-parallel path (kernels/ep_fused.py; the Gluon
+kernels, kernels/gluon_ep.py and kernels/gluon_rows.py with PUSH, follow the same protocol and share its
+work buffer, flags and counters).
 
 Pull (dispatch): the fused kernel's first GEMM reads this rank's receive rows (forward: x rows; backward:
-d_y rows), and the first `programs` programs of its grid are communication programs. They claim groups
+the unweighted d_out rows), and the first `programs` programs of its grid are communication programs. They claim groups
 of schedule blocks in order (a device counter), copy each group's rows from the token owners' published
 buffers (symmetric memory, read over NVLink through the peers' mapped addresses) into the local rows,
 and raise the group's ready flag (release, GPU scope); when no group is left they join the GEMM tasks.
@@ -14,8 +16,7 @@ buffer (grouped_gemm.store_rows with PUSH, through push_pointers), so the combin
 finishes.
 
 Determinism: every element is still written by one program, with the values and reduction order of the
-unfused kernels (copies are bit copies; the backward's router-weight scale is the same fp32 product
-rounded to the dtype as scale_rows'), so results do not depend on the split or the granularity.
+unfused kernels (copies are bit copies), so results do not depend on the split or the granularity.
 
 No deadlock by construction: a tile only ever waits for a group that a communication program of its
 own grid has claimed or will claim (or, in the second GEMM, for first-GEMM tiles claimed before it:
@@ -47,11 +48,8 @@ class RowPull(NamedTuple):
     """Receive rows that a fused kernel's communication programs pull while its other programs compute.
 
     table: int64 [W] base addresses of every rank's published token rows [T, H] (Workspace.tokens).
-    src_rank, src_token, src_pair: int32 [R] per receive row: the token owner (-1: padding, written
-        as a zero row), the token's row there, and its (token, slot) pair index.
-    weight_table: int64 [W] base addresses of every rank's published router weights [T, k] fp32, or
-        None. Given, row r is weights[src_pair[r]] * row (fp32 product rounded to the dtype): the
-        backward's d_y rows.
+    src_rank, src_token: int32 [R] per receive row: the token owner (-1: padding, written as a zero
+        row) and the token's row there.
     programs: communication programs (MoEConfig.num_comm_sms); the other programs of the grid compute.
     group_blocks: schedule blocks per ready flag (the overlap granularity, MoEConfig.minibatch_tokens).
     timeout_ns: the longest a GEMM program waits for a flag before it traps.
@@ -60,8 +58,6 @@ class RowPull(NamedTuple):
     table: torch.Tensor
     src_rank: torch.Tensor
     src_token: torch.Tensor
-    src_pair: torch.Tensor
-    weight_table: torch.Tensor | None
     programs: int
     group_blocks: int
     timeout_ns: int
@@ -83,14 +79,12 @@ class RowPush(NamedTuple):
 def check_pull(pull: RowPull, rows: torch.Tensor) -> None:
     """rows: the local [R, H] buffer the pull fills (the GEMM's A operand)."""
     num_rows = rows.shape[0]
-    for name in ("src_rank", "src_token", "src_pair"):
+    for name in ("src_rank", "src_token"):
         t = getattr(pull, name)
         check(t.dtype == torch.int32 and t.shape == (num_rows,) and t.is_contiguous(),
               f"RowPull.{name} must be a contiguous int32 [{num_rows}] tensor, got {t.dtype} {tuple(t.shape)}")
-    for name in ("table", "weight_table"):
-        t = getattr(pull, name)
-        check(t is None and name == "weight_table" or t is not None and t.dtype == torch.int64 and t.dim() == 1,
-              f"RowPull.{name} must be an int64 [W] table of base addresses")
+    check(pull.table.dtype == torch.int64 and pull.table.dim() == 1, "RowPull.table must be an int64 [W] table of "
+          "base addresses")
     check(pull.programs >= 1, f"RowPull.programs must be >= 1, got {pull.programs}")
     check(pull.group_blocks >= 1, f"RowPull.group_blocks must be >= 1, got {pull.group_blocks}")
     check(pull.timeout_ns >= 1, f"RowPull.timeout_ns must be >= 1, got {pull.timeout_ns}")
@@ -138,14 +132,13 @@ def _row_bases(table_ptr, rank, ELEM: tl.constexpr):
 
 @triton.jit
 def pull_then_claim(
-    rows_ptr, table_ptr, src_rank_ptr, src_token_ptr, src_pair_ptr, weight_table_ptr, work_ptr,
-    first_block, end_block, pull_programs, H, group_blocks,
-    SCALE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_ROWS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    rows_ptr, table_ptr, src_rank_ptr, src_token_ptr, work_ptr, first_block, end_block, pull_programs, H, group_blocks,
+    ALIGNED: tl.constexpr, BLOCK_ROWS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """A fused kernel's start: programs below pull_programs claim groups of schedule blocks in order
     (groups [g * group_blocks, (g + 1) * group_blocks) within [first_block, end_block)), copy their rows
-    (BLOCK_ROWS per schedule block; with SCALE each times its pair's router weight) and raise each
-    group's flag, until no group is left; then every program claims its first task. Claims are atomic
+    (BLOCK_ROWS per schedule block) and raise each group's flag, until no group is left; then every
+    program claims its first task. Claims are atomic
     counters, so the communication programs join the GEMMs as soon as the pulls run out instead of
     leaving their SMs idle."""
     if tl.program_id(0) < pull_programs:
@@ -168,15 +161,10 @@ def pull_then_claim(
                 if ALIGNED:
                     src = tl.multiple_of(src, 16)
                     dst = tl.multiple_of(dst, 16)
-                if SCALE:
-                    pair = tl.load(src_pair_ptr + rows, mask=live, other=0)
-                    weight = tl.load(_row_bases(weight_table_ptr, rank, tl.float32) + pair, mask=live, other=0.0)
                 for c0 in range(0, H, BLOCK):
                     cols = c0 + offs_c
                     col_ok = (cols < H)[None, :]
                     value = tl.load(src[:, None] + cols[None, :], mask=live[:, None] & col_ok, other=0.0)
-                    if SCALE:
-                        value = (value.to(tl.float32) * weight[:, None]).to(elem)
                     tl.store(dst[:, None] + cols[None, :], value, mask=col_ok)
             # Every thread's stores are done (CTA barrier) before one release publishes them GPU-wide.
             tl.debug_barrier()

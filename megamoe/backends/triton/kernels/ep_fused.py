@@ -4,8 +4,10 @@ pulls, flags and pushes run inside the Gluon kernels (kernels/gluon_ep.py, kerne
 
 Forward (ep_forward): dispatch pulls, the gate/up GEMM (SwiGLU epilogue) and the down GEMM, whose
 epilogue pushes each result row to its token owner. Backward (ep_backward): the pulls of the
-router-weighted d_out rows, the down-projection data grad (SwiGLU backward epilogue), the gate/up data
-grad, whose epilogue pushes each d_x row to its token owner, and both weight grads. (The schedule and
+unweighted d_out rows, the down-projection data grad (the router epilogue, as the one-GPU path's
+down_dgrad_router: the router weight, h_w and the router weight's partial sums, then the SwiGLU
+backward), the gate/up data grad, whose epilogue pushes each d_x row to its token owner, and both
+weight grads. (The schedule and
 the final fixed-order sums stay small kernels of their own.)
 
 Tasks. Every program first takes the communication role if it is one of the first `programs`
@@ -34,7 +36,7 @@ import triton.language as tl
 
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import (
-    check, check_expert_offsets, check_matrix, check_rows, check_weight, load_range, num_sms, tile_coords,
+    check, check_expert_offsets, check_matrix, check_row_src, check_rows, check_weight, load_range, num_sms, tile_coords,
 )
 from megamoe.backends.triton.kernels.comm_tiles import (
     RowPull, RowPush, aligned_rows, check_pull, check_push, claim_task, pull_meta, pull_then_claim, signal_done,
@@ -91,7 +93,7 @@ def _num_tasks(block_range_ptr, H, I, stage_m, SPLIT: tl.constexpr, A_BLOCK_N: t
 @triton.jit
 def ep_fwd_kernel(
     x_rows_ptr, w_gate_up_ptr, w_down_ptr, block_expert_ptr, block_range_ptr, h_ptr, gate_up_ptr, y_ptr,
-    pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, work_ptr, push_table_ptr, push_rank_ptr, push_pair_ptr,
+    pull_table_ptr, pull_rank_ptr, pull_token_ptr, work_ptr, push_table_ptr, push_rank_ptr, push_pair_ptr,
     H, I, pull_programs, group_blocks, timeout_ns, stage_m, done_offset,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr,
     A_EVEN_K: tl.constexpr, A_BLOCK_N: tl.constexpr, A_BLOCK_K: tl.constexpr, A_STAGES: tl.constexpr,
@@ -101,9 +103,8 @@ def ep_fwd_kernel(
     """A = gate_up_fwd tiles (h, gate_up) over the pulled x rows, B = down_fwd tiles (y rows, pushed)."""
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     task = pull_then_claim(
-        x_rows_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_table_ptr, work_ptr,
-        first_m // SPLIT, end_m // SPLIT, pull_programs, H, group_blocks,
-        SCALE=False, ALIGNED=PULL_ALIGNED, BLOCK_ROWS=BLOCK_M * SPLIT, ROWS=PULL_ROWS, BLOCK=PULL_BLOCK,
+        x_rows_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, work_ptr,
+        first_m // SPLIT, end_m // SPLIT, pull_programs, H, group_blocks, ALIGNED=PULL_ALIGNED, BLOCK_ROWS=BLOCK_M * SPLIT, ROWS=PULL_ROWS, BLOCK=PULL_BLOCK,
     )
     # Only `task` is carried across iterations: the layout is re-derived from the arguments each time
     # (cheap scalar work), which keeps the tiles' registers free (at 255 otherwise they spill).
@@ -130,10 +131,10 @@ def ep_fwd_kernel(
 
 @triton.jit
 def ep_bwd_kernel(
-    d_y_rows_ptr, w_gate_up_ptr, w_down_ptr, block_expert_ptr, block_range_ptr, gate_up_ptr, d_gate_up_ptr, d_x_ptr,
-    pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_weight_table_ptr, work_ptr,
-    push_table_ptr, push_rank_ptr, push_pair_ptr,
-    x_rows_ptr, h_ptr, expert_offsets_ptr, d_w_down_ptr, d_w_gate_up_ptr, num_experts,
+    d_out_rows_ptr, w_gate_up_ptr, w_down_ptr, block_expert_ptr, block_range_ptr, gate_up_ptr, d_gate_up_ptr, d_x_ptr,
+    row_index_ptr, weight_rows_ptr, h_w_ptr, d_w_part_ptr,
+    pull_table_ptr, pull_rank_ptr, pull_token_ptr, work_ptr, push_table_ptr, push_rank_ptr, push_pair_ptr,
+    x_rows_ptr, expert_offsets_ptr, d_w_down_ptr, d_w_gate_up_ptr, num_experts,
     H, I, pull_programs, group_blocks, timeout_ns, stage_m, done_offset,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr,
     A_EVEN_K: tl.constexpr, A_BLOCK_N: tl.constexpr, A_BLOCK_K: tl.constexpr, A_STAGES: tl.constexpr,
@@ -142,13 +143,14 @@ def ep_bwd_kernel(
     W_BLOCK_M: tl.constexpr, W_BLOCK_N: tl.constexpr, W_BLOCK_K: tl.constexpr, W_GROUP_M: tl.constexpr,
     W_STAGES: tl.constexpr,
 ):
-    """A = down_dgrad tiles (d_gate_up) over the pulled, router-weighted d_y rows, B = gate_up_dgrad
-    tiles (d_x rows, pushed); then the weight-grad tiles (_weight_grad_tasks)."""
+    """A = down_dgrad tiles with the router epilogue (d_gate_up, h_w = w * h, the router weight's partials
+    d_w_part) over the pulled, unweighted d_out rows (row r's weight: weight_rows[row_index[r]], 0 where
+    row_index is -1), B = gate_up_dgrad tiles (d_x rows, pushed); then the weight-grad tiles
+    (_weight_grad_tasks)."""
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     task = pull_then_claim(
-        d_y_rows_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, pull_pair_ptr, pull_weight_table_ptr, work_ptr,
-        first_m // SPLIT, end_m // SPLIT, pull_programs, H, group_blocks,
-        SCALE=True, ALIGNED=PULL_ALIGNED, BLOCK_ROWS=BLOCK_M * SPLIT, ROWS=PULL_ROWS, BLOCK=PULL_BLOCK,
+        d_out_rows_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, work_ptr,
+        first_m // SPLIT, end_m // SPLIT, pull_programs, H, group_blocks, ALIGNED=PULL_ALIGNED, BLOCK_ROWS=BLOCK_M * SPLIT, ROWS=PULL_ROWS, BLOCK=PULL_BLOCK,
     )
     # Only `task` is carried across iterations: the layout is re-derived from the arguments each time
     # (cheap scalar work), which keeps the tiles' registers free (at 255 otherwise they spill).
@@ -168,24 +170,24 @@ def ep_bwd_kernel(
                 pid_m, pid_n = tile_coords(index, stage_rows, a_n, GROUP_M)
                 pid_m += first_m + m0
                 wait_ready(work_ptr, pid_m // SPLIT // group_blocks, timeout_ns)
-                down_dgrad_tile(pid_m, pid_n, d_y_rows_ptr, w_down_ptr, gate_up_ptr, block_expert_ptr, d_gate_up_ptr,
-                                block_expert_ptr, d_gate_up_ptr, d_gate_up_ptr, d_gate_up_ptr, H, I,
-                                A_EVEN_K, SPLIT, BLOCK_M, A_BLOCK_N, A_BLOCK_K, A_STAGES, False, False)
+                down_dgrad_tile(pid_m, pid_n, d_out_rows_ptr, w_down_ptr, gate_up_ptr, block_expert_ptr, d_gate_up_ptr,
+                                row_index_ptr, weight_rows_ptr, h_w_ptr, d_w_part_ptr, H, I,
+                                A_EVEN_K, SPLIT, BLOCK_M, A_BLOCK_N, A_BLOCK_K, A_STAGES, True, True)
                 signal_done(work_ptr + done_offset + pid_m)
         task = claim_task(work_ptr, 1)
     # Tasks are claimed in order: a program gets here with the first task past the A/B list.
     _weight_grad_tasks(
         task, _num_tasks(block_range_ptr, H, I, stage_m, SPLIT, A_BLOCK_N, B_BLOCK_N), work_ptr, done_offset,
         tl.cdiv(I, A_BLOCK_N), timeout_ns,
-        d_y_rows_ptr, h_ptr, d_gate_up_ptr, x_rows_ptr, expert_offsets_ptr, d_w_down_ptr, d_w_gate_up_ptr, num_experts, H, I,
-        BLOCK_M, W_BLOCK_M, W_BLOCK_N, W_BLOCK_K, W_GROUP_M, W_STAGES,
+        d_out_rows_ptr, h_w_ptr, d_gate_up_ptr, x_rows_ptr, expert_offsets_ptr, d_w_down_ptr, d_w_gate_up_ptr, num_experts,
+        H, I, BLOCK_M, W_BLOCK_M, W_BLOCK_N, W_BLOCK_K, W_GROUP_M, W_STAGES,
     )
 
 
 @triton.jit
 def _weight_grad_tasks(
     task, first_task, work_ptr, done_offset, a_n, timeout_ns,
-    d_y_rows_ptr, h_ptr, d_gate_up_ptr, x_rows_ptr, expert_offsets_ptr, d_w_down_ptr, d_w_gate_up_ptr, num_experts, H, I,
+    d_out_rows_ptr, h_w_ptr, d_gate_up_ptr, x_rows_ptr, expert_offsets_ptr, d_w_down_ptr, d_w_gate_up_ptr, num_experts, H, I,
     BLOCK_M: tl.constexpr, W_BLOCK_M: tl.constexpr, W_BLOCK_N: tl.constexpr, W_BLOCK_K: tl.constexpr,
     W_GROUP_M: tl.constexpr, W_STAGES: tl.constexpr,
 ):
@@ -195,7 +197,7 @@ def _weight_grad_tasks(
     the programs running at once then work on neighbouring tiles of one expert and share its rows in L2,
     which decides the time for experts with many rows (docs/perf-notes.md, "EP v8").
     A tile needs every A tile of its expert's row blocks done (they acquired the ready flags of the
-    expert's d_y rows and wrote its d_gate_up rows). A program keeps how many leading experts it has
+    expert's d_out rows and wrote its d_gate_up and h_w rows). A program keeps how many leading experts it has
     seen done (`ready`) and waits only past them, so it polls each row block's counter at most once."""
     down_tiles = tl.cdiv(H, W_BLOCK_M) * tl.cdiv(I, W_BLOCK_N)
     gate_up_tiles = tl.cdiv(2 * I, W_BLOCK_M) * tl.cdiv(H, W_BLOCK_N)
@@ -213,8 +215,8 @@ def _weight_grad_tasks(
             wait_all_at_least(work_ptr + done_offset, first_m, end_m, a_n, timeout_ns)
             ready = expert + 1
         # One dw_tile call site for both weight grads (each inlined copy would hold its own shared memory).
-        if is_down:  # d_w_down = d_y_rows^T h
-            a_ptr, b_ptr, dw_ptr, dw_m, dw_n = d_y_rows_ptr, h_ptr, d_w_down_ptr, H, I
+        if is_down:  # d_w_down = d_out_rows^T h_w
+            a_ptr, b_ptr, dw_ptr, dw_m, dw_n = d_out_rows_ptr, h_w_ptr, d_w_down_ptr, H, I
         else:  # d_w_gate_up = d_gate_up^T x_rows
             a_ptr, b_ptr, dw_ptr, dw_m, dw_n = d_gate_up_ptr, x_rows_ptr, d_w_gate_up_ptr, 2 * I, H
         dw_tile(expert, tile - expert * per_expert, a_ptr, b_ptr, dw_m, dw_n, expert_offsets_ptr, dw_ptr,
@@ -288,7 +290,7 @@ def ep_forward(
     gate_up = torch.empty(num_rows, 2 * inter, dtype=x_rows.dtype, device=x_rows.device)
     ep_fwd_kernel[grid](
         x_rows, w_gate_up_E2IH, w_down_EHI, block_expert, block_range, h, gate_up, x_rows,
-        pull.table, pull.src_rank, pull.src_token, pull.src_pair, work, push.table, push.dst_rank, push.dst_pair,
+        pull.table, pull.src_rank, pull.src_token, work, push.table, push.dst_rank, push.dst_pair,
         hidden, inter, *scalars,
         **constexprs,
     )
@@ -296,15 +298,16 @@ def ep_forward(
 
 
 def ep_backward(
-    d_y_rows: torch.Tensor,
+    d_out_rows: torch.Tensor,
     x_rows: torch.Tensor,
-    h_RI: torch.Tensor,
     gate_up_R2I: torch.Tensor,
     w_gate_up_E2IH: torch.Tensor,
     w_down_EHI: torch.Tensor,
     block_expert: torch.Tensor,
     blocks: torch.Tensor,
     expert_offsets: torch.Tensor,
+    row_index: torch.Tensor,
+    weight_rows: torch.Tensor,
     pull: RowPull,
     push: RowPush,
     *,
@@ -312,22 +315,26 @@ def ep_backward(
     gate_up_dgrad_config: TileConfig,
     dw_down_config: TileConfig,
     dw_gate_up_config: TileConfig,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d_w_gate_up [E_l, 2I, H], d_w_down [E_l, H, I]) over the schedule blocks in `blocks`; d_y_rows
-    [R, H] (each row's d_out times its router weight) is filled by the communication programs (pull,
-    with weight_table); x_rows, h and gate_up are the forward's receive rows, hidden activation and
-    pre-activation; every d_x row goes to its token owner's pairs buffer (push). The two weight grads run
-    one tile (their configs must be equal); expert_offsets int32 [E_l + 1] bound their row loops."""
-    check_matrix(d_y_rows, None, None, "d_y_rows")
-    num_rows, hidden = d_y_rows.shape
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d_w_gate_up [E_l, 2I, H], d_w_down [E_l, H, I], d_w_part fp32 [R, cdiv(I, block_n)]) over the schedule
+    blocks in `blocks`: grouped_gemm.down_dgrad_router's router epilogue, gate_up_dgrad and both weight grads in
+    one kernel. d_out_rows [R, H] (each receive row's d_out row, unweighted) is filled by the communication
+    programs (pull); row_index int32 [R] and weight_rows fp32 [R]: row r's router weight is
+    weight_rows[row_index[r]] (0 where row_index is -1: padding); x_rows and gate_up are the forward's receive
+    rows and pre-activation; every d_x row goes to its token owner's pairs buffer (push); d_w_part: as
+    down_dgrad_router's. The two weight grads run one tile (their configs must be equal); expert_offsets int32
+    [E_l + 1] bound their row loops."""
+    check_matrix(d_out_rows, None, None, "d_out_rows")
+    num_rows, hidden = d_out_rows.shape
     check(w_down_EHI.dim() == 3 and w_down_EHI.shape[1] == hidden, "w_down must be [E_l, H, I]")
     num_experts, inter = w_down_EHI.shape[0], w_down_EHI.shape[2]
-    check_weight(w_down_EHI, d_y_rows, (num_experts, hidden, inter), "w_down")
-    check_weight(w_gate_up_E2IH, d_y_rows, (num_experts, 2 * inter, hidden), "w_gate_up")
+    check_weight(w_down_EHI, d_out_rows, (num_experts, hidden, inter), "w_down")
+    check_weight(w_gate_up_E2IH, d_out_rows, (num_experts, 2 * inter, hidden), "w_gate_up")
     check_matrix(x_rows, num_rows, hidden, "x_rows")
-    check_matrix(h_RI, num_rows, inter, "h")
     check_matrix(gate_up_R2I, num_rows, 2 * inter, "gate_up")
-    check(pull.weight_table is not None, "ep_backward: the pull needs the router weights' weight_table")
+    check_row_src(row_index, num_rows)
+    check(weight_rows.dtype == torch.float32 and weight_rows.shape == (num_rows,) and weight_rows.is_contiguous(),
+          f"weight_rows must be a contiguous fp32 [{num_rows}] tensor, got {weight_rows.dtype} {tuple(weight_rows.shape)}")
     dw_config = dw_down_config
     check(dw_gate_up_config == dw_config and dw_config.num_warps == down_dgrad_config.num_warps,
           f"the fused backward runs one weight-grad tile at the GEMMs' warp count, got dw_down {dw_down_config}, "
@@ -335,18 +342,20 @@ def ep_backward(
     check_expert_offsets(expert_offsets, num_rows, num_experts, dw_config.block_k)
     a_n = triton.cdiv(inter, down_dgrad_config.block_n)
     grid, block_range, scalars, work, constexprs = _launch(
-        d_y_rows, block_expert, blocks, down_dgrad_config, gate_up_dgrad_config, hidden, 2 * inter, a_n, pull, push)
-    d_gate_up = torch.empty(num_rows, 2 * inter, dtype=d_y_rows.dtype, device=d_y_rows.device)
+        d_out_rows, block_expert, blocks, down_dgrad_config, gate_up_dgrad_config, hidden, 2 * inter, a_n, pull, push)
+    d_gate_up = d_out_rows.new_empty(num_rows, 2 * inter)
+    h_w = d_out_rows.new_empty(num_rows, inter)
+    d_w_part = torch.empty(num_rows, a_n, dtype=torch.float32, device=d_out_rows.device)
     d_w_down = torch.empty_like(w_down_EHI)
     d_w_gate_up = torch.empty_like(w_gate_up_E2IH)
     constexprs["num_stages"] = max(constexprs["num_stages"], dw_config.num_stages)
     ep_bwd_kernel[grid](
-        d_y_rows, w_gate_up_E2IH, w_down_EHI, block_expert, block_range, gate_up_R2I, d_gate_up, d_y_rows,
-        pull.table, pull.src_rank, pull.src_token, pull.src_pair, pull.weight_table, work,
-        push.table, push.dst_rank, push.dst_pair,
-        x_rows, h_RI, expert_offsets, d_w_down, d_w_gate_up, num_experts,
+        d_out_rows, w_gate_up_E2IH, w_down_EHI, block_expert, block_range, gate_up_R2I, d_gate_up, d_out_rows,
+        row_index, weight_rows, h_w, d_w_part,
+        pull.table, pull.src_rank, pull.src_token, work, push.table, push.dst_rank, push.dst_pair,
+        x_rows, expert_offsets, d_w_down, d_w_gate_up, num_experts,
         hidden, inter, *scalars,
         W_BLOCK_M=dw_config.block_m, W_BLOCK_N=dw_config.block_n, W_BLOCK_K=dw_config.block_k,
         W_GROUP_M=dw_config.group_m, W_STAGES=dw_config.num_stages, **constexprs,
     )
-    return d_w_gate_up, d_w_down
+    return d_w_gate_up, d_w_down, d_w_part

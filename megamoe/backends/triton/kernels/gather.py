@@ -10,10 +10,7 @@ Each token row is read once and written to its k rows; a row-major gather (row r
 reads every token row k times, from HBM once the tokens outgrow L2: 1.16-1.49x slower on the benchmark
 workloads (h200-spread-ab-v1.json; the A/B script is in the commit that added spread_rows).
 
-scale_rows (expert parallel, ep.py's unfused paths): d_y_rows[r] = weight_rows[r] * d_out_rows[r] over the
-dispatched rows (the fused path scales in the pull of the fused backward kernel, kernels/ep_fused.py):
-    out[r] = scale[r] * src[r]      (fp32 product, rounded to src's dtype)
-Both write the rows in use only (a device range, no host sync); rows past it are left unwritten. Every row
+It writes the rows in use only (a device range, no host sync); rows past it are left unwritten. Every row
 is written by one program: no order between programs matters, and the results are bitwise reproducible.
 """
 
@@ -29,9 +26,8 @@ from megamoe.backends.triton.kernels._common import check, load_range, num_sms, 
 # several CTAs per SM in flight to reach HBM bandwidth. spread_rows writes k rows for each row it reads, and at
 # 4 x 512 with 16 programs per SM it runs 1.0-1.8% faster than at 8 x 256 with 8 on the four workloads timed, at
 # the rate of a plain fill of the same rows (benchmarks/combine_bench.py, h200-spread-tile-v1.json; the copies'
-# bits do not depend on the tile). scale_rows (expert parallel) keeps the tile it was measured with.
+# bits do not depend on the tile).
 _SPREAD_TILE = (4, 512, 16)
-_SCALE_TILE = (8, 256, 8)
 
 
 @triton.jit
@@ -88,46 +84,4 @@ def spread_rows(src_TH: torch.Tensor, dest_row_TK: torch.Tensor, row_src_R: torc
         src_TH, dest_row_TK, row_src_R, row_range, out, 0 if padding_only else tokens, hidden, dest_row_TK.shape[1],
         BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
     )
-    return out
-
-
-@triton.jit
-def scale_rows_kernel(
-    src_ptr, scale_ptr, rows_in_use_ptr, out_ptr, H,
-    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    first, end = load_range(rows_in_use_ptr, 1)  # rows_in_use_ptr: int32 [2], the rows [first, end)
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_h = tl.arange(0, BLOCK_H)
-    for r0 in range(first + tl.program_id(0) * BLOCK_R, end, tl.num_programs(0) * BLOCK_R):
-        rows = r0 + offs_r
-        row_ok = rows < end
-        scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
-        rows64 = rows.to(tl.int64)
-        for h0 in range(0, H, BLOCK_H):
-            cols = h0 + offs_h
-            mask = row_ok[:, None] & (cols < H)[None, :]
-            v = tl.load(src_ptr + rows64[:, None] * H + cols[None, :], mask=mask, other=0.0)
-            v = (v.to(tl.float32) * scale[:, None]).to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + rows64[:, None] * H + cols[None, :], v, mask=mask)
-
-
-def scale_rows(src_RH: torch.Tensor, scale_R: torch.Tensor, rows_in_use: torch.Tensor, *,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-    """out [R, H] in src's dtype: out[r] = scale[r] * src[r] (fp32 product, rounded once) for the rows in use
-    (rows_in_use as in spread_rows). scale: fp32 [R]. out: the [R, H] buffer to write (None: allocated; the
-    expert-parallel backward's unfused paths scale their dispatched rows into one allocated beforehand)."""
-    check(src_RH.dim() == 2 and src_RH.is_contiguous(), "src must be a contiguous [R, H] tensor")
-    rows, hidden = src_RH.shape
-    check(scale_R.dtype == torch.float32 and scale_R.dim() == 1 and scale_R.is_contiguous() and scale_R.numel() >= rows,
-          f"scale must be a contiguous float32 [{rows}] tensor, got {scale_R.dtype} {tuple(scale_R.shape)}")
-    row_range = range_of(rows_in_use, "rows_in_use")
-    if out is None:
-        out = torch.empty(rows, hidden, dtype=src_RH.dtype, device=src_RH.device)
-    check(out.dtype == src_RH.dtype and tuple(out.shape) == (rows, hidden) and out.is_contiguous(),
-          f"out must be a contiguous {src_RH.dtype} [{rows}, {hidden}] tensor, got {out.dtype} {tuple(out.shape)}")
-    # NOTE: the row range stays on the device; the grid is the worst case.
-    block_r, block_h, per_sm = _SCALE_TILE
-    grid = (max(1, min(per_sm * num_sms(src_RH.device), triton.cdiv(rows, block_r))),)
-    scale_rows_kernel[grid](src_RH, scale_R, row_range, out, hidden, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
     return out

@@ -251,7 +251,6 @@ def gate_up_fwd_pull(x_rows: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_e
     check(config.gluon and config.block_m == BLOCK_M and config.block_k == BLOCK_K and not config.gather
           and not config.handoff, f"the pulling gate_up_fwd runs the Gluon kernel's {BLOCK_M} x n x {BLOCK_K} tile on "
           f"x rows by TMA, got {config}")
-    check(pull.weight_table is None, "the forward's pull copies rows unscaled (no weight table)")
     check_pull(pull, x_rows)
     split, block_range = check_rows(rows, block_expert, blocks, BLOCK_M)
     check(rows // block_expert.numel() % PULL_ROWS == 0, f"the schedule's blocks must be multiples of {PULL_ROWS} rows")
