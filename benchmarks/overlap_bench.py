@@ -2,14 +2,15 @@
 
 Usage: torchrun --nproc-per-node=N benchmarks/overlap_bench.py [--workloads A,B] [--tokens T]
            [--num-comm-sms S] [--minibatch-tokens M] [--routing balanced|skewed] [--probes P,Q] [--json PATH]
+           [--profile N]
 
 Per workload (default qwen3-30b-a3b and qwen3-235b-a22b at their 16384 tokens per GPU, E/N experts per
 GPU, bf16, no shared expert), each pass ("fwd", "fwd+bwd") of the EP layer (ep.experts_fwd/_bwd; the
 schedule is built once, outside the timing) is timed four ways, median over iterations of the max over
 ranks (megamoe.bench.measure):
-  fused    the layer as it runs: one persistent kernel per direction (kernels/ep_fused.py) pulls the
-           rows, runs both GEMMs (gate/up and down; backward: down-dgrad and gate/up-dgrad) and pushes
-           the second GEMM's rows from its epilogue; the backward's kernel runs the weight grads too
+  fused    the layer as it runs: the first GEMM's kernel pulls its rows, the second's epilogue pushes its
+           rows (on Hopper the Gluon kernels, kernels/gluon_ep.py and gluon_rows.py; elsewhere one
+           persistent Triton kernel per direction, kernels/ep_fused.py, which runs the weight grads too)
   compute  the one-GPU GEMM kernels (same tiles) with no communication at all, on every SM (wrong
            results, timing only): the best the layer could do if communication were free (ep_probes.py)
   comm     the exchanges alone (barriers, publishes, whole pulls/pushes, the final copies), no compute
@@ -21,6 +22,8 @@ ranks (megamoe.bench.measure):
 hidden = compute + comm - fused (the communication time that ran under compute), reported as a
 fraction of comm; exposed = fused - compute (it includes what the SMs given to communication cost the
 GEMMs). Gate before timing: fused and serial give bitwise equal outputs and gradients.
+--profile N: after the timing, the GPU time per kernel of N fwd+bwd calls of the fused layer (and of the one-GPU
+path at EP = 1), rank 0's, from torch.profiler: where the fused layer's time goes (printed; in the JSON).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch.distributed as dist
 
 from megamoe.backends.triton import ep, experts
 from megamoe.backends.triton.configs import block_m_for
-from megamoe.bench.measure import median_ms
+from megamoe.bench.measure import kernel_times, median_ms
 from megamoe.bench.routing import ROUTINGS, route
 from megamoe.bench.workloads import WORKLOADS
 from megamoe.config import MoEConfig
@@ -52,6 +55,7 @@ PASSES = {
     "one_gpu": (experts.experts_fwd, experts.experts_bwd),
 }
 PROBES = tuple(PASSES)
+PROFILE_TOP = 16  # kernels printed per profiled probe (the JSON has all)
 
 
 def _problem(name: str, tokens: int, routing: str, group, config: MoEConfig, rank: int):
@@ -98,6 +102,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--probes", default=",".join(PROBES))
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after timing, GPU time per kernel over N fwd+bwd calls of fused (and one_gpu)")
     args = parser.parse_args()
     probes = args.probes.split(",")
     if not set(probes) <= set(PROBES):
@@ -135,11 +141,23 @@ def main() -> None:
             hidden = ms["compute"] + ms["comm"] - ms["fused"]
             records.append({
                 "workload": name, "ep": world, "tokens": tokens, "routing": args.routing, "pass": pass_name,
-                "num_comm_sms": ep.comm_programs(config, device), "blocks_per_flag": ep.group_blocks(schedule, config),
+                "num_comm_sms": ep.comm_programs(config, device, gluon=ep.ep_configs(
+                    p["x"], p["w_gate_up"], p["w_down"], schedule).gate_up_fwd.gluon), "blocks_per_flag": ep.group_blocks(schedule, config),
                 **{f"{k}_ms": v for k, v in ms.items()},
                 "hidden_ms": hidden, "hidden_frac": hidden / ms["comm"],
                 "exposed_ms": ms["fused"] - ms["compute"], "speedup_vs_serial": ms["serial"] / ms["fused"],
             })
+        if args.profile:
+            profiled = [what for what in ("fused", "one_gpu") if what in probes]
+            records[-1]["profile"] = {what: kernel_times(
+                lambda what=what, p=p, s=schedule: _run(p, s, group, config, what, True), args.profile)
+                for what in profiled}
+            if rank == 0:
+                for what, prof in records[-1]["profile"].items():
+                    print(f"{name} fwd+bwd {what}: {prof['gpu_us_per_iteration']:.0f} us of kernels, "
+                          f"{prof['idle_us_per_iteration']:.0f} us idle")
+                    for k in prof["kernels"][:PROFILE_TOP]:
+                        print(f"  {k['us']:8.1f} us  x{k['launches']:<3d} {k['kernel'][:90]}")
         del p, schedule
         torch.cuda.empty_cache()
     if rank == 0:

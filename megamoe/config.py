@@ -72,10 +72,12 @@ class MoEConfig:
         backend choose (torch: 16, the alignment torch._grouped_mm wants; triton: its tile table).
     num_comm_sms / minibatch_tokens / dispatch / combine: expert-parallel overlap knobs used by the
         fused EP path (triton backend). They never change results (bitwise), only speed.
-        num_comm_sms: communication programs (one SM each) inside each fused expert-parallel kernel
-            (the forward's, and the backward's data grads'): they pull the receive rows from the token
-            owners, then join the GEMM programs, which start on the other SMs. None: 32
-            (ep.DEFAULT_COMM_SMS). Must be smaller than the GPU's SM count.
+        num_comm_sms: communication programs inside each pulling expert-parallel kernel: the CTAs that
+            pull the receive rows from the token owners. On Hopper (the Gluon kernels: the forward's
+            first GEMM) two warps of each of those CTAs pull beside its GEMM work; None: every CTA, at
+            most one per SM. Elsewhere (the pointer-load core's fused kernels, forward and backward)
+            each takes an SM, pulls, then joins the GEMM programs, which start on the other SMs; None:
+            32 (ep.DEFAULT_COMM_SMS); must be smaller than the GPU's SM count.
         minibatch_tokens: the overlap granularity: the rows of about minibatch_tokens tokens
             (minibatch_tokens * k rows, whole blocks of block_m) share one ready flag, raised when
             they have all landed; a GEMM tile starts when its rows' flag is up. None: one flag per

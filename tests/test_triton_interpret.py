@@ -34,6 +34,7 @@ if INTERPRET:
     from megamoe.backends.triton import block_m_for, ep, kernels
     from megamoe.backends.triton.comm.workspace import Workspace, _Buffer
     from megamoe.backends.triton.experts import empty_saved, experts_bwd, experts_fwd
+    from megamoe.backends.triton.kernels._common import num_sms
     from megamoe.config import MoEConfig
     from megamoe.backends.triton.configs import TileConfig
     from megamoe.reference import experts as reference_experts
@@ -650,7 +651,8 @@ def test_ep_matches_one_gpu(case, capacity, directions, overlap, monkeypatch):
 
 @interpreted
 def test_overlap_knobs():
-    """num_comm_sms -> communication programs of each fused kernel (default ep.DEFAULT_COMM_SMS);
+    """num_comm_sms -> communication programs of each pulling kernel (default ep.DEFAULT_COMM_SMS on the
+    pointer-load core, one per SM, i.e. every CTA, on the Gluon core);
     minibatch_tokens -> schedule blocks per ready flag = ceil(minibatch_tokens * k / block_m), at least 1
     (None: 1)."""
     T, E, k = 64, 8, 2
@@ -659,6 +661,8 @@ def test_overlap_knobs():
     cpu = torch.device("cpu")
     assert ep.comm_programs(MoEConfig(), cpu) == ep.DEFAULT_COMM_SMS
     assert ep.comm_programs(MoEConfig(num_comm_sms=5), cpu) == 5
+    assert ep.comm_programs(MoEConfig(), cpu, gluon=True) == num_sms(cpu)
+    assert ep.comm_programs(MoEConfig(num_comm_sms=5), cpu, gluon=True) == 5
     for minibatch, blocks in [(None, 1), (1, 1), (8, 1), (9, 2), (64, 8), (10_000, 1250)]:
         got = ep.group_blocks(s, MoEConfig(minibatch_tokens=minibatch))
         assert got == blocks, f"minibatch_tokens={minibatch}: {got} blocks per flag, want {blocks}"

@@ -106,9 +106,9 @@ def check_bitwise(tag, a, b):
             raise AssertionError(f"{tag}: {name} differs bitwise")
 
 
-# (num_comm_sms, minibatch_tokens) of the EP overlap: the default (ep.DEFAULT_COMM_SMS communication
-# programs inside each fused kernel, one ready flag per block), two coarser settings, and few
-# communication programs with the finest flags. Bitwise identical.
+# (num_comm_sms, minibatch_tokens) of the EP overlap: the default (ep.comm_programs: every CTA's pull warps
+# on Hopper, one ready flag per block), two coarser settings, and few communication programs with the
+# finest flags. Bitwise identical.
 OVERLAPS = [(None, None), (8, 1024), (32, 4096), (4, 1)]
 
 

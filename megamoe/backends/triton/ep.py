@@ -76,9 +76,8 @@ from megamoe.schedule import Schedule, receive_rows
 
 # The direction "auto" resolves to, per operation (docs/perf-notes.md has the measurements).
 AUTO_DIRECTIONS = {"dispatch": "pull", "combine": "push"}
-# MoEConfig.num_comm_sms = None: communication programs (CTAs) of each pulling kernel (kernels/ep_fused.py,
-# kernels/gluon_ep.py), one SM each; they join its GEMM tasks when the pulls run out. Swept on the
-# pointer-load core's fused kernels at EP=2, fwd+bwd
+# MoEConfig.num_comm_sms = None on the pointer-load core (kernels/ep_fused.py): communication programs of
+# each fused kernel, one SM each; they join its GEMM tasks when the pulls run out. Swept at EP=2, fwd+bwd
 # (docs/perf-notes.md, "EP v7"): qwen3-30b-a3b 16 / 24 / 32 / 48 -> 9.50 / 9.44 / 9.41 / 9.48 ms,
 # qwen3-235b-a22b 32.78 / 32.76 / 32.57 / 32.69 ms: flat within 1%, 32 the best of both.
 DEFAULT_COMM_SMS = 32
@@ -122,12 +121,18 @@ def _pair_index(schedule: Schedule) -> torch.Tensor:
     return torch.where(schedule.dest_row >= 0, pairs.view_as(schedule.dest_row), -1).to(torch.int32)
 
 
-def comm_programs(config, device: torch.device) -> int:
-    """Communication programs of each fused kernel (MoEConfig.num_comm_sms, default DEFAULT_COMM_SMS)."""
-    comm = DEFAULT_COMM_SMS if config.num_comm_sms is None else config.num_comm_sms
+def comm_programs(config, device: torch.device, *, gluon: bool = False) -> int:
+    """Communication programs of each pulling kernel (MoEConfig.num_comm_sms). The pointer-load core's
+    (kernels/ep_fused.py) pull before they compute: DEFAULT_COMM_SMS of them by default, leaving SMs for
+    the GEMMs. The Gluon core's (gluon: kernels/gluon_ep.py) pull with two warps beside their GEMM, taking
+    no SM from it: every CTA by default, at most one per SM."""
     sms = num_sms(device)
-    if device.type == "cuda" and comm >= sms:
-        raise ValueError(f"MoEConfig.num_comm_sms must leave SMs for the expert GEMMs: got {comm}, this GPU has {sms}")
+    if config.num_comm_sms is None:
+        return sms if gluon else DEFAULT_COMM_SMS
+    comm = config.num_comm_sms
+    if device.type == "cuda" and (comm > sms if gluon else comm >= sms):
+        raise ValueError(f"MoEConfig.num_comm_sms must leave SMs for the expert GEMMs: got {comm}, this GPU has {sms}"
+                         if not gluon else f"MoEConfig.num_comm_sms is at most one per SM: got {comm}, this GPU has {sms}")
     return comm
 
 
@@ -139,8 +144,9 @@ def group_blocks(schedule: Schedule, config) -> int:
     return max(1, math.ceil(config.minibatch_tokens * schedule.top_k / schedule.block_m))
 
 
-def _pull(buffer: _Buffer, maps: ReceiveMaps, schedule: Schedule, config, device: torch.device) -> kernels.RowPull:
-    return kernels.RowPull(buffer.peer_ptrs, maps.src_rank, maps.src_token, comm_programs(config, device),
+def _pull(buffer: _Buffer, maps: ReceiveMaps, schedule: Schedule, config, device: torch.device, *,
+          gluon: bool) -> kernels.RowPull:
+    return kernels.RowPull(buffer.peer_ptrs, maps.src_rank, maps.src_token, comm_programs(config, device, gluon=gluon),
                            group_blocks(schedule, config), _timeout_ns(config))
 
 
@@ -194,7 +200,8 @@ def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
         x_rows = x.new_empty(rows, hidden)
         publish(ws, [(ws.tokens, x)], "dispatch")
     if fused:
-        row_pull, row_push = _pull(ws.tokens, maps, schedule, config, x.device), _push(ws, maps)
+        row_pull = _pull(ws.tokens, maps, schedule, config, x.device, gluon=cfg.gate_up_fwd.gluon)
+        row_push = _push(ws, maps)
         if cfg.gate_up_fwd.gluon:  # two Gluon kernels: gate_up_fwd pulling its rows, down_fwd pushing its own
             h, gate_up = kernels.gate_up_fwd_pull(x_rows, w_gate_up, schedule.block_expert, blocks, row_pull,
                                                   config=cfg.gate_up_fwd)
@@ -262,7 +269,7 @@ def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, share
         d_out_rows = x.new_empty(rows, hidden)
         d_w_gate_up, d_w_down, d_w_part = kernels.ep_backward(
             d_out_rows, x_rows, gate_up, w_gate_up, w_down, schedule.block_expert, blocks, schedule.expert_offsets,
-            row_index, weight_rows, _pull(ws.tokens, maps, schedule, config, x.device), _push(ws, maps),
+            row_index, weight_rows, _pull(ws.tokens, maps, schedule, config, x.device, gluon=False), _push(ws, maps),
             down_dgrad_config=cfg.down_dgrad, gate_up_dgrad_config=cfg.gate_up_dgrad,
             dw_down_config=cfg.dw_down, dw_gate_up_config=cfg.dw_gate_up)
     else:  # the Gluon core fused (its d_out pull still a whole copy, gate_up_dgrad pushing its rows), or unfused

@@ -147,7 +147,7 @@ def pull_then_claim(
         offs_c = tl.arange(0, BLOCK)
         first_group = first_block // group_blocks
         end_group = tl.cdiv(end_block, group_blocks)
-        group = pull_next_group(work_ptr, first_group)
+        group = first_group + pull_claim(work_ptr)
         while group < end_group:
             row_begin = tl.maximum(group * group_blocks, first_block) * BLOCK_ROWS
             row_end = tl.minimum((group + 1) * group_blocks, end_block) * BLOCK_ROWS
@@ -169,19 +169,21 @@ def pull_then_claim(
             # Every thread's stores are done (CTA barrier) before one release publishes them GPU-wide.
             tl.debug_barrier()
             tl.atomic_xchg(pull_flag(work_ptr, group), 1, sem="release", scope="gpu")
-            group = pull_next_group(work_ptr, first_group)
+            group = first_group + pull_claim(work_ptr)
     return claim_task(work_ptr, 1)
 
 
 @triton.jit
-def pull_next_group(work_ptr, first_group):
-    """The next group of schedule blocks a communication program pulls (claimed in order from a counter)."""
-    return first_group + tl.atomic_add(work_ptr + _NEXT_GROUP, 1, sem="relaxed")
+def pull_claim(work_ptr):
+    """The next unit of pull work (a group of schedule blocks here, a few rows in kernels/gluon_ep.py), claimed
+    in order from a counter."""
+    return tl.atomic_add(work_ptr + _NEXT_GROUP, 1, sem="relaxed")
 
 
 @triton.jit
 def pull_flag(work_ptr, group):
-    """The ready flag of a group of schedule blocks (1 once its rows have landed)."""
+    """The ready flag of a group of schedule blocks: 1 once its rows have landed (kernels/gluon_ep.py: the count of
+    its units that have)."""
     return work_ptr + _FLAGS + group
 
 

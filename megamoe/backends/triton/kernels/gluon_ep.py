@@ -1,18 +1,22 @@
 """The expert-parallel forward's first GEMM on the Gluon core (Hopper): gate_up_fwd over receive rows that its own
-CTAs pull from the token owners while the others compute.
+warps pull from the token owners while its tensor cores compute.
 
 gate_up_fwd_pull_kernel computes what gluon_gate_up.gate_up_fwd_ws_kernel computes on x rows read by TMA (the same
 main loop, epilogue and bits: h, gate_up), with three differences, the protocol of the fused Triton kernels
 (kernels/comm_tiles.py, kernels/ep_fused.py) on the Gluon kernel's partitions:
 
-  * Pulls. The first `pull_programs` CTAs, before they split into partitions, run the pull loop (pull_groups) with
-    the default partition's 4 warps: claim a group of schedule blocks (a device counter), copy its receive rows
-    from the token owners' published rows (symmetric memory, read through the peers' mapped addresses; zeros for
-    padding rows) into x_rows, and raise the group's ready flag (CTA barrier, then one release at GPU scope); when
-    no group is left they join the GEMM. No SM is reserved for the whole kernel.
+  * Pulls. A partition of PULL_WARPS warps beside the producer's (in its warpgroup, at its registers) runs the
+    pull loop (pull_groups) in the first `pull_programs` CTAs while the consumers compute: claim a group of
+    schedule blocks (a device counter), copy its receive rows from the token owners' published rows (symmetric
+    memory, read through the peers' mapped addresses; zeros for padding rows) into x_rows, and raise the
+    group's ready flag (a barrier of the pull warps, then one release at GPU scope), until no group is left. No
+    SM is taken from the GEMM: the pulls use the memory system and the issue slots the tensor-bound main loop
+    leaves. (A first version pulled with the default partition's 4 warps of the first 32 CTAs before they
+    joined the GEMM, as the pointer-load core's communication programs do: those SMs computed nothing while
+    they pulled, ~0.9 ms of qwen3-235b-a22b's 6.4 ms kernel at EP = 1; docs/perf-notes.md, "EP v9".)
   * Claimed tiles. Tiles are claimed in order from a device counter by each CTA's producer warp, not dealt
-    round-robin: a CTA that pulled starts its tiles late and takes fewer (static dealing would leave its share
-    for last). The producer passes each claimed tile to the two consumer warpgroups through a two-slot ring in
+    round-robin: a CTA whose tiles wait for their rows takes fewer (static dealing would leave its share for
+    last). The producer passes each claimed tile to the two consumer warpgroups through a two-slot ring in
     shared memory (the tile index, written by the producer's 32 lanes, "full" mbarrier count 1, "empty" count 2,
     one arrive per consumer once it has read the index); a claim past the last tile ends all three partitions.
   * Ready flags. Before a tile's first TMA copy, the producer acquires the ready flag of the tile's row group
@@ -20,10 +24,11 @@ main loop, epilogue and bits: h, gate_up), with three differences, the protocol 
     the rows were written by other threads' generic-proxy stores, the TMA engine reads through the async proxy.
     A producer that already acquired the group's flag does not wait again.
 
-No deadlock by construction: the pulling CTAs wait for nothing until the pulls run out, every CTA is resident at
-once (the grid is at most one CTA per SM, which the shared memory allows only one of), and the pulling CTAs have
-the lowest ids, which the hardware starts first. Which CTA computes a tile does not change its math: results are
-bitwise those of gate_up_fwd_ws_kernel on the pulled rows, whatever the pull programs and group size.
+No deadlock by construction: the pull warps wait for nothing (each group they claim is copied and flagged), they
+run beside the producer and consumers of their CTA, every CTA is resident at once (the grid is at most one CTA per
+SM, which the shared memory allows only one of), and the pulling CTAs have the lowest ids, which the hardware starts
+first. Which CTA computes a tile does not change its math: results are bitwise those of gate_up_fwd_ws_kernel on the
+pulled rows, whatever the pull programs and group size.
 
 Compile-only checks: tests/test_gluon_ep_compile.py. On a GPU: tests/gpu/ep_worker.py (the expert-parallel path,
 one GPU included).
@@ -40,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import check, check_matrix, check_rows, check_weight, load_range, num_sms
 from megamoe.backends.triton.kernels.comm_tiles import (
-    RowPull, check_pull, claim_task, pull_flag, pull_next_group, wait_at_least, work_buffer,
+    RowPull, check_pull, claim_task, pull_claim, pull_flag, wait_at_least, work_buffer,
 )
 from megamoe.backends.triton.kernels.gluon_common import thread_barrier, tile_origin
 from megamoe.backends.triton.kernels.gluon_gate_up import (
@@ -48,11 +53,13 @@ from megamoe.backends.triton.kernels.gluon_gate_up import (
 )
 from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
 
-PULL_ROWS = 8  # rows per step of the pull loop (divides every schedule block_m)
-PULL_COLS = 1024  # columns per step: with PULL_ROWS, 8 16-byte copies in flight per thread of 4 warps
-_PULL_WARPS = gl.constexpr(4)  # the default partition's warps, which run the pulls
+PULL_WARPS = 2  # the pull partition's warps (beside the producer's, in its warpgroup: its registers)
+PULL_UNIT_ROWS = 8  # rows per claim of the pull loop: a group's rows land together from many CTAs (divides block_m)
+PULL_ROWS = 2  # rows per step of the pull loop, one per warp (divides PULL_UNIT_ROWS)
+PULL_COLS = 1024  # columns per step: 4 16-byte copies in flight per thread
 _TILE_SLOTS = gl.constexpr(2)  # the claimed-tile ring: the producer runs at most a tile ahead of the consumers
 _BLOCK_M_C = gl.constexpr(BLOCK_M)  # the same, as the kernels see it
+_PULL_WARPS_C = gl.constexpr(PULL_WARPS)
 
 
 @gluon.jit
@@ -65,26 +72,27 @@ def _fence_proxy_async_global():
 
 @gluon.jit
 def pull_groups(rows_ptr, table_ptr, src_rank_ptr, src_token_ptr, work_ptr, first_block, end_block, group_blocks, H,
-                BLOCK_ROWS: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
-    """The pull loop (the module docstring), on _PULL_WARPS warps: groups of group_blocks schedule blocks within
+                BLOCK_ROWS: gl.constexpr, UNIT_ROWS: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr,
+                WARPS: gl.constexpr):
+    """The pull loop (the module docstring), on WARPS warps: units of UNIT_ROWS receive rows of the schedule blocks
     [first_block, end_block) (BLOCK_ROWS rows each), claimed in order; row r = the token row src_token[r] of rank
-    src_rank[r]'s published rows (table_ptr: int64 [W] base addresses), zeros where src_rank[r] < 0; then the
-    group's ready flag. ROWS divides BLOCK_ROWS."""
+    src_rank[r]'s published rows (table_ptr: int64 [W] base addresses), zeros where src_rank[r] < 0; then one more
+    unit counted on its group's ready flag (group = block // group_blocks). ROWS divides UNIT_ROWS, which divides
+    BLOCK_ROWS."""
     elem: gl.constexpr = rows_ptr.dtype.element_ty
     VEC: gl.constexpr = 128 // elem.primitive_bitwidth  # elements per 16-byte copy
     COL_THREADS: gl.constexpr = COLS // VEC if COLS // VEC < 32 else 32
     layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, VEC], threads_per_warp=[32 // COL_THREADS, COL_THREADS],
-                                            warps_per_cta=[_PULL_WARPS, 1], order=[1, 0])
+                                            warps_per_cta=[WARPS, 1], order=[1, 0])
     offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     offs_c = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
     H = H // VEC * VEC  # a multiple of VEC (16-byte rows: the launcher's check); written as one for the compiler
-    first_group = first_block // group_blocks
-    end_group = gl.cdiv(end_block, group_blocks)
-    group = pull_next_group(work_ptr, first_group)
-    while group < end_group:
-        row_begin = gl.maximum(group * group_blocks, first_block) * BLOCK_ROWS
-        row_end = gl.minimum((group + 1) * group_blocks, end_block) * BLOCK_ROWS
-        for r0 in range(row_begin, row_end, ROWS):
+    first_row = first_block * BLOCK_ROWS
+    num_units = (end_block - first_block) * (BLOCK_ROWS // UNIT_ROWS)
+    unit = pull_claim(work_ptr)
+    while unit < num_units:
+        unit_row = first_row + unit * UNIT_ROWS
+        for r0 in range(unit_row, unit_row + UNIT_ROWS, ROWS):
             rows = r0 + offs_r
             rank = gl.load(src_rank_ptr + rows)
             live = rank >= 0
@@ -100,8 +108,15 @@ def pull_groups(rows_ptr, table_ptr, src_rank_ptr, src_token_ptr, work_ptr, firs
                 value = gl.load(src + cols, mask=live & col_ok, other=0.0)
                 gl.store(dst + cols, value, mask=col_ok)
         thread_barrier()  # every thread's stores are done before one release publishes them GPU-wide
-        gl.atomic_xchg(pull_flag(work_ptr, group), 1, sem="release", scope="gpu")
-        group = pull_next_group(work_ptr, first_group)
+        gl.atomic_add(pull_flag(work_ptr, unit_row // BLOCK_ROWS // group_blocks), 1, sem="release", scope="gpu")
+        unit = pull_claim(work_ptr)
+
+
+@gluon.jit
+def _group_units(group, group_blocks, first_block, end_block, UNITS_PER_BLOCK: gl.constexpr):
+    """The pull units of a group of schedule blocks within [first_block, end_block): its ready flag's final count."""
+    blocks = gl.minimum((group + 1) * group_blocks, end_block) - gl.maximum(group * group_blocks, first_block)
+    return blocks * UNITS_PER_BLOCK
 
 
 @gluon.jit
@@ -130,7 +145,7 @@ def _claimed_tile(tile_ids, id_full, id_empty, j):
 @gluon.jit
 def _producer_claims(x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, tile_ids, id_full, id_empty,
                      work_ptr, block_expert_ptr, block_range_ptr, H, I, group_blocks, timeout_ns,
-                     SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
+                     SPLIT: gl.constexpr, GROUP_M: gl.constexpr, UNIT_ROWS: gl.constexpr):
     """One warp: claim tiles in order, hand each to the consumers, acquire its row group's ready flag (+ the proxy
     fence), then the TMA copies of its K steps (gluon_gate_up.produce_tile). The claim past the last tile is
     handed over too: it ends the consumers."""
@@ -147,7 +162,9 @@ def _producer_claims(x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, emp
         row, col, m = tile_origin(tile, first_m, num_m, num_n, _BLOCK_M_C, BLOCK_N, GROUP_M)
         group = m // SPLIT // group_blocks
         if group != acquired:
-            wait_at_least(pull_flag(work_ptr, group), 1, timeout_ns)
+            first_block, end_block = load_range(block_range_ptr, 1)
+            units = _group_units(group, group_blocks, first_block, end_block, _BLOCK_M_C * SPLIT // UNIT_ROWS)
+            wait_at_least(pull_flag(work_ptr, group), units, timeout_ns)
             _fence_proxy_async_global()
             acquired = group
         expert = gl.load(block_expert_ptr + m // SPLIT)
@@ -185,8 +202,8 @@ def gate_up_fwd_pull_kernel(x_desc, w_desc, h_desc, gu_desc, block_expert_ptr, b
                             x_rows_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, work_ptr, pull_programs,
                             group_blocks, timeout_ns,
                             SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, OUT_BUFS: gl.constexpr,
-                            PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PULL_ROWS: gl.constexpr,
-                            PULL_COLS: gl.constexpr):
+                            PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PULL_UNIT_ROWS: gl.constexpr,
+                            PULL_ROWS: gl.constexpr, PULL_COLS: gl.constexpr):
     """h and gate_up of the row blocks in block_range (int32 [first, end] schedule blocks) over x_rows [R, H]
     (x_rows_ptr, and x_desc over it), pulled by this kernel (module docstring): pull_table_ptr int64 [W],
     pull_rank_ptr / pull_token_ptr int32 [R]; work_ptr: comm_tiles.work_buffer's (zeroed). Descriptors as
@@ -210,10 +227,6 @@ def gate_up_fwd_pull_kernel(x_desc, w_desc, h_desc, gu_desc, block_expert_ptr, b
         mbarrier.init(id_full.index(i), count=1)  # the producer's hand-over
         mbarrier.init(id_empty.index(i), count=2)  # each consumer has read the index
     fence_async_shared()  # the initialised barriers are visible to the async proxy (TMA) before use
-    if gl.program_id(0) < pull_programs:
-        first_block, end_block = load_range(block_range_ptr, 1)
-        pull_groups(x_rows_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, work_ptr, first_block, end_block,
-                    group_blocks, H, _BLOCK_M_C * SPLIT, PULL_ROWS, PULL_COLS)
     gl.warp_specialize([
         (_consumer_claims, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs0, ready_bars, empty_bars, tile_ids,
                             id_full, id_empty, block_range_ptr, H, I, 0, SPLIT, GROUP_M)),
@@ -221,8 +234,21 @@ def gate_up_fwd_pull_kernel(x_desc, w_desc, h_desc, gu_desc, block_expert_ptr, b
                             id_full, id_empty, block_range_ptr, H, I, 1, SPLIT, GROUP_M)),
         (_producer_claims, (x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, tile_ids, id_full,
                             id_empty, work_ptr, block_expert_ptr, block_range_ptr, H, I, group_blocks, timeout_ns,
-                            SPLIT, GROUP_M)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+                            SPLIT, GROUP_M, PULL_UNIT_ROWS)),
+        (_puller, (x_rows_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, work_ptr, block_range_ptr, pull_programs,
+                   group_blocks, H, SPLIT, PULL_UNIT_ROWS, PULL_ROWS, PULL_COLS)),
+    ], [4, 1, _PULL_WARPS_C], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+
+
+@gluon.jit
+def _puller(x_rows_ptr, table_ptr, src_rank_ptr, src_token_ptr, work_ptr, block_range_ptr, pull_programs, group_blocks,
+            H, SPLIT: gl.constexpr, UNIT_ROWS: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
+    """The pull partition (PULL_WARPS warps beside the producer's): in the first pull_programs CTAs, the pull loop
+    over the whole block range; elsewhere nothing."""
+    if gl.program_id(0) < pull_programs:
+        first_block, end_block = load_range(block_range_ptr, 1)
+        pull_groups(x_rows_ptr, table_ptr, src_rank_ptr, src_token_ptr, work_ptr, first_block, end_block, group_blocks,
+                    H, _BLOCK_M_C * SPLIT, UNIT_ROWS, ROWS, COLS, _PULL_WARPS_C)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -233,8 +259,8 @@ def constexprs(config: TileConfig, split: int) -> dict:
     """The kernel's constexpr arguments (the launcher and tests/test_gluon_ep_compile.py share them)."""
     tile = tile_of(config)
     return dict(SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages, OUT_BUFS=tile.out_bufs,
-                PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs, PULL_ROWS=PULL_ROWS,
-                PULL_COLS=PULL_COLS)
+                PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs, PULL_UNIT_ROWS=PULL_UNIT_ROWS,
+                PULL_ROWS=PULL_ROWS, PULL_COLS=PULL_COLS)
 
 
 def gate_up_fwd_pull(x_rows: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_expert: torch.Tensor,
@@ -253,7 +279,8 @@ def gate_up_fwd_pull(x_rows: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_e
           f"x rows by TMA, got {config}")
     check_pull(pull, x_rows)
     split, block_range = check_rows(rows, block_expert, blocks, BLOCK_M)
-    check(rows // block_expert.numel() % PULL_ROWS == 0, f"the schedule's blocks must be multiples of {PULL_ROWS} rows")
+    check(rows // block_expert.numel() % PULL_UNIT_ROWS == 0,
+          f"the schedule's blocks must be multiples of {PULL_UNIT_ROWS} rows")
     h = x_rows.new_empty(rows, inter)
     gate_up = x_rows.new_empty(rows, 2 * inter)
     check(tma_addressable(x_rows, w_gate_up_E2IH, h, gate_up),
