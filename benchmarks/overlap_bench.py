@@ -123,6 +123,7 @@ def main() -> None:
                            block_m=block_m_for(w.hidden, w.intermediate, torch.bfloat16))
         tokens = args.tokens or w.tokens_per_gpu
         p, schedule = _problem(name, tokens, args.routing, group, config, rank)
+        gluon = ep.ep_configs(p["x"], p["w_gate_up"], p["w_down"], schedule).gate_up_fwd.gluon  # which core pulls
         # Correctness gate: the overlapped layer and the serial one agree bitwise (outputs and grads).
         fused, serial = (_run(p, schedule, group, config, probe, True) for probe in ("fused", "serial"))
         same = torch.tensor([all(torch.equal(a, b) for a, b in zip(fused, serial))], device=device, dtype=torch.int32)
@@ -141,8 +142,8 @@ def main() -> None:
             hidden = ms["compute"] + ms["comm"] - ms["fused"]
             records.append({
                 "workload": name, "ep": world, "tokens": tokens, "routing": args.routing, "pass": pass_name,
-                "num_comm_sms": ep.comm_programs(config, device, gluon=ep.ep_configs(
-                    p["x"], p["w_gate_up"], p["w_down"], schedule).gate_up_fwd.gluon), "blocks_per_flag": ep.group_blocks(schedule, config),
+                "num_comm_sms": ep.comm_programs(config, device, gluon=gluon),
+                "blocks_per_flag": ep.group_blocks(schedule, config),
                 **{f"{k}_ms": v for k, v in ms.items()},
                 "hidden_ms": hidden, "hidden_frac": hidden / ms["comm"],
                 "exposed_ms": ms["fused"] - ms["compute"], "speedup_vs_serial": ms["serial"] / ms["fused"],

@@ -3,11 +3,11 @@ GEMMs.
 
 Forward: the routing exchange and the schedule (on the device, before this); the token owners publish x
 (barrier, copy into symmetric memory, barrier); then the GEMMs with the communication inside them. On the
-Gluon core (Hopper, ep_configs): gate_up_fwd's kernel (kernels/gluon_ep.py) pulls its own rows: its first
-CTAs pull each group of receive-row blocks from the token owners and raise the group's ready flag before
-they join the GEMM, whose tiles are claimed in order and start as soon as their rows have landed; then
-down_fwd's kernel (kernels/gluon_rows.py with PUSH) stores each result row straight into its (token, slot)
-row of the token owner's pairs buffer (push combine). Elsewhere one persistent Triton kernel of the
+Gluon core (Hopper, ep_configs): gate_up_fwd's kernel (kernels/gluon_ep.py) pulls its own rows: two warps
+of each CTA, beside its GEMM, copy a few receive rows at a time from the token owners and count them on
+their group's ready flag; the GEMM's tiles are claimed in order and start as soon as their rows have
+landed; then down_fwd's kernel (kernels/gluon_rows.py with PUSH) stores each result row straight into its
+(token, slot) row of the token owner's pairs buffer (push combine). Elsewhere one persistent Triton kernel of the
 pointer-load core (kernels/ep_fused.py) does both GEMMs with the same pulls, flags and pushes, the down
 tiles a stage behind the gate/up tiles. Then a barrier (everything has landed), and the fixed-order fp32
 slot sum (+ the shared expert, last).
@@ -69,7 +69,7 @@ from megamoe.backends.triton.comm.exchange import (
 )
 from megamoe.backends.triton.comm.workspace import Workspace, _Buffer, get_workspace
 from megamoe.backends.triton.configs import KernelConfigs, ep_tma_kernel_configs
-from megamoe.backends.triton.experts import all_blocks, configs_for, empty_batch_grads, rows_in_use
+from megamoe.backends.triton.experts import all_blocks, configs_for, empty_batch_grads
 from megamoe.backends.triton.kernels import tma_gemm
 from megamoe.backends.triton.kernels._common import num_sms
 from megamoe.schedule import Schedule, receive_rows

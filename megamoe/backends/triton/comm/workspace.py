@@ -71,7 +71,8 @@ class Workspace:
     with the same handles and peer tables: a row's address is the same on every rank whatever the call's
     T, so kernels address peers' rows with the same tables.
     tokens [T, H]     token owner's rows (x forward, d_out backward) that expert owners pull
-    weights [T, k]    token owner's topk_weights (fp32), pulled by expert owners in the backward
+    weights [T, k]    token owner's topk_weights (fp32), pulled by expert owners in the backward; each pair's
+                      expert owner then pushes the pair's router-weight gradient into its slot
     ids [ROUTING_HEADER + T*k]  token owner's (T, T*k, R), then its routing (int32), read by every rank to
                       build the global schedule; its handle also carries the group's barrier
     pairs [T*k, H]    token owner's per-(token, slot) rows that expert owners push (y, d_x)

@@ -104,7 +104,8 @@ def ep_fwd_kernel(
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     task = pull_then_claim(
         x_rows_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, work_ptr,
-        first_m // SPLIT, end_m // SPLIT, pull_programs, H, group_blocks, ALIGNED=PULL_ALIGNED, BLOCK_ROWS=BLOCK_M * SPLIT, ROWS=PULL_ROWS, BLOCK=PULL_BLOCK,
+        first_m // SPLIT, end_m // SPLIT, pull_programs, H, group_blocks,
+        ALIGNED=PULL_ALIGNED, BLOCK_ROWS=BLOCK_M * SPLIT, ROWS=PULL_ROWS, BLOCK=PULL_BLOCK,
     )
     # Only `task` is carried across iterations: the layout is re-derived from the arguments each time
     # (cheap scalar work), which keeps the tiles' registers free (at 255 otherwise they spill).
@@ -150,7 +151,8 @@ def ep_bwd_kernel(
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     task = pull_then_claim(
         d_out_rows_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, work_ptr,
-        first_m // SPLIT, end_m // SPLIT, pull_programs, H, group_blocks, ALIGNED=PULL_ALIGNED, BLOCK_ROWS=BLOCK_M * SPLIT, ROWS=PULL_ROWS, BLOCK=PULL_BLOCK,
+        first_m // SPLIT, end_m // SPLIT, pull_programs, H, group_blocks,
+        ALIGNED=PULL_ALIGNED, BLOCK_ROWS=BLOCK_M * SPLIT, ROWS=PULL_ROWS, BLOCK=PULL_BLOCK,
     )
     # Only `task` is carried across iterations: the layout is re-derived from the arguments each time
     # (cheap scalar work), which keeps the tiles' registers free (at 255 otherwise they spill).
