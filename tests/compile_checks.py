@@ -132,3 +132,43 @@ def pointers(fn) -> set:
 def int32_arg(name: str) -> str:
     """The type of an argument that is no descriptor: a pointer to int32 (the tile tables), else an int32."""
     return "*i32" if name.endswith("_ptr") else "i32"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Models of the kernels' barrier protocols (the CPU tests that run the kernels' index arithmetic in Python)
+
+
+class ProtocolError(AssertionError):
+    pass
+
+
+class MBarrier:
+    """An mbarrier as the hardware runs it: a phase completes when its pending arrivals and its expected
+    transaction bytes both reach zero; wait(parity) passes iff the current phase's parity differs."""
+
+    def __init__(self, name: str, count: int):
+        self.name, self.count = name, count
+        self.phase = 0  # phases completed so far (the current phase's index)
+        self.pending = count
+        self.tx = 0
+
+    def _maybe_complete(self):
+        if self.pending == 0 and self.tx == 0:
+            self.phase += 1
+            self.pending = self.count
+
+    def arrive(self, tx: int = 0):
+        if self.pending == 0:
+            raise ProtocolError(f"{self.name}: more arrivals than its count in phase {self.phase}")
+        self.pending -= 1
+        self.tx += tx
+        self._maybe_complete()
+
+    def complete_tx(self, tx: int):
+        self.tx -= tx
+        if self.tx < 0:
+            raise ProtocolError(f"{self.name}: transaction bytes landed in phase {self.phase}, which expected none")
+        self._maybe_complete()
+
+    def passes(self, parity: int) -> bool:
+        return (self.phase & 1) != parity

@@ -36,7 +36,7 @@ from triton.runtime.jit import mangle_type  # noqa: E402
 from megamoe.backends.triton import configs  # noqa: E402
 from megamoe.backends.triton.kernels import gluon_ep, gluon_gate_up, gluon_rows  # noqa: E402
 from compile_checks import (  # noqa: E402
-    SMEM_LIMIT, assert_no_spills_or_serialisation, assert_register_split, compile_gluon, count, divisible_by_16,
+    SMEM_LIMIT, MBarrier, assert_no_spills_or_serialisation, assert_register_split, compile_gluon, count, divisible_by_16,
     int32_arg, kernel_signature, pointers, warp_specialized_report,
 )
 
@@ -138,26 +138,11 @@ def test_pushing_row_gemm_sm90a(gemm):
 # The claimed-tile ring, modelled
 
 
-class _Barrier:
-    """An mbarrier: arrival count, completed phases; a parity wait passes when the current phase's parity
-    differs from the one asked for (a fresh barrier counts as having completed the phase before phase 0)."""
-
-    def __init__(self, count):
-        self.count, self.pending, self.phase = count, count, 0
-
-    def arrive(self):
-        self.pending -= 1
-        if self.pending == 0:
-            self.phase, self.pending = self.phase + 1, self.count
-
-    def passes(self, parity):
-        return (self.phase & 1) != parity
-
-
 def _run_ring(tiles: list[int], end: int, rng: random.Random):
     """The producer publishes tiles + [end] as _publish_tile does, each consumer reads as _claimed_tile does, in a
     random interleaving of the three. Returns what each consumer read; fails on a deadlock or an aliased wait."""
-    full, empty = [_Barrier(1) for _ in range(2)], [_Barrier(2) for _ in range(2)]
+    full = [MBarrier(f"id_full[{i}]", 1) for i in range(2)]
+    empty = [MBarrier(f"id_empty[{i}]", 2) for i in range(2)]
     slots = [None, None]
     claims = tiles + [end]
     state = {"p": 0, "c": [0, 0]}

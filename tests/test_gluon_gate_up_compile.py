@@ -46,8 +46,8 @@ from megamoe.backends.triton.configs import _SM90_TMA, triton_tile  # noqa: E402
 from megamoe.backends.triton.kernels import gluon_gate_up as G  # noqa: E402
 from megamoe.backends.triton.kernels import tma_gemm  # noqa: E402
 from compile_checks import (  # noqa: E402
-    SMEM_LIMIT, assert_no_spills_or_serialisation, assert_register_split, compile_gluon, compile_triton, count,
-    divisible_by_16, int32_arg, kernel_signature, pointers, ptxas_report, tensordesc, warp_specialized_report,
+    SMEM_LIMIT, MBarrier, assert_no_spills_or_serialisation, assert_register_split, compile_gluon, compile_triton,
+    count, divisible_by_16, int32_arg, kernel_signature, pointers, ptxas_report, tensordesc, warp_specialized_report,
 )
 # A qwen3-30b-a3b-like problem: the descriptors' block shapes and layouts are what matters, not the sizes.
 R, H, I, E, T = 2048, 2048, 768, 4, 512
@@ -229,22 +229,10 @@ def test_handoff_model():
     both consumers wrote it (gu_ready, count 2), and every run ends (no deadlock)."""
     import random
 
-    class Barrier:
-        def __init__(self, count):
-            self.count, self.pending, self.phase = count, count, 0
-
-        def arrive(self):
-            self.pending -= 1
-            if self.pending == 0:
-                self.phase, self.pending = self.phase + 1, self.count
-
-        def passes(self, parity):
-            return (self.phase & 1) != parity
-
     for tiles in (1, 2, 3, 7, 20):
         for seed in range(200):
             rnd = random.Random(seed)
-            ready, free = Barrier(2), Barrier(1)
+            ready, free = MBarrier("gu_ready", 2), MBarrier("gu_free", 1)
             written = {0: -1, 1: -1}  # the tile each consumer's rows of the buffer hold
             read = -1  # the last tile the epilogue finished
             # Each agent: a program counter over its steps; a step runs only when its wait passes.

@@ -57,8 +57,8 @@ from triton.runtime.jit import mangle_type  # noqa: E402
 from megamoe.backends.triton.configs import _SM90_TMA  # noqa: E402
 from megamoe.backends.triton.kernels import gluon_rows, tma_gemm  # noqa: E402
 from compile_checks import (  # noqa: E402
-    SMEM_LIMIT, assert_no_spills_or_serialisation, assert_register_split, compile_gluon, compile_triton, count,
-    divisible_by_16, int32_arg, kernel_signature, pointers, tensordesc, warp_specialized_report,
+    SMEM_LIMIT, MBarrier, ProtocolError, assert_no_spills_or_serialisation, assert_register_split, compile_gluon,
+    compile_triton, count, divisible_by_16, int32_arg, kernel_signature, pointers, tensordesc, warp_specialized_report,
 )
 SCHEDULE_BLOCK_M = 128
 # qwen3-30b-a3b-like operands: the descriptors' block shapes and layouts are what matters, not the sizes.
@@ -247,42 +247,6 @@ def _instruction_kinds(wgmmas: list) -> set:
 
 # ----------------------------------------------------------------------------------------------------
 # A model of the barrier protocol (the kernel's loops and counter arithmetic, in Python)
-
-
-class ProtocolError(AssertionError):
-    pass
-
-
-class MBarrier:
-    """An mbarrier as the hardware runs it: a phase completes when its pending arrivals and its expected
-    transaction bytes both reach zero; wait(parity) passes iff the current phase's parity differs."""
-
-    def __init__(self, name: str, count: int):
-        self.name, self.count = name, count
-        self.phase = 0  # phases completed so far (the current phase's index)
-        self.pending = count
-        self.tx = 0
-
-    def _maybe_complete(self):
-        if self.pending == 0 and self.tx == 0:
-            self.phase += 1
-            self.pending = self.count
-
-    def arrive(self, tx: int = 0):
-        if self.pending == 0:
-            raise ProtocolError(f"{self.name}: more arrivals than its count in phase {self.phase}")
-        self.pending -= 1
-        self.tx += tx
-        self._maybe_complete()
-
-    def complete_tx(self, tx: int):
-        self.tx -= tx
-        if self.tx < 0:
-            raise ProtocolError(f"{self.name}: transaction bytes landed in phase {self.phase}, which expected none")
-        self._maybe_complete()
-
-    def passes(self, parity: int) -> bool:
-        return (self.phase & 1) != parity
 
 
 def _wait(bar: MBarrier, parity: int, meant: int):
