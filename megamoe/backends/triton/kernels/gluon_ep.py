@@ -6,25 +6,28 @@ main loop, epilogue and bits: h, gate_up), with three differences, the protocol 
 (kernels/comm_tiles.py, kernels/ep_fused.py) on the Gluon kernel's partitions:
 
   * Pulls. A partition of PULL_WARPS warps beside the producer's (in its warpgroup, at its registers) runs the
-    pull loop (pull_groups) in the first `pull_programs` CTAs while the consumers compute: claim a group of
-    schedule blocks (a device counter), copy its receive rows from the token owners' published rows (symmetric
-    memory, read through the peers' mapped addresses; zeros for padding rows) into x_rows, and raise the
-    group's ready flag (a barrier of the pull warps, then one release at GPU scope), until no group is left. No
-    SM is taken from the GEMM: the pulls use the memory system and the issue slots the tensor-bound main loop
-    leaves. (A first version pulled with the default partition's 4 warps of the first 32 CTAs before they
+    pull loop (pull_groups) in the first `pull_programs` CTAs while the consumers compute: claim a unit of
+    PULL_UNIT_ROWS receive rows (a device counter), copy them from the token owners' published rows (symmetric
+    memory, read through the peers' mapped addresses; zeros for padding rows) into x_rows, and count the unit on
+    its group's ready flag (a barrier of the pull warps, then one release add at GPU scope), until no unit is
+    left. A group (of group_blocks schedule blocks) is ready when its flag holds its unit count; small units let
+    many CTAs fill one group together, so the first tiles wait for a few rows' copies, not for one CTA to copy a
+    whole group. No SM is taken from the GEMM: the pulls use the memory system and the issue slots the
+    tensor-bound main loop leaves. (A first version pulled with the default partition's 4 warps of the first 32 CTAs before they
     joined the GEMM, as the pointer-load core's communication programs do: those SMs computed nothing while
-    they pulled, ~0.9 ms of qwen3-235b-a22b's 6.4 ms kernel at EP = 1; docs/perf-notes.md, "EP v9".)
+    they pulled; 6.4 ms at qwen3-235b-a22b, EP = 1, against 5.7 now; docs/perf-notes.md, "EP v9".)
   * Claimed tiles. Tiles are claimed in order from a device counter by each CTA's producer warp, not dealt
     round-robin: a CTA whose tiles wait for their rows takes fewer (static dealing would leave its share for
     last). The producer passes each claimed tile to the two consumer warpgroups through a two-slot ring in
     shared memory (the tile index, written by the producer's 32 lanes, "full" mbarrier count 1, "empty" count 2,
     one arrive per consumer once it has read the index); a claim past the last tile ends all three partitions.
-  * Ready flags. Before a tile's first TMA copy, the producer acquires the ready flag of the tile's row group
-    (GPU scope, bounded: comm_tiles.wait_at_least traps after timeout_ns) and then issues `fence.proxy.async.global`:
-    the rows were written by other threads' generic-proxy stores, the TMA engine reads through the async proxy.
+  * Ready flags. Before a tile's first TMA copy, the producer acquires the ready flag of the tile's row group at its
+    unit count (GPU scope, bounded: comm_tiles.wait_at_least traps after timeout_ns), then issues
+    `fence.proxy.async.global`: the rows were written by other threads' generic-proxy stores, the TMA engine reads
+    through the async proxy.
     A producer that already acquired the group's flag does not wait again.
 
-No deadlock by construction: the pull warps wait for nothing (each group they claim is copied and flagged), they
+No deadlock by construction: the pull warps wait for nothing (each unit they claim is copied and counted), they
 run beside the producer and consumers of their CTA, every CTA is resident at once (the grid is at most one CTA per
 SM, which the shared memory allows only one of), and the pulling CTAs have the lowest ids, which the hardware starts
 first. Which CTA computes a tile does not change its math: results are bitwise those of gate_up_fwd_ws_kernel on the
@@ -266,7 +269,8 @@ def constexprs(config: TileConfig, split: int) -> dict:
 def gate_up_fwd_pull(x_rows: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_expert: torch.Tensor,
                      blocks: torch.Tensor, pull: RowPull, *, config: TileConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(h [R, I], gate_up [R, 2I]) of the schedule blocks in `blocks` (device range: no host sync), the rows of
-    x_rows [R, H] pulled by the kernel itself (pull: comm_tiles.RowPull without weights). config: the tile table's
+    x_rows [R, H] pulled by the kernel itself (pull: comm_tiles.RowPull; its programs: the CTAs whose pull warps pull,
+    at most the grid). config: the tile table's
     gate_up_fwd entry for x rows by TMA (not gathering, no hand-off)."""
     check(x_rows.dtype in (torch.bfloat16, torch.float16), f"16-bit activations, got {x_rows.dtype}")
     check_matrix(x_rows, None, None, "x_rows")
