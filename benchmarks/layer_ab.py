@@ -18,8 +18,6 @@ Variants (each a change to the tile choice that every run reads through the publ
             it holds padding rows only (the default skips it)
   no-spread-x  dw_gate_up's x rows by a spread pass of their own after gate_up_dgrad, not spread by a warp of
             gate_up_dgrad's kernel beside its GEMM (kernels.gate_up_dgrad_spreads_x)
-  gather-d-out  down_dgrad and dw_down gathering the d_out rows in their loads (the table: a spread pass of its own
-            before down_dgrad where it does not say so)
   group_m:N every GEMM's tiles swept N row blocks per column block (the table: 8)
   GEMM.group_m:N  the same for one GEMM of the table (e.g. down_dgrad.group_m:4)
 """
@@ -58,14 +56,6 @@ def no_handoff(*args):
     return dataclasses.replace(table, gate_up_fwd=dataclasses.replace(table.gate_up_fwd, handoff=False))
 
 
-def gather_d_out(*args):
-    table = SHIPPED[0](*args)
-    if table is None:
-        return table
-    return dataclasses.replace(table, down_dgrad=dataclasses.replace(table.down_dgrad, gather=True),
-                               dw_down=dataclasses.replace(table.dw_down, gather=True))
-
-
 def with_group_m(group_m: int, gemm: str | None):
     """The table with group_m on every GEMM's entry (gemm None) or on the one named."""
     def table(*args):
@@ -96,14 +86,12 @@ def select(variant: str) -> None:
             setattr(kernels, name, without_row_src(SHIPPED_KERNELS[name]))
     elif variant == "no-spread-x":
         kernels.gate_up_dgrad_spreads_x = lambda *args: False
-    elif variant == "gather-d-out":
-        te.tma_kernel_configs = gather_d_out
     elif "group_m:" in variant:
         gemm, _, n = variant.rpartition("group_m:")
         te.tma_kernel_configs = with_group_m(int(n), gemm.removesuffix(".") or None)
     elif variant != "default":
         raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, gather, gather-s3, no-handoff, no-skip, "
-                         "no-spread-x, gather-d-out, group_m:N or GEMM.group_m:N")
+                         "no-spread-x, group_m:N or GEMM.group_m:N")
 
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

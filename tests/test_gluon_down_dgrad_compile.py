@@ -77,21 +77,16 @@ _POINTERS = {"weights_ptr": "*fp32", "d_w_part_ptr": "*fp32"}  # every other poi
 
 
 def _pointer_type(name: str) -> str:
-    """d_out_ptr: the gathered tokens' d_out (bf16); top_k an int32; the other pointers as _POINTERS, else int32."""
-    if name == "top_k":
-        return "i32"
     assert name.endswith("_ptr"), name
-    return "*bf16" if name == "d_out_ptr" else _POINTERS.get(name, "*i32")
+    return _POINTERS.get(name, "*i32")
 
 
-def _compile_gluon(router: bool, store_h_w: bool, cfg=G.DEFAULT_CONFIG, gather: bool = False):
-    """gather: the producer gathers the d_out rows (the d_y descriptor over the tokens [T, H], as the launcher
-    builds it)."""
+def _compile_gluon(router: bool, store_h_w: bool, cfg=G.DEFAULT_CONFIG):
     bf16 = dict(dtype=torch.bfloat16)
-    descs = G.descriptors(torch.empty(R // 8 if gather else R, H, **bf16), torch.empty(E, H, I, **bf16),
-                          torch.empty(R, 2 * I, **bf16), torch.empty(R, 2 * I, **bf16), torch.empty(R, I, **bf16), cfg)
+    descs = G.descriptors(torch.empty(R, H, **bf16), torch.empty(E, H, I, **bf16), torch.empty(R, 2 * I, **bf16),
+                          torch.empty(R, 2 * I, **bf16), torch.empty(R, I, **bf16), cfg)
     fn = G.down_dgrad_ws_kernel
-    consts = G.constexprs(cfg, 1, router, store_h_w, gather)
+    consts = G.constexprs(cfg, 1, router, store_h_w)
     signature = kernel_signature(fn, consts, {name: mangle_type(d) for name, d in descs.items()}, _pointer_type)
     return compile_gluon(fn, signature, consts, divisible_by_16(fn, pointers(fn)))
 
@@ -196,37 +191,6 @@ def test_gluon_down_dgrad_sm90a(name):
         assert_no_spills_or_serialisation(name, r)
     want = cfg.smem_bytes(router=r["router"])
     assert want <= meta.shared <= SMEM_LIMIT, f"{name}: shared {meta.shared} B (buffers {want} B)"
-
-
-@pytest.mark.parametrize("store_h_w", [True, False], ids=["router-h_w", "router"])
-def test_gluon_down_dgrad_gathering_d_out_sm90a(store_h_w):
-    """The gathering variant (the d_out rows read in the loads, row r = d_out[row_src[r] // k]): the router
-    variant's consumers and z producers, the same wgmma; the weight tile by TMA (no d_y copy: no 2-D TMA load),
-    the rows by cp.async from two warps, 16 16-byte copies a thread and K step ([128, 64] over 64 threads)
-    completing on the ready mbarrier (cp.async.mbarrier.arrive.noinc), each consumer fencing the generic-proxy
-    writes before its wgmma; 12 warps, the producers' warpgroup at 40 registers (its 4 row addresses and 16 copies
-    a step), taken from consumer 1 (232, as consumer 0). ptxas keeps a few values in local memory in the gathering
-    producer and the consumers (bounded: one load and store a K step in the producer, L1 traffic beside 16
-    copies); nothing serialised."""
-    cfg = G.DEFAULT_CONFIG
-    r = warp_specialized_report(_compile_gluon(True, store_h_w, gather=True))
-    ptx, px, meta = r["ptx"], r["ptxas"], r["compiled"].metadata
-    print(f"\ngluon down_dgrad gathering d_out (h_w {store_h_w}): setmaxnreg {r['setmaxnreg']}, shared {meta.shared} B, "
-          f"spills {px['spill_stores']}/{px['spill_loads']} B, stack {px['stack']} B, local {r['local']}, cp.async "
-          f"{r['cp_async']}, TMA loads 2d/3d {r['tma_load_2d']}/{r['tma_load_3d']}")
-    assert count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16", ptx) == r["wgmma_any"] == 2 * 2 * 8
-    assert r["cp_async"] == cfg.block_m * cfg.block_k // 8 // (G.GATHER_WARPS * 32) == 16, f"{r['cp_async']} cp.async"
-    assert count(r"cp\.async\.mbarrier\.arrive\.noinc\.shared", ptx) == 1
-    assert count(r"fence\.proxy\.async", ptx) >= 1 + 2 * 2  # the barriers' init; each consumer's two K-step copies
-    # The weight tile (3-D) in the producer, g and u (3-D) for each of the 4 pieces in each z producer; no d_y copy.
-    assert r["tma_load_2d"] == 0 and r["tma_load_3d"] >= 1 + 2 * 4 * 2, f"TMA loads {r['tma_load_2d']}/{r['tma_load_3d']}"
-    assert meta.num_warps == 12
-    shift = G.GATHER_PRODUCER_REGS - cfg.producer_regs
-    assert_register_split("gathering", r, cfg.producer_regs + shift, cfg.consumer_regs - shift)
-    assert ("dec", "232") in r["setmaxnreg"], r["setmaxnreg"]  # consumer 0: 504 - 232 - 40
-    assert px["spill_stores"] <= 16 and px["stack"] <= 16 and r["local"] <= 8, f"spills:\n{px['log']}"
-    assert "C7510" not in px["log"] and "serialized" not in px["log"], "wgmma serialised"
-    assert cfg.smem_bytes(router=True) <= meta.shared <= SMEM_LIMIT
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -23,10 +23,9 @@ class TileConfig:
     columns; block_k: reduction step; group_m: row blocks swept together (L2 reuse of weight tiles);
     tma: the kernel of kernels/tma_gemm.py runs (operands and outputs by TMA copies) instead of the
     pointer-load one; flatten (tma only): Triton flattens the persistent tile loop with the K loop, so the
-    next tile's first copies are issued during this tile's epilogue; gather (gate_up_fwd on the TMA core:
-    the x rows; down_dgrad and dw_down on the Gluon core, set on both: the d_out rows): the kernel gathers
-    the rows in its loads (by pointer, the weights still by TMA) instead of reading rows a gather pass
-    wrote; gluon (with tma): the warp-specialized Gluon kernel of kernels/gluon_*.py runs
+    next tile's first copies are issued during this tile's epilogue; gather (gate_up_fwd on the TMA core):
+    the kernel gathers the x rows in its loads (by pointer, the weights still by TMA) instead of reading
+    rows a gather pass wrote; gluon (with tma): the warp-specialized Gluon kernel of kernels/gluon_*.py runs
     (a producer warp feeding two consumer warpgroups through an mbarrier ring; num_warps is then its
     default partition's, 4), its two warpgroups on alternate tiles with pingpong, else on halves of each
     tile; handoff (gate_up_fwd's Gluon kernel on x rows): its epilogue on warps of its own

@@ -8,8 +8,7 @@ Forward:  gather x_rows = x[row_src // k] -> gate_up_fwd (gate/up GEMM, SwiGLU e
           j in order, + shared last). x_rows, h and y_rows are released inside the forward. Where the tile
           table says so (small H, configs._GATHER_X_MAX_H) gate_up_fwd gathers the x rows in its loads and
           there is no x_rows.
-Backward: gather d_out_rows = d_out[row_src // k] (unweighted; where the tile table says so, gathered inside
-          down_dgrad_router's and dw_down's loads instead) -> down_dgrad_router (d_out_rows @ w_down,
+Backward: gather d_out_rows = d_out[row_src // k] (unweighted) -> down_dgrad_router (d_out_rows @ w_down,
           the router weight and the SwiGLU backward in the epilogue: d_gate_up; h_w = w * h recomputed
           from gate_up; the router-weight gradient's partial sums) -> dw_down (d_out_rows^T h_w) ->
           d_topk_weights (the partial sums, in order) -> gate_up_dgrad (d_x_rows; where its Gluon kernel has
@@ -73,12 +72,6 @@ def one_gpu_configs(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tens
     if tma is not None and tma_gemm.tma_addressable(w_gate_up, w_down):
         return tma
     return configs_for(x, w_gate_up, schedule)
-
-
-def gathers_d_out(cfg: KernelConfigs) -> bool:
-    """Whether the backward's down_dgrad and dw_down gather the d_out rows in their loads (both table entries
-    say gather; the Gluon kernels) instead of reading the rows of a spread pass."""
-    return cfg.down_dgrad.gather and cfg.dw_down.gather
 
 
 def rows_in_use(schedule: Schedule) -> torch.Tensor:
@@ -215,22 +208,17 @@ def experts_bwd(
         kept = gate_up.shape[0] > 0 and gate_up.untyped_storage().nbytes() > 0
         if not kept:  # MoEConfig.recompute, or a second backward through this forward (see _release)
             gate_up = _gate_up(x, w_gate_up, schedule, blocks, cfg, store_gate_up=True)[1]
-        # d_out's rows: gathered in down_dgrad's and dw_down's loads where the table says so (no d_out_rows), else
-        # spread by a pass.
-        if gathers_d_out(cfg):
-            d_out_rows, gather = d_out, (schedule.row_src, schedule.top_k)
-        else:
-            d_out_rows, gather = kernels.spread_rows(d_out, schedule.dest_row, schedule.row_src, in_use), None
+        d_out_rows = kernels.spread_rows(d_out, schedule.dest_row, schedule.row_src, in_use)
         d_gate_up, h_w, d_w_part = kernels.down_dgrad_router(
             d_out_rows, w_down, gate_up, schedule.row_src, topk_weights.contiguous(), schedule.block_expert, blocks,
-            store_h_w=need_w_down, config=cfg.down_dgrad, gather=gather,
+            store_h_w=need_w_down, config=cfg.down_dgrad,
         )
         if kept:
             _release(gate_up)
         del gate_up
         if need_w_down:
             d_w_down = kernels.dw_down(d_out_rows, h_w, schedule.expert_offsets, num_experts, config=cfg.dw_down,
-                                       gather=gather, row_src=schedule.row_src)
+                                       row_src=schedule.row_src)
         del d_out_rows, h_w
         if need_weights:
             # row dest_row[t, j]'s partials summed in a fixed order (deterministic), 0 for a pair cut by a capacity

@@ -83,7 +83,6 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
@@ -95,14 +94,12 @@ from megamoe.backends.triton.kernels._common import (
     router_epilogue, swiglu_bwd, tile_coords,
 )
 from megamoe.backends.triton.kernels.gluon_common import (
-    cp_async_load, nvmma_layout, smem_reinterpret, thread_barrier, tma_load, tma_store,
+    nvmma_layout, smem_reinterpret, thread_barrier, tma_load, tma_store,
 )
 from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
 
 PIECE_M = gl.constexpr(64)  # rows of a piece: half a tile
 PIECES = gl.constexpr(4)  # pieces of a tile: two row halves x two column halves
-GATHER_WARPS = 2  # the gathering producer: the producer's warp and the otherwise idle warp of its warpgroup
-_GATHER_WARPS = gl.constexpr(GATHER_WARPS)  # the same, as the kernels see it
 # An accumulator piece [64, 64] (the column-64 and row-64 bits of a consumer's [128, 128] wgmma accumulator taken
 # out): the layout Triton gives the epilogue of down_dgrad_tma_kernel (its 128-row tile over 8 warps: the same
 # bases plus a third warp bit for rows 64..127), so the row sums of d_w_part run over the same registers and lanes
@@ -156,60 +153,7 @@ def _producer(d_y_desc, w_desc, a_bufs, b_bufs, ready_bars, empty_bars, block_ex
 
 
 @gluon.jit
-def _producer_gather(d_out_ptr, row_src_ptr, top_k, w_desc, a_bufs, b_bufs, ready_bars, empty_bars, block_expert_ptr,
-                     block_range_ptr, H, SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
-    """GATHER_WARPS warps: per (tile, K step) of this CTA, in order, the weight tile by TMA (one thread) and the d_out
-    rows' tile [128, 64] by cp.async (every thread, 16 16-byte copies a step): row r is d_out[row_src[r] // top_k],
-    zeros where row_src[r] is -1 (padding) and past H; each thread's arrive on the slot's "ready" barrier once its
-    copies have landed."""
-    BLOCK_M: gl.constexpr = a_bufs.shape[1]
-    BLOCK_K: gl.constexpr = a_bufs.shape[2]
-    BLOCK_N: gl.constexpr = w_desc.block_type.shape[2]
-    STAGES: gl.constexpr = a_bufs.shape[0]
-    VEC: gl.constexpr = 128 // w_desc.dtype.primitive_bitwidth  # elements per 16-byte copy
-    # COPIES 16-byte copies of a row per thread and step, BLOCK_K / (COPIES * VEC) threads a row: a thread holds
-    # the addresses of BLOCK_M / (rows a step of the partition covers) rows for the tile (4 of them with 4 copies,
-    # 16 with one, which 40 registers do not hold beside the rest); each copy instruction of a warp still reads
-    # whole 32-byte sectors.
-    COPIES: gl.constexpr = 4
-    COL_THREADS: gl.constexpr = BLOCK_K // (COPIES * VEC)
-    copy_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, COPIES * VEC],
-                                                 threads_per_warp=[32 // COL_THREADS, COL_THREADS],
-                                                 warps_per_cta=[_GATHER_WARPS, 1], order=[1, 0])
-    tile_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, copy_layout))
-    step_cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, copy_layout))
-    # H is a multiple of VEC (the launcher's TMA check: 16-byte row strides); written as one, the compiler sees
-    # that a row's copies are 16-byte aligned and the H tail masks whole copies.
-    H = H // VEC * VEC
-    first_m, end_m = load_range(block_range_ptr, SPLIT)
-    num_m = end_m - first_m
-    num_n = gl.cdiv(w_desc.shape[2], BLOCK_N)
-    k_steps = gl.cdiv(H, BLOCK_K)
-    p = 0  # slot counter, as in _producer
-    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-        m = first_m + pid_m
-        expert = gl.load(block_expert_ptr + m // SPLIT)
-        src = gl.load(row_src_ptr + m * BLOCK_M + tile_rows)
-        has_src = gl.expand_dims(src >= 0, 1)
-        row_ptrs = gl.expand_dims(d_out_ptr + (gl.where(src >= 0, src, 0) // top_k).to(gl.int64) * H, 1)
-        col = pid_n * BLOCK_N
-        for ki in range(k_steps):
-            s = p % STAGES
-            mbarrier.wait(empty_bars.index(s), ((p // STAGES) & 1) ^ 1)
-            bar = ready_bars.index(s)
-            mbarrier.expect(bar, w_desc.block_type.nbytes)
-            tma_load(w_desc, [expert, ki * BLOCK_K, col], bar, b_bufs.index(s))
-            cols = gl.expand_dims(ki * BLOCK_K + step_cols, 0)
-            cp_async_load(a_bufs.index(s), row_ptrs + cols, mask=has_src & (cols < H))
-            # This thread's copies (all it issued so far) complete -> one arrive; .noinc: the barrier's count
-            # includes these _GATHER_WARPS * 32 arrivals.
-            async_copy.mbarrier_arrive(bar, increment_count=False)
-            p += 1
-
-
-@gluon.jit
-def _k_step(a_bufs, b_bufs, ready_bars, empty_bars, acc, c, ki, GATHER: gl.constexpr):
+def _k_step(a_bufs, b_bufs, ready_bars, empty_bars, acc, c, ki):
     """K step ki of a tile (slot counter c): async wgmma from the slot, one step kept in flight, the previous
     step's slot released."""
     STAGES: gl.constexpr = a_bufs.shape[0]
@@ -217,9 +161,6 @@ def _k_step(a_bufs, b_bufs, ready_bars, empty_bars, acc, c, ki, GATHER: gl.const
     BLOCK_N: gl.constexpr = acc.shape[1]
     s = c % STAGES
     mbarrier.wait(ready_bars.index(s), (c // STAGES) & 1)
-    if GATHER:
-        # The rows were written by cp.async (generic proxy); wgmma reads shared memory through the async proxy.
-        fence_async_shared()
     acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).reshape([BLOCK_K, BLOCK_N]), acc, is_async=True)
     # The wgmma of step c - 1 has retired: its slot goes back to the producer.
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
@@ -311,7 +252,7 @@ def _epilogue_piece(acc, z_bufs, weight_bufs, z_ready, z_empty, q, d_gu_desc, h_
 def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, order_bars, z_bufs, weight_bufs, z_ready, z_empty, d_gu_desc,
               h_w_desc, d_w_part_ptr, block_range_ptr, H, I, WG: gl.constexpr, SPLIT: gl.constexpr,
               GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROUTER: gl.constexpr,
-              STORE_H_W: gl.constexpr, GATHER: gl.constexpr):
+              STORE_H_W: gl.constexpr):
     """Consumer warpgroup WG: the CTA's local tiles WG, WG + 2, ..., each a [128, 128] main loop over the ring (in
     turn with the other consumer) and then its epilogue on the accumulator in registers, piece by piece."""
     STAGES: gl.constexpr = a_bufs.shape[0]
@@ -337,9 +278,9 @@ def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, order_bars, z_bufs, weight
         # With the zeros also on the path of an empty loop, LLVM may copy them into the accumulator where that
         # path meets the loop's exit, with a wgmma still in flight, and ptxas answers by serialising every wgmma.
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
-        acc = _k_step(a_bufs, b_bufs, ready_bars, empty_bars, acc, c, 0, GATHER)
+        acc = _k_step(a_bufs, b_bufs, ready_bars, empty_bars, acc, c, 0)
         for ki in range(1, k_steps):
-            acc = _k_step(a_bufs, b_bufs, ready_bars, empty_bars, acc, c + ki, ki, GATHER)
+            acc = _k_step(a_bufs, b_bufs, ready_bars, empty_bars, acc, c + ki, ki)
         mbarrier.arrive(order_bars.index(1 - WG))  # the whole K loop is issued: the other's turn
         turn += 1
         c += k_steps
@@ -371,18 +312,15 @@ def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, order_bars, z_bufs, weight
 
 @gluon.jit
 def down_dgrad_ws_kernel(d_y_desc, w_desc, gu_desc, d_gu_desc, h_w_desc, row_src_ptr, weights_ptr, d_w_part_ptr,
-                         block_expert_ptr, block_range_ptr, d_out_ptr, top_k, ROUTER: gl.constexpr,
-                         STORE_H_W: gl.constexpr, GATHER: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr,
-                         STAGES: gl.constexpr, Z_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                         CONSUMER_REGS: gl.constexpr):
+                         block_expert_ptr, block_range_ptr, ROUTER: gl.constexpr, STORE_H_W: gl.constexpr,
+                         SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, Z_STAGES: gl.constexpr,
+                         PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """down_dgrad (ROUTER: down_dgrad_router) on [128, 128] tiles. d_y_desc: the rows [R, H], box [128, 64];
     w_desc: w_down [E, H, I], box [1, 64, 128]; gu_desc / d_gu_desc: gate_up / d_gate_up [R, 2I] as [R, 2, I], box
     [64, 1, 64]; h_w_desc: h_w [R, I] (a placeholder without STORE_H_W), box [64, 64]; row_src_ptr, weights_ptr:
     the schedule's row_src and the router weights (ROUTER); d_w_part_ptr: fp32 [R, cdiv(I, 128)] (ROUTER);
     block_expert_ptr, block_range_ptr: the schedule's block experts and the device block range (SPLIT kernel row
-    blocks a schedule block). GATHER (with ROUTER): the rows are gathered in the loads, row r = d_out[row_src[r] //
-    top_k] (d_out_ptr: the tokens' d_out [T, H], which d_y_desc then describes for its tile and shared layout only);
-    else d_out_ptr and top_k are unread. Launch with num_warps=4, one CTA per SM at most."""
+    blocks a schedule block). Launch with num_warps=4, one CTA per SM at most."""
     BLOCK_M: gl.constexpr = d_y_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[2]
     gl.static_assert(BLOCK_M == 2 * PIECE_M and BLOCK_N == 128, "128 x 128 tiles: pieces of 64 x 64")
@@ -401,8 +339,7 @@ def down_dgrad_ws_kernel(d_y_desc, w_desc, gu_desc, d_gu_desc, h_w_desc, row_src
     z_ready = gl.allocate_shared_memory(gl.int64, [2 * Z_STAGES, 1], mbarrier.MBarrierLayout())
     z_empty = gl.allocate_shared_memory(gl.int64, [2 * Z_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        # ready: the producer's expect (the TMA bytes complete it), plus every gathering thread's cp.async arrive
-        mbarrier.init(ready_bars.index(i), count=1 + GATHER * _GATHER_WARPS * 32)
+        mbarrier.init(ready_bars.index(i), count=1)
         mbarrier.init(empty_bars.index(i), count=1)  # one reader per slot
     for i in gl.static_range(2):
         mbarrier.init(order_bars.index(i), count=1)
@@ -412,37 +349,20 @@ def down_dgrad_ws_kernel(d_y_desc, w_desc, gu_desc, d_gu_desc, h_w_desc, row_src
     fence_async_shared()
     H = d_y_desc.shape[1]
     I = w_desc.shape[2]
-    # (Gluon takes the partitions as a literal list: a partition cannot be held in a variable.)
-    if GATHER:
-        gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, order_bars, z_bufs, weight_bufs, z_ready, z_empty,
-                         d_gu_desc, h_w_desc, d_w_part_ptr, block_range_ptr, H, I, 0, SPLIT, GROUP_M, BLOCK_M, BLOCK_N,
-                         ROUTER, STORE_H_W, GATHER)),
-            (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, order_bars, z_bufs, weight_bufs, z_ready, z_empty,
-                         d_gu_desc, h_w_desc, d_w_part_ptr, block_range_ptr, H, I, 1, SPLIT, GROUP_M, BLOCK_M, BLOCK_N,
-                         ROUTER, STORE_H_W, GATHER)),
-            (_producer_gather, (d_out_ptr, row_src_ptr, top_k, w_desc, a_bufs, b_bufs, ready_bars, empty_bars,
-                                block_expert_ptr, block_range_ptr, H, SPLIT, GROUP_M)),
-            (_z_producer, (gu_desc, z_bufs, weight_bufs, z_ready, z_empty, row_src_ptr, weights_ptr, block_range_ptr, I,
-                           0, SPLIT, GROUP_M, BLOCK_M, BLOCK_N, ROUTER)),
-            (_z_producer, (gu_desc, z_bufs, weight_bufs, z_ready, z_empty, row_src_ptr, weights_ptr, block_range_ptr, I,
-                           1, SPLIT, GROUP_M, BLOCK_M, BLOCK_N, ROUTER)),
-        ], [4, _GATHER_WARPS, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
-    else:
-        gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, order_bars, z_bufs, weight_bufs, z_ready, z_empty,
-                         d_gu_desc, h_w_desc, d_w_part_ptr, block_range_ptr, H, I, 0, SPLIT, GROUP_M, BLOCK_M, BLOCK_N,
-                         ROUTER, STORE_H_W, GATHER)),
-            (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, order_bars, z_bufs, weight_bufs, z_ready, z_empty,
-                         d_gu_desc, h_w_desc, d_w_part_ptr, block_range_ptr, H, I, 1, SPLIT, GROUP_M, BLOCK_M, BLOCK_N,
-                         ROUTER, STORE_H_W, GATHER)),
-            (_producer, (d_y_desc, w_desc, a_bufs, b_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr,
-                         SPLIT, GROUP_M)),
-            (_z_producer, (gu_desc, z_bufs, weight_bufs, z_ready, z_empty, row_src_ptr, weights_ptr, block_range_ptr, I,
-                           0, SPLIT, GROUP_M, BLOCK_M, BLOCK_N, ROUTER)),
-            (_z_producer, (gu_desc, z_bufs, weight_bufs, z_ready, z_empty, row_src_ptr, weights_ptr, block_range_ptr, I,
-                           1, SPLIT, GROUP_M, BLOCK_M, BLOCK_N, ROUTER)),
-        ], [4, 1, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+    gl.warp_specialize([
+        (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, order_bars, z_bufs, weight_bufs, z_ready, z_empty, d_gu_desc,
+                     h_w_desc, d_w_part_ptr, block_range_ptr, H, I, 0, SPLIT, GROUP_M, BLOCK_M, BLOCK_N, ROUTER,
+                     STORE_H_W)),
+        (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, order_bars, z_bufs, weight_bufs, z_ready, z_empty, d_gu_desc,
+                     h_w_desc, d_w_part_ptr, block_range_ptr, H, I, 1, SPLIT, GROUP_M, BLOCK_M, BLOCK_N, ROUTER,
+                     STORE_H_W)),
+        (_producer, (d_y_desc, w_desc, a_bufs, b_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr,
+                     SPLIT, GROUP_M)),
+        (_z_producer, (gu_desc, z_bufs, weight_bufs, z_ready, z_empty, row_src_ptr, weights_ptr, block_range_ptr, I, 0,
+                       SPLIT, GROUP_M, BLOCK_M, BLOCK_N, ROUTER)),
+        (_z_producer, (gu_desc, z_bufs, weight_bufs, z_ready, z_empty, row_src_ptr, weights_ptr, block_range_ptr, I, 1,
+                       SPLIT, GROUP_M, BLOCK_M, BLOCK_N, ROUTER)),
+    ], [4, 1, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -480,17 +400,10 @@ class GluonDownDgradConfig:
 DEFAULT_CONFIG = GluonDownDgradConfig()
 
 
-GATHER_PRODUCER_REGS = 40  # the gathering producer's registers: 8 row addresses and a step's 16 copies
-
-
-def constexprs(cfg: GluonDownDgradConfig, split: int, router: bool, store_h_w: bool, gather: bool = False) -> dict:
-    """The kernel's constexpr arguments (the launcher and tests/test_gluon_down_dgrad_compile.py share them).
-    gather (router only): the rows gathered in the loads; the producers' warpgroup then gets at least
-    GATHER_PRODUCER_REGS registers, taken from consumer 1 (the register file is full)."""
-    shift = max(0, GATHER_PRODUCER_REGS - cfg.producer_regs) if gather else 0
-    return dict(ROUTER=router, STORE_H_W=store_h_w, GATHER=gather, SPLIT=split, GROUP_M=cfg.group_m,
-                STAGES=cfg.stages, Z_STAGES=cfg.z_stages, PRODUCER_REGS=cfg.producer_regs + shift,
-                CONSUMER_REGS=cfg.consumer_regs - shift)
+def constexprs(cfg: GluonDownDgradConfig, split: int, router: bool, store_h_w: bool) -> dict:
+    """The kernel's constexpr arguments (the launcher and tests/test_gluon_down_dgrad_compile.py share them)."""
+    return dict(ROUTER=router, STORE_H_W=store_h_w, SPLIT=split, GROUP_M=cfg.group_m, STAGES=cfg.stages,
+                Z_STAGES=cfg.z_stages, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
 
 
 def _desc(t: torch.Tensor, shape: list, strides: list, block: list) -> TensorDescriptor:
@@ -516,26 +429,21 @@ def descriptors(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, h_w_RI, cfg: 
 
 
 def _run(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, row_src, weights, h_w_RI, d_w_part, block_expert,
-         block_range, split, cfg, router: bool, store_h_w: bool, gather_top_k: int | None = None):
-    """gather_top_k: d_rows is the tokens' d_out [T, H], gathered in the loads through row_src (router only)."""
+         block_range, split, cfg, router: bool, store_h_w: bool):
     check(tma_addressable(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, h_w_RI),
           "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8 in bf16)")
     descs = descriptors(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, h_w_RI, cfg)
-    tiles = gate_up_R2I.shape[0] // cfg.block_m * triton.cdiv(w_down_EHI.shape[2], cfg.block_n)
-    gather = gather_top_k is not None
+    tiles = d_rows_RH.shape[0] // cfg.block_m * triton.cdiv(w_down_EHI.shape[2], cfg.block_n)
     return down_dgrad_ws_kernel[(max(1, min(num_sms(d_rows_RH.device), tiles)), )](
         descs["d_y_desc"], descs["w_desc"], descs["gu_desc"], descs["d_gu_desc"], descs["h_w_desc"], row_src, weights,
-        d_w_part, block_expert, block_range, d_rows_RH, gather_top_k if gather else 1,
-        **constexprs(cfg, split, router, store_h_w, gather), num_warps=4)
+        d_w_part, block_expert, block_range, **constexprs(cfg, split, router, store_h_w), num_warps=4)
 
 
-def _launch(d_rows_RH, w_down_EHI, gate_up_R2I, router, block_expert, blocks, store_h_w, cfg, return_kernel,
-            gather_top_k=None):
+def _launch(d_rows_RH, w_down_EHI, gate_up_R2I, router, block_expert, blocks, store_h_w, cfg, return_kernel):
     """Validate and allocate as grouped_gemm._down_dgrad does, then launch down_dgrad_ws_kernel."""
     check(d_rows_RH.dtype in (torch.bfloat16, torch.float16), "bf16/fp16 rows (wgmma, TMA)")
     check_matrix(d_rows_RH, None, None, "d_y_rows")
-    hidden = d_rows_RH.shape[1]
-    rows = router[0].numel() if gather_top_k is not None else d_rows_RH.shape[0]
+    rows, hidden = d_rows_RH.shape
     check(w_down_EHI.dim() == 3 and w_down_EHI.shape[1] == hidden, "w_down must be [E_l, H, I]")
     inter = w_down_EHI.shape[2]
     check_weight(w_down_EHI, d_rows_RH, (w_down_EHI.shape[0], hidden, inter), "w_down")
@@ -549,35 +457,31 @@ def _launch(d_rows_RH, w_down_EHI, gate_up_R2I, router, block_expert, blocks, st
                            device=d_rows_RH.device)
     row_src, weights = router if router else (block_expert, d_w_part)
     kernel = _run(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up, row_src, weights, h_w, d_w_part, block_expert,
-                  block_range, split, cfg, router is not None, store_h_w, gather_top_k)
+                  block_range, split, cfg, router is not None, store_h_w)
     out = d_gate_up, (h_w if store_h_w else None), d_w_part
     return (out, kernel) if return_kernel else out
 
 
 def launch_down_dgrad(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, row_src, weights, h_w_RI, d_w_part, block_expert,
-                      block_range, split, config: TileConfig, *, router: bool, store_h_w: bool,
-                      gather_top_k: int | None = None) -> None:
+                      block_range, split, config: TileConfig, *, router: bool, store_h_w: bool) -> None:
     """grouped_gemm._down_dgrad's Gluon branch (config.gluon): operands validated and outputs allocated there
-    (its placeholders where router / store_h_w are off); the tile table's entry as this kernel's tile. gather_top_k
-    (router only): d_rows is the tokens' d_out [T, H], row r read as d_out[row_src[r] // gather_top_k]."""
+    (its placeholders where router / store_h_w are off); the tile table's entry as this kernel's tile."""
     cfg = GluonDownDgradConfig(stages=config.num_stages, group_m=config.group_m, block_m=config.block_m,
                                block_n=config.block_n, block_k=config.block_k)
     _run(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, row_src, weights, h_w_RI, d_w_part, block_expert,
-         block_range, split, cfg, router, store_h_w, gather_top_k)
+         block_range, split, cfg, router, store_h_w)
 
 
 def down_dgrad_router_gluon(d_out_rows_RH: torch.Tensor, w_down_EHI: torch.Tensor, gate_up_R2I: torch.Tensor,
                             row_src: torch.Tensor, weights_TK: torch.Tensor, block_expert: torch.Tensor,
                             blocks: torch.Tensor, *, store_h_w: bool, config: GluonDownDgradConfig = DEFAULT_CONFIG,
-                            return_kernel: bool = False, gather_top_k: int | None = None):
+                            return_kernel: bool = False):
     """grouped_gemm.down_dgrad_router on this kernel: (d_gate_up [R, 2I], h_w [R, I] or None, d_w_part fp32
-    [R, cdiv(I, 128)]); the same arguments and results, bit for bit (with the TMA table's config there).
-    gather_top_k: d_out_rows is the tokens' d_out [T, H] instead, row r read as d_out[row_src[r] // gather_top_k]
-    in the loads."""
-    check_row_src(row_src, gate_up_R2I.shape[0] if gather_top_k is not None else d_out_rows_RH.shape[0])
+    [R, cdiv(I, 128)]); the same arguments and results, bit for bit (with the TMA table's config there)."""
+    check_row_src(row_src, d_out_rows_RH.shape[0])
     check(weights_TK.is_floating_point() and weights_TK.is_contiguous(), "weights must be a contiguous float tensor")
     return _launch(d_out_rows_RH, w_down_EHI, gate_up_R2I, (row_src, weights_TK), block_expert, blocks, store_h_w,
-                   config, return_kernel, gather_top_k)
+                   config, return_kernel)
 
 
 def down_dgrad_gluon(d_y_rows_RH: torch.Tensor, w_down_EHI: torch.Tensor, gate_up_R2I: torch.Tensor,

@@ -170,27 +170,19 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_off
 @gluon.jit
 def _producer_gather(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_offsets_ptr, row_src_ptr,
                      num_experts, src_ptr, top_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     GROUP_M: gl.constexpr, SKIP_PADDING: gl.constexpr, GATHER_A: gl.constexpr):
-    """One warpgroup: per (tile, row step) of this CTA, in order, one operand's tile by TMA (one thread) and the
-    other's, gathered, by cp.async (every thread, 16-byte copies): b [BLOCK_K, BLOCK_N], or with GATHER_A a
-    [BLOCK_K, BLOCK_M]; row r of the gathered tile is src[row_src[r] // top_k], zeros where row_src[r] is -1
-    (padding) and past the operand's last column."""
+                     GROUP_M: gl.constexpr, SKIP_PADDING: gl.constexpr):
+    """One warpgroup: per (tile, row step) of this CTA, in order, the a tile by TMA (one thread) and the
+    gathered b tile [BLOCK_K, BLOCK_N] by cp.async (every thread, 16-byte copies): row r of it is
+    src[row_src[r] // top_k], zeros where row_src[r] is -1 (padding) and past column N."""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[0]
     STAGES: gl.constexpr = a_bufs.shape[0]
-    if GATHER_A:
-        TMA_BYTES: gl.constexpr = b_desc.block_type.nbytes
-        GATHER_COLS: gl.constexpr = BLOCK_M
-        C = a_desc.shape[1]
-    else:
-        TMA_BYTES: gl.constexpr = a_desc.block_type.nbytes
-        GATHER_COLS: gl.constexpr = BLOCK_N
-        C = b_desc.shape[1]
+    C = b_desc.shape[1]
     VEC: gl.constexpr = 128 // a_desc.dtype.primitive_bitwidth  # elements per 16-byte copy
     COL_THREADS: gl.constexpr = 8  # 8 threads x 16 bytes: one 128-byte line of a row per copy instruction
     copy_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, VEC], threads_per_warp=[32 // COL_THREADS, COL_THREADS],
                                                  warps_per_cta=[_GATHER_WARPS, 1], order=[1, 0])
     step_rows = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, copy_layout))
-    tile_cols = gl.expand_dims(gl.arange(0, GATHER_COLS, layout=gl.SliceLayout(0, copy_layout)), 0)
+    tile_cols = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, copy_layout)), 0)
     # C is a multiple of VEC (the launcher's TMA check: 16-byte row strides); written as one, the compiler sees
     # that every copy is 16-byte aligned and the column tail masks whole copies.
     C = C // VEC * VEC
@@ -212,10 +204,7 @@ def _producer_gather(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, exp
                                               _expert_at(next_tile, num_tiles, num_m, num_n, GROUP_M), BLOCK_K,
                                               SKIP_PADDING)
         next_ok = (next_tile < num_tiles) & (next_steps > 0)
-        if GATHER_A:
-            cols = pid_m * BLOCK_M + tile_cols
-        else:
-            cols = pid_n * BLOCK_N + tile_cols
+        cols = pid_n * BLOCK_N + tile_cols
         col_ok = cols < C
         if (src_row != start) & (k_steps > 0):
             src = gl.load(row_src_ptr + start + step_rows)
@@ -230,13 +219,9 @@ def _producer_gather(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, exp
             s = p % STAGES
             mbarrier.wait(empty_bars.index(s), ((p // STAGES) & 1) ^ 1)
             bar = ready_bars.index(s)
-            mbarrier.expect(bar, TMA_BYTES)
-            if GATHER_A:
-                tma_load(b_desc, [row, pid_n * BLOCK_N], bar, b_bufs.index(s))
-                cp_async_load(a_bufs.index(s), row_ptrs + cols, mask=has_src & col_ok)
-            else:
-                tma_load(a_desc, [row, pid_m * BLOCK_M], bar, a_bufs.index(s))
-                cp_async_load(b_bufs.index(s), row_ptrs + cols, mask=has_src & col_ok)
+            mbarrier.expect(bar, a_desc.block_type.nbytes)
+            tma_load(a_desc, [row, pid_m * BLOCK_M], bar, a_bufs.index(s))
+            cp_async_load(b_bufs.index(s), row_ptrs + cols, mask=has_src & col_ok)
             # This thread's copies (all it issued so far) complete -> one arrive; .noinc: the barrier's count
             # includes these _GATHER_WARPS * 32 arrivals.
             async_copy.mbarrier_arrive(bar, increment_count=False)
@@ -319,15 +304,13 @@ def _consumer(dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_sme
 @gluon.jit
 def dw_ws_kernel(a_desc, b_desc, dw_desc, expert_offsets_ptr, row_src_ptr, num_experts, src_ptr, top_k,
                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, GATHER: gl.constexpr,
-                 GATHER_A: gl.constexpr, SKIP_PADDING: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                 CONSUMER_REGS: gl.constexpr):
+                 SKIP_PADDING: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """dw[e] = a[rows of e]^T b[rows of e] for every expert e < num_experts, one tile per output element.
     a_desc: [R, M] block [BLOCK_K, BLOCK_M]; b_desc: [R, N] block [BLOCK_K, BLOCK_N]; dw_desc: [E, M, N]
     block [1, BLOCK_M (pingpong) or BLOCK_M / 2 (coop), BLOCK_N]. row_src_ptr: int32 [R], the schedule's
     row_src (-1: padding), read with GATHER or SKIP_PADDING (an expert's last row step skipped where it holds
-    padding rows only). GATHER: b (GATHER_A: a) is gathered, row r = src[row_src[r] // top_k] (src_ptr: the tokens
-    [T, N] (GATHER_A: [T, M]), which b_desc (a_desc) describes for the tile shape and the shared layout only);
-    else src_ptr and top_k are unread.
+    padding rows only). GATHER: b is gathered, row r = src[row_src[r] // top_k] (src_ptr: the tokens [T, N],
+    which b_desc describes for the tile shape and the shared layout only); else src_ptr and top_k are unread.
     Launch with num_warps=4 (the default partition is consumer 0)."""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[1]
@@ -361,8 +344,7 @@ def dw_ws_kernel(a_desc, b_desc, dw_desc, expert_offsets_ptr, row_src_ptr, num_e
                          expert_offsets_ptr, row_src_ptr, num_experts, M, N, 1, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M,
                          GATHER, SKIP_PADDING)),
             (_producer_gather, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_offsets_ptr,
-                                row_src_ptr, num_experts, src_ptr, top_k, BLOCK_M, BLOCK_N, GROUP_M, SKIP_PADDING,
-                                GATHER_A)),
+                                row_src_ptr, num_experts, src_ptr, top_k, BLOCK_M, BLOCK_N, GROUP_M, SKIP_PADDING)),
         ], [4, _GATHER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -390,13 +372,11 @@ CONFIGS = {
 DEFAULT_CONFIG = "coop"
 
 
-def constexprs(cfg: ConsumerTile, gather: str | None = None, skip_padding: bool = False) -> dict:
+def constexprs(cfg: ConsumerTile, gather: bool = False, skip_padding: bool = False) -> dict:
     """The kernel's constexpr arguments for a tile (the launcher and tests/test_gluon_dw_compile.py share them);
-    gather: the operand gathered in the loads ("a", "b" or None); skip_padding: row steps of padding only are
-    skipped (row_src read)."""
-    return dict(GROUP_M=cfg.group_m, STAGES=cfg.stages, PINGPONG=cfg.pingpong, GATHER=gather is not None,
-                GATHER_A=gather == "a", SKIP_PADDING=skip_padding, PRODUCER_REGS=cfg.producer_regs,
-                CONSUMER_REGS=cfg.consumer_regs)
+    gather: b gathered in the loads; skip_padding: row steps of padding only are skipped (row_src read)."""
+    return dict(GROUP_M=cfg.group_m, STAGES=cfg.stages, PINGPONG=cfg.pingpong, GATHER=gather,
+                SKIP_PADDING=skip_padding, PRODUCER_REGS=cfg.producer_regs, CONSUMER_REGS=cfg.consumer_regs)
 
 
 def descriptors(a_RM: torch.Tensor, b_RN: torch.Tensor, dw_EMN: torch.Tensor, cfg: ConsumerTile) -> tuple:
@@ -408,30 +388,26 @@ def descriptors(a_RM: torch.Tensor, b_RN: torch.Tensor, dw_EMN: torch.Tensor, cf
 
 def dw_gluon(a_RM: torch.Tensor, b_RN: torch.Tensor, expert_offsets: torch.Tensor, num_experts: int,
              cfg: ConsumerTile = CONFIGS[DEFAULT_CONFIG], out: torch.Tensor | None = None, return_kernel: bool = False,
-             gather_a: tuple[torch.Tensor, int] | None = None, gather_b: tuple[torch.Tensor, int] | None = None,
-             row_src: torch.Tensor | None = None):
+             gather_b: tuple[torch.Tensor, int] | None = None, row_src: torch.Tensor | None = None):
     """dw [E_l, M, N] = a^T b per expert, in a's dtype (weight_grad._launch's contract: a [R, M], b [R, N]
     contiguous, zero on padding rows; expert_offsets int32 [E_l + 1] on the device, segments multiples of
     cfg.block_k). gather_b = (row_src int32 [R], top_k): b is the tokens [T, N] instead, its row r read as
-    row row_src[r] // top_k (zeros where row_src[r] is -1) inside the kernel's loads; gather_a the same for a
-    (the tokens [T, M]); at most one of the two. row_src (the schedule's, the same tensor as the gather's if
-    both are given): an expert's last row step is skipped where it holds padding rows only (the same sum: they
-    are zero). out, if given, is written in full (an empty expert's slice with zeros). No host sync."""
+    row row_src[r] // top_k (zeros where row_src[r] is -1) inside the kernel's loads. row_src (the schedule's,
+    the same tensor as gather_b's if both are given): an expert's last row step is skipped where it holds
+    padding rows only (the same sum: they are zero). out, if given, is written in full (an empty expert's
+    slice with zeros). No host sync."""
     check(a_RM.dtype in (torch.bfloat16, torch.float16), f"bf16/fp16 operands, got {a_RM.dtype}")
-    check(gather_a is None or gather_b is None, "dw_gluon gathers one operand at most (gather_a or gather_b)")
     skip_padding = row_src is not None
-    gather, operand = (gather_a, "a") if gather_a is not None else (gather_b, "b" if gather_b is not None else None)
-    rows = b_RN.shape[0] if operand == "a" else a_RM.shape[0]
-    if gather is not None:
-        check(row_src is None or row_src is gather[0], f"row_src and gather_{operand}'s row_src must be one tensor")
-        row_src, top_k = gather
+    if gather_b is not None:
+        check(row_src is None or row_src is gather_b[0], "row_src and gather_b's row_src must be one tensor")
+        row_src, top_k = gather_b
     else:
         top_k = 1  # unread
     if row_src is None:
         row_src = expert_offsets  # unread
     else:
-        check_row_src(row_src, rows)
-    if gather is None:
+        check_row_src(row_src, a_RM.shape[0])
+    if gather_b is None:
         check_row_operands(a_RM, b_RN, ("a", "b"))
     else:
         check(top_k >= 1, f"top_k must be >= 1, got {top_k}")
@@ -439,7 +415,7 @@ def dw_gluon(a_RM: torch.Tensor, b_RN: torch.Tensor, expert_offsets: torch.Tenso
             check(t.dim() == 2 and t.is_contiguous(), f"{name} must be a contiguous 2-D tensor, got {tuple(t.shape)}")
         check(a_RM.dtype == b_RN.dtype, f"a ({a_RM.dtype}) and b ({b_RN.dtype}) must have one dtype")
     check(num_experts >= 1, f"num_experts must be >= 1, got {num_experts}")
-    check_expert_offsets(expert_offsets, rows, num_experts, cfg.block_k)
+    check_expert_offsets(expert_offsets, a_RM.shape[0], num_experts, cfg.block_k)
     m_dim, n_dim = a_RM.shape[1], b_RN.shape[1]
     if out is None:
         out = torch.empty(num_experts, m_dim, n_dim, dtype=a_RM.dtype, device=a_RM.device)
@@ -448,15 +424,16 @@ def dw_gluon(a_RM: torch.Tensor, b_RN: torch.Tensor, expert_offsets: torch.Tenso
     check(tma_addressable(a_RM, b_RN, out), "TMA needs 16-byte aligned operands and row strides (M, N multiples of 8)")
     max_tiles = num_experts * triton.cdiv(m_dim, cfg.block_m) * triton.cdiv(n_dim, cfg.block_n)
     kernel = dw_ws_kernel[persistent_grid(a_RM.device, max_tiles)](
-        *descriptors(a_RM, b_RN, out, cfg), expert_offsets, row_src, num_experts, a_RM if operand == "a" else b_RN,
-        top_k, **constexprs(cfg, operand, skip_padding), num_warps=4)
+        *descriptors(a_RM, b_RN, out, cfg), expert_offsets, row_src, num_experts, b_RN, top_k,
+        **constexprs(cfg, gather_b is not None, skip_padding), num_warps=4)
     return (out, kernel) if return_kernel else out
 
 
 def launch_dw(a_RM: torch.Tensor, b_RN: torch.Tensor, dw_EMN: torch.Tensor, expert_offsets: torch.Tensor,
-              config: TileConfig, gather_a: tuple[torch.Tensor, int] | None = None,
-              gather_b: tuple[torch.Tensor, int] | None = None, row_src: torch.Tensor | None = None) -> None:
+              config: TileConfig, gather_b: tuple[torch.Tensor, int] | None = None,
+              row_src: torch.Tensor | None = None) -> None:
     """weight_grad._launch's Gluon branch: dw_EMN = a^T b per expert, with the tile table's entry (gluon=True);
-    gather_a, gather_b and row_src as dw_gluon's."""
-    dw_gluon(a_RM, b_RN, expert_offsets, dw_EMN.shape[0], ConsumerTile.of(config), out=dw_EMN, gather_a=gather_a,
-             gather_b=gather_b, row_src=row_src)
+    gather_b and row_src as dw_gluon's."""
+    dw_gluon(a_RM, b_RN, expert_offsets, dw_EMN.shape[0], ConsumerTile.of(config), out=dw_EMN, gather_b=gather_b,
+             row_src=row_src)
+

@@ -446,7 +446,6 @@ def down_dgrad_router(
     *,
     store_h_w: bool,
     config: TileConfig,
-    gather: tuple[torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """down_dgrad for unweighted rows, with the router weight applied in the epilogue (router_epilogue):
     (d_gate_up [R, 2I], h_w [R, I] = w * h or None without store_h_w, d_w_part fp32
@@ -455,25 +454,18 @@ def down_dgrad_router(
 
     d_out_rows [R, H]: each row's d_out row, unweighted (zero for padding); row_src int32 [R]: the pair of
     each row (-1: padding), whose router weight weights.flat[pair] (fp32 or the activations' dtype) is w;
-    gate_up as in down_dgrad. With gather = (row_src, top_k) (the same row_src; the Gluon kernel only:
-    config.gluon), d_out_rows is the tokens' d_out [T, H] and row r reads d_out[row_src[r] // top_k] (zeros
-    where row_src[r] is -1) inside the kernel's loads: no d_out rows pass.
+    gate_up as in down_dgrad.
     """
-    if gather is not None:
-        check(config.gluon, f"down_dgrad gathers its rows in its loads on the Gluon core only, got {config}")
-        check(gather[0] is row_src and gather[1] >= 1, "gather must be (row_src, top_k >= 1), the same row_src")
-    check_row_src(row_src, gate_up_R2I.shape[0] if gather is not None else d_out_rows_RH.shape[0])
+    check_row_src(row_src, d_out_rows_RH.shape[0])
     check(weights_TK.is_floating_point() and weights_TK.is_contiguous(), "weights must be a contiguous float tensor")
     return _down_dgrad(d_out_rows_RH, w_down_EHI, gate_up_R2I, (row_src, weights_TK), block_expert, blocks, store_h_w,
-                       config, gather_top_k=None if gather is None else gather[1])
+                       config)
 
 
-def _down_dgrad(d_rows_RH, w_down_EHI, gate_up_R2I, router, block_expert, blocks, store_h_w, config, gather_top_k=None):
-    """router: None (weighted rows) or (row_src, weights) (down_dgrad_router); gather_top_k: d_rows is the
-    tokens' d_out [T, H], gathered through the router's row_src (the Gluon kernel)."""
+def _down_dgrad(d_rows_RH, w_down_EHI, gate_up_R2I, router, block_expert, blocks, store_h_w, config):
+    """router: None (weighted rows) or (row_src, weights) (down_dgrad_router)."""
     check_matrix(d_rows_RH, None, None, "d_y_rows")
-    hidden = d_rows_RH.shape[1]
-    rows = gate_up_R2I.shape[0] if gather_top_k is not None else d_rows_RH.shape[0]
+    rows, hidden = d_rows_RH.shape
     check(w_down_EHI.dim() == 3 and w_down_EHI.shape[1] == hidden, "w_down must be [E_l, H, I]")
     inter = w_down_EHI.shape[2]
     check_weight(w_down_EHI, d_rows_RH, (w_down_EHI.shape[0], hidden, inter), "w_down")
@@ -488,7 +480,7 @@ def _down_dgrad(d_rows_RH, w_down_EHI, gate_up_R2I, router, block_expert, blocks
     if config.gluon:
         gluon_down_dgrad.launch_down_dgrad(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up, row_src, weights, h_w, d_w_part,
                                            block_expert, blocks, split, config, router=router is not None,
-                                           store_h_w=store_h_w, gather_top_k=gather_top_k)
+                                           store_h_w=store_h_w)
     elif config.tma:
         tma_gemm.launch_down_dgrad(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up, row_src, weights, h_w, d_w_part,
                                    block_expert, blocks, split, config, router=router is not None, store_h_w=store_h_w)

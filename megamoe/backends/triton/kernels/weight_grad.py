@@ -69,20 +69,18 @@ def dw_kernel(
                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)
 
 
-def _launch(a, b, expert_offsets, num_experts, config, gather_a=None, gather_b=None, row_src=None):
+def _launch(a, b, expert_offsets, num_experts, config, gather_b=None, row_src=None):
     """dw [E_l, M, N] = a^T b per expert, in a's dtype: every tile of every expert, on the persistent grid.
-    gather_a / gather_b = (row_src, top_k): a is the tokens [T, M] / b the tokens [T, N], gathered in the Gluon
-    kernel's loads; row_src: see dw_down."""
+    gather_b = (row_src, top_k): b is the tokens [T, N], gathered in the Gluon kernel's loads; row_src: see
+    dw_down."""
     check(num_experts >= 1, f"num_experts must be >= 1, got {num_experts}")
-    check_expert_offsets(expert_offsets, b.shape[0] if gather_a is not None else a.shape[0], num_experts,
-                         config.block_k)
+    check_expert_offsets(expert_offsets, a.shape[0], num_experts, config.block_k)
     m_dim, n_dim = a.shape[1], b.shape[1]
     out = torch.empty(num_experts, m_dim, n_dim, dtype=a.dtype, device=a.device)
     if config.gluon:  # gluon_dw.py's warp-specialized kernel (operands TMA can address, checked there)
-        gluon_dw.launch_dw(a, b, out, expert_offsets, config, gather_a=gather_a, gather_b=gather_b, row_src=row_src)
+        gluon_dw.launch_dw(a, b, out, expert_offsets, config, gather_b=gather_b, row_src=row_src)
         return out
-    check(gather_a is None and gather_b is None,
-          f"gathering in the loads needs the Gluon kernel (config.gluon), got {config}")
+    check(gather_b is None, f"gathering in the loads needs the Gluon kernel (config.gluon), got {config}")
     max_tiles = num_experts * triton.cdiv(m_dim, config.block_m) * triton.cdiv(n_dim, config.block_n)
     grid = persistent_grid(a.device, max_tiles)
     if config.tma:  # tma_gemm.py's kernel (operands TMA can address, checked there)
@@ -103,22 +101,18 @@ def dw_down(
     num_experts: int,
     *,
     config: TileConfig,
-    gather: tuple[torch.Tensor, int] | None = None,
     row_src: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """d_w_down [E_l, H, I] = d_y_rows^T h per expert, in the rows' dtype.
 
     d_y_rows [R, H] and h [R, I], zero for padding, the router weight in one of them (one GPU: the d_out
     rows and h_w = w * h; expert parallel: w * d_out rows and h); expert_offsets int32 [E_l + 1].
-    config.block_k is the row step and must divide block_m. With gather = (row_src int32 [R], top_k) (the Gluon
-    kernel only: config.gluon), d_y_rows is the tokens d_out [T, H] and row r reads d_out[row_src[r] // top_k]
-    (zeros where row_src[r] is -1) inside the kernel's loads: no d_out rows pass. row_src (the schedule's, int32
-    [R], -1 on padding; with gather, the same tensor): the Gluon kernel skips an expert's last row step where it
-    holds padding rows only, the same sum for less work; the Triton kernels do not read it.
+    config.block_k is the row step and must divide block_m. row_src (the schedule's, int32 [R], -1 on
+    padding): the Gluon kernel (config.gluon) skips an expert's last row step where it holds padding rows
+    only, the same sum for less work; the Triton kernels do not read it.
     """
-    if gather is None:
-        check_row_operands(d_y_rows_RH, h_RI, ("d_y_rows", "h"))
-    return _launch(d_y_rows_RH, h_RI, expert_offsets, num_experts, config, gather_a=gather, row_src=row_src)
+    check_row_operands(d_y_rows_RH, h_RI, ("d_y_rows", "h"))
+    return _launch(d_y_rows_RH, h_RI, expert_offsets, num_experts, config, row_src=row_src)
 
 
 def dw_gate_up(
