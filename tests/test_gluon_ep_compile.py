@@ -55,24 +55,26 @@ def _ep_configs(hidden: int, inter: int, monkeypatch):
 
 
 def test_ep_table_runs_the_compiled_kernels(monkeypatch):
-    """The expert-parallel table is the one-GPU Hopper table but for gate_up_fwd, which runs the pulling kernel's
-    tile (x rows by TMA, the consumers' epilogue, 3 stages beside two staging buffers: gluon_gate_up's "s3b2") at
-    every H, gathering or not on one GPU."""
-    for hidden, inter in ((2048, 768), (4096, 1536), (2880, 2880)):
+    """The expert-parallel table is the one-GPU Hopper table but for gate_up_fwd, which runs a pulling kernel's tile
+    (x rows by TMA, 3 stages): where one GPU gathers x (H <= 2048), the consumers' epilogue beside two staging
+    buffers (gluon_gate_up's "s3b2"); elsewhere the hand-off kernel's ("s3-handoff"), as on one GPU."""
+    for hidden, inter, tile in ((2048, 768, "s3b2"), (4096, 1536, "s3-handoff"), (2880, 2880, "s3-handoff")):
         ep = _ep_configs(hidden, inter, monkeypatch)
         one_gpu = configs.tma_kernel_configs(hidden, inter, torch.bfloat16, torch.device("cpu"), 128)
         cfg = ep.gate_up_fwd
-        assert cfg.gluon and not cfg.gather and not cfg.handoff and gluon_gate_up.tile_of(cfg) == gluon_gate_up.TILES["s3b2"]
+        assert cfg.gluon and not cfg.gather and gluon_gate_up.tile_of(cfg) == gluon_gate_up.TILES[tile], (hidden, cfg)
         assert dataclasses.replace(ep, gate_up_fwd=one_gpu.gate_up_fwd) == one_gpu
 
 
-def _compile_pull(monkeypatch):
-    config = _ep_configs(H, I, monkeypatch).gate_up_fwd
+def _compile_pull(monkeypatch, hidden: int = H, inter: int = I):
+    """The pulling kernel the EP table runs at (hidden, inter): H <= 2048 gate_up_fwd_pull_kernel, else the hand-off
+    one."""
+    config = _ep_configs(hidden, inter, monkeypatch).gate_up_fwd
     tile = gluon_gate_up.tile_of(config)
-    x, w = torch.empty(R, H, dtype=torch.bfloat16), torch.empty(E, 2 * I, H, dtype=torch.bfloat16)
-    h, gate_up = torch.empty(R, I, dtype=torch.bfloat16), torch.empty(R, 2 * I, dtype=torch.bfloat16)
+    x, w = torch.empty(R, hidden, dtype=torch.bfloat16), torch.empty(E, 2 * inter, hidden, dtype=torch.bfloat16)
+    h, gate_up = torch.empty(R, inter, dtype=torch.bfloat16), torch.empty(R, 2 * inter, dtype=torch.bfloat16)
     descs = dict(zip(("x_desc", "w_desc", "h_desc", "gu_desc"), gluon_gate_up.descriptors(x, w, h, gate_up, tile)))
-    fn = gluon_ep.gate_up_fwd_pull_kernel
+    fn = gluon_ep.gate_up_fwd_pull_handoff_kernel if tile.handoff else gluon_ep.gate_up_fwd_pull_kernel
     consts = gluon_ep.constexprs(config, 1)
     signature = kernel_signature(fn, consts, {name: mangle_type(d) for name, d in descs.items()}, _arg_type)
     return tile, warp_specialized_report(compile_gluon(fn, signature, consts, divisible_by_16(fn, pointers(fn) | {"H", "I"})))
@@ -120,6 +122,33 @@ def test_pulling_gate_up_fwd_sm90a(monkeypatch):
     assert tile.smem_bytes() <= meta.shared <= SMEM_LIMIT
 
 
+def test_pulling_gate_up_fwd_handoff_sm90a(monkeypatch):
+    """The hand-off kernel with pulls (qwen3-235b-a22b's shape): gluon_gate_up.gate_up_fwd_handoff_kernel's GEMM
+    and stores (g, u and h, one [128, 1, 128] box each, from the epilogue warps), the same pull loop on one warp
+    (a row a step: 4 16-byte copies a thread), claims, acquire and fence as gate_up_fwd_pull_kernel; the claimed-tile
+    ring read by three partitions."""
+    tile, r = _compile_pull(monkeypatch, 4096, 1536)
+    ptx, meta, name = r["ptx"], r["compiled"].metadata, "gate_up_fwd_pull_handoff"
+    print(f"\n{name}: {meta.num_warps} warps, {r['ptxas']['registers']} registers, shared {meta.shared} B, "
+          f"setmaxnreg {r['setmaxnreg']}")
+    assert tile.handoff
+    assert r["wgmma_any"] == 16 and count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16", ptx) == 16
+    assert 2 in r["wait_groups"]
+    assert (r["tma_load_2d"], r["tma_load_3d"], r["cp_async"]) == (1, 2, 0)
+    assert count(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta\.bulk_group", ptx) == 3
+    assert count(r"ld\.global\.v4", ptx) == 4 and count(r"st\.global\.v4", ptx) == 4
+    # A one-warp partition's barrier is bar.warp.sync, which also orders the lanes' stores before lane 0's release.
+    assert count(r"bar\.warp\.sync", ptx) >= 1, "the pull warp's barrier"
+    assert count(r"(atom|red)\.global\.gpu\.release\.add", ptx) == 1
+    assert count(r"ld\.global\.gpu\.acquire\.b32", ptx) >= 1
+    assert count(r"fence\.proxy\.async\.global", ptx) == 1
+    assert r["mbar_init"] == 2 * tile.stages + 2 + 2 * 2  # ring, gu_ready / gu_free, the claimed-tile slots
+    assert meta.num_warps == 12
+    assert_register_split(name, r, tile.producer_regs, tile.consumer_regs)
+    assert_no_spills_or_serialisation(name, r)
+    assert tile.smem_bytes() <= meta.shared <= SMEM_LIMIT
+
+
 @pytest.mark.parametrize("gemm", ["down_fwd", "gate_up_dgrad"])
 def test_pushing_row_gemm_sm90a(gemm):
     tile, r = _compile_push(gemm)
@@ -139,15 +168,16 @@ def test_pushing_row_gemm_sm90a(gemm):
 # The claimed-tile ring, modelled
 
 
-def _run_ring(tiles: list[int], end: int, rng: random.Random):
-    """The producer publishes tiles + [end] as _publish_tile does, each consumer reads as _claimed_tile does, in a
-    random interleaving of the three. Returns what each consumer read; fails on a deadlock or an aliased wait."""
+def _run_ring(tiles: list[int], end: int, rng: random.Random, readers: int = 2):
+    """The producer publishes tiles + [end] as _publish_tile does, each reader (the two consumers; with the hand-off,
+    the epilogue warps too) reads as _claimed_tile does, in a random interleaving of all of them. Returns what each
+    reader read; fails on a deadlock or an aliased wait."""
     full = [MBarrier(f"id_full[{i}]", 1) for i in range(2)]
-    empty = [MBarrier(f"id_empty[{i}]", 2) for i in range(2)]
+    empty = [MBarrier(f"id_empty[{i}]", readers) for i in range(2)]
     slots = [None, None]
     claims = tiles + [end]
-    state = {"p": 0, "c": [0, 0]}
-    read = [[], []]
+    state = {"p": 0, "c": [0] * readers}
+    read = [[] for _ in range(readers)]
 
     def producer_step():
         j = state["p"]
@@ -156,36 +186,37 @@ def _run_ring(tiles: list[int], end: int, rng: random.Random):
         slot, parity = j % 2, ((j // 2) & 1) ^ 1
         if not empty[slot].passes(parity):
             return False
-        # the wait means phase j // 2 - 1 of empty[slot] (both consumers read claim j - 2): exactly that phase done
+        # the wait means phase j // 2 - 1 of empty[slot] (every reader read claim j - 2): exactly that phase done
         assert empty[slot].phase == j // 2, "producer's wait aliased"
         slots[slot] = claims[j]
         full[slot].arrive()
         state["p"] += 1
         return True
 
-    def consumer_step(wg):
+    def reader_step(wg):
         j = state["c"][wg]
         if read[wg] and read[wg][-1] == end:
             return False
         slot, parity = j % 2, (j // 2) & 1
         if not full[slot].passes(parity):
             return False
-        assert full[slot].phase == j // 2 + 1, "consumer's wait aliased"
+        assert full[slot].phase == j // 2 + 1, "reader's wait aliased"
         read[wg].append(slots[slot])
         empty[slot].arrive()
         state["c"][wg] += 1
         return True
 
-    steps = [producer_step, lambda: consumer_step(0), lambda: consumer_step(1)]
-    while not (read[0] and read[0][-1] == end and read[1] and read[1][-1] == end):
-        order = rng.sample(steps, 3)
+    steps = [producer_step] + [lambda wg=wg: reader_step(wg) for wg in range(readers)]
+    while not all(r and r[-1] == end for r in read):
+        order = rng.sample(steps, len(steps))
         assert any(step() for step in order), "deadlock"
     return read
 
 
-def test_claimed_tile_ring_model():
+@pytest.mark.parametrize("readers", [2, 3], ids=["consumers", "consumers+epilogue"])
+def test_claimed_tile_ring_model(readers):
     rng = random.Random(0)
     for _ in range(300):
         tiles = sorted(rng.sample(range(200), rng.randint(0, 12)))
-        read = _run_ring(tiles, 200, rng)
-        assert read[0] == read[1] == tiles + [200]
+        read = _run_ring(tiles, 200, rng, readers)
+        assert all(r == tiles + [200] for r in read)

@@ -181,12 +181,13 @@ def ep_tma_kernel_configs(
     hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device, block_m: int
 ) -> KernelConfigs | None:
     """The expert-parallel path's tiles on the Gluon core, or None where tma_kernel_configs has none: the one-GPU
-    table with gate_up_fwd on x rows by TMA and its epilogue on the consumers, 3 stages beside two staging
-    buffers (gate_up is always stored): the kernel the pulls run in (kernels/gluon_ep.py)."""
+    table with gate_up_fwd on x rows by TMA through 3 stages, the kernels the pulls run in (kernels/gluon_ep.py):
+    where one GPU hands the epilogue off (its x rows by a pass), the hand-off kernel; where one GPU gathers x, the
+    epilogue on the consumers beside two staging buffers (gate_up is always stored)."""
     table = tma_kernel_configs(hidden, intermediate, dtype, device, block_m)
     if table is None:
         return None
-    rows = dataclasses.replace(table.gate_up_fwd, gather=False, handoff=False, num_stages=3)
+    rows = dataclasses.replace(table.gate_up_fwd, gather=False, num_stages=3)
     return dataclasses.replace(table, gate_up_fwd=rows)
 
 

@@ -52,17 +52,18 @@ from megamoe.backends.triton.kernels.comm_tiles import (
 )
 from megamoe.backends.triton.kernels.gluon_common import thread_barrier, tile_origin
 from megamoe.backends.triton.kernels.gluon_gate_up import (
-    BLOCK_K, BLOCK_M, consumer_epilogue, consumer_main_loop, descriptors, produce_tile, tile_of,
+    BLOCK_K, BLOCK_M, EPILOGUE_WARPS, consumer_epilogue, consumer_main_loop, descriptors, epilogue_tile, hand_off,
+    produce_tile, tile_of,
 )
 from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
 
 PULL_WARPS = 2  # the pull partition's warps (beside the producer's, in its warpgroup: its registers)
+HANDOFF_PULL_WARPS = 1  # with the epilogue handed off, its two warps take two of the producer warpgroup's three
 PULL_UNIT_ROWS = 8  # rows per claim of the pull loop: a group's rows land together from many CTAs (divides block_m)
-PULL_ROWS = 2  # rows per step of the pull loop, one per warp (divides PULL_UNIT_ROWS)
 PULL_COLS = 1024  # columns per step: 4 16-byte copies in flight per thread
 _TILE_SLOTS = gl.constexpr(2)  # the claimed-tile ring: the producer runs at most a tile ahead of the consumers
 _BLOCK_M_C = gl.constexpr(BLOCK_M)  # the same, as the kernels see it
-_PULL_WARPS_C = gl.constexpr(PULL_WARPS)
+_EPILOGUE_WARPS_C = gl.constexpr(EPILOGUE_WARPS)
 
 
 @gluon.jit
@@ -135,9 +136,11 @@ def _publish_tile(tile_ids, id_full, id_empty, tile, j):
 
 
 @gluon.jit
-def _claimed_tile(tile_ids, id_full, id_empty, j):
-    """A consumer's claimed tile number j: wait for slot j % 2's index, read it, release the slot."""
-    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
+def _claimed_tile(tile_ids, id_full, id_empty, j, WARPS: gl.constexpr):
+    """A reader's (a consumer warpgroup's, or the WARPS epilogue warps') claimed tile number j: wait for slot j % 2's
+    index, read it, release the slot."""
+    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[WARPS],
+                                            order=[0])
     slot = j % _TILE_SLOTS
     mbarrier.wait(id_full.index(slot), (j // _TILE_SLOTS) & 1)
     tile = gl.max(tile_ids.index(slot).load(layout), axis=0)
@@ -190,14 +193,53 @@ def _consumer_claims(h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs, read
     c = 0  # slot counter: the producer's p for the same (tile, K step)
     n_stored = 0
     j = 0
-    tile = _claimed_tile(tile_ids, id_full, id_empty, j)
+    tile = _claimed_tile(tile_ids, id_full, id_empty, j, 4)
     while tile < num_m * num_n:
         row, col, _ = tile_origin(tile, first_m, num_m, num_n, _BLOCK_M_C, BLOCK_N, GROUP_M)
         acc_g, acc_u, c = consumer_main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG, False)
         n_stored = consumer_epilogue(h_desc, gu_desc, acc_g, acc_u, row, col, out_bufs, n_stored, WG, True)
         j += 1
-        tile = _claimed_tile(tile_ids, id_full, id_empty, j)
+        tile = _claimed_tile(tile_ids, id_full, id_empty, j, 4)
     tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _consumer_claims_handoff(a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free,
+                             tile_ids, id_full, id_empty, block_range_ptr, H, I, WG: gl.constexpr,
+                             SPLIT: gl.constexpr):
+    """One consumer warpgroup of the hand-off kernel: gluon_gate_up's main loop over the claimed tiles, in the
+    producer's order, each handed off to the epilogue warps (hand_off), until the index past the last."""
+    BLOCK_K: gl.constexpr = a_bufs.shape[2]
+    BLOCK_N: gl.constexpr = gate_bufs.shape[2]
+    first_m, end_m = load_range(block_range_ptr, SPLIT)
+    num_tiles = (end_m - first_m) * gl.cdiv(I, BLOCK_N)
+    k_steps = gl.cdiv(H, BLOCK_K)
+    c = 0  # slot counter: the producer's p for the same (tile, K step)
+    j = 0  # claimed tiles so far: use j of the hand-off buffers
+    tile = _claimed_tile(tile_ids, id_full, id_empty, j, 4)
+    while tile < num_tiles:
+        acc_g, acc_u, c = consumer_main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG, False)
+        hand_off(acc_g, acc_u, g_buf, u_buf, gu_ready, gu_free, j, WG)
+        j += 1
+        tile = _claimed_tile(tile_ids, id_full, id_empty, j, 4)
+
+
+@gluon.jit
+def _epilogue_claims(h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, tile_ids, id_full, id_empty, block_range_ptr, I,
+                     SPLIT: gl.constexpr, GROUP_M: gl.constexpr, ROWS: gl.constexpr):
+    """The hand-off kernel's epilogue warps: gluon_gate_up.epilogue_tile (g, u and h stored) for every claimed tile,
+    in the producer's order (a third reader of the claimed-tile ring), until the index past the last."""
+    BLOCK_N: gl.constexpr = g_buf.shape[1]
+    first_m, end_m = load_range(block_range_ptr, SPLIT)
+    num_m = end_m - first_m
+    num_n = gl.cdiv(I, BLOCK_N)
+    j = 0
+    tile = _claimed_tile(tile_ids, id_full, id_empty, j, _EPILOGUE_WARPS_C)
+    while tile < num_m * num_n:
+        row, col, _ = tile_origin(tile, first_m, num_m, num_n, _BLOCK_M_C, BLOCK_N, GROUP_M)
+        epilogue_tile(h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, row, col, j, True, ROWS)
+        j += 1
+        tile = _claimed_tile(tile_ids, id_full, id_empty, j, _EPILOGUE_WARPS_C)
 
 
 @gluon.jit
@@ -206,7 +248,7 @@ def gate_up_fwd_pull_kernel(x_desc, w_desc, h_desc, gu_desc, block_expert_ptr, b
                             group_blocks, timeout_ns,
                             SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, OUT_BUFS: gl.constexpr,
                             PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PULL_UNIT_ROWS: gl.constexpr,
-                            PULL_ROWS: gl.constexpr, PULL_COLS: gl.constexpr):
+                            PULL_WARPS: gl.constexpr, PULL_COLS: gl.constexpr):
     """h and gate_up of the row blocks in block_range (int32 [first, end] schedule blocks) over x_rows [R, H]
     (x_rows_ptr, and x_desc over it), pulled by this kernel (module docstring): pull_table_ptr int64 [W],
     pull_rank_ptr / pull_token_ptr int32 [R]; work_ptr: comm_tiles.work_buffer's (zeroed). Descriptors as
@@ -239,19 +281,72 @@ def gate_up_fwd_pull_kernel(x_desc, w_desc, h_desc, gu_desc, block_expert_ptr, b
                             id_empty, work_ptr, block_expert_ptr, block_range_ptr, H, I, group_blocks, timeout_ns,
                             SPLIT, GROUP_M, PULL_UNIT_ROWS)),
         (_puller, (x_rows_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, work_ptr, block_range_ptr, pull_programs,
-                   group_blocks, H, SPLIT, PULL_UNIT_ROWS, PULL_ROWS, PULL_COLS)),
-    ], [4, 1, _PULL_WARPS_C], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+                   group_blocks, H, SPLIT, PULL_UNIT_ROWS, PULL_COLS, PULL_WARPS)),
+    ], [4, 1, PULL_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+
+
+@gluon.jit
+def gate_up_fwd_pull_handoff_kernel(x_desc, w_desc, h_desc, gu_desc, block_expert_ptr, block_range_ptr, H, I,
+                                    x_rows_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, work_ptr, pull_programs,
+                                    group_blocks, timeout_ns,
+                                    SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                                    PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                    EPILOGUE_ROWS: gl.constexpr, PULL_UNIT_ROWS: gl.constexpr, PULL_WARPS: gl.constexpr,
+                                    PULL_COLS: gl.constexpr):
+    """gate_up_fwd_pull_kernel with gluon_gate_up.gate_up_fwd_handoff_kernel's epilogue: the consumers round g and u
+    into two [128, BLOCK_N] hand-off buffers and go on with the next claimed tile; EPILOGUE_WARPS warps store g, u
+    and h, reading the claimed tiles from the same ring (its empty barriers count 3 readers); PULL_WARPS warps pull.
+    The producer's warpgroup holds the producer, the epilogue and the pull warps. h_desc / gu_desc boxes cover a
+    whole tile ([128, 1, BLOCK_N]). Launch with num_warps=4."""
+    dtype: gl.constexpr = x_desc.dtype
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    gate_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    up_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    # [128, BLOCK_N] each, the 128-byte swizzle of h_desc's [128, 1, BLOCK_N] boxes (the TMA stores' view)
+    gu_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    g_buf = gl.allocate_shared_memory(dtype, [_BLOCK_M_C, h_desc.block_type.shape[2]], gu_layout)
+    u_buf = gl.allocate_shared_memory(dtype, [_BLOCK_M_C, h_desc.block_type.shape[2]], gu_layout)
+    tile_ids = gl.allocate_shared_memory(gl.int32, [_TILE_SLOTS, 32],
+                                         gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    gu_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    gu_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    id_full = gl.allocate_shared_memory(gl.int64, [_TILE_SLOTS, 1], mbarrier.MBarrierLayout())
+    id_empty = gl.allocate_shared_memory(gl.int64, [_TILE_SLOTS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready_bars.index(i), count=1)  # the producer's expect; the TMA bytes complete it
+        mbarrier.init(empty_bars.index(i), count=2)  # one arrive per consumer warpgroup
+    mbarrier.init(gu_ready, count=2)  # one arrive per consumer warpgroup
+    mbarrier.init(gu_free, count=1)  # the epilogue warps' arrive
+    for i in gl.static_range(_TILE_SLOTS):
+        mbarrier.init(id_full.index(i), count=1)  # the producer's hand-over
+        mbarrier.init(id_empty.index(i), count=3)  # each consumer and the epilogue warps have read the index
+    fence_async_shared()  # the initialised barriers are visible to the async proxy (TMA) before use
+    gl.warp_specialize([
+        (_consumer_claims_handoff, (a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free,
+                                    tile_ids, id_full, id_empty, block_range_ptr, H, I, 0, SPLIT)),
+        (_consumer_claims_handoff, (a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free,
+                                    tile_ids, id_full, id_empty, block_range_ptr, H, I, 1, SPLIT)),
+        (_producer_claims, (x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, tile_ids, id_full,
+                            id_empty, work_ptr, block_expert_ptr, block_range_ptr, H, I, group_blocks, timeout_ns,
+                            SPLIT, GROUP_M, PULL_UNIT_ROWS)),
+        (_epilogue_claims, (h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, tile_ids, id_full, id_empty,
+                            block_range_ptr, I, SPLIT, GROUP_M, EPILOGUE_ROWS)),
+        (_puller, (x_rows_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, work_ptr, block_range_ptr, pull_programs,
+                   group_blocks, H, SPLIT, PULL_UNIT_ROWS, PULL_COLS, PULL_WARPS)),
+    ], [4, 1, _EPILOGUE_WARPS_C, PULL_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
 @gluon.jit
 def _puller(x_rows_ptr, table_ptr, src_rank_ptr, src_token_ptr, work_ptr, block_range_ptr, pull_programs, group_blocks,
-            H, SPLIT: gl.constexpr, UNIT_ROWS: gl.constexpr, ROWS: gl.constexpr, COLS: gl.constexpr):
-    """The pull partition (PULL_WARPS warps beside the producer's): in the first pull_programs CTAs, the pull loop
-    over the whole block range; elsewhere nothing."""
+            H, SPLIT: gl.constexpr, UNIT_ROWS: gl.constexpr, COLS: gl.constexpr, WARPS: gl.constexpr):
+    """The pull partition (WARPS warps beside the producer's): in the first pull_programs CTAs, the pull loop over the
+    whole block range, a row per warp and step; elsewhere nothing."""
     if gl.program_id(0) < pull_programs:
         first_block, end_block = load_range(block_range_ptr, 1)
         pull_groups(x_rows_ptr, table_ptr, src_rank_ptr, src_token_ptr, work_ptr, first_block, end_block, group_blocks,
-                    H, _BLOCK_M_C * SPLIT, UNIT_ROWS, ROWS, COLS, _PULL_WARPS_C)
+                    H, _BLOCK_M_C * SPLIT, UNIT_ROWS, WARPS, COLS, WARPS)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -259,19 +354,22 @@ def _puller(x_rows_ptr, table_ptr, src_rank_ptr, src_token_ptr, work_ptr, block_
 
 
 def constexprs(config: TileConfig, split: int) -> dict:
-    """The kernel's constexpr arguments (the launcher and tests/test_gluon_ep_compile.py share them)."""
+    """The constexpr arguments of the kernel the config runs (gate_up_fwd_pull_handoff_kernel with config.handoff,
+    else gate_up_fwd_pull_kernel; the launcher and tests/test_gluon_ep_compile.py share them)."""
     tile = tile_of(config)
-    return dict(SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages, OUT_BUFS=tile.out_bufs,
-                PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs, PULL_UNIT_ROWS=PULL_UNIT_ROWS,
-                PULL_ROWS=PULL_ROWS, PULL_COLS=PULL_COLS)
+    shared = dict(SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages, PRODUCER_REGS=tile.producer_regs,
+                  CONSUMER_REGS=tile.consumer_regs, PULL_UNIT_ROWS=PULL_UNIT_ROWS, PULL_COLS=PULL_COLS)
+    if tile.handoff:
+        return dict(shared, EPILOGUE_ROWS=tile.epilogue_rows, PULL_WARPS=HANDOFF_PULL_WARPS)
+    return dict(shared, OUT_BUFS=tile.out_bufs, PULL_WARPS=PULL_WARPS)
 
 
 def gate_up_fwd_pull(x_rows: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_expert: torch.Tensor,
                      blocks: torch.Tensor, pull: RowPull, *, config: TileConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(h [R, I], gate_up [R, 2I]) of the schedule blocks in `blocks` (device range: no host sync), the rows of
     x_rows [R, H] pulled by the kernel itself (pull: comm_tiles.RowPull; its programs: the CTAs whose pull warps pull,
-    at most the grid). config: the tile table's
-    gate_up_fwd entry for x rows by TMA (not gathering, no hand-off)."""
+    at most the grid). config: the tile table's gate_up_fwd entry for x rows by TMA (not gathering); with handoff,
+    the hand-off kernel (3 stages)."""
     check(x_rows.dtype in (torch.bfloat16, torch.float16), f"16-bit activations, got {x_rows.dtype}")
     check_matrix(x_rows, None, None, "x_rows")
     rows, hidden = x_rows.shape
@@ -279,8 +377,9 @@ def gate_up_fwd_pull(x_rows: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_e
     inter = w_gate_up_E2IH.shape[1] // 2
     check_weight(w_gate_up_E2IH, x_rows, (w_gate_up_E2IH.shape[0], 2 * inter, hidden), "w_gate_up")
     check(config.gluon and config.block_m == BLOCK_M and config.block_k == BLOCK_K and not config.gather
-          and not config.handoff, f"the pulling gate_up_fwd runs the Gluon kernel's {BLOCK_M} x n x {BLOCK_K} tile on "
-          f"x rows by TMA, got {config}")
+          and (not config.handoff or config.num_stages == 3),
+          f"the pulling gate_up_fwd runs the Gluon kernel's {BLOCK_M} x n x {BLOCK_K} tile on x rows by TMA (the "
+          f"hand-off kernel through 3 stages), got {config}")
     check_pull(pull, x_rows)
     split, block_range = check_rows(rows, block_expert, blocks, BLOCK_M)
     check(rows // block_expert.numel() % PULL_UNIT_ROWS == 0,
@@ -293,7 +392,8 @@ def gate_up_fwd_pull(x_rows: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_e
     descs = descriptors(x_rows, w_gate_up_E2IH, h, gate_up, tile)
     grid = max(1, min(num_sms(x_rows.device), rows // BLOCK_M * triton.cdiv(inter, tile.block_n)))
     work, _ = work_buffer(triton.cdiv(block_expert.numel(), pull.group_blocks), 0, x_rows.device)
-    gate_up_fwd_pull_kernel[(grid,)](
+    kernel = gate_up_fwd_pull_handoff_kernel if tile.handoff else gate_up_fwd_pull_kernel
+    kernel[(grid,)](
         *descs, block_expert, block_range, hidden, inter,
         x_rows, pull.table, pull.src_rank, pull.src_token, work, min(pull.programs, grid), pull.group_blocks,
         pull.timeout_ns, **constexprs(config, split), num_warps=4,

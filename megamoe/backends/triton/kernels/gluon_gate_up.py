@@ -288,13 +288,10 @@ def consumer_epilogue(h_desc, gu_desc, acc_g, acc_u, row, col, out_bufs, n_store
 def _consumer_handoff(a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free,
                       block_range_ptr, H, I, WG: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
     """_consumer's main loop (x rows by TMA); its epilogue only rounds g and u into the hand-off buffers (rows
-    [64 WG, 64 WG + 64) of the tile) and hands them to the epilogue warps, which do the SwiGLU and the stores.
-    Use t of the buffers (the CTA's t-th tile): wait for gu_free's phase t - 1 (the epilogue's release of
-    tile t - 1; a fresh barrier passes t = 0), write, fence for the TMA engine, arrive on gu_ready (count 2)."""
+    [64 WG, 64 WG + 64) of the tile) and hands them to the epilogue warps, which do the SwiGLU and the stores
+    (hand_off)."""
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
-    BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_N: gl.constexpr = gate_bufs.shape[2]
-    CONSUMER_ROWS: gl.constexpr = BLOCK_M // 2
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
     num_n = gl.cdiv(I, BLOCK_N)
@@ -303,45 +300,61 @@ def _consumer_handoff(a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empt
     t = 0  # tiles of this CTA so far: use t of the hand-off buffers
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         acc_g, acc_u, c = consumer_main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG, False)
-        # The epilogue warps have stored the previous tile out of the buffers (a fresh barrier passes use 0).
-        mbarrier.wait(gu_free, (t & 1) ^ 1)
-        g_buf.slice(WG * CONSUMER_ROWS, CONSUMER_ROWS).store(acc_g.to(g_buf.dtype))
-        u_buf.slice(WG * CONSUMER_ROWS, CONSUMER_ROWS).store(acc_u.to(u_buf.dtype))
-        fence_async_shared()  # the epilogue's TMA stores read these writes through the async proxy
-        mbarrier.arrive(gu_ready)
+        hand_off(acc_g, acc_u, g_buf, u_buf, gu_ready, gu_free, t, WG)
         t += 1
+
+
+@gluon.jit
+def hand_off(acc_g, acc_u, g_buf, u_buf, gu_ready, gu_free, t, WG: gl.constexpr):
+    """A consumer's hand-off of its tile t (the CTA's t-th): wait for gu_free's phase t - 1 (the epilogue warps
+    stored tile t - 1 out of the buffers; a fresh barrier passes t = 0), round g and u into rows [64 WG, 64 WG + 64)
+    of the buffers, fence for the TMA engine, arrive on gu_ready (count 2)."""
+    CONSUMER_ROWS: gl.constexpr = acc_g.shape[0]
+    mbarrier.wait(gu_free, (t & 1) ^ 1)
+    g_buf.slice(WG * CONSUMER_ROWS, CONSUMER_ROWS).store(acc_g.to(g_buf.dtype))
+    u_buf.slice(WG * CONSUMER_ROWS, CONSUMER_ROWS).store(acc_u.to(u_buf.dtype))
+    fence_async_shared()  # the epilogue's TMA stores read these writes through the async proxy
+    mbarrier.arrive(gu_ready)
 
 
 @gluon.jit
 def _epilogue(h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, block_range_ptr, I, STORE_GATE_UP: gl.constexpr,
               SPLIT: gl.constexpr, GROUP_M: gl.constexpr, ROWS: gl.constexpr):
-    """EPILOGUE_WARPS warps: per tile t, once gu_ready's phase t completed (both consumers handed g and u over),
-    TMA-store them (STORE_GATE_UP), compute h = swiglu(g, u) ROWS rows at a time from the buffers, writing h over
-    g (whose store has read it), TMA-store h, and once that store has read the buffer, arrive on gu_free."""
+    """EPILOGUE_WARPS warps: epilogue_tile for every tile of this CTA, in order."""
     BLOCK_M: gl.constexpr = g_buf.shape[0]
     BLOCK_N: gl.constexpr = g_buf.shape[1]
-    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16],
-                                            warps_per_cta=[_EPILOGUE_WARPS, 1], order=[1, 0])
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
     num_n = gl.cdiv(I, BLOCK_N)
     t = 0
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         row, col, _ = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
-        mbarrier.wait(gu_ready, t & 1)
-        if STORE_GATE_UP:
-            tma_store(gu_desc, [row, 0, col], g_buf.reshape(gu_desc.block_type.shape))
-            tma_store(gu_desc, [row, 1, col], u_buf.reshape(gu_desc.block_type.shape))
-            tma.store_wait(pendings=0)  # g's store has read g_buf: h may overwrite it
-        for r in gl.static_range(0, BLOCK_M, ROWS):
-            g = g_buf.slice(r, ROWS).load(layout)
-            u = u_buf.slice(r, ROWS).load(layout)
-            g_buf.slice(r, ROWS).store(swiglu(g, u).to(g_buf.dtype))
-        fence_async_shared()  # the generic-proxy writes are visible to the TMA engine
-        tma_store(h_desc, [row, 0, col], g_buf.reshape(h_desc.block_type.shape))
-        tma.store_wait(pendings=0)  # h's store has read the buffer
-        mbarrier.arrive(gu_free)
+        epilogue_tile(h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, row, col, t, STORE_GATE_UP, ROWS)
         t += 1
+
+
+@gluon.jit
+def epilogue_tile(h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, row, col, t, STORE_GATE_UP: gl.constexpr,
+                  ROWS: gl.constexpr):
+    """The epilogue warps' tile t (at row, col): once gu_ready's phase t completed (both consumers handed g and u
+    over), TMA-store them (STORE_GATE_UP), compute h = swiglu(g, u) ROWS rows at a time from the buffers, writing h
+    over g (whose store has read it), TMA-store h, and once that store has read the buffer, arrive on gu_free."""
+    BLOCK_M: gl.constexpr = g_buf.shape[0]
+    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16],
+                                            warps_per_cta=[_EPILOGUE_WARPS, 1], order=[1, 0])
+    mbarrier.wait(gu_ready, t & 1)
+    if STORE_GATE_UP:
+        tma_store(gu_desc, [row, 0, col], g_buf.reshape(gu_desc.block_type.shape))
+        tma_store(gu_desc, [row, 1, col], u_buf.reshape(gu_desc.block_type.shape))
+        tma.store_wait(pendings=0)  # g's store has read g_buf: h may overwrite it
+    for r in gl.static_range(0, BLOCK_M, ROWS):
+        g = g_buf.slice(r, ROWS).load(layout)
+        u = u_buf.slice(r, ROWS).load(layout)
+        g_buf.slice(r, ROWS).store(swiglu(g, u).to(g_buf.dtype))
+    fence_async_shared()  # the generic-proxy writes are visible to the TMA engine
+    tma_store(h_desc, [row, 0, col], g_buf.reshape(h_desc.block_type.shape))
+    tma.store_wait(pendings=0)  # h's store has read the buffer
+    mbarrier.arrive(gu_free)
 
 
 @gluon.jit
