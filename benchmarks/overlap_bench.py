@@ -2,7 +2,7 @@
 
 Usage: torchrun --nproc-per-node=N benchmarks/overlap_bench.py [--workloads A,B] [--tokens T]
            [--num-comm-sms S] [--minibatch-tokens M] [--routing balanced|skewed] [--probes P,Q] [--json PATH]
-           [--profile N]
+           [--profile N] [--rounds R]
 
 Per workload (default qwen3-30b-a3b and qwen3-235b-a22b at their 16384 tokens per GPU, E/N experts per
 GPU, bf16, no shared expert), each pass ("fwd", "fwd+bwd") of the EP layer (ep.experts_fwd/_bwd; the
@@ -18,33 +18,64 @@ ranks (megamoe.bench.measure):
   serial   no overlap: whole exchanges around plain GEMMs on every SM (the layer with overlap=False)
   one_gpu  EP = 1 only: the one-GPU path on the same schedule (its Gluon kernels, no exchange), what a group of
            one runs through megamoe.experts: the time the EP kernels would match with no peer to talk to
+  fused_no_handoff  fused with gate_up_fwd's pulling kernel keeping its epilogue on the consumers where the table
+           hands it off (H > 2048; elsewhere the same kernels as fused): the A/B of that choice
 --probes times a subset (hidden/exposed need fused, compute and comm).
 hidden = compute + comm - fused (the communication time that ran under compute), reported as a
 fraction of comm; exposed = fused - compute (it includes what the SMs given to communication cost the
 GEMMs). Gate before timing: fused and serial give bitwise equal outputs and gradients.
---profile N: after the timing, the GPU time per kernel of N fwd+bwd calls of the fused layer (and of the one-GPU
+--rounds R: every probe timed R times, in rounds whose order rotates by one (megamoe.bench.measure.alternating_rounds:
+no probe always runs first or after the same neighbour); the median over rounds is reported, every round in the
+JSON. --profile N: after the timing, the GPU time per kernel of N fwd+bwd calls of the fused layer (and of the one-GPU
 path at EP = 1), rank 0's, from torch.profiler: where the fused layer's time goes (printed; in the JSON).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import functools
 import json
 import os
+import statistics
 
 import torch
 import torch.distributed as dist
 
 from megamoe.backends.triton import ep, experts
 from megamoe.backends.triton.configs import block_m_for
-from megamoe.bench.measure import kernel_times, median_ms
+from megamoe.bench.measure import alternating_rounds, kernel_times, median_ms
 from megamoe.bench.routing import ROUTINGS, route
 from megamoe.bench.workloads import WORKLOADS
 from megamoe.config import MoEConfig
 from megamoe.schedule import build_schedule
 
 from ep_probes import comm_bwd, comm_fwd, compute_bwd, compute_fwd  # benchmarks/ is the script's directory
+
+@contextlib.contextmanager
+def _no_handoff():
+    """The EP table with gate_up_fwd's hand-off off (its pulling kernel keeps the epilogue on the consumers)."""
+    shipped = ep.ep_tma_kernel_configs
+
+    def table(*args):
+        t = shipped(*args)
+        return t if t is None else dataclasses.replace(t, gate_up_fwd=dataclasses.replace(t.gate_up_fwd, handoff=False))
+
+    ep.ep_tma_kernel_configs = table
+    try:
+        yield
+    finally:
+        ep.ep_tma_kernel_configs = shipped
+
+
+def _without_handoff(fn):
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with _no_handoff():
+            return fn(*args, **kwargs)
+    return call
+
 
 # What each probe runs: (forward, backward), called as ep.experts_fwd / ep.experts_bwd are.
 PASSES = {
@@ -53,6 +84,7 @@ PASSES = {
     "comm": (comm_fwd, comm_bwd),
     "serial": (functools.partial(ep.experts_fwd, overlap=False), functools.partial(ep.experts_bwd, overlap=False)),
     "one_gpu": (experts.experts_fwd, experts.experts_bwd),
+    "fused_no_handoff": (_without_handoff(ep.experts_fwd), _without_handoff(ep.experts_bwd)),
 }
 PROBES = tuple(PASSES)
 PROFILE_TOP = 16  # kernels printed per profiled probe (the JSON has all)
@@ -100,7 +132,8 @@ def main() -> None:
     parser.add_argument("--routing", default="balanced", choices=ROUTINGS)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--probes", default=",".join(PROBES))
+    parser.add_argument("--probes", default=",".join(p for p in PROBES if p != "fused_no_handoff"))
+    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after timing, GPU time per kernel over N fwd+bwd calls of fused (and one_gpu)")
@@ -132,19 +165,17 @@ def main() -> None:
             raise SystemExit(f"{name}: the overlapped EP layer differs bitwise from the serial one; not timing")
         del fused, serial
         for pass_name in ("fwd", "fwd+bwd"):
-            ms = {}
-            for what in probes:
-                ms[what] = median_ms(
-                    lambda i, what=what, p=p, s=schedule: _run(p, s, group, config, what, pass_name == "fwd+bwd"),
-                    iters=args.iters, warmup=args.warmup, device=device, group=group,
-                )
-            ms = {what: ms.get(what, float("nan")) for what in PROBES}  # NaN (null in the JSON): not timed
+            calls = {what: functools.partial(_run, p, schedule, group, config, what, pass_name == "fwd+bwd")
+                     for what in probes}
+            rounds = alternating_rounds(calls, args.rounds, lambda call: median_ms(
+                lambda i: call(), iters=args.iters, warmup=args.warmup, device=device, group=group))
+            ms = {what: statistics.median(rounds[what]) if what in rounds else float("nan") for what in PROBES}
             hidden = ms["compute"] + ms["comm"] - ms["fused"]
             records.append({
                 "workload": name, "ep": world, "tokens": tokens, "routing": args.routing, "pass": pass_name,
                 "num_comm_sms": ep.comm_programs(config, device, gluon=gluon),
                 "blocks_per_flag": ep.group_blocks(schedule, config),
-                **{f"{k}_ms": v for k, v in ms.items()},
+                **{f"{k}_ms": v for k, v in ms.items()}, "rounds_ms": rounds,
                 "hidden_ms": hidden, "hidden_frac": hidden / ms["comm"],
                 "exposed_ms": ms["fused"] - ms["compute"], "speedup_vs_serial": ms["serial"] / ms["fused"],
             })
@@ -168,7 +199,8 @@ def main() -> None:
         for r in records:
             print(f"{r['workload']:17} {r['pass']:8} {r['num_comm_sms']:8d} {r['fused_ms']:7.3f} {r['compute_ms']:7.3f} "
                   f"{r['comm_ms']:7.3f} {r['compute_ms'] + r['comm_ms']:7.3f} {r['serial_ms']:7.3f} "
-                  f"{r['hidden_ms']:7.3f} {100 * r['hidden_frac']:5.1f} {r['exposed_ms']:7.3f} {r['one_gpu_ms']:7.3f}")
+                  f"{r['hidden_ms']:7.3f} {100 * r['hidden_frac']:5.1f} {r['exposed_ms']:7.3f} {r['one_gpu_ms']:7.3f}"
+                  + (f"  no-handoff {r['fused_no_handoff_ms']:7.3f}" if r['fused_no_handoff_ms'] == r['fused_no_handoff_ms'] else ""))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump([{k: None if v != v else v for k, v in r.items()} for r in records], f, indent=1)
