@@ -2,8 +2,11 @@
 warps pull from the token owners while its tensor cores compute.
 
 gate_up_fwd_pull_kernel computes what gluon_gate_up.gate_up_fwd_ws_kernel computes on x rows read by TMA (the same
-main loop, epilogue and bits: h, gate_up), with three differences, the protocol of the fused Triton kernels
-(kernels/comm_tiles.py, kernels/ep_fused.py) on the Gluon kernel's partitions:
+main loop, epilogue and bits: h, gate_up), and gate_up_fwd_pull_handoff_kernel what gate_up_fwd_handoff_kernel
+computes (the epilogue handed off to two warps of its own: the table's choice where one GPU makes it, H > 2048; its
+pulls on HANDOFF_PULL_WARPS warps, the epilogue warps a third reader of the claimed tiles), with three differences,
+the protocol of the fused Triton kernels (kernels/comm_tiles.py, kernels/ep_fused.py) on the Gluon kernel's
+partitions:
 
   * Pulls. A partition of PULL_WARPS warps beside the producer's (in its warpgroup, at its registers) runs the
     pull loop (pull_groups) in the first `pull_programs` CTAs while the consumers compute: claim a unit of
