@@ -20,8 +20,10 @@ the weighted sum over a token's k experts. Two entry points (--sonic):
 Its gate/up weight interleaves gate and up rows (row 2j gate j, row 2j + 1 up j); it gets a copy of megamoe's
 w_gate_up in that order, made once before timing (its w_down layout is megamoe's, shared as is), and its gate/up
 gradient, in the same order, is reordered for the comparison only: timed calls leave it as SonicMoE returns it. It has no
-shared expert: with SonicMoE, workloads with one are skipped, not timed without it. --torchtitan adds the
-TorchTitan-style path (megamoe.bench.baselines, the bench's headline baseline) to the alternation.
+shared expert: with SonicMoE, a workload with one (deepseek-v3, kimi-k2) is compared on its routed experts alone, the
+shared expert left out of every path (records carry routed_only: true; FLOPs and MFU count the routed experts only).
+--torchtitan adds the TorchTitan-style path (megamoe.bench.baselines, the bench's headline baseline) to the
+alternation.
 
 Usage: python benchmarks/sonicmoe_ab.py WORKLOAD[,WORKLOAD...] OUT.json [--routing balanced,skewed]
        [--sonic fixed-k,general|none] [--torchtitan] [--pass fwd+bwd,fwd] [--backend auto] [--rounds 4] [--iters 10]
@@ -35,7 +37,7 @@ nvidia_cutlass_dsl/python_packages, which a .pth file adds to the path; with `pi
 DIR/nvidia_cutlass_dsl/python_packages on PYTHONPATH yourself), and sonic-moe's `sonicmoe/` (8565e84) and
 quack's `quack/` (3d0ab3ec) on PYTHONPATH (`git archive` of each).
 """
-import argparse, contextlib, functools, json, statistics, torch
+import argparse, contextlib, dataclasses, functools, json, statistics, torch
 from megamoe.bench.gate import experts_fn
 from megamoe.bench.measure import CEILING_FLOPS, call_times_ms, ceiling_matmul, cuda_graph, kernel_times
 from megamoe.bench.problem import Tokens, forward_TH, forward_backward, make_tokens, make_weights
@@ -129,6 +131,9 @@ def _replay_diff(replay, captured: dict[str, torch.Tensor], eager: dict[str, tor
 def run_workload(name: str, pass_name: str, args, device: torch.device, dtype: torch.dtype) -> list[dict]:
     """The paths on one workload and pass, per routing: a record per (routing, path)."""
     w = WORKLOADS[name]
+    routed_only = bool(args.sonic and w.shared_intermediate)  # SonicMoE runs no shared expert: no path does
+    if routed_only:
+        w = dataclasses.replace(w, shared_intermediate=0)
     E = w.one_gpu_experts or w.num_experts; T = w.tokens_per_gpu
     backward = pass_name == "fwd+bwd"
     weights = make_weights(w, range(E), dtype, device)
@@ -212,7 +217,7 @@ def run_workload(name: str, pass_name: str, args, device: torch.device, dtype: t
                 ceiling_tflops=ceiling, mfu=tflops / ceiling if ceiling else None,
                 # With --graph the captured graphs' memory pools count as allocated: no peak.
                 peak_above_inputs_gib=peak[p] / 2**30 if on_gpu and not args.graph else None, experts=E, tokens=T,
-                graph=args.graph,
+                graph=args.graph, routed_only=routed_only,
                 rel_diff_to_megamoe=diff, agrees=None if diff is None else all(d <= MAX_REL_DIFF for d in diff.values()),
                 **({"profile": profiles[p]} if p in profiles else {})))
             print(json.dumps(records[-1]), flush=True)
@@ -262,8 +267,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with torch.cuda.stream(torch.cuda.Stream()) if args.graph else contextlib.nullcontext():
         for name in args.workloads.split(","):
             if args.sonic and WORKLOADS[name].shared_intermediate:
-                print(f"{name}: skipped (a shared expert, which SonicMoE does not run)", flush=True)
-                continue
+                print(f"{name}: its routed experts only (SonicMoE runs no shared expert)", flush=True)
             for pass_name in args.passes:
                 out += run_workload(name, pass_name, args, device, dtype)
                 if device.type == "cuda":

@@ -1,6 +1,7 @@
 """benchmarks/sonicmoe_ab.py on CPU: the side-by-side harness with the TorchTitan-style path, and its SonicMoE
 weight layout (gate and up rows interleaved, the gradients mapped back) checked against a torch model of that
 layout, since SonicMoE's own kernels need a Hopper GPU."""
+import dataclasses
 import importlib.util
 import json
 import pathlib
@@ -9,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megamoe.bench.workloads import WORKLOADS, Workload
+from megamoe.bench.workloads import WORKLOADS, Workload, layer_flops
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -40,11 +41,17 @@ def test_sonic_layout_and_torchtitan_agree_with_megamoe(ab, monkeypatch, tmp_pat
     records = ab.main(["tiny,cpu-small", str(out_json), "--sonic", "model", "--torchtitan", "--pass", "fwd+bwd,fwd",
                        "--rounds", "2", "--iters", "1"])
     assert records == json.loads(out_json.read_text())
-    # cpu-small has a shared expert, which SonicMoE does not run: skipped with a SonicMoE path.
     assert sorted((r["workload"], r["routing"], r["pass_name"], r["path"]) for r in records) == sorted(
-        ("tiny", routing, pass_name, path) for routing in ("balanced", "skewed") for pass_name in ("fwd+bwd", "fwd")
-        for path in ("megamoe", "torchtitan", "sonicmoe-model"))
+        (name, routing, pass_name, path) for name in ("tiny", "cpu-small") for routing in ("balanced", "skewed")
+        for pass_name in ("fwd+bwd", "fwd") for path in ("megamoe", "torchtitan", "sonicmoe-model"))
+    # cpu-small has a shared expert, which SonicMoE does not run: every path runs its routed experts alone, and
+    # its FLOPs count those (megamoe's shared expert would show as a difference in out and d_x otherwise).
+    routed = dataclasses.replace(WORKLOADS["cpu-small"], shared_intermediate=0)
     for r in records:
+        assert r["routed_only"] == (r["workload"] == "cpu-small")
+        if r["routed_only"]:
+            flops = layer_flops(routed, routed.tokens_per_gpu, r["pass_name"])
+            assert r["tflops"] == pytest.approx(flops / r["ms"] / 1e9)
         keys = {"out", "d_x", "d_topk_weights", "d_w_gate_up", "d_w_down"} if r["pass_name"] == "fwd+bwd" else {"out"}
         assert r["ms"] > 0 and r["peak_above_inputs_gib"] is None
         assert r["ceiling_tflops"] is None and r["mfu"] is None  # the ceiling's turn runs on GPUs only

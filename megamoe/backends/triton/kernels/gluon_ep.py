@@ -56,7 +56,7 @@ from megamoe.backends.triton.kernels.comm_tiles import (
 from megamoe.backends.triton.kernels.gluon_common import thread_barrier, tile_origin
 from megamoe.backends.triton.kernels.gluon_gate_up import (
     BLOCK_K, BLOCK_M, EPILOGUE_WARPS, consumer_epilogue, consumer_main_loop, descriptors, epilogue_tile, hand_off,
-    produce_tile, tile_of,
+    handoff_smem, produce_tile, tile_of,
 )
 from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
 
@@ -301,27 +301,12 @@ def gate_up_fwd_pull_handoff_kernel(x_desc, w_desc, h_desc, gu_desc, block_exper
     and h, reading the claimed tiles from the same ring (its empty barriers count 3 readers); PULL_WARPS warps pull.
     The producer's warpgroup holds the producer, the epilogue and the pull warps. h_desc / gu_desc boxes cover a
     whole tile ([128, 1, BLOCK_N]). Launch with num_warps=4."""
-    dtype: gl.constexpr = x_desc.dtype
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-    gate_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    up_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    # [128, BLOCK_N] each, the 128-byte swizzle of h_desc's [128, 1, BLOCK_N] boxes (the TMA stores' view)
-    gu_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    g_buf = gl.allocate_shared_memory(dtype, [_BLOCK_M_C, h_desc.block_type.shape[2]], gu_layout)
-    u_buf = gl.allocate_shared_memory(dtype, [_BLOCK_M_C, h_desc.block_type.shape[2]], gu_layout)
+    a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free = handoff_smem(
+        x_desc, w_desc, h_desc, STAGES)
     tile_ids = gl.allocate_shared_memory(gl.int32, [_TILE_SLOTS, 32],
                                          gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
-    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    gu_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    gu_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     id_full = gl.allocate_shared_memory(gl.int64, [_TILE_SLOTS, 1], mbarrier.MBarrierLayout())
     id_empty = gl.allocate_shared_memory(gl.int64, [_TILE_SLOTS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready_bars.index(i), count=1)  # the producer's expect; the TMA bytes complete it
-        mbarrier.init(empty_bars.index(i), count=2)  # one arrive per consumer warpgroup
-    mbarrier.init(gu_ready, count=2)  # one arrive per consumer warpgroup
-    mbarrier.init(gu_free, count=1)  # the epilogue warps' arrive
     for i in gl.static_range(_TILE_SLOTS):
         mbarrier.init(id_full.index(i), count=1)  # the producer's hand-over
         mbarrier.init(id_empty.index(i), count=3)  # each consumer and the epilogue warps have read the index

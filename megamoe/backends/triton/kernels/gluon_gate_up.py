@@ -358,19 +358,15 @@ def epilogue_tile(h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, row, col, t,
 
 
 @gluon.jit
-def gate_up_fwd_handoff_kernel(x_desc, w_desc, h_desc, gu_desc, block_expert_ptr, block_range_ptr, H, I,
-                               STORE_GATE_UP: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr,
-                               STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                               EPILOGUE_ROWS: gl.constexpr):
-    """gate_up_fwd_ws_kernel's results (x rows by TMA) with the epilogue off the consumers' path: the consumers
-    round g and u into two [128, BLOCK_N] hand-off buffers and go on to the next tile's main loop;
-    EPILOGUE_WARPS warps of their own (in the producer's warpgroup, with its registers) store g and u, compute
-    h and store it. h_desc / gu_desc boxes cover a whole tile ([128, 1, BLOCK_N]). Launch with num_warps=4."""
+def handoff_smem(x_desc, w_desc, h_desc, STAGES: gl.constexpr):
+    """The hand-off kernels' shared memory, barriers initialised (the caller fences them): the A and weight rings
+    (STAGES slots each), the [128, BLOCK_N] g and u hand-off buffers in the 128-byte swizzle of h_desc's
+    [128, 1, BLOCK_N] boxes (the TMA stores' view), "ready" (the producer's expect) and "empty" (one arrive per
+    consumer warpgroup) per slot, gu_ready (one arrive per consumer warpgroup) and gu_free (the epilogue warps')."""
     dtype: gl.constexpr = x_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     gate_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     up_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    # [128, BLOCK_N] each, the 128-byte swizzle of h_desc's [128, 1, BLOCK_N] boxes (the TMA stores' view)
     gu_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     g_buf = gl.allocate_shared_memory(dtype, [_BLOCK_M, h_desc.block_type.shape[2]], gu_layout)
     u_buf = gl.allocate_shared_memory(dtype, [_BLOCK_M, h_desc.block_type.shape[2]], gu_layout)
@@ -381,9 +377,23 @@ def gate_up_fwd_handoff_kernel(x_desc, w_desc, h_desc, gu_desc, block_expert_ptr
     for i in gl.static_range(STAGES):
         mbarrier.init(ready_bars.index(i), count=1)
         mbarrier.init(empty_bars.index(i), count=2)
-    mbarrier.init(gu_ready, count=2)  # one arrive per consumer warpgroup
-    mbarrier.init(gu_free, count=1)  # the epilogue warps' arrive
-    fence_async_shared()
+    mbarrier.init(gu_ready, count=2)
+    mbarrier.init(gu_free, count=1)
+    return a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free
+
+
+@gluon.jit
+def gate_up_fwd_handoff_kernel(x_desc, w_desc, h_desc, gu_desc, block_expert_ptr, block_range_ptr, H, I,
+                               STORE_GATE_UP: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr,
+                               STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                               EPILOGUE_ROWS: gl.constexpr):
+    """gate_up_fwd_ws_kernel's results (x rows by TMA) with the epilogue off the consumers' path: the consumers
+    round g and u into two [128, BLOCK_N] hand-off buffers and go on to the next tile's main loop;
+    EPILOGUE_WARPS warps of their own (in the producer's warpgroup, with its registers) store g and u, compute
+    h and store it. h_desc / gu_desc boxes cover a whole tile ([128, 1, BLOCK_N]). Launch with num_warps=4."""
+    a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free = handoff_smem(
+        x_desc, w_desc, h_desc, STAGES)
+    fence_async_shared()  # the initialised barriers are visible to the async proxy (TMA) before use
     gl.warp_specialize([
         (_consumer_handoff, (a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free,
                              block_range_ptr, H, I, 0, SPLIT, GROUP_M)),
