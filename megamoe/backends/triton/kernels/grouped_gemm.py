@@ -58,6 +58,40 @@ def store_rows(out_ptr, push_table_ptr, push_rank_ptr, push_pair_ptr, rows, cols
 
 
 @triton.jit
+def tile_indices(pid_m, pid_n, block_expert_ptr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """Tile (pid_m, pid_n)'s expert (int64), receive rows [BLOCK_M] (int64), output columns [BLOCK_N] and the
+    offsets [BLOCK_K] of a K step."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    expert = tl.load(block_expert_ptr + pid_m // SPLIT).to(tl.int64)
+    rows = pid_m.to(tl.int64) * BLOCK_M + offs_m
+    cols = pid_n * BLOCK_N + offs_n
+    return expert, rows, cols, offs_k
+
+
+@triton.jit
+def k_loop(acc, a_ptrs, b_ptrs, b_step, b_mask, offs_k, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
+           STAGES: tl.constexpr):
+    """acc + A @ B over K in BLOCK_K steps: A's [BLOCK_M, BLOCK_K] tiles from a_ptrs (K contiguous), B's
+    [BLOCK_K, BLOCK_N] from b_ptrs, advanced by b_step a step; b_mask [1, BLOCK_N] masks B's columns (all true
+    where they were clamped in bounds instead); without EVEN_K the last step's K tail reads zeros."""
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+        else:
+            k_ok = offs_k + k0 < K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & b_mask, other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += b_step
+    return acc
+
+
+@triton.jit
 def gate_up_fwd_tile(
     pid_m, pid_n, a_ptr, w_ptr, block_expert_ptr, h_ptr, gate_up_ptr, H, I,
     STORE_GATE_UP: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
@@ -70,12 +104,7 @@ def gate_up_fwd_tile(
     from g and u rounded to the dtype (swiglu), so the backward recomputes it from the saved gate_up bit
     for bit.
     """
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    expert = tl.load(block_expert_ptr + pid_m // SPLIT).to(tl.int64)
-    rows = pid_m.to(tl.int64) * BLOCK_M + offs_m
-    cols = pid_n * BLOCK_N + offs_n
+    expert, rows, cols, offs_k = tile_indices(pid_m, pid_n, block_expert_ptr, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
     # Columns past I read a clamped (in-bounds) weight row, dropped at the store: clamping the
     # strided dimension keeps the loads unmasked (masks go on contiguous dimensions only, where
     # they keep 16-byte vector copies; a clamp there would break the contiguity analysis).
@@ -117,27 +146,12 @@ def down_fwd_tile(
     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PUSH: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     """y_rows[r, n] = h[r] . w_down[e, n] (stored as store_rows does)."""
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    expert = tl.load(block_expert_ptr + pid_m // SPLIT).to(tl.int64)
-    rows = pid_m.to(tl.int64) * BLOCK_M + offs_m
-    cols = pid_n * BLOCK_N + offs_n
-    w_cols = tl.minimum(cols, H - 1)
+    expert, rows, cols, offs_k = tile_indices(pid_m, pid_n, block_expert_ptr, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
+    w_cols = tl.minimum(cols, H - 1)  # clamped in bounds, as gate_up_fwd_tile's: B needs no column mask
     a_ptrs = h_ptr + rows[:, None] * I + offs_k[None, :]
     b_ptrs = w_ptr + expert * H * I + w_cols[None, :] * I + offs_k[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_ok = offs_k + k0 < I
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+    acc = k_loop(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a_ptrs, b_ptrs, BLOCK_K,
+                 tl.full((1, BLOCK_N), True, tl.int1), offs_k, I, EVEN_K, BLOCK_K, STAGES)
     store_rows(y_ptr, push_table_ptr, push_rank_ptr, push_pair_ptr, rows, cols, acc, H, PUSH, ALIGNED)
 
 
@@ -153,27 +167,12 @@ def down_dgrad_tile(
 
     Without ROUTER the router weight is already in d_y_rows and d_h = acc. With ROUTER d_y_rows are the
     unweighted d_out rows and the epilogue does what needs the router weight (router_epilogue)."""
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    expert = tl.load(block_expert_ptr + pid_m // SPLIT).to(tl.int64)
-    rows = pid_m.to(tl.int64) * BLOCK_M + offs_m
-    cols = pid_n * BLOCK_N + offs_n
+    expert, rows, cols, offs_k = tile_indices(pid_m, pid_n, block_expert_ptr, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
     col_ok = (cols < I)[None, :]
     a_ptrs = d_y_ptr + rows[:, None] * H + offs_k[None, :]
     b_ptrs = w_ptr + expert * H * I + offs_k[:, None] * I + cols[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs, mask=col_ok, other=0.0)
-        else:
-            k_ok = offs_k + k0 < H
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok, other=0.0)
-        acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * I
+    acc = k_loop(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a_ptrs, b_ptrs, BLOCK_K * I, col_ok,
+                 offs_k, H, EVEN_K, BLOCK_K, STAGES)
     # The epilogue runs on the two column halves in turn (on a whole tile, g, u and h spill registers).
     acc0, acc1 = column_halves(acc)
     d_w_part = _down_dgrad_half(acc0, rows, pid_n * BLOCK_N, gate_up_ptr, d_gate_up_ptr, row_src_ptr, weights_ptr,
@@ -213,27 +212,12 @@ def gate_up_dgrad_tile(
     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PUSH: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     """d_x_rows[r, n] = d_gate_up[r] . w_gate_up[e, :, n] (reduction over 2I; stored as store_rows does)."""
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    expert = tl.load(block_expert_ptr + pid_m // SPLIT).to(tl.int64)
-    rows = pid_m.to(tl.int64) * BLOCK_M + offs_m
-    cols = pid_n * BLOCK_N + offs_n
+    expert, rows, cols, offs_k = tile_indices(pid_m, pid_n, block_expert_ptr, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
     col_ok = (cols < H)[None, :]
     a_ptrs = d_gate_up_ptr + rows[:, None] * (2 * I) + offs_k[None, :]
     b_ptrs = w_ptr + expert * (2 * I) * H + offs_k[:, None] * H + cols[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(0, 2 * I, BLOCK_K, num_stages=STAGES):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs, mask=col_ok, other=0.0)
-        else:
-            k_ok = offs_k + k0 < 2 * I
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok, other=0.0)
-        acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * H
+    acc = k_loop(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a_ptrs, b_ptrs, BLOCK_K * H, col_ok,
+                 offs_k, 2 * I, EVEN_K, BLOCK_K, STAGES)
     store_rows(d_x_ptr, push_table_ptr, push_rank_ptr, push_pair_ptr, rows, cols, acc, H, PUSH, ALIGNED)
 
 
