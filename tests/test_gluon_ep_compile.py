@@ -94,32 +94,39 @@ def _compile_push(gemm: str):
     return tile, warp_specialized_report(compile_gluon(fn, signature, consts, divisible_by_16(fn, pointers(fn))))
 
 
-def test_pulling_gate_up_fwd_sm90a(monkeypatch):
-    tile, r = _compile_pull(monkeypatch)
-    ptx, meta, name = r["ptx"], r["compiled"].metadata, "gate_up_fwd_pull"
+def _assert_pulling_gemm(name: str, tile, r: dict, stores: int):
+    """What both pulling gate_up_fwd kernels share: gluon_gate_up's GEMM (2 consumers x gate, up x 4 k16 steps a
+    K step, kept in flight), x rows and weights by TMA (no cp.async), `stores` TMA stores of [128, 1, N] boxes; the
+    pull loop's 16-byte copies (4 loads, 4 stores) and one release add per unit on its group's flag (an atom under
+    Triton 3.6 or, its result unused, a red under 3.9); the producer's acquire and proxy fence; 12 warps, the
+    tile's register split, no spills, shared memory within the SM."""
+    ptx, meta = r["ptx"], r["compiled"].metadata
     print(f"\n{name}: {meta.num_warps} warps, {r['ptxas']['registers']} registers, shared {meta.shared} B, "
           f"setmaxnreg {r['setmaxnreg']}")
-    # The GEMM: gluon_gate_up's (2 consumers x gate, up x 4 k16 steps a K step, kept in flight), its TMA copies
-    # and its stores (g, u, h: 3 per consumer), x rows by TMA (no cp.async).
     assert r["wgmma_any"] == 16 and count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16", ptx) == 16
     assert 2 in r["wait_groups"]
     assert (r["tma_load_2d"], r["tma_load_3d"], r["cp_async"]) == (1, 2, 0)
-    assert count(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta\.bulk_group", ptx) == 6
-    # The pull loop: 16-byte copies, a release per unit; the claims; the producer's acquire, proxy fence, trap.
+    assert count(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta\.bulk_group", ptx) == stores
     assert count(r"ld\.global\.v4", ptx) == 4 and count(r"st\.global\.v4", ptx) == 4
-    assert count(r"bar\.sync\s+\d+, 64;", ptx) >= 1, "the pull warps' barrier is not their own"
-    # A unit counted on its group's flag: an atom (Triton 3.6) or, its result unused, a red (3.9).
     assert count(r"(atom|red)\.global\.gpu\.release\.add", ptx) == 1
-    assert count(r"atom\.global\.gpu\.relaxed\.add", ptx) >= 3  # units (2 claim sites) and tiles
     assert count(r"ld\.global\.gpu\.acquire\.b32", ptx) >= 1
     assert count(r"fence\.proxy\.async\.global", ptx) == 1
-    assert count(r"\btrap;", ptx) == 1
-    ring = 2 * tile.stages + 2 * 2  # ready/empty per stage, full/empty per claimed-tile slot
-    assert r["mbar_init"] == ring, f"{name}: {r['mbar_init']} mbarrier.init"
     assert meta.num_warps == 12
     assert_register_split(name, r, tile.producer_regs, tile.consumer_regs)
     assert_no_spills_or_serialisation(name, r)
     assert tile.smem_bytes() <= meta.shared <= SMEM_LIMIT
+
+
+def test_pulling_gate_up_fwd_sm90a(monkeypatch):
+    tile, r = _compile_pull(monkeypatch)
+    ptx, name = r["ptx"], "gate_up_fwd_pull"
+    # The stores: g, u and h, 3 per consumer; the pull warps' barrier over their own 64 threads.
+    _assert_pulling_gemm(name, tile, r, stores=6)
+    assert count(r"bar\.sync\s+\d+, 64;", ptx) >= 1, "the pull warps' barrier is not their own"
+    assert count(r"atom\.global\.gpu\.relaxed\.add", ptx) >= 3  # units (2 claim sites) and tiles
+    assert count(r"\btrap;", ptx) == 1
+    ring = 2 * tile.stages + 2 * 2  # ready/empty per stage, full/empty per claimed-tile slot
+    assert r["mbar_init"] == ring, f"{name}: {r['mbar_init']} mbarrier.init"
 
 
 def test_pulling_gate_up_fwd_handoff_sm90a(monkeypatch):
@@ -128,25 +135,11 @@ def test_pulling_gate_up_fwd_handoff_sm90a(monkeypatch):
     (a row a step: 4 16-byte copies a thread), claims, acquire and fence as gate_up_fwd_pull_kernel; the claimed-tile
     ring read by three partitions."""
     tile, r = _compile_pull(monkeypatch, 4096, 1536)
-    ptx, meta, name = r["ptx"], r["compiled"].metadata, "gate_up_fwd_pull_handoff"
-    print(f"\n{name}: {meta.num_warps} warps, {r['ptxas']['registers']} registers, shared {meta.shared} B, "
-          f"setmaxnreg {r['setmaxnreg']}")
     assert tile.handoff
-    assert r["wgmma_any"] == 16 and count(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16", ptx) == 16
-    assert 2 in r["wait_groups"]
-    assert (r["tma_load_2d"], r["tma_load_3d"], r["cp_async"]) == (1, 2, 0)
-    assert count(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta\.bulk_group", ptx) == 3
-    assert count(r"ld\.global\.v4", ptx) == 4 and count(r"st\.global\.v4", ptx) == 4
+    _assert_pulling_gemm("gate_up_fwd_pull_handoff", tile, r, stores=3)
     # A one-warp partition's barrier is bar.warp.sync, which also orders the lanes' stores before lane 0's release.
-    assert count(r"bar\.warp\.sync", ptx) >= 1, "the pull warp's barrier"
-    assert count(r"(atom|red)\.global\.gpu\.release\.add", ptx) == 1
-    assert count(r"ld\.global\.gpu\.acquire\.b32", ptx) >= 1
-    assert count(r"fence\.proxy\.async\.global", ptx) == 1
+    assert count(r"bar\.warp\.sync", r["ptx"]) >= 1, "the pull warp's barrier"
     assert r["mbar_init"] == 2 * tile.stages + 2 + 2 * 2  # ring, gu_ready / gu_free, the claimed-tile slots
-    assert meta.num_warps == 12
-    assert_register_split(name, r, tile.producer_regs, tile.consumer_regs)
-    assert_no_spills_or_serialisation(name, r)
-    assert tile.smem_bytes() <= meta.shared <= SMEM_LIMIT
 
 
 @pytest.mark.parametrize("gemm", ["down_fwd", "gate_up_dgrad"])
