@@ -2,7 +2,8 @@
 in one process, the variants alternating (order rotated every round) over 4 rounds (--rounds) of 10 iterations;
 median per variant (and each round's), and the peak memory above the inputs (weights and token sets) over its
 iterations: allocated, and reserved by the caching allocator from an emptied cache (steady state after the untimed
-warmup).
+warmup). Before the timing, every variant's output (and, fwd+bwd, gradients) on one token set is compared bit for bit
+with the first variant's (bitwise_equal_to_first).
 
 Usage: python benchmarks/layer_ab.py WORKLOAD[,WORKLOAD...] VARIANT,VARIANT[,...] OUT.json [--pass fwd+bwd,fwd]
        [--rounds N] [--routing balanced,skewed]   (an sm_90 GPU)
@@ -18,6 +19,9 @@ Variants (each a change to the tile choice that every run reads through the publ
             it holds padding rows only (the default skips it)
   no-spread-x  dw_gate_up's x rows by a spread pass of their own after gate_up_dgrad, not spread by a warp of
             gate_up_dgrad's kernel beside its GEMM (kernels.gate_up_dgrad_spreads_x)
+  pull-x    gate_up_fwd on x rows that its own warps copy from x beside its GEMM (the expert-parallel pulling
+            kernel, kernels/gluon_ep.py, this GPU the only rank), where the table runs it on x rows after a spread
+            pass (H > 2048); where it gathers x in its loads, as the table
   group_m:N every GEMM's tiles swept N row blocks per column block (the table: 8)
   GEMM.group_m:N  the same for one GEMM of the table (e.g. down_dgrad.group_m:4)
 """
@@ -32,6 +36,7 @@ SHIPPED = (te.tma_kernel_configs, configs._GATHER_X_MAX_H)
 # Replaced by variants and restored by select: the weight grads (given row_src by experts_bwd) and whether
 # gate_up_dgrad spreads x's rows beside its GEMM.
 SHIPPED_KERNELS = {name: getattr(kernels, name) for name in ("dw_down", "dw_gate_up", "gate_up_dgrad_spreads_x")}
+SHIPPED_GATE_UP = te._gate_up
 
 
 def without_row_src(fn):
@@ -56,6 +61,21 @@ def no_handoff(*args):
     return dataclasses.replace(table, gate_up_fwd=dataclasses.replace(table.gate_up_fwd, handoff=False))
 
 
+def pulled_gate_up(x, w_gate_up, schedule, blocks, cfg, *, store_gate_up):
+    """experts._gate_up with the spread pass and gate_up_fwd as one kernel that pulls x's rows beside its GEMM
+    (every CTA's pull warps, one ready flag per schedule block), where the table runs gate_up_fwd on x rows."""
+    if cfg.gate_up_fwd.gather or not cfg.gate_up_fwd.gluon or not store_gate_up:
+        return SHIPPED_GATE_UP(x, w_gate_up, schedule, blocks, cfg, store_gate_up=store_gate_up)
+    live = schedule.row_src >= 0
+    pull = kernels.RowPull(torch.tensor([x.data_ptr()], dtype=torch.int64, device=x.device),
+                           torch.where(live, 0, -1).to(torch.int32),
+                           torch.where(live, schedule.row_src // schedule.top_k, 0).to(torch.int32),
+                           torch.cuda.get_device_properties(x.device).multi_processor_count, 1, 10 ** 10)
+    rows_cfg = dataclasses.replace(cfg.gate_up_fwd, num_stages=3)
+    return kernels.gate_up_fwd_pull(x.new_empty(schedule.num_rows, x.shape[1]), w_gate_up, schedule.block_expert,
+                                    blocks, pull, config=rows_cfg)
+
+
 def with_group_m(group_m: int, gemm: str | None):
     """The table with group_m on every GEMM's entry (gemm None) or on the one named."""
     def table(*args):
@@ -69,6 +89,7 @@ def with_group_m(group_m: int, gemm: str | None):
 
 def select(variant: str) -> None:
     te.tma_kernel_configs, configs._GATHER_X_MAX_H = SHIPPED
+    te._gate_up = SHIPPED_GATE_UP
     for name, fn in SHIPPED_KERNELS.items():
         setattr(kernels, name, fn)
     if variant == "pointer":
@@ -86,12 +107,14 @@ def select(variant: str) -> None:
             setattr(kernels, name, without_row_src(SHIPPED_KERNELS[name]))
     elif variant == "no-spread-x":
         kernels.gate_up_dgrad_spreads_x = lambda *args: False
+    elif variant == "pull-x":
+        te._gate_up = pulled_gate_up
     elif "group_m:" in variant:
         gemm, _, n = variant.rpartition("group_m:")
         te.tma_kernel_configs = with_group_m(int(n), gemm.removesuffix(".") or None)
     elif variant != "default":
         raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, gather, gather-s3, no-handoff, no-skip, "
-                         "no-spread-x, group_m:N or GEMM.group_m:N")
+                         "no-spread-x, pull-x, group_m:N or GEMM.group_m:N")
 
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -125,6 +148,16 @@ for name in args.workloads.split(","):
         round_medians = {v: [] for v in variants}
         peak = dict.fromkeys(variants, 0)
         reserved = dict.fromkeys(variants, 0)
+        # Every variant's bits against the first's on one token set before any timing (fwd: the output).
+        results = {}
+        for v in variants:
+            select(v)
+            r = forward_backward(megamoe.experts, weights, toks[0], config=cfg)
+            results[v] = {"out": r["out"]} if pass_name == "fwd" else r
+        equal = {v: all(torch.equal(results[v][key], results[variants[0]][key]) for key in results[v])
+                 for v in variants}
+        del results
+        select("default")
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         inputs_bytes, inputs_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
@@ -150,10 +183,12 @@ for name in args.workloads.split(","):
             ms = statistics.median(t)
             rec = dict(workload=name, routing=routing, pass_name=pass_name, variant=v, ms=ms,
                        tflops=layer_flops(w, T, pass_name) / ms / 1e9, peak_above_inputs_gib=peak[v] / 2**30,
-                       reserved_above_inputs_gib=reserved[v] / 2**30, experts=E, round_medians_ms=round_medians[v])
+                       reserved_above_inputs_gib=reserved[v] / 2**30, experts=E, round_medians_ms=round_medians[v],
+                       bitwise_equal_to_first=equal[v])
             out.append(rec); print(json.dumps(rec), flush=True)
     del weights; torch.cuda.empty_cache()
 json.dump(out, open(args.json_path, "w"), indent=1)
 for r in out:
     print(f"{r['workload']:16} {r['routing']:9} {r['pass_name']:7} {r['variant']:9} {r['ms']:7.2f} ms {r['tflops']:5.0f} TF/s "
-          f"{r['peak_above_inputs_gib']:6.2f} GiB above inputs ({r['reserved_above_inputs_gib']:.2f} reserved)")
+          f"{r['peak_above_inputs_gib']:6.2f} GiB above inputs ({r['reserved_above_inputs_gib']:.2f} reserved)"
+          f"{'' if r['bitwise_equal_to_first'] else '  BITS DIFFER from ' + variants[0]}")
