@@ -90,17 +90,18 @@ for name in args.workloads.split(","):
         finally:
             gluon_ep.work_buffer = SHIPPED_WORK_BUFFER
 
-    def claiming_after(fn):
+    def diagnosis(fn, static, flags):
         def call():
-            gluon_ep.CLAIM_AHEAD = False
+            gluon_ep.DIAG_STATIC, gluon_ep.DIAG_FLAGS = static, flags
             try:
                 return fn()
             finally:
-                gluon_ep.CLAIM_AHEAD = True
+                gluon_ep.DIAG_STATIC, gluon_ep.DIAG_FLAGS = False, True
         return call
 
     calls = {"spread+gemm": spread_gemm, "gemm": gemm, "pull": pulled, "claims": claims,
-             "pull-claim-after": claiming_after(pulled), "claims-claim-after": claiming_after(claims)}
+             "claims-static": diagnosis(claims, True, True), "claims-noflags": diagnosis(claims, False, False),
+             "static-noflags": diagnosis(claims, True, False), "pull-static": diagnosis(pulled, True, True)}
     rows = int(in_use)  # host read: outside anything timed
     reference = spread_gemm()
     equal = {}

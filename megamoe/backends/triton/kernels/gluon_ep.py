@@ -64,7 +64,8 @@ PULL_WARPS = 2  # the pull partition's warps (beside the producer's, in its warp
 HANDOFF_PULL_WARPS = 1  # with the epilogue handed off, its two warps take two of the producer warpgroup's three
 PULL_UNIT_ROWS = 8  # rows per claim of the pull loop: a group's rows land together from many CTAs (divides block_m)
 PULL_COLS = 1024  # columns per step: 4 16-byte copies in flight per thread
-CLAIM_AHEAD = True  # TEMPORARY (A/B): the producer claims its next tile before this tile's copies
+DIAG_STATIC = False  # TEMPORARY (diagnosis): tiles dealt round-robin instead of claimed
+DIAG_FLAGS = True  # TEMPORARY (diagnosis): False skips the ready flags' acquire (only with the flags raised)
 _TILE_SLOTS = gl.constexpr(2)  # the claimed-tile ring: the producer runs at most a tile ahead of the consumers
 _BLOCK_M_C = gl.constexpr(BLOCK_M)  # the same, as the kernels see it
 _EPILOGUE_WARPS_C = gl.constexpr(EPILOGUE_WARPS)
@@ -155,7 +156,7 @@ def _claimed_tile(tile_ids, id_full, id_empty, j, WARPS: gl.constexpr):
 @gluon.jit
 def _producer_claims(x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, tile_ids, id_full, id_empty,
                      work_ptr, block_expert_ptr, block_range_ptr, H, I, group_blocks, timeout_ns,
-                     SPLIT: gl.constexpr, GROUP_M: gl.constexpr, UNIT_ROWS: gl.constexpr, CLAIM_AHEAD: gl.constexpr):
+                     SPLIT: gl.constexpr, GROUP_M: gl.constexpr, UNIT_ROWS: gl.constexpr, DIAG_STATIC: gl.constexpr, DIAG_FLAGS: gl.constexpr):
     """One warp: claim tiles in order, hand each to the consumers, acquire its row group's ready flag (+ the proxy
     fence), then the TMA copies of its K steps (gluon_gate_up.produce_tile). The claim past the last tile is
     handed over too: it ends the consumers."""
@@ -166,37 +167,26 @@ def _producer_claims(x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, emp
     p = 0  # the ring's fill counter
     j = 0  # tiles handed over
     acquired = -1  # the row group whose flag this warp acquired last
-    tile = claim_task(work_ptr, 1)
-    if CLAIM_AHEAD:
-        first_block, end_block = load_range(block_range_ptr, 1)
-        while tile < num_m * num_n:
-            j = _publish_tile(tile_ids, id_full, id_empty, tile, j)
-            next_tile = claim_task(work_ptr, 1)
-            row, col, m = tile_origin(tile, first_m, num_m, num_n, _BLOCK_M_C, BLOCK_N, GROUP_M)
-            group = m // SPLIT // group_blocks
-            expert = gl.load(block_expert_ptr + m // SPLIT)
-            if group != acquired:
-                units = _group_units(group, group_blocks, first_block, end_block, _BLOCK_M_C * SPLIT // UNIT_ROWS)
-                wait_at_least(pull_flag(work_ptr, group), units, timeout_ns)
-                _fence_proxy_async_global()
-                acquired = group
-            p = produce_tile(x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, row, col, expert, p,
-                             H, I)
-            tile = next_tile
+    if DIAG_STATIC:
+        tile = gl.program_id(0)
     else:
-        while tile < num_m * num_n:
-            j = _publish_tile(tile_ids, id_full, id_empty, tile, j)
-            row, col, m = tile_origin(tile, first_m, num_m, num_n, _BLOCK_M_C, BLOCK_N, GROUP_M)
-            group = m // SPLIT // group_blocks
+        tile = claim_task(work_ptr, 1)
+    while tile < num_m * num_n:
+        j = _publish_tile(tile_ids, id_full, id_empty, tile, j)
+        row, col, m = tile_origin(tile, first_m, num_m, num_n, _BLOCK_M_C, BLOCK_N, GROUP_M)
+        group = m // SPLIT // group_blocks
+        if DIAG_FLAGS:
             if group != acquired:
                 first_block, end_block = load_range(block_range_ptr, 1)
                 units = _group_units(group, group_blocks, first_block, end_block, _BLOCK_M_C * SPLIT // UNIT_ROWS)
                 wait_at_least(pull_flag(work_ptr, group), units, timeout_ns)
                 _fence_proxy_async_global()
                 acquired = group
-            expert = gl.load(block_expert_ptr + m // SPLIT)
-            p = produce_tile(x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, row, col, expert, p,
-                             H, I)
+        expert = gl.load(block_expert_ptr + m // SPLIT)
+        p = produce_tile(x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, row, col, expert, p, H, I)
+        if DIAG_STATIC:
+            tile += gl.num_programs(0)
+        else:
             tile = claim_task(work_ptr, 1)
     _publish_tile(tile_ids, id_full, id_empty, tile, j)
 
@@ -270,7 +260,7 @@ def gate_up_fwd_pull_kernel(x_desc, w_desc, h_desc, gu_desc, block_expert_ptr, b
                             group_blocks, timeout_ns,
                             SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, OUT_BUFS: gl.constexpr,
                             PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PULL_UNIT_ROWS: gl.constexpr,
-                            PULL_WARPS: gl.constexpr, PULL_COLS: gl.constexpr, CLAIM_AHEAD: gl.constexpr):
+                            PULL_WARPS: gl.constexpr, PULL_COLS: gl.constexpr, DIAG_STATIC: gl.constexpr, DIAG_FLAGS: gl.constexpr):
     """h and gate_up of the row blocks in block_range (int32 [first, end] schedule blocks) over x_rows [R, H]
     (x_rows_ptr, and x_desc over it), pulled by this kernel (module docstring): pull_table_ptr int64 [W],
     pull_rank_ptr / pull_token_ptr int32 [R]; work_ptr: comm_tiles.work_buffer's (zeroed). Descriptors as
@@ -301,7 +291,7 @@ def gate_up_fwd_pull_kernel(x_desc, w_desc, h_desc, gu_desc, block_expert_ptr, b
                             id_full, id_empty, block_range_ptr, H, I, 1, SPLIT, GROUP_M)),
         (_producer_claims, (x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, tile_ids, id_full,
                             id_empty, work_ptr, block_expert_ptr, block_range_ptr, H, I, group_blocks, timeout_ns,
-                            SPLIT, GROUP_M, PULL_UNIT_ROWS, CLAIM_AHEAD)),
+                            SPLIT, GROUP_M, PULL_UNIT_ROWS, DIAG_STATIC, DIAG_FLAGS)),
         (_puller, (x_rows_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, work_ptr, block_range_ptr, pull_programs,
                    group_blocks, H, SPLIT, PULL_UNIT_ROWS, PULL_COLS, PULL_WARPS)),
     ], [4, 1, PULL_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
@@ -314,7 +304,7 @@ def gate_up_fwd_pull_handoff_kernel(x_desc, w_desc, h_desc, gu_desc, block_exper
                                     SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                                     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                     EPILOGUE_ROWS: gl.constexpr, PULL_UNIT_ROWS: gl.constexpr, PULL_WARPS: gl.constexpr,
-                                    PULL_COLS: gl.constexpr, CLAIM_AHEAD: gl.constexpr):
+                                    PULL_COLS: gl.constexpr, DIAG_STATIC: gl.constexpr, DIAG_FLAGS: gl.constexpr):
     """gate_up_fwd_pull_kernel with gluon_gate_up.gate_up_fwd_handoff_kernel's epilogue: the consumers round g and u
     into two [128, BLOCK_N] hand-off buffers and go on with the next claimed tile; EPILOGUE_WARPS warps store g, u
     and h, reading the claimed tiles from the same ring (its empty barriers count 3 readers); PULL_WARPS warps pull.
@@ -337,7 +327,7 @@ def gate_up_fwd_pull_handoff_kernel(x_desc, w_desc, h_desc, gu_desc, block_exper
                                     tile_ids, id_full, id_empty, block_range_ptr, H, I, 1, SPLIT)),
         (_producer_claims, (x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, tile_ids, id_full,
                             id_empty, work_ptr, block_expert_ptr, block_range_ptr, H, I, group_blocks, timeout_ns,
-                            SPLIT, GROUP_M, PULL_UNIT_ROWS, CLAIM_AHEAD)),
+                            SPLIT, GROUP_M, PULL_UNIT_ROWS, DIAG_STATIC, DIAG_FLAGS)),
         (_epilogue_claims, (h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, tile_ids, id_full, id_empty,
                             block_range_ptr, I, SPLIT, GROUP_M, EPILOGUE_ROWS)),
         (_puller, (x_rows_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, work_ptr, block_range_ptr, pull_programs,
@@ -366,7 +356,7 @@ def constexprs(config: TileConfig, split: int) -> dict:
     tile = tile_of(config)
     shared = dict(SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages, PRODUCER_REGS=tile.producer_regs,
                   CONSUMER_REGS=tile.consumer_regs, PULL_UNIT_ROWS=PULL_UNIT_ROWS, PULL_COLS=PULL_COLS,
-                  CLAIM_AHEAD=CLAIM_AHEAD)
+                  DIAG_STATIC=DIAG_STATIC, DIAG_FLAGS=DIAG_FLAGS)
     if tile.handoff:
         return dict(shared, EPILOGUE_ROWS=tile.epilogue_rows, PULL_WARPS=HANDOFF_PULL_WARPS)
     return dict(shared, OUT_BUFS=tile.out_bufs, PULL_WARPS=PULL_WARPS)
