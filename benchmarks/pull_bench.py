@@ -90,18 +90,20 @@ for name in args.workloads.split(","):
         finally:
             gluon_ep.work_buffer = SHIPPED_WORK_BUFFER
 
-    def diagnosis(fn, static, flags):
+    def diagnosis(fn, static, flags, ring):
         def call():
-            gluon_ep.DIAG_STATIC, gluon_ep.DIAG_FLAGS = static, flags
+            gluon_ep.DIAG_STATIC, gluon_ep.DIAG_FLAGS, gluon_ep.DIAG_RING = static, flags, ring
             try:
                 return fn()
             finally:
-                gluon_ep.DIAG_STATIC, gluon_ep.DIAG_FLAGS = False, True
+                gluon_ep.DIAG_STATIC, gluon_ep.DIAG_FLAGS, gluon_ep.DIAG_RING = False, True, True
         return call
 
     calls = {"spread+gemm": spread_gemm, "gemm": gemm, "pull": pulled, "claims": claims,
-             "claims-static": diagnosis(claims, True, True), "claims-noflags": diagnosis(claims, False, False),
-             "static-noflags": diagnosis(claims, True, False), "pull-static": diagnosis(pulled, True, True)}
+             "static-noflags": diagnosis(claims, True, False, True),
+             "static-noflags-noring": diagnosis(claims, True, False, False),
+             "static-noring": diagnosis(claims, True, True, False),
+             "pull-static-noring": diagnosis(pulled, True, True, False)}
     rows = int(in_use)  # host read: outside anything timed
     reference = spread_gemm()
     equal = {}
