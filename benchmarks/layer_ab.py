@@ -29,6 +29,7 @@ import argparse, dataclasses, functools, json, statistics, torch, megamoe
 from megamoe.backends.triton import configs
 from megamoe.backends.triton import experts as te
 from megamoe.backends.triton import kernels
+from megamoe.backends.triton.kernels import gluon_ep
 from megamoe.bench.problem import make_weights, make_tokens, forward_backward, forward_TH
 from megamoe.bench.workloads import WORKLOADS, layer_flops
 
@@ -90,6 +91,7 @@ def with_group_m(group_m: int, gemm: str | None):
 def select(variant: str) -> None:
     te.tma_kernel_configs, configs._GATHER_X_MAX_H = SHIPPED
     te._gate_up = SHIPPED_GATE_UP
+    gluon_ep.DIAG_STATIC, gluon_ep.DIAG_RING = False, True
     for name, fn in SHIPPED_KERNELS.items():
         setattr(kernels, name, fn)
     if variant == "pointer":
@@ -109,6 +111,9 @@ def select(variant: str) -> None:
         kernels.gate_up_dgrad_spreads_x = lambda *args: False
     elif variant == "pull-x":
         te._gate_up = pulled_gate_up
+    elif variant == "pull-x-dealt":  # TEMPORARY (diagnosis): round-robin tiles, no claimed-tile ring
+        te._gate_up = pulled_gate_up
+        gluon_ep.DIAG_STATIC, gluon_ep.DIAG_RING = True, False
     elif "group_m:" in variant:
         gemm, _, n = variant.rpartition("group_m:")
         te.tma_kernel_configs = with_group_m(int(n), gemm.removesuffix(".") or None)
