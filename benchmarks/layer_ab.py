@@ -19,9 +19,6 @@ Variants (each a change to the tile choice that every run reads through the publ
             it holds padding rows only (the default skips it)
   no-spread-x  dw_gate_up's x rows by a spread pass of their own after gate_up_dgrad, not spread by a warp of
             gate_up_dgrad's kernel beside its GEMM (kernels.gate_up_dgrad_spreads_x)
-  pull-x    gate_up_fwd on x rows that its own warps copy from x beside its GEMM (the expert-parallel pulling
-            kernel, kernels/gluon_ep.py, this GPU the only rank), where the table runs it on x rows after a spread
-            pass (H > 2048); where it gathers x in its loads, as the table
   group_m:N every GEMM's tiles swept N row blocks per column block (the table: 8)
   GEMM.group_m:N  the same for one GEMM of the table (e.g. down_dgrad.group_m:4)
 """
@@ -29,7 +26,6 @@ import argparse, dataclasses, functools, json, statistics, torch, megamoe
 from megamoe.backends.triton import configs
 from megamoe.backends.triton import experts as te
 from megamoe.backends.triton import kernels
-from megamoe.backends.triton.kernels import gluon_ep
 from megamoe.bench.problem import make_weights, make_tokens, forward_backward, forward_TH
 from megamoe.bench.workloads import WORKLOADS, layer_flops
 
@@ -37,7 +33,6 @@ SHIPPED = (te.tma_kernel_configs, configs._GATHER_X_MAX_H)
 # Replaced by variants and restored by select: the weight grads (given row_src by experts_bwd) and whether
 # gate_up_dgrad spreads x's rows beside its GEMM.
 SHIPPED_KERNELS = {name: getattr(kernels, name) for name in ("dw_down", "dw_gate_up", "gate_up_dgrad_spreads_x")}
-SHIPPED_GATE_UP = te._gate_up
 
 
 def without_row_src(fn):
@@ -62,21 +57,6 @@ def no_handoff(*args):
     return dataclasses.replace(table, gate_up_fwd=dataclasses.replace(table.gate_up_fwd, handoff=False))
 
 
-def pulled_gate_up(x, w_gate_up, schedule, blocks, cfg, *, store_gate_up):
-    """experts._gate_up with the spread pass and gate_up_fwd as one kernel that pulls x's rows beside its GEMM
-    (every CTA's pull warps, one ready flag per schedule block), where the table runs gate_up_fwd on x rows."""
-    if cfg.gate_up_fwd.gather or not cfg.gate_up_fwd.gluon or not store_gate_up:
-        return SHIPPED_GATE_UP(x, w_gate_up, schedule, blocks, cfg, store_gate_up=store_gate_up)
-    live = schedule.row_src >= 0
-    pull = kernels.RowPull(torch.tensor([x.data_ptr()], dtype=torch.int64, device=x.device),
-                           torch.where(live, 0, -1).to(torch.int32),
-                           torch.where(live, schedule.row_src // schedule.top_k, 0).to(torch.int32),
-                           torch.cuda.get_device_properties(x.device).multi_processor_count, 1, 10 ** 10)
-    rows_cfg = dataclasses.replace(cfg.gate_up_fwd, num_stages=3)
-    return kernels.gate_up_fwd_pull(x.new_empty(schedule.num_rows, x.shape[1]), w_gate_up, schedule.block_expert,
-                                    blocks, pull, config=rows_cfg)
-
-
 def with_group_m(group_m: int, gemm: str | None):
     """The table with group_m on every GEMM's entry (gemm None) or on the one named."""
     def table(*args):
@@ -90,8 +70,6 @@ def with_group_m(group_m: int, gemm: str | None):
 
 def select(variant: str) -> None:
     te.tma_kernel_configs, configs._GATHER_X_MAX_H = SHIPPED
-    te._gate_up = SHIPPED_GATE_UP
-    gluon_ep.DIAG_STATIC, gluon_ep.DIAG_RING = False, True
     for name, fn in SHIPPED_KERNELS.items():
         setattr(kernels, name, fn)
     if variant == "pointer":
@@ -109,17 +87,12 @@ def select(variant: str) -> None:
             setattr(kernels, name, without_row_src(SHIPPED_KERNELS[name]))
     elif variant == "no-spread-x":
         kernels.gate_up_dgrad_spreads_x = lambda *args: False
-    elif variant == "pull-x":
-        te._gate_up = pulled_gate_up
-    elif variant == "pull-x-dealt":  # TEMPORARY (diagnosis): round-robin tiles, no claimed-tile ring
-        te._gate_up = pulled_gate_up
-        gluon_ep.DIAG_STATIC, gluon_ep.DIAG_RING = True, False
     elif "group_m:" in variant:
         gemm, _, n = variant.rpartition("group_m:")
         te.tma_kernel_configs = with_group_m(int(n), gemm.removesuffix(".") or None)
     elif variant != "default":
         raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, gather, gather-s3, no-handoff, no-skip, "
-                         "no-spread-x, pull-x, group_m:N or GEMM.group_m:N")
+                         "no-spread-x, group_m:N or GEMM.group_m:N")
 
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

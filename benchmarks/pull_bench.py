@@ -49,8 +49,8 @@ def raised_work_buffer(num_groups, num_row_blocks, device):
     return work, offset
 
 
-records = []
-for name in args.workloads.split(","):
+def measure(name: str) -> list[dict]:
+    """The variants' records at one workload (its tensors freed on return)."""
     w = WORKLOADS[name]
     T, H, I, k = w.tokens_per_gpu, w.hidden, w.intermediate, w.top_k
     E = w.one_gpu_experts or w.num_experts
@@ -90,26 +90,14 @@ for name in args.workloads.split(","):
         finally:
             gluon_ep.work_buffer = SHIPPED_WORK_BUFFER
 
-    def diagnosis(fn, static, flags, ring):
-        def call():
-            gluon_ep.DIAG_STATIC, gluon_ep.DIAG_FLAGS, gluon_ep.DIAG_RING = static, flags, ring
-            try:
-                return fn()
-            finally:
-                gluon_ep.DIAG_STATIC, gluon_ep.DIAG_FLAGS, gluon_ep.DIAG_RING = False, True, True
-        return call
-
-    calls = {"spread+gemm": spread_gemm, "gemm": gemm, "pull": pulled, "claims": claims,
-             "static-noflags": diagnosis(claims, True, False, True),
-             "static-noflags-noring": diagnosis(claims, True, False, False),
-             "static-noring": diagnosis(claims, True, True, False),
-             "pull-static-noring": diagnosis(pulled, True, True, False)}
+    calls = {"spread+gemm": spread_gemm, "gemm": gemm, "pull": pulled, "claims": claims}
     rows = int(in_use)  # host read: outside anything timed
     reference = spread_gemm()
     equal = {}
     for variant, fn in calls.items():
         out = fn()
         equal[variant] = all(torch.equal(a[:rows], b[:rows]) for a, b in zip(out, reference))
+    records = []
     checked = {v: fn for v, fn in calls.items() if equal[v]}
     times = alternating_rounds(checked, args.rounds, lambda fn: triton.testing.do_bench(fn, warmup=25, rep=200))
     flops = 2 * 2 * rows * H * I
@@ -121,7 +109,12 @@ for name in args.workloads.split(","):
             rec.update(ms=ms, tflops=flops / ms / 1e9, rounds_ms=times[variant])
         records.append(rec)
         print(json.dumps(rec), flush=True)
-    del x, wgu, x_rows, pull_rows
+    return records
+
+
+records = []
+for name in args.workloads.split(","):
+    records += measure(name)
     torch.cuda.empty_cache()
 
 json.dump(records, open(args.json_path, "w"), indent=1)

@@ -64,9 +64,6 @@ PULL_WARPS = 2  # the pull partition's warps (beside the producer's, in its warp
 HANDOFF_PULL_WARPS = 1  # with the epilogue handed off, its two warps take two of the producer warpgroup's three
 PULL_UNIT_ROWS = 8  # rows per claim of the pull loop: a group's rows land together from many CTAs (divides block_m)
 PULL_COLS = 1024  # columns per step: 4 16-byte copies in flight per thread
-DIAG_STATIC = False  # TEMPORARY (diagnosis): tiles dealt round-robin instead of claimed
-DIAG_RING = True  # TEMPORARY (diagnosis): False: no claimed-tile ring (consumers and epilogue deal themselves)
-DIAG_FLAGS = True  # TEMPORARY (diagnosis): False skips the ready flags' acquire (only with the flags raised)
 _TILE_SLOTS = gl.constexpr(2)  # the claimed-tile ring: the producer runs at most a tile ahead of the consumers
 _BLOCK_M_C = gl.constexpr(BLOCK_M)  # the same, as the kernels see it
 _EPILOGUE_WARPS_C = gl.constexpr(EPILOGUE_WARPS)
@@ -157,7 +154,7 @@ def _claimed_tile(tile_ids, id_full, id_empty, j, WARPS: gl.constexpr):
 @gluon.jit
 def _producer_claims(x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, tile_ids, id_full, id_empty,
                      work_ptr, block_expert_ptr, block_range_ptr, H, I, group_blocks, timeout_ns,
-                     SPLIT: gl.constexpr, GROUP_M: gl.constexpr, UNIT_ROWS: gl.constexpr, DIAG_STATIC: gl.constexpr, DIAG_FLAGS: gl.constexpr, DIAG_RING: gl.constexpr):
+                     SPLIT: gl.constexpr, GROUP_M: gl.constexpr, UNIT_ROWS: gl.constexpr):
     """One warp: claim tiles in order, hand each to the consumers, acquire its row group's ready flag (+ the proxy
     fence), then the TMA copies of its K steps (gluon_gate_up.produce_tile). The claim past the last tile is
     handed over too: it ends the consumers."""
@@ -168,30 +165,21 @@ def _producer_claims(x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, emp
     p = 0  # the ring's fill counter
     j = 0  # tiles handed over
     acquired = -1  # the row group whose flag this warp acquired last
-    if DIAG_STATIC:
-        tile = gl.program_id(0)
-    else:
-        tile = claim_task(work_ptr, 1)
+    tile = claim_task(work_ptr, 1)
     while tile < num_m * num_n:
-        if DIAG_RING:
-            j = _publish_tile(tile_ids, id_full, id_empty, tile, j)
+        j = _publish_tile(tile_ids, id_full, id_empty, tile, j)
         row, col, m = tile_origin(tile, first_m, num_m, num_n, _BLOCK_M_C, BLOCK_N, GROUP_M)
         group = m // SPLIT // group_blocks
-        if DIAG_FLAGS:
-            if group != acquired:
-                first_block, end_block = load_range(block_range_ptr, 1)
-                units = _group_units(group, group_blocks, first_block, end_block, _BLOCK_M_C * SPLIT // UNIT_ROWS)
-                wait_at_least(pull_flag(work_ptr, group), units, timeout_ns)
-                _fence_proxy_async_global()
-                acquired = group
+        if group != acquired:
+            first_block, end_block = load_range(block_range_ptr, 1)
+            units = _group_units(group, group_blocks, first_block, end_block, _BLOCK_M_C * SPLIT // UNIT_ROWS)
+            wait_at_least(pull_flag(work_ptr, group), units, timeout_ns)
+            _fence_proxy_async_global()
+            acquired = group
         expert = gl.load(block_expert_ptr + m // SPLIT)
         p = produce_tile(x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, row, col, expert, p, H, I)
-        if DIAG_STATIC:
-            tile += gl.num_programs(0)
-        else:
-            tile = claim_task(work_ptr, 1)
-    if DIAG_RING:
-        _publish_tile(tile_ids, id_full, id_empty, tile, j)
+        tile = claim_task(work_ptr, 1)
+    _publish_tile(tile_ids, id_full, id_empty, tile, j)
 
 
 @gluon.jit
@@ -221,7 +209,7 @@ def _consumer_claims(h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs, read
 @gluon.jit
 def _consumer_claims_handoff(a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free,
                              tile_ids, id_full, id_empty, block_range_ptr, H, I, WG: gl.constexpr,
-                             SPLIT: gl.constexpr, DIAG_RING: gl.constexpr):
+                             SPLIT: gl.constexpr):
     """One consumer warpgroup of the hand-off kernel: gluon_gate_up's main loop over the claimed tiles, in the
     producer's order, each handed off to the epilogue warps (hand_off), until the index past the last."""
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
@@ -231,25 +219,17 @@ def _consumer_claims_handoff(a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bar
     k_steps = gl.cdiv(H, BLOCK_K)
     c = 0  # slot counter: the producer's p for the same (tile, K step)
     j = 0  # claimed tiles so far: use j of the hand-off buffers
-    if DIAG_RING:
+    tile = _claimed_tile(tile_ids, id_full, id_empty, j, 4)
+    while tile < num_tiles:
+        acc_g, acc_u, c = consumer_main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG, False)
+        hand_off(acc_g, acc_u, g_buf, u_buf, gu_ready, gu_free, j, WG)
+        j += 1
         tile = _claimed_tile(tile_ids, id_full, id_empty, j, 4)
-        while tile < num_tiles:
-            acc_g, acc_u, c = consumer_main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG,
-                                                 False)
-            hand_off(acc_g, acc_u, g_buf, u_buf, gu_ready, gu_free, j, WG)
-            j += 1
-            tile = _claimed_tile(tile_ids, id_full, id_empty, j, 4)
-    else:
-        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            acc_g, acc_u, c = consumer_main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG,
-                                                 False)
-            hand_off(acc_g, acc_u, g_buf, u_buf, gu_ready, gu_free, j, WG)
-            j += 1
 
 
 @gluon.jit
 def _epilogue_claims(h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, tile_ids, id_full, id_empty, block_range_ptr, I,
-                     SPLIT: gl.constexpr, GROUP_M: gl.constexpr, ROWS: gl.constexpr, DIAG_RING: gl.constexpr):
+                     SPLIT: gl.constexpr, GROUP_M: gl.constexpr, ROWS: gl.constexpr):
     """The hand-off kernel's epilogue warps: gluon_gate_up.epilogue_tile (g, u and h stored) for every claimed tile,
     in the producer's order (a third reader of the claimed-tile ring), until the index past the last."""
     BLOCK_N: gl.constexpr = g_buf.shape[1]
@@ -257,18 +237,12 @@ def _epilogue_claims(h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, tile_ids,
     num_m = end_m - first_m
     num_n = gl.cdiv(I, BLOCK_N)
     j = 0
-    if DIAG_RING:
+    tile = _claimed_tile(tile_ids, id_full, id_empty, j, _EPILOGUE_WARPS_C)
+    while tile < num_m * num_n:
+        row, col, _ = tile_origin(tile, first_m, num_m, num_n, _BLOCK_M_C, BLOCK_N, GROUP_M)
+        epilogue_tile(h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, row, col, j, True, ROWS)
+        j += 1
         tile = _claimed_tile(tile_ids, id_full, id_empty, j, _EPILOGUE_WARPS_C)
-        while tile < num_m * num_n:
-            row, col, _ = tile_origin(tile, first_m, num_m, num_n, _BLOCK_M_C, BLOCK_N, GROUP_M)
-            epilogue_tile(h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, row, col, j, True, ROWS)
-            j += 1
-            tile = _claimed_tile(tile_ids, id_full, id_empty, j, _EPILOGUE_WARPS_C)
-    else:
-        for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-            row, col, _ = tile_origin(tile, first_m, num_m, num_n, _BLOCK_M_C, BLOCK_N, GROUP_M)
-            epilogue_tile(h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, row, col, j, True, ROWS)
-            j += 1
 
 
 @gluon.jit
@@ -277,7 +251,7 @@ def gate_up_fwd_pull_kernel(x_desc, w_desc, h_desc, gu_desc, block_expert_ptr, b
                             group_blocks, timeout_ns,
                             SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, OUT_BUFS: gl.constexpr,
                             PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PULL_UNIT_ROWS: gl.constexpr,
-                            PULL_WARPS: gl.constexpr, PULL_COLS: gl.constexpr, DIAG_STATIC: gl.constexpr, DIAG_FLAGS: gl.constexpr, DIAG_RING: gl.constexpr):
+                            PULL_WARPS: gl.constexpr, PULL_COLS: gl.constexpr):
     """h and gate_up of the row blocks in block_range (int32 [first, end] schedule blocks) over x_rows [R, H]
     (x_rows_ptr, and x_desc over it), pulled by this kernel (module docstring): pull_table_ptr int64 [W],
     pull_rank_ptr / pull_token_ptr int32 [R]; work_ptr: comm_tiles.work_buffer's (zeroed). Descriptors as
@@ -308,7 +282,7 @@ def gate_up_fwd_pull_kernel(x_desc, w_desc, h_desc, gu_desc, block_expert_ptr, b
                             id_full, id_empty, block_range_ptr, H, I, 1, SPLIT, GROUP_M)),
         (_producer_claims, (x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, tile_ids, id_full,
                             id_empty, work_ptr, block_expert_ptr, block_range_ptr, H, I, group_blocks, timeout_ns,
-                            SPLIT, GROUP_M, PULL_UNIT_ROWS, DIAG_STATIC, DIAG_FLAGS, DIAG_RING)),
+                            SPLIT, GROUP_M, PULL_UNIT_ROWS)),
         (_puller, (x_rows_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, work_ptr, block_range_ptr, pull_programs,
                    group_blocks, H, SPLIT, PULL_UNIT_ROWS, PULL_COLS, PULL_WARPS)),
     ], [4, 1, PULL_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
@@ -321,7 +295,7 @@ def gate_up_fwd_pull_handoff_kernel(x_desc, w_desc, h_desc, gu_desc, block_exper
                                     SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                                     PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                     EPILOGUE_ROWS: gl.constexpr, PULL_UNIT_ROWS: gl.constexpr, PULL_WARPS: gl.constexpr,
-                                    PULL_COLS: gl.constexpr, DIAG_STATIC: gl.constexpr, DIAG_FLAGS: gl.constexpr, DIAG_RING: gl.constexpr):
+                                    PULL_COLS: gl.constexpr):
     """gate_up_fwd_pull_kernel with gluon_gate_up.gate_up_fwd_handoff_kernel's epilogue: the consumers round g and u
     into two [128, BLOCK_N] hand-off buffers and go on with the next claimed tile; EPILOGUE_WARPS warps store g, u
     and h, reading the claimed tiles from the same ring (its empty barriers count 3 readers); PULL_WARPS warps pull.
@@ -339,14 +313,14 @@ def gate_up_fwd_pull_handoff_kernel(x_desc, w_desc, h_desc, gu_desc, block_exper
     fence_async_shared()  # the initialised barriers are visible to the async proxy (TMA) before use
     gl.warp_specialize([
         (_consumer_claims_handoff, (a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free,
-                                    tile_ids, id_full, id_empty, block_range_ptr, H, I, 0, SPLIT, DIAG_RING)),
+                                    tile_ids, id_full, id_empty, block_range_ptr, H, I, 0, SPLIT)),
         (_consumer_claims_handoff, (a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free,
-                                    tile_ids, id_full, id_empty, block_range_ptr, H, I, 1, SPLIT, DIAG_RING)),
+                                    tile_ids, id_full, id_empty, block_range_ptr, H, I, 1, SPLIT)),
         (_producer_claims, (x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, tile_ids, id_full,
                             id_empty, work_ptr, block_expert_ptr, block_range_ptr, H, I, group_blocks, timeout_ns,
-                            SPLIT, GROUP_M, PULL_UNIT_ROWS, DIAG_STATIC, DIAG_FLAGS, DIAG_RING)),
+                            SPLIT, GROUP_M, PULL_UNIT_ROWS)),
         (_epilogue_claims, (h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, tile_ids, id_full, id_empty,
-                            block_range_ptr, I, SPLIT, GROUP_M, EPILOGUE_ROWS, DIAG_RING)),
+                            block_range_ptr, I, SPLIT, GROUP_M, EPILOGUE_ROWS)),
         (_puller, (x_rows_ptr, pull_table_ptr, pull_rank_ptr, pull_token_ptr, work_ptr, block_range_ptr, pull_programs,
                    group_blocks, H, SPLIT, PULL_UNIT_ROWS, PULL_COLS, PULL_WARPS)),
     ], [4, 1, _EPILOGUE_WARPS_C, PULL_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
@@ -372,8 +346,7 @@ def constexprs(config: TileConfig, split: int) -> dict:
     else gate_up_fwd_pull_kernel; the launcher and tests/test_gluon_ep_compile.py share them)."""
     tile = tile_of(config)
     shared = dict(SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages, PRODUCER_REGS=tile.producer_regs,
-                  CONSUMER_REGS=tile.consumer_regs, PULL_UNIT_ROWS=PULL_UNIT_ROWS, PULL_COLS=PULL_COLS,
-                  DIAG_STATIC=DIAG_STATIC, DIAG_FLAGS=DIAG_FLAGS, DIAG_RING=DIAG_RING)
+                  CONSUMER_REGS=tile.consumer_regs, PULL_UNIT_ROWS=PULL_UNIT_ROWS, PULL_COLS=PULL_COLS)
     if tile.handoff:
         return dict(shared, EPILOGUE_ROWS=tile.epilogue_rows, PULL_WARPS=HANDOFF_PULL_WARPS)
     return dict(shared, OUT_BUFS=tile.out_bufs, PULL_WARPS=PULL_WARPS)
