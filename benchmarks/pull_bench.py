@@ -28,7 +28,7 @@ from megamoe.backends.triton.configs import block_m_for, ep_tma_kernel_configs, 
 from megamoe.backends.triton.kernels import gluon_ep
 from megamoe.backends.triton.kernels._common import range_of
 from megamoe.bench.measure import alternating_rounds
-from megamoe.bench.routing import route
+from megamoe.bench.problem import one_gpu_problem
 from megamoe.bench.workloads import WORKLOADS
 from megamoe.schedule import build_schedule
 
@@ -52,15 +52,12 @@ def raised_work_buffer(num_groups, num_row_blocks, device):
 def measure(name: str) -> list[dict]:
     """The variants' records at one workload (its tensors freed on return)."""
     w = WORKLOADS[name]
-    T, H, I, k = w.tokens_per_gpu, w.hidden, w.intermediate, w.top_k
-    E = w.one_gpu_experts or w.num_experts
+    H, I, k = w.hidden, w.intermediate, w.top_k
     dev, dt = torch.device("cuda"), torch.bfloat16
-    g = torch.Generator(device=dev).manual_seed(0)
-    x = torch.randn(T, H, device=dev, generator=g).to(dt)
-    ids, _ = route("balanced", T, E, k, g)
-    wgu = (torch.randn(E, 2 * I, H, device=dev, generator=g) * H**-0.5).to(dt)
+    weights, tokens = one_gpu_problem(w, dev)
+    x, wgu = tokens.x_TH.detach(), weights.w_gate_up_E2IH.detach()
     bm = block_m_for(H, I, dt)
-    s = build_schedule(ids, E, block_m=bm)
+    s = build_schedule(tokens.topk_ids_TK, wgu.shape[0], block_m=bm)
     in_use = s.expert_offsets[-1:]
     blocks = range_of(s.num_blocks, "num_blocks")
     one_gpu = dataclasses.replace(tma_kernel_configs(H, I, dt, dev, bm).gate_up_fwd, gather=False)
