@@ -19,6 +19,9 @@ partitions:
     tensor-bound main loop leaves. (A first version pulled with the default partition's 4 warps of the first 32 CTAs before they
     joined the GEMM, as the pointer-load core's communication programs do: those SMs computed nothing while
     they pulled; 6.4 ms at qwen3-235b-a22b, EP = 1, against 5.7 now; docs/perf-notes.md, "EP v9".)
+    Not for free: at one GPU the copies slow the GEMM by 0-6% (more with more bytes), and the kernel without any
+    copy runs 2-5% behind the one-GPU kernel on the same rows (~2% of it the claims), so there it loses to a spread
+    pass + the one-GPU kernel (docs/perf-notes.md, "GEMM core v23").
   * Claimed tiles. Tiles are claimed in order from a device counter by each CTA's producer warp, not dealt
     round-robin: a CTA whose tiles wait for their rows takes fewer (static dealing would leave its share for
     last). The producer passes each claimed tile to the two consumer warpgroups through a two-slot ring in
