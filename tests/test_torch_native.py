@@ -30,6 +30,8 @@ CASES = [
     ((17, 16, 8, 4, 2), "one"),  # expert 0 gets every token
     ((9, 12, 6, 5, 2), "random"),  # H, I not multiples of 8 elements (16 bytes in bf16)
     ((3, 2880, 8, 2, 2), "random"),  # odd-looking H of a real model
+    ((6, 16, 1, 4, 2), "random"),  # I = 1: [R, 1] operands, strides (1, 1)
+    ((6, 1, 8, 4, 2), "random"),  # H = 1
 ]
 CASE_IDS = [f"{problem_id(s)}-{r}" for s, r in CASES]
 

@@ -81,8 +81,18 @@ def _has_grouped_mm(a: torch.Tensor) -> bool:
 
 
 def _aligned_16_bytes(*tensors: torch.Tensor) -> bool:
-    """torch._grouped_mm rejects operands whose non-unit strides are not multiples of 16 bytes."""
-    return all(s == 1 or s * t.element_size() % 16 == 0 for t in tensors for s in t.stride())
+    """torch._grouped_mm's operand layouts: one of the last two dimensions contiguous (stride 1), every other
+    stride a multiple of 16 bytes. A size-1 dimension does not count as the contiguous one twice: [R, 1] has
+    strides (1, 1), and its row stride of one element is rejected."""
+    for t in tensors:
+        strides = list(t.stride())
+        inner = -1 if strides[-1] == 1 else -2
+        if strides[inner] != 1:
+            return False
+        del strides[inner]
+        if any(s * t.element_size() % 16 for s in strides):
+            return False
+    return True
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
