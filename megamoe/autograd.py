@@ -23,6 +23,7 @@ from megamoe.schedule import (
 )
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+TRITON_DTYPES = FLOAT_DTYPES[:3]  # the fused kernels accumulate in fp32: no float64 path
 AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "hpu", "mps")
 
 
@@ -70,6 +71,11 @@ def resolve_backend(config: MoEConfig, x: torch.Tensor, group) -> str:
             raise ValueError(
                 f"MoEConfig.backend='triton' needs a CUDA GPU of compute capability >= 9.0, but the tensors are on "
                 f"{where}; use backend='auto' or 'torch'"
+            )
+        if config.backend == "triton" and x.dtype not in TRITON_DTYPES:
+            raise TypeError(
+                f"MoEConfig.backend='triton' runs float16, bfloat16 and float32, got x of dtype {x.dtype}; use "
+                "backend='torch' or 'reference' (or 'auto', which picks the torch path for it)"
             )
         if config.backend == "triton" and not one_host:
             hosts = group_hosts(group.group_name, x.device)

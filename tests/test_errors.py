@@ -384,6 +384,18 @@ def test_triton_backend_on_cpu(rng):
         assert "compute capability >= 9.0" in message and "cpu" in message, message
 
 
+@pytest.mark.skipif("triton" not in megamoe.autograd.BACKENDS, reason="needs Triton")
+def test_triton_backend_rejects_float64(rng, monkeypatch):
+    """backend="triton" with float64 (which the portable paths run): a TypeError naming the dtypes it runs, where
+    the kernels would otherwise accumulate float64 operands in fp32 and return wrong numbers. The device check is
+    passed by pretending this CPU is a Hopper GPU, so the dtype check is what answers."""
+    monkeypatch.setattr(megamoe.autograd, "triton_runs_on", lambda device: True)
+    with pytest.raises(TypeError) as info:
+        call(args(rng, torch.float64), "triton")
+    message = str(info.value)
+    assert "backend='triton'" in message and "float64" in message and "float32" in message, message
+
+
 @pytest.mark.parametrize(
     "make,name",
     [
