@@ -57,6 +57,8 @@ class MoELayer(nn.Module):
             raise ValueError(f"top_k ({top_k}) must be <= num_experts ({num_experts})")
         if score_func not in SCORE_FUNCS:
             raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
         if config is not None and not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a megamoe.MoEConfig or None, got {type(config).__name__}")
         check_group("group", group)
@@ -108,9 +110,24 @@ class MoELayer(nn.Module):
         probs = scores if self.score_func == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
         return topk_ids, topk_weights, probs
 
+    def _input_error(self, x) -> Exception | None:
+        """What is wrong with forward's x, or None: a tensor [..., H] on the parameters' device, in their dtype
+        (any floating dtype under autocast, which casts it)."""
+        if not isinstance(x, torch.Tensor):
+            return TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() == 0 or x.shape[-1] != self.hidden_size:
+            return ValueError(f"x must be [..., H={self.hidden_size}], got shape {tuple(x.shape)}")
+        weight = self.w_gate_up
+        if x.device != weight.device:
+            return ValueError(f"x must be on the layer's device {weight.device}, got {x.device}")
+        autocast = torch.is_autocast_enabled(x.device.type)
+        if x.dtype != weight.dtype and not (autocast and x.is_floating_point()):
+            return TypeError(f"x must have the layer's dtype {weight.dtype} (or run under autocast), got {x.dtype}")
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.hidden_size:
-            error = ValueError(f"x must be [..., H={self.hidden_size}], got shape {tuple(x.shape)}")
+        error = self._input_error(x)
+        if error is not None:
             if self.group is not None:  # the peers are on their way to megamoe.experts' agreement exchange
                 announce_rejection(self.group, error, (self.w_gate_up,), self.config)
             raise error
@@ -119,16 +136,17 @@ class MoELayer(nn.Module):
         # Integer scatter-add: exact and order-independent, no host sync.
         counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
         counts.scatter_add_(0, topk_ids.reshape(-1), torch.ones_like(topk_ids.reshape(-1), dtype=torch.int32))
-        self.tokens_per_expert = counts
         fraction = counts.float() / max(topk_ids.numel(), 1)
         # sum / max(T, 1) rather than mean: an empty batch gives 0 (0 * 0), not 0 * NaN.
         mean_probs = probs.sum(dim=0) / max(x_TH.shape[0], 1)
-        self.aux_loss = self.num_experts * (fraction * mean_probs).sum()
+        aux_loss = self.num_experts * (fraction * mean_probs).sum()
         out = experts(
             x_TH, topk_ids, topk_weights, self.w_gate_up, self.w_down,
             shared_gate_up=self.shared_gate_up, shared_down=self.shared_down,
             group=self.group, config=self.config,
         )
+        # Set only once the call went through: a rejected call (e.g. a capacity overflow) changes nothing.
+        self.tokens_per_expert, self.aux_loss = counts, aux_loss
         return out.view_as(x)
 
     def extra_repr(self) -> str:

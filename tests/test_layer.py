@@ -220,3 +220,43 @@ def test_empty_batch(rng, x_shape):
     (out.sum() + layer.aux_loss).backward()
     for name, p in layer.named_parameters():
         assert p.grad is None or torch.equal(p.grad, torch.zeros_like(p)), f"d_{name} not zero"
+
+
+@pytest.mark.parametrize(
+    "make_x,error,words",
+    [
+        (lambda: [[0.0] * H], TypeError, "torch.Tensor"),
+        (lambda: torch.tensor(1.0, dtype=torch.float64), ValueError, "shape ()"),
+        (lambda: torch.zeros(3, H + 1, dtype=torch.float64), ValueError, f"H={H}"),
+        (lambda: torch.zeros(3, H, dtype=torch.float32), TypeError, "dtype torch.float64"),
+        (lambda: torch.zeros(3, H, dtype=torch.float64, device="meta"), ValueError, "device cpu"),
+    ],
+    ids=["list", "0-d", "wrong-H", "wrong-dtype", "wrong-device"],
+)
+def test_bad_input_is_a_clear_error_and_changes_nothing(rng, make_x, error, words):
+    """forward's x: a TypeError / ValueError saying what was given and what the layer takes (not torch's own
+    error from inside the router), and the layer's last routing statistics left as they were."""
+    layer = make_layer(rng)
+    layer(torch.rand(4, H, generator=rng, dtype=torch.float64))
+    before = layer.tokens_per_expert.clone(), layer.aux_loss
+    with pytest.raises(error) as info:
+        layer(make_x())
+    assert words in str(info.value), info.value
+    assert_equal("tokens_per_expert", layer.tokens_per_expert, before[0])
+    assert layer.aux_loss is before[1]
+
+
+def test_capacity_overflow_changes_nothing(rng):
+    """A call rejected inside megamoe.experts (here a capacity overflow, raised at once on the CPU) leaves the
+    previous call's tokens_per_expert and aux_loss in place."""
+    layer = make_layer(rng, config=MoEConfig(backend="torch", capacity_factor=0.01))
+    before = layer.tokens_per_expert.clone(), layer.aux_loss
+    with pytest.raises(megamoe.CapacityOverflowError):
+        layer(torch.rand(64, H, generator=rng, dtype=torch.float64))
+    assert_equal("tokens_per_expert", layer.tokens_per_expert, before[0])
+    assert layer.aux_loss is before[1]
+
+
+def test_integer_dtype_is_rejected():
+    with pytest.raises(TypeError, match=r"\bdtype\b.*int32"):
+        MoELayer(H, I, E, K, dtype=torch.int32)
