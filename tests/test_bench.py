@@ -210,7 +210,7 @@ def _check_records(records: list[dict], ep: int) -> None:
         problem = (r["workload"], r["ep"], r["tokens"], r["experts_per_gpu"])
         assert problem == ("cpu-small", ep, 64, 8 // ep)
         assert r["ms"] > 0 and r["tflops"] > 0
-        assert r["gpu"] == "cpu" and r["mfu"] is None and r["peak_mem_bytes"] is None
+        assert r["gpu"] == "cpu" and r["dtype"] == "fp32" and r["mfu"] is None and r["peak_mem_bytes"] is None
         assert r["peak_mem_above_inputs_bytes"] is None and r["workspace_bytes"] is None
         assert r["torch"] == torch.__version__ and r["commit"]
 

@@ -134,7 +134,10 @@ def torchtitan_experts(
     num_local = w_gate_up_E2IH.shape[0]
     # TokenReorderer: (token, slot) pairs sorted by global expert id, which also sorts them by owner rank.
     ids_N = topk_ids_TK.reshape(-1)
-    counts_E = torch.bincount(ids_N, minlength=world * num_local)
+    # Counted as TorchTitan counts them, with histc (sync-free); torch.bincount would read the ids' maximum back to
+    # the host, a synchronisation TorchTitan does not pay (and one that keeps the path out of CUDA graphs).
+    num_experts = world * num_local
+    counts_E = torch.histc(ids_N.float(), bins=num_experts, min=0, max=num_experts).long()
     order_N = torch.argsort(ids_N, stable=True)
     token_N = order_N // top_k
     scores_N = topk_weights_TK.reshape(-1)[order_N]

@@ -32,7 +32,7 @@ BASELINE = "torchtitan"
 TABLE_LABELS = {"torch": "portable"}  # megamoe's portable path, not torch's own
 TOKEN_SEED = 10_000  # + rank: every rank routes its own tokens
 RECORD_FIELDS = (
-    "workload", "backend", "pass", "routing", "ep", "tokens", "experts_per_gpu", "ms", "tflops", "mfu",
+    "workload", "backend", "pass", "routing", "ep", "tokens", "experts_per_gpu", "dtype", "ms", "tflops", "mfu",
     "ceiling_tflops", "peak_mem_bytes", "peak_mem_above_inputs_bytes", "workspace_bytes", "gpu", "torch", "triton",
     "commit",
 )  # every record's fields (docs/design.md)
@@ -161,6 +161,7 @@ def run_bench(
     warmup = warmup if warmup is not None else (5 if on_gpu else 2)
 
     facts = {
+        "dtype": dtype_name,
         "gpu": torch.cuda.get_device_name(device) if on_gpu else "cpu",
         "torch": torch.__version__,
         "triton": triton_version(),
