@@ -15,6 +15,8 @@ the torch ops that epilogue replaces. Variants:
                    Gluon kernels' bitwise reference)
     "pointer"      the pointer-load core (kernels/grouped_gemm.py + weight_grad.py; the EP kernels' core)
     "cublas"       torch._grouped_mm + the torch ops the fused epilogue replaces
+    "cublas+gather" gate_up_fwd only: the same, with x's rows gathered by a torch index first (what cuBLAS needs
+                   where the fused kernel gathers them in its loads, H <= 2048); "fused" then runs on x itself
     "cublas-gemm"  torch._grouped_mm alone (the GEMMs with an epilogue only)
     "tma (tile)"   with --sweep: the TMA kernels with candidate tiles, flattened ("tma-flat") or not
 Every variant is checked against cuBLAS before it is timed (relative Frobenius error); the checked variants of a
@@ -26,6 +28,7 @@ round is in the JSON). TF/s counts
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 
@@ -89,7 +92,7 @@ def problem(name: str, routing: str, tokens: int | None):
     h, gate_up = kernels.gate_up_fwd(x_rows, wgu, *blocks, store_gate_up=True, config=cfg.gate_up_fwd)
     d_gu = kernels.down_dgrad(d_y, wd, gate_up, *blocks, config=cfg.down_dgrad)
     rows = int(in_use)  # host read: a benchmark, outside anything timed
-    return dict(w=w, E=E, rows=rows, x_rows=x_rows, d_y=d_y, wgu=wgu, wd=wd, h=h, gate_up=gate_up, d_gu=d_gu,
+    return dict(w=w, E=E, rows=rows, x=x, x_rows=x_rows, d_y=d_y, wgu=wgu, wd=wd, h=h, gate_up=gate_up, d_gu=d_gu,
                 s=s, cfg=cfg, tma_cfg=tma_cfg, blocks=blocks, offs=s.expert_offsets[1:].contiguous())
 
 
@@ -99,6 +102,18 @@ def gemms(p, sweep: bool) -> dict:
     H, I, E, R = w.hidden, w.intermediate, p["E"], p["rows"]
     x_rows, d_y, wgu, wd, h, gate_up, d_gu = (p[n] for n in ("x_rows", "d_y", "wgu", "wd", "h", "gate_up", "d_gu"))
     wgu_t, wd_t = wgu.transpose(1, 2), wd.transpose(1, 2)
+    x, k = p["x"], w.top_k
+
+    def gate_up_fwd(c):
+        """gate_up_fwd with tile c as the one-GPU path runs it: on x with the rows gathered in its loads where c
+        gathers (experts._gate_up), else on the spread rows."""
+        a, gather = (x, (s.row_src, k)) if c.gather else (x_rows, None)
+        return lambda: kernels.gate_up_fwd(a, wgu, *blocks, store_gate_up=True, config=c, gather=gather)[0]
+
+    def torch_gather():
+        """x's row of every schedule row (zeros for padding), as a torch index: what cuBLAS needs where the fused
+        kernel gathers in its loads."""
+        return torch.cat([x, x.new_zeros(1, H)])[torch.where(s.row_src >= 0, s.row_src // k, x.shape[0])]
 
     def tile(t, flatten):
         return TileConfig(*t[:3], num_warps=t[3], num_stages=t[4], tma=True, flatten=flatten)
@@ -108,7 +123,8 @@ def gemms(p, sweep: bool) -> dict:
             "pointer": lambda: kernels.gate_up_fwd(x_rows, wgu, *blocks, store_gate_up=True, config=cfg.gate_up_fwd)[0],
             "cublas": lambda: swiglu_torch(torch._grouped_mm(x_rows, wgu_t, offs=offs)),
             "cublas-gemm": lambda: torch._grouped_mm(x_rows, wgu_t, offs=offs),
-        }, lambda c: lambda: kernels.gate_up_fwd(x_rows, wgu, *blocks, store_gate_up=True, config=c)[0]),
+            "cublas+gather": lambda: swiglu_torch(torch._grouped_mm(torch_gather(), wgu_t, offs=offs)),
+        }, gate_up_fwd),
         "down_fwd": (2 * R * H * I, {
             "pointer": lambda: kernels.down_fwd(h, wd, *blocks, config=cfg.down_fwd),
             "cublas": lambda: torch._grouped_mm(h, wd_t, offs=offs),
@@ -140,8 +156,8 @@ def gemms(p, sweep: bool) -> dict:
                 variants["fused-noskip"] = make_tma(entry)
         else:
             variants["fused"] = make_tma(entry)
-        if entry.gluon:
-            variants["tma"] = make_tma(triton_tile(entry))
+        if entry.gluon:  # the Triton TMA kernel reads rows: no gathering variant
+            variants["tma"] = make_tma(dataclasses.replace(triton_tile(entry), gather=False))
         for t in SWEEP[name] if sweep else ():
             for flat in (False, True):
                 variants[f"tma{'-flat' if flat else ''} {t}"] = make_tma(tile(t, flat))

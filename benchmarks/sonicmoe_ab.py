@@ -39,8 +39,9 @@ quack's `quack/` (3d0ab3ec) on PYTHONPATH (`git archive` of each).
 """
 import argparse, contextlib, dataclasses, functools, json, statistics, torch
 from megamoe.bench.gate import experts_fn
-from megamoe.bench.measure import CEILING_FLOPS, call_times_ms, ceiling_matmul, cuda_graph, kernel_times
+from megamoe.bench.measure import CEILING_FLOPS, call_times_ms, ceiling_matmul, cuda_graph, git_commit, kernel_times
 from megamoe.bench.problem import Tokens, forward_TH, forward_backward, make_tokens, make_weights
+from megamoe.bench.run import triton_version
 from megamoe.bench.workloads import WORKLOADS, layer_flops
 
 PASSES = ("fwd+bwd", "fwd")
@@ -217,12 +218,12 @@ def run_workload(name: str, pass_name: str, args, device: torch.device, dtype: t
                 ceiling_tflops=ceiling, mfu=tflops / ceiling if ceiling else None,
                 # With --graph the captured graphs' memory pools count as allocated: no peak.
                 peak_above_inputs_gib=peak[p] / 2**30 if on_gpu and not args.graph else None, experts=E, tokens=T,
-                graph=args.graph, routed_only=routed_only,
+                graph=args.graph, routed_only=routed_only, **args.facts,
                 rel_diff_to_megamoe=diff, agrees=None if diff is None else all(d <= MAX_REL_DIFF for d in diff.values()),
                 **({"profile": profiles[p]} if p in profiles else {})))
             print(json.dumps(records[-1]), flush=True)
-        records += [dict(workload=name, routing=routing, pass_name=pass_name, path=p, graph=True, graph_error=error)
-                    for p, error in graph_errors.items()]
+        records += [dict(workload=name, routing=routing, pass_name=pass_name, path=p, graph=True, graph_error=error,
+                         **args.facts) for p, error in graph_errors.items()]
     return records
 
 
@@ -262,6 +263,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error(f"--profile takes a count >= 0 of profiled calls and needs a CUDA GPU, got {args.profile} "
                      f"on {device.type}")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    # What ran, on every record: the code, the machine, the versions, the dtype and megamoe's backend.
+    args.facts = dict(commit=git_commit(), gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                      torch=torch.__version__, triton=triton_version(), dtype=str(dtype).removeprefix("torch."),
+                      megamoe_backend=args.backend)
     out = []
     # --graph: every call on one side stream, the capturing one (measure.cuda_graph: the backward's leaves).
     with torch.cuda.stream(torch.cuda.Stream()) if args.graph else contextlib.nullcontext():

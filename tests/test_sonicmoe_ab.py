@@ -52,6 +52,7 @@ def test_sonic_layout_and_torchtitan_agree_with_megamoe(ab, monkeypatch, tmp_pat
         if r["routed_only"]:
             flops = layer_flops(routed, routed.tokens_per_gpu, r["pass_name"])
             assert r["tflops"] == pytest.approx(flops / r["ms"] / 1e9)
+        assert r["commit"] and r["gpu"] == "cpu" and r["dtype"] == "float32" and r["megamoe_backend"] == "auto", r
         keys = {"out", "d_x", "d_topk_weights", "d_w_gate_up", "d_w_down"} if r["pass_name"] == "fwd+bwd" else {"out"}
         assert r["ms"] > 0 and r["peak_above_inputs_gib"] is None
         assert r["ceiling_tflops"] is None and r["mfu"] is None  # the ceiling's turn runs on GPUs only
