@@ -2,7 +2,7 @@
 kernel reads x_rows by TMA) against gathered inside the kernel's loads (a cp.async producer warpgroup: no x_rows
 pass, a quarter less backward peak memory), at several tiles and ring depths of the gathering kernel. Kernels
 alone, on one workload's balanced schedule: every variant's d_w_gate_up bitwise against the default pair's, then
-the variants timed alternating (triton.testing.do_bench medians, order rotated every round; the pair's time is
+the variants timed alternating (triton.testing.do_bench medians, order per round from megamoe.bench.measure.round_order; the pair's time is
 spread_rows + the kernel, in one call).
 
 Usage (one H200, torch + Triton 3.6):  PYTHONPATH=$PWD python3 benchmarks/dw_gather_bench.py OUT.json

@@ -20,7 +20,7 @@ the torch ops that epilogue replaces. Variants:
     "cublas-gemm"  torch._grouped_mm alone (the GEMMs with an epilogue only)
     "tma (tile)"   with --sweep: the TMA kernels with candidate tiles, flattened ("tma-flat") or not
 Every variant is checked against cuBLAS before it is timed (relative Frobenius error); the checked variants of a
-GEMM are then timed in --rounds alternating rounds, each round's order rotated (the median is reported, every
+GEMM are then timed in --rounds alternating rounds in megamoe.bench.measure.round_order's order (the median is reported, every
 round is in the JSON). TF/s counts
 2*M*N*K over the rows in use, padding included (cuBLAS computes it; the fused weight grads skip some of it).
 """
@@ -173,7 +173,7 @@ def rel_err(got, want, rows: int, dw: bool) -> float:
 
 def run(name: str, routing: str, tokens: int | None, sweep: bool, rounds: int) -> list[dict]:
     """Every variant of every GEMM checked against cuBLAS, then the checked ones timed in `rounds` alternating
-    rounds (order rotated; do_bench medians): a record per variant with the rounds' median and each round."""
+    rounds (round_order; do_bench medians): a record per variant with the rounds' median and each round."""
     p = problem(name, routing, tokens)
     records = []
     for gemm, (flops, variants) in gemms(p, sweep).items():

@@ -234,7 +234,7 @@ def check_and_time_gluon_workload(name: str, device, gather: bool) -> None:
             check["ok"] = checked[tile_name] = check["h"]["equal"] and (not store_gate_up or check["gate_up"]["equal"])
             emit(check)
             del h, gu
-        # The variants alternate over ROUNDS rounds (the order rotated each round); the median round is reported.
+        # The variants alternate over ROUNDS rounds (in round_order's order); the median round is reported.
         round_ms = alternating_rounds({t: lambda t=t, s=store_gate_up: run_gluon(p, t, s, gather) for t in checked},
                                       ROUNDS, bench_ms)
         for tile_name in checked:

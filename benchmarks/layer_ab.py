@@ -1,5 +1,5 @@
 """fwd+bwd (or the training forward alone) of the one-GPU triton backend in named variants of its kernel choice,
-in one process, the variants alternating (order rotated every round) over 4 rounds (--rounds) of 10 iterations;
+in one process, the variants alternating (megamoe.bench.measure.round_order) over 4 rounds (--rounds) of 10 iterations;
 median per variant (and each round's), and the peak memory above the inputs (weights and token sets) over its
 iterations: allocated, and reserved by the caching allocator from an emptied cache (steady state after the untimed
 warmup). Before the timing, every variant's output (and, fwd+bwd, gradients) on one token set is compared bit for bit
@@ -26,6 +26,7 @@ import argparse, dataclasses, functools, json, statistics, torch, megamoe
 from megamoe.backends.triton import configs
 from megamoe.backends.triton import experts as te
 from megamoe.backends.triton import kernels
+from megamoe.bench.measure import round_order
 from megamoe.bench.problem import make_weights, make_tokens, forward_backward, forward_TH
 from megamoe.bench.workloads import WORKLOADS, layer_flops
 
@@ -140,7 +141,7 @@ for name in args.workloads.split(","):
         torch.cuda.empty_cache()
         inputs_bytes, inputs_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         for rnd in range(args.rounds):
-            for v in variants[rnd % len(variants):] + variants[:rnd % len(variants)]:
+            for v in round_order(variants, rnd):
                 select(v)
                 torch.cuda.empty_cache()  # the allocator's cache as this variant alone leaves it (untimed warmup)
                 for i in range(3):

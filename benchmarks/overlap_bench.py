@@ -24,7 +24,7 @@ ranks (megamoe.bench.measure):
 hidden = compute + comm - fused (the communication time that ran under compute), reported as a
 fraction of comm; exposed = fused - compute (it includes what the SMs given to communication cost the
 GEMMs). Gate before timing: fused and serial give bitwise equal outputs and gradients.
---rounds R: every probe timed R times, in rounds whose order rotates by one (megamoe.bench.measure.alternating_rounds:
+--rounds R: every probe timed R times, in rounds in a balanced order (megamoe.bench.measure.alternating_rounds:
 no probe always runs first or after the same neighbour); the median over rounds is reported, every round in the
 JSON. --profile N: after the timing, the GPU time per kernel of N fwd+bwd calls of the fused layer (and of the one-GPU
 path at EP = 1), rank 0's, from torch.profiler: where the fused layer's time goes (printed; in the JSON).

@@ -10,7 +10,7 @@ Variants, each checked bit for bit (h and gate_up over the rows in use) against 
                 tile: 3 stages)
   claims        the same kernel with every ready flag raised and the pull counter past its end before the launch:
                 no copy, the tile claims and flag acquires alone (its rows: the spread rows)
-Timed in --rounds alternating rounds (triton.testing.do_bench medians, order rotated), median reported.
+Timed in --rounds alternating rounds (triton.testing.do_bench medians, megamoe.bench.measure.round_order), median reported.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """megamoe, SonicMoE and the TorchTitan-style path side by side: one process, one device, the same weights,
-tokens and routing, the paths alternating (order rotated every round) over ROUNDS rounds of ITERS iterations
-after 3 untimed ones; median per path, and on GPUs its peak memory above the inputs. Before timing, each other
+tokens and routing, the paths alternating (megamoe.bench.measure.round_order: over a multiple of the paths' count,
+or of twice it where that is odd, every path runs after every other equally often) over ROUNDS rounds of ITERS
+iterations after 3 untimed ones; median per path, and on GPUs its peak memory above the inputs. Before timing, each other
 path's output (and, for fwd+bwd, its four gradients d_x, d_topk_weights, d_w_gate_up, d_w_down) is compared with
 megamoe's. On GPUs the 8192^3 bf16 matmul of the bench's MFU ceiling (megamoe.bench.measure.ceiling_matmul) takes
 its turn in every round too, so each path's MFU is against a ceiling timed in the same rounds, at the same clock
@@ -39,7 +40,9 @@ quack's `quack/` (3d0ab3ec) on PYTHONPATH (`git archive` of each).
 """
 import argparse, contextlib, dataclasses, functools, json, statistics, torch
 from megamoe.bench.gate import experts_fn
-from megamoe.bench.measure import CEILING_FLOPS, call_times_ms, ceiling_matmul, cuda_graph, git_commit, kernel_times
+from megamoe.bench.measure import (
+    CEILING_FLOPS, call_times_ms, ceiling_matmul, cuda_graph, git_commit, kernel_times, round_order,
+)
 from megamoe.bench.problem import Tokens, forward_TH, forward_backward, make_tokens, make_weights
 from megamoe.bench.run import triton_version
 from megamoe.bench.workloads import WORKLOADS, layer_flops
@@ -192,7 +195,7 @@ def run_workload(name: str, pass_name: str, args, device: torch.device, dtype: t
             inputs_bytes = torch.cuda.memory_allocated()
         order = list(turns)
         for rnd in range(args.rounds):
-            for p in order[rnd % len(order):] + order[:rnd % len(order)]:
+            for p in round_order(order, rnd):
                 for i in range(WARMUP):
                     turns[p](toks[i % 3])
                 if on_gpu:

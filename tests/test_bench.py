@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import megamoe
 from megamoe.__main__ import main
 from megamoe.bench import gate, run
 from megamoe.bench.gate import gate_backends, rel_err
+from megamoe.bench.measure import alternating_rounds, round_order
 from megamoe.bench.problem import cast, forward_backward, make_tokens, make_weights
 from megamoe.bench.routing import expert_load_E, route
 from megamoe.bench.run import RECORD_FIELDS
@@ -255,12 +257,26 @@ def test_git_commit_marks_uncommitted_code(tmp_path):
     assert git_commit(tmp_path) == f"{head}-dirty"
 
 
-def test_alternating_rounds_rotates_the_order():
-    """Every call timed once a round; round r starts at the r-th call (mod their number) and keeps their order, so
-    each variant runs first in turn; the times come back per variant in round order."""
-    from megamoe.bench.measure import alternating_rounds
-
+def test_alternating_rounds_runs_the_round_order():
+    """Every call timed once a round, in round_order's order (three names: rotations, then their mirror images);
+    the times come back per variant in round order."""
     ran = []
     times = alternating_rounds({"a": "A", "b": "B", "c": "C"}, 4, lambda call: ran.append(call) or len(ran))
-    assert ran == list("ABC" "BCA" "CAB" "ABC")
-    assert times == {"a": [1, 6, 8, 10], "b": [2, 4, 9, 11], "c": [3, 5, 7, 12]}
+    assert ran == list("ABC" "BCA" "CAB" "CBA")
+    assert times == {"a": [1, 6, 8, 12], "b": [2, 4, 9, 11], "c": [3, 5, 7, 10]}
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
+def test_round_order_balances_positions_and_predecessors(n):
+    """Over n rounds (n even) or 2n (n odd) every name runs in every position equally often and right after every
+    other name equally often (a Williams design): on a GPU at its power cap the turn before sets the clock, so a
+    plain rotation, where a name always follows the same neighbour, would favour one name."""
+    names = [f"v{i}" for i in range(n)]
+    period = n if n % 2 == 0 else 2 * n
+    rows = [round_order(names, r) for r in range(period)]
+    assert all(sorted(row) == names for row in rows)
+    positions = collections.Counter((i, name) for row in rows for i, name in enumerate(row))
+    assert set(positions.values()) == {period // n}
+    if n > 1:
+        follows = collections.Counter((a, b) for row in rows for a, b in zip(row, row[1:]))
+        assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1, follows

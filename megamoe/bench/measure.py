@@ -24,14 +24,27 @@ def reduce_over_ranks(values: list[float], op, device: torch.device, group) -> l
     return t.tolist()
 
 
+def round_order(names: list, r: int) -> list:
+    """The order in which round r of an alternating comparison runs `names`: a Williams design, so that over n
+    rounds (n = len(names) even) or 2n (n odd) every name runs in every position equally often and right after
+    every other name equally often. On a GPU at its power cap what ran just before sets the clock a turn starts
+    at (a light turn leaves headroom, a matmul none), so a plain rotation, where each name always follows the
+    same neighbour, favours one name systematically; this design spreads that over all of them."""
+    n = len(names)
+    first = [0] + [(j + 1) // 2 if j % 2 else n - j // 2 for j in range(1, n)]  # 0, 1, n-1, 2, n-2, ...
+    row = [(i + r) % n for i in first]
+    if n % 2 and (r // n) % 2:  # odd n: the second n rounds run the mirrored square
+        row.reverse()
+    return [names[i] for i in row]
+
+
 def alternating_rounds(calls: dict, rounds: int, time_ms) -> dict:
     """{name: [time_ms(call) per round]} for every call of `calls` ({name: call}): each round times every call
-    once, the order rotated by one per round, so no variant always runs first or after the same neighbour (the
-    A/B the benchmarks' variant comparisons rest on; time_ms is e.g. a triton.testing.do_bench median)."""
+    once, in round_order's order (the A/B the benchmarks' variant comparisons rest on; time_ms is e.g. a
+    triton.testing.do_bench median)."""
     times = {name: [] for name in calls}
-    order = list(calls)
     for r in range(rounds):
-        for name in order[r % len(order):] + order[:r % len(order)]:
+        for name in round_order(list(calls), r):
             times[name].append(time_ms(calls[name]))
     return times
 
