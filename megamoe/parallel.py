@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megamoe.config import check_group
 # The mark patch_model leaves on the modules it patched: from a module of its own, not from integrations.hf,
 # so that `import megamoe` (which imports this module) never loads the Hugging Face adapter or transformers.
 from megamoe.integrations._patch_attr import PATCH_ATTR as _HF_PATCH_ATTR
@@ -132,6 +133,24 @@ def ddp_ignore_experts(model: nn.Module) -> list[str]:
     return names
 
 
+def _check_dp_group(dp_group, ep_groups) -> None:
+    """ValueError unless dp_group and every EP group have no rank in common but this one: the ranks of dp_group
+    must hold replicas of this rank's experts, and every other rank of an EP group holds other experts."""
+    me = dist.get_rank()
+    dp_ranks = dist.get_process_group_ranks(dp_group)
+    for ep_group in ep_groups:
+        ep_ranks = dist.get_process_group_ranks(ep_group)
+        common = sorted(set(dp_ranks) & set(ep_ranks) - {me})
+        if common:
+            raise ValueError(
+                f"dp_group must be the group of ranks holding the same experts as this one (mesh['dp'].get_group() "
+                f"in the 2-D layout; None in the 1-D layout, where the EP group is the data-parallel group), "
+                f"disjoint from the expert-parallel group but for this rank (global rank {me}); got ranks {dp_ranks}, "
+                f"which share ranks {common} with the expert-parallel group (ranks {ep_ranks}): their experts' "
+                "gradients would be summed into this rank's"
+            )
+
+
 def reduce_expert_grads(module: nn.Module, dp_group=None) -> None:
     """Give every expert-parallel parameter of `module` the gradient DDP gives replicas (in place).
 
@@ -144,10 +163,17 @@ def reduce_expert_grads(module: nn.Module, dp_group=None) -> None:
         2-D layout); None in the 1-D layout, where each rank's experts exist nowhere else.
     A parameter without a gradient (its layer was not used this step) gets zeros, so that every rank
     joins the same collectives. Frozen parameters (requires_grad=False) are skipped.
+    Raises ValueError, before any gradient is touched, if dp_group shares a rank other than this one with
+    the EP group of any of these parameters (e.g. the EP group itself, or the world in the 2-D layout):
+    that rank holds different experts, whose gradients the sum would mix into these.
     """
+    check_group("dp_group", dp_group)
+    found = _expert_groups(module).values()
+    if dp_group is not None:
+        _check_dp_group(dp_group, {id(group): group for _, group in found}.values())
     dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)
     pending = []
-    for p, group in _expert_groups(module).values():
+    for p, group in found:
         if not p.requires_grad:
             continue
         if p.grad is None:

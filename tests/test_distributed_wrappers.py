@@ -122,6 +122,23 @@ def _step(recipe: str, problem: dict, rank: int, world: int, mesh) -> dict[str, 
             for n, p in layer.named_parameters()}
 
 
+def _overlapping_dp_groups(problem: dict, mesh) -> dict[str, tuple[str | None, bool]]:
+    """reduce_expert_grads with a dp_group that shares ranks with the EP group (the EP group itself; the world,
+    which in the 2-D layout holds the EP group): per group, (the ValueError's text or None, whether every
+    gradient was left untouched). Without the check each is a valid collective that completes on every rank."""
+    ep_group = mesh["ep"].get_group()
+    found = {}
+    for name, dp_group in (("ep group", ep_group), ("world", dist.group.WORLD)):
+        layer = _layer(problem, ep_group, slice(0, EXPERTS_PER_RANK))
+        error = None
+        try:
+            reduce_expert_grads(layer, dp_group=dp_group)
+        except ValueError as e:
+            error = str(e)
+        found[name] = (error, all(p.grad is None for p in layer.parameters()))
+    return found
+
+
 def _worker(rank: int, world: int, port: int, dp: int, in_path: str, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -139,6 +156,8 @@ def _worker(rank: int, world: int, port: int, dp: int, in_path: str, out_dir: st
         except Exception as e:  # noqa: BLE001 - reported by the parent with the traceback
             results[recipe] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
             break  # a failed collective leaves the ranks out of step: later recipes would hang
+    else:
+        results["overlapping_dp_groups"] = _overlapping_dp_groups(problem, mesh)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     leave_gloo(rank, world)
 
@@ -199,6 +218,19 @@ def test_mistakes_do_not_match(run, recipe):
             for name in ("router.weight", "shared_gate_up", "shared_down"):
                 assert_close_tight(f"{recipe} rank {rank}: {name} after one step", got[name], want[name], TOL)
     assert min(errors) > 1e-3, f"{recipe} matched the single process on some rank (rel errors per rank {errors})"
+
+
+def test_reduce_expert_grads_rejects_an_overlapping_dp_group(run):
+    """A dp_group sharing a rank with the EP group (there: other experts) would sum different experts'
+    gradients: refused, naming dp_group, before any gradient is touched."""
+    layout, _, results = run
+    for rank in range(layout["world"]):
+        checks = results[rank].get("overlapping_dp_groups")
+        assert checks is not None, f"rank {rank}: not run (a recipe failed)"
+        for name, (error, untouched) in checks.items():
+            assert error is not None, f"rank {rank}: dp_group={name} (shares ranks with the EP group) was accepted"
+            assert error.startswith("dp_group must be") and "share ranks" in error, error
+            assert untouched, f"rank {rank}: dp_group={name}: a gradient was set before the error"
 
 
 def test_expert_parameters_of_expert_parallel_layer(run):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -159,6 +160,88 @@ def test_patch_twice_and_unsupported_model_raise():
         hf.patch_model(_model("olmoe"), config={"backend": "torch"})
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_torch_save_load_and_deepcopy_of_patched_model(family):
+    """torch.save(model) of a patched model loads (the forwards are bound so that pickle can rebuild them) and
+    computes bit-identical logits; copies are bound to themselves; both unpatch to the original."""
+    original = _model(family).eval()
+    patched = hf.patch_model(copy.deepcopy(original))
+    buffer = io.BytesIO()
+    torch.save(patched, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    copied = copy.deepcopy(patched)
+    ids = _batch()
+    with torch.no_grad():
+        logits = patched(input_ids=ids).logits
+        for what, model in (("torch.load", loaded), ("copy.deepcopy", copied)):
+            assert hf.is_patched(model), what
+            for module in model.modules():
+                if "forward" in vars(module):
+                    assert module.forward.args == (module,), f"{what}: {type(module).__name__} bound to another module"
+            assert torch.equal(model(input_ids=ids).logits, logits), f"logits after {what}"
+            hf.unpatch_model(model)
+            assert all("forward" not in vars(m) for m in model.modules()), what
+            assert torch.equal(model(input_ids=ids).logits, original(input_ids=ids).logits), f"{what} + unpatch"
+
+
+class _Scaled(torch.nn.Module):
+    """A wrapper around a module (as PEFT wraps layers): its output times `scale`."""
+
+    def __init__(self, inner: torch.nn.Module, scale: float):
+        super().__init__()
+        self.inner, self.scale = inner, scale
+
+    def forward(self, *args):
+        return self.inner(*args) * self.scale
+
+
+def _change(model, change: str, fired: list):
+    """Apply one post-patching change to every DeepSeek-V3 MoE block of `model`."""
+    for block in (m for m in model.modules() if type(m).__name__ == "DeepseekV3MoE"):
+        shared = block.shared_experts
+        if change == "hook on shared_experts":
+            shared.register_forward_hook(lambda module, args, out: fired.append(1) or out * 2)
+        elif change == "pre-hook on experts":
+            block.experts.register_forward_pre_hook(
+                lambda module, args: fired.append(1) or (args[0] * 0.5, *args[1:])
+            )
+        elif change == "new gate_proj weight":  # a plain nn.Linear still: the fused path reads its weight
+            linear = torch.nn.Linear(shared.gate_proj.in_features, shared.gate_proj.out_features, bias=False)
+            torch.nn.init.normal_(linear.weight, generator=torch.Generator().manual_seed(5))
+            shared.gate_proj = linear
+        elif change == "wrapped gate_proj":
+            shared.gate_proj = _Scaled(shared.gate_proj, 3.0)
+        elif change == "wrapped experts":  # as PEFT's ParamWrapper wraps the experts module
+            block.experts = _Scaled(block.experts, 0.5)
+        else:
+            raise AssertionError(change)
+
+
+@pytest.mark.parametrize("change", ["hook on shared_experts", "pre-hook on experts", "new gate_proj weight",
+                                    "wrapped gate_proj", "wrapped experts"])
+def test_deepseek_v3_changes_after_patching_are_honoured(change, monkeypatch):
+    """Hooks and wrappers put on DeepSeek-V3's experts or shared expert after patch_model take effect, as in
+    the unpatched model with the same change (the fused call is used only while it computes the same)."""
+    original = _model("deepseek_v3").eval()
+    patched = hf.patch_model(copy.deepcopy(original))
+    ids = _batch()
+    with torch.no_grad():
+        before = original(input_ids=ids).logits
+    fired_ref, fired = [], []
+    _change(original, change, fired_ref)
+    _change(patched, change, fired)
+    calls = _count_megamoe_calls(monkeypatch)
+    with torch.no_grad():
+        expected = original(input_ids=ids).logits
+        logits = patched(input_ids=ids).logits
+    assert not torch.allclose(expected, before), f"{change}: the change does not change the model"
+    assert len(fired) == len(fired_ref), f"{change}: hooks fired {len(fired)} times, unpatched {len(fired_ref)}"
+    assert_close(f"logits ({change})", logits, expected)
+    # still megamoe's experts, in one fused call only when no module in between was skipped
+    assert calls == [change == "new gate_proj weight"], f"{change}: megamoe.experts calls (shared fused): {calls}"
+
+
 def test_unsupported_activation_leaves_model_untouched():
     config = _config("mixtral")
     config.hidden_act = "gelu"
@@ -221,6 +304,56 @@ def _expert_parallel_worker(rank: int, world: int, init_file: str, family: str, 
     finally:
         dist.destroy_process_group()
     open(result_file + f".{rank}", "w").write("ok")
+
+
+def _group_checks_worker(rank: int, world: int, init_file: str, result_file: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        only_rank_0 = dist.new_group([0])  # a collective: every rank calls it; rank 1 gets a non-member value
+        model = _model("deepseek_v3")
+        # Layer 1 keeps 8 experts, the last MoE layer 3 (not divisible by 2): refused before any block is sharded.
+        model.config.num_hidden_layers = 3
+        layers = model.model.layers
+        layers.append(copy.deepcopy(layers[1]))
+        last = layers[2].mlp.experts
+        last.gate_up_proj = torch.nn.Parameter(last.gate_up_proj.detach()[:3].clone())
+        last.down_proj = torch.nn.Parameter(last.down_proj.detach()[:3].clone())
+        params = dict(model.named_parameters())
+
+        def assert_unchanged(what):
+            assert not hf.is_patched(model), what
+            assert all("forward" not in vars(m) for m in model.modules()), what
+            assert dict(model.named_parameters()) == params, f"{what}: parameters replaced"
+            assert all(p.shape[0] == 8 for n, p in params.items() if "layers.1.mlp.experts." in n), what
+
+        for group in (2, "ep"):
+            with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup"):
+                hf.patch_model(model, group=group)
+            assert_unchanged(f"group={group!r}")
+        if rank == 1:
+            with pytest.raises(ValueError, match=r"group must be .* this rank \(global rank 1\) belongs to"):
+                hf.patch_model(model, group=only_rank_0)
+            assert_unchanged("a group without this rank")
+        with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.experts .*num_experts=3, group size=2"):
+            hf.patch_model(model, group=dist.group.WORLD)
+        assert_unchanged("num_experts not divisible")
+    finally:
+        dist.destroy_process_group()
+    open(result_file + f".{rank}", "w").write("ok")
+
+
+def test_patch_model_checks_group(tmp_path):
+    """group: a ProcessGroup (TypeError otherwise), of which this rank is a member, whose size divides every
+    patched block's number of experts (ValueError otherwise); the model is unchanged after each error."""
+    import torch.multiprocessing as mp
+
+    world = 2
+    result = str(tmp_path / "result")
+    mp.spawn(_group_checks_worker, args=(world, str(tmp_path / "init"), result), nprocs=world)
+    for rank in range(world):
+        assert (tmp_path / f"result.{rank}").read_text() == "ok", f"rank {rank} did not finish"
 
 
 @pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])

@@ -243,6 +243,47 @@ def test_refusal_names_family_and_feature_at_first_forward_and_in_check_model():
     assert "activation GELU" in hf.unsupported_reason(probe)
 
 
+def _fsdp2_check_model_worker(rank: int, world: int, init_file: str, result_file: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        ids = _ids()
+        loss_ref = _qwen(experts_implementation="eager")(input_ids=ids, labels=ids).loss
+        # DTensor weights that nothing unshards before the forward: still refused
+        model = _qwen(experts_implementation="megamoe")
+        experts = model.model.layers[0].mlp.experts
+        experts.gate_up_proj = torch.nn.Parameter(distribute_tensor(experts.gate_up_proj.detach(), mesh, [Replicate()]))
+        with pytest.raises(ValueError, match="DTensor expert weights"):
+            hf.check_model(model)
+        # under FSDP2 the forward gets the unsharded tensors: accepted, and runs as eager
+        model = _qwen(experts_implementation="megamoe")
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        hf.check_model(model)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
+    open(result_file + f".{rank}", "w").write("ok")
+
+
+def test_check_model_accepts_fsdp2(tmp_path):
+    """check_model accepts experts whose weights fully_shard made DTensors (FSDP2 unshards them for the
+    forward), and still refuses DTensor weights elsewhere."""
+    import torch.multiprocessing as mp
+
+    result = str(tmp_path / "result")
+    mp.spawn(_fsdp2_check_model_worker, args=(1, str(tmp_path / "init"), result), nprocs=1)
+    assert (tmp_path / "result.0").read_text() == "ok"
+
+
 def test_custom_gate_probe():
     """A custom _apply_gate is accepted only if it computes silu(gate) * up, at magnitudes where clamps show."""
     experts = _qwen().model.layers[0].mlp.experts
@@ -291,7 +332,7 @@ def test_patch_model_shares_the_adapter():
     model = _qwen()
     hf.patch_model(model)
     experts = model.model.layers[0].mlp.experts
-    assert experts.forward.__func__ is hf.megamoe_experts_forward
+    assert experts.forward.func is hf.megamoe_experts_forward and experts.forward.args == (experts,)
     hf.unpatch_model(model)
     assert "forward" not in vars(experts)
 

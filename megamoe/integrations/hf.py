@@ -49,7 +49,8 @@ tests/test_hf_families.py checks each against "eager"):
                                         softcaps): checked on a probe with large magnitudes
     act_fn not SiLU                     e.g. hidden_act="gelu_pytorch_tanh" (Gemma 4)
     DTensor parameters                  outside transformers' parallel styles, which hand the experts
-                                        their local shards
+                                        their local shards, and FSDP2's fully_shard, which hands them
+                                        the unsharded tensors
 
 transformers' own parallelism (DistributedConfig; tests/test_hf_ep.py, 2 gloo ranks):
 - experts_implementation="megamoe" runs under its expert-parallel styles "all_to_all" and "all_reduce"
@@ -98,6 +99,7 @@ shared experts stay replicated.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 
 import torch
@@ -105,7 +107,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import megamoe
-from megamoe.config import MoEConfig
+from megamoe.config import MoEConfig, check_group
 from megamoe.integrations._patch_attr import PATCH_ATTR as _PATCH_ATTR  # read by megamoe.parallel too
 
 __all__ = [
@@ -356,19 +358,40 @@ def check_model(model: nn.Module) -> nn.Module:
             f"{type(model).__name__} has no experts module of transformers' experts interface "
             "(@use_experts_implementation)"
         )
+    under_fsdp2 = _under_fsdp2(model)
     for name, experts in found:
-        check_experts(experts, name)
+        # FSDP2 (fully_shard) keeps the weights as sharded DTensors between forwards and hands the forward
+        # plain unsharded tensors, which is what the first forward's own check sees.
+        check_experts(experts, name, allow_dtensor=id(experts) in under_fsdp2)
         setattr(experts, _CHECKED_ATTR, True)
     return model
 
 
-def _check_shared(name: str, shared: nn.Module) -> None:
+def _under_fsdp2(model: nn.Module) -> set[int]:
+    """id() of every module of `model` inside a module that fully_shard wrapped (FSDP2)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without distributed
+        return set()
+    return {id(m) for wrapped in model.modules() if isinstance(wrapped, FSDPModule) for m in wrapped.modules()}
+
+
+def _shared_problem(name: str, shared: nn.Module) -> str | None:
+    """Why megamoe cannot fuse this shared expert (None: it can): three bias-free nn.Linear and silu."""
     for proj in ("gate_proj", "up_proj", "down_proj"):
         linear = getattr(shared, proj, None)
         if not isinstance(linear, nn.Linear) or linear.bias is not None:
-            raise ValueError(f"{name}.{proj}: expected an nn.Linear without bias, got {linear!r}")
-    if not _is_silu(shared.act_fn):
-        raise ValueError(f"{name}: megamoe's shared expert computes silu(gate) * up; it uses {shared.act_fn!r}")
+            return f"{name}.{proj}: expected an nn.Linear without bias, got {linear!r}"
+    act = getattr(shared, "act_fn", None)
+    if not _is_silu(act):
+        return f"{name}: megamoe's shared expert computes silu(gate) * up; it uses {act!r}"
+    return None
+
+
+def _check_shared(name: str, shared: nn.Module) -> None:
+    problem = _shared_problem(name, shared)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 # --------------------------------------------------------------------------------------------- the adapter
@@ -508,9 +531,32 @@ def is_registered() -> bool:
 # --------------------------------------------------------------------------------------------- patch_model
 
 
+def _has_hooks(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def _can_fuse(block: nn.Module, patch: _Patch) -> bool:
+    """Whether the fused forward computes what the block's own forward would: the experts module is still the
+    one patched (not replaced or wrapped, e.g. by PEFT's ParamWrapper), the shared expert is still three plain
+    nn.Linear and silu (not LoRA layers or other subclasses, whose forward the fused path would skip), and no
+    forward hook waits on any of them (the fused path calls none of these modules). Attribute lookups only."""
+    experts, shared = getattr(block, patch.spec.experts), getattr(block, patch.spec.shared)
+    if getattr(experts, _PATCH_ATTR, None) is not patch or _shared_problem("", shared) is not None:
+        return False
+    projections = [getattr(shared, proj) for proj in ("gate_proj", "up_proj", "down_proj")]
+    if any(type(linear) is not nn.Linear for linear in projections):
+        return False
+    return not any(_has_hooks(module) for module in (experts, shared, *projections))
+
+
 def _block_forward_with_shared(block: nn.Module, hidden_states):
     """Replaces the block forward `gate -> experts + shared(x)` of blocks with an ungated shared expert."""
     patch: _Patch = getattr(block, _PATCH_ATTR)
+    if not _can_fuse(block, patch):
+        # Something was wrapped around or hooked onto the experts or the shared expert after patching: the
+        # block's own forward (transformers' class), which calls both modules; the experts still run through
+        # megamoe when they are the patched module (or wrap it).
+        return type(block).forward(block, hidden_states)
     spec = patch.spec
     shape = hidden_states.shape
     x_TH = hidden_states.reshape(-1, shape[-1])
@@ -523,8 +569,11 @@ def _block_forward_with_shared(block: nn.Module, hidden_states):
 
 
 def _bind(module: nn.Module, function) -> None:
-    # An instance attribute shadows the class's forward for this module only; deleting it restores it.
-    module.forward = function.__get__(module, type(module))
+    # An instance attribute shadows the class's forward for this module only; deleting it restores it. A
+    # functools.partial of a module-level function, not a bound method: pickle (torch.save(model)) saves a
+    # bound method as getattr(module, function name), which fails on load; a partial pickles the function by
+    # reference and the module with the rest of the model (copy.deepcopy binds it to the copy likewise).
+    module.forward = functools.partial(function, module)
 
 
 def _moe_blocks(model: nn.Module):
@@ -558,6 +607,27 @@ def _unshard(experts: nn.Module, group) -> None:
         setattr(experts, param_name, nn.Parameter(torch.cat(pieces), requires_grad=local.requires_grad))
 
 
+def _check_patch_group(group) -> int:
+    """The size of patch_model's expert-parallel group (1 without one); raises if it is not a process group
+    of which this rank is a member (a non-member would keep an empty slice of every experts module)."""
+    if group is None:
+        return 1
+    import torch.distributed as dist
+
+    # dist.new_group hands ranks outside the new group GroupMember.NON_GROUP_MEMBER (an int in torch 2.x).
+    not_member = dist.is_available() and group is dist.GroupMember.NON_GROUP_MEMBER
+    if not not_member:
+        check_group("group", group)
+        not_member = dist.get_rank(group) < 0
+    if not_member:
+        raise ValueError(
+            f"group must be an expert-parallel process group that this rank (global rank {dist.get_rank()}) "
+            f"belongs to, or None; got {group!r}, which does not include it (dist.new_group returns such a value "
+            "to the ranks it leaves out: call patch_model on the group's members only)"
+        )
+    return dist.get_world_size(group)
+
+
 def patch_model(model: nn.Module, *, group=None, config: MoEConfig | None = None) -> nn.Module:
     """Route every supported MoE block of `model` through megamoe.experts (in place; returns `model`).
 
@@ -573,12 +643,19 @@ def patch_model(model: nn.Module, *, group=None, config: MoEConfig | None = None
         experts module's parameters (rank r: global experts [r*E_l, (r+1)*E_l)); build the optimizer
         after patching.
     config: the megamoe.MoEConfig passed to every megamoe.experts call (None: the default).
-    Raises ValueError if the model has no supported block or is already patched, and
-    UnsupportedExpertsError (a ValueError) if a block's experts do not have megamoe's layout (bias,
-    transposed or interleaved weights, an activation other than silu).
+    Raises TypeError if group is not a ProcessGroup (or None), ValueError if this rank is not in group, if a
+    block's number of experts is not divisible by the group size, if the model has no supported block or is
+    already patched, and UnsupportedExpertsError (a ValueError) if a block's experts do not have megamoe's
+    layout (bias, transposed or interleaved weights, an activation other than silu). On any of these errors
+    the model is left unchanged.
+
+    DeepSeek-V3: a module wrapped around or hooked onto `experts` or `shared_experts` (or its projections)
+    after patching is honoured: the block then runs its own forward, the two modules called one after the
+    other, instead of the fused call.
     """
     if config is not None and not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a megamoe.MoEConfig or None, got {type(config).__name__}")
+    world = _check_patch_group(group)
     blocks = _moe_blocks(model)
     if not blocks:
         raise ValueError(
@@ -591,6 +668,12 @@ def patch_model(model: nn.Module, *, group=None, config: MoEConfig | None = None
         check_experts(getattr(block, spec.experts), f"{name}.{spec.experts} ({spec.family})")
         if spec.shared is not None:
             _check_shared(f"{name}.{spec.shared} ({spec.family})", getattr(block, spec.shared))
+        num_experts = getattr(block, spec.experts).gate_up_proj.shape[0]
+        if num_experts % world != 0:
+            raise ValueError(
+                f"{name}.{spec.experts} ({spec.family}): expert parallelism needs num_experts divisible by the "
+                f"size of group; num_experts={num_experts}, group size={world}"
+            )
     for _, block, spec in blocks:
         experts = getattr(block, spec.experts)
         local_slice = _shard(experts, group) if group is not None else None
