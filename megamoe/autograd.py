@@ -14,17 +14,18 @@ from megamoe import reference
 from megamoe.config import BACKENDS as BACKEND_NAMES
 from megamoe.config import COMM_DIRECTIONS, DEFAULT_CONFIG, MoEConfig, check_group
 from megamoe.schedule import (
+    FLOAT_DTYPES,
     SCHEDULE_TENSORS,
     Schedule,
     build_schedule,
-    check_topk_ids,
     schedule_from_tensors,
     schedule_tensors,
+    validate,
 )
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 TRITON_DTYPES = FLOAT_DTYPES[:3]  # the fused kernels accumulate in fp32: no float64 path
 AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "hpu", "mps")
+AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)  # what autocast casts for a matmul; not float64
 
 
 class CapacityOverflowError(RuntimeError):
@@ -133,71 +134,6 @@ def group_hosts(group_name: str, device: torch.device) -> tuple[str, ...]:
 
 def _backend_module(name: str):
     return BACKENDS[name]
-
-
-def _check_tensor(name: str, value, dim: int) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if value.dim() != dim:
-        raise ValueError(f"{name} must have {dim} dimensions, got shape {tuple(value.shape)}")
-
-
-def validate(x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, world_size: int) -> None:
-    """Clear errors for bad arguments (shapes, dtypes, devices). Never asserts, never modifies inputs."""
-    _check_tensor("x", x, 2)
-    _check_tensor("topk_weights", topk_weights, 2)
-    _check_tensor("w_gate_up", w_gate_up, 3)
-    _check_tensor("w_down", w_down, 3)
-    if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"x must be float16, bfloat16, float32 or float64, got {x.dtype}")
-    num_tokens, hidden = x.shape
-    if hidden < 1:
-        raise ValueError(f"x must be [T, H] with hidden size H >= 1, got shape {tuple(x.shape)}")
-    num_local, two_i, w_hidden = w_gate_up.shape
-    if num_local < 1:
-        raise ValueError(
-            f"w_gate_up must be [E_local, 2*I, H] with E_local >= 1 experts, got shape {tuple(w_gate_up.shape)}"
-        )
-    if two_i % 2 != 0 or two_i == 0:
-        raise ValueError(
-            "w_gate_up must be [E_local, 2*I, H] with an even middle size 2*I >= 2 (I >= 1), "
-            f"got shape {tuple(w_gate_up.shape)}"
-        )
-    if w_hidden != hidden:
-        raise ValueError(f"w_gate_up must be [E_local, 2*I, H={hidden}] to match x [T, H], got {tuple(w_gate_up.shape)}")
-    expected_down = (num_local, hidden, two_i // 2)
-    if tuple(w_down.shape) != expected_down:
-        raise ValueError(f"w_down must be [E_local, H, I] = {expected_down}, got {tuple(w_down.shape)}")
-    if tuple(topk_weights.shape) != tuple(topk_ids.shape) or topk_ids.shape[0] != num_tokens:
-        raise ValueError(
-            f"topk_ids and topk_weights must both be [T={num_tokens}, k], "
-            f"got {tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}"
-        )
-    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
-        if w.dtype != x.dtype:
-            raise TypeError(f"{name} must have x's dtype {x.dtype}, got {w.dtype}")
-    if topk_weights.dtype not in (torch.float32, x.dtype):
-        raise TypeError(f"topk_weights must be float32 (or x's dtype {x.dtype}), got {topk_weights.dtype}")
-    if (shared_gate_up is None) != (shared_down is None):
-        raise ValueError("shared_gate_up and shared_down must be given together (or both None)")
-    if shared_gate_up is not None:
-        _check_tensor("shared_gate_up", shared_gate_up, 2)
-        _check_tensor("shared_down", shared_down, 2)
-        two_i_s = shared_gate_up.shape[0]
-        if two_i_s % 2 != 0 or shared_gate_up.shape[1] != hidden:
-            raise ValueError(f"shared_gate_up must be [2*I_s, H={hidden}], got {tuple(shared_gate_up.shape)}")
-        if tuple(shared_down.shape) != (hidden, two_i_s // 2):
-            raise ValueError(f"shared_down must be [H, I_s] = {(hidden, two_i_s // 2)}, got {tuple(shared_down.shape)}")
-        for name, w in (("shared_gate_up", shared_gate_up), ("shared_down", shared_down)):
-            if w.dtype != x.dtype:
-                raise TypeError(f"{name} must have x's dtype {x.dtype}, got {w.dtype}")
-    named = [("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w_gate_up", w_gate_up), ("w_down", w_down)]
-    if shared_gate_up is not None:
-        named += [("shared_gate_up", shared_gate_up), ("shared_down", shared_down)]
-    for name, t in named:
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}; all inputs must share one device")
-    check_topk_ids(topk_ids, num_local * world_size, check_range=False)  # the range: in build_schedule
 
 
 def _raise_on_overflow(schedule: Schedule) -> None:
@@ -705,9 +641,9 @@ def experts(
     w_down: [E_local, H, I]. shared_gate_up: [2I_s, H], shared_down: [H, I_s] (both or neither).
     group: expert-parallel process group; rank r owns global experts [r*E_local, (r+1)*E_local) and every
         rank passes the same T and k. None: this process owns all experts.
-    config: MoEConfig (backend, capacity, ...). Under torch.autocast the floating inputs (but
-        topk_weights) are cast to the autocast dtype, as a matmul would be.
-    Returns out [T, H] in x's dtype (the autocast dtype under autocast).
+    config: MoEConfig (backend, capacity, ...). Under torch.autocast the float32/float16/bfloat16 inputs
+        (but topk_weights) are cast to the autocast dtype, as a matmul's would be; float64 ones are not.
+    Returns out [T, H] in x's dtype (the autocast dtype under autocast, unless x is float64).
 
     Inference: under torch.no_grad() / torch.inference_mode(), or when no input requires grad, nothing is
     kept for a backward (the same out, bit for bit). The backward computes only the gradients autograd
@@ -723,8 +659,9 @@ def experts(
     )
     if autocast:
         dtype = torch.get_autocast_dtype(x.device.type)
+        # Only the dtypes autocast itself casts for a matmul: float64 stays float64 (as a matmul's would).
         x, w_gate_up, w_down, shared_gate_up, shared_down = (
-            t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+            t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in AUTOCAST_CASTS else t
             for t in (x, w_gate_up, w_down, shared_gate_up, shared_down)
         )
         with torch.autocast(x.device.type, enabled=False):
@@ -740,7 +677,6 @@ def experts(
         config = DEFAULT_CONFIG if config is None else config
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a megamoe.MoEConfig or None, got {type(config).__name__}")
-        _check_tensor("topk_ids", topk_ids, 2)
         validate(x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, world_size)
         backend_name = resolve_backend(config, x, group)
         if backend_name == "reference" and world_size > 1:
@@ -749,8 +685,7 @@ def experts(
         if group is not None:  # the peers are on their way to the agreement exchange: tell them, then raise
             announce_rejection(group, error, (w_gate_up, w_down, x, topk_ids, topk_weights), config)
         raise
-    if backend_name == "reference":
-        check_topk_ids(topk_ids, w_gate_up.shape[0])
+    if backend_name == "reference":  # it checks the ids' range itself
         return reference.experts(
             x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up=shared_gate_up, shared_down=shared_down
         )

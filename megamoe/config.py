@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 
 BACKENDS = ("auto", "reference", "torch", "triton")
@@ -110,15 +111,22 @@ class MoEConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"MoEConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.capacity_factor is not None:
-            if isinstance(self.capacity_factor, bool) or not isinstance(self.capacity_factor, (int, float)):
+            # Any real number (NumPy's scalars too), but not a bool (an int to Python, a flag to a reader).
+            if isinstance(self.capacity_factor, bool) or not isinstance(self.capacity_factor, numbers.Real):
                 raise TypeError(
                     f"MoEConfig.capacity_factor must be None or a number > 0, got {type(self.capacity_factor).__name__}"
                 )
+            try:
+                value = float(self.capacity_factor)
+            except OverflowError:  # an int beyond the floats: as unusable as inf
+                value = math.inf
             # NaN fails `> 0`; inf would size buffers with math.ceil(inf) (an OverflowError much later).
-            if not (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)):
+            if not (value > 0 and math.isfinite(value)):
                 raise ValueError(
                     f"MoEConfig.capacity_factor must be None or a finite number > 0, got {self.capacity_factor}"
                 )
+            # Stored as a Python float: one type for the sizing arithmetic, equality and hashing.
+            object.__setattr__(self, "capacity_factor", value)
         check_block_m("MoEConfig.block_m", self.block_m)
         check_positive_int("MoEConfig.comm_timeout_ms", self.comm_timeout_ms)
         for name in ("num_comm_sms", "minibatch_tokens"):
@@ -134,7 +142,8 @@ class MoEConfig:
     def from_env(cls, **overrides) -> "MoEConfig":
         """A config whose defaults come from MEGAMOE_* environment variables (read here, and only here).
 
-        MEGAMOE_BACKEND, MEGAMOE_CAPACITY_FACTOR, MEGAMOE_BLOCK_M; keyword overrides win.
+        MEGAMOE_BACKEND, MEGAMOE_CAPACITY_FACTOR, MEGAMOE_BLOCK_M; keyword overrides win. An invalid value
+        raises naming its variable and value.
         """
         env: dict = {}
         for field, parse in (("backend", str), ("capacity_factor", float), ("block_m", int)):
@@ -146,6 +155,14 @@ class MoEConfig:
                     raise ValueError(
                         f"{name} (MoEConfig.{field}) must be {parse.__name__}-valued, got {os.environ[name]!r}"
                     ) from None
+                if field in overrides:  # not used: an override wins
+                    continue
+                # Checked alone (the other fields at their valid defaults), so that an error names the
+                # variable the user set, not only the field it feeds.
+                try:
+                    cls(**{field: env[field]})
+                except (TypeError, ValueError) as error:
+                    raise type(error)(f"{name}={os.environ[name]!r}: {error}") from None
         env.update(overrides)
         return cls(**env)
 

@@ -57,6 +57,8 @@ class MoELayer(nn.Module):
             raise ValueError(f"top_k ({top_k}) must be <= num_experts ({num_experts})")
         if score_func not in SCORE_FUNCS:
             raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+        if not isinstance(norm_topk_prob, bool):  # a string such as "false" would be truthy
+            raise TypeError(f"norm_topk_prob must be a bool, got {type(norm_topk_prob).__name__} {norm_topk_prob!r}")
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
         if config is not None and not isinstance(config, MoEConfig):

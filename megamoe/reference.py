@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megamoe.schedule import check_topk_ids, validate
+
 
 def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) @ w_down.T for x [N, H], w_gate_up [2I, H] (gate rows first), w_down [H, I]."""
@@ -32,19 +34,23 @@ def experts(
 
     x [T, H]; topk_ids [T, k] expert ids in [0, E); topk_weights [T, k]; w_gate_up [E, 2I, H];
     w_down [E, H, I]; shared_gate_up [2I_s, H]; shared_down [H, I_s]. Returns [T, H] in x's dtype.
-    Differentiable (autograd) with respect to every floating-point input. `config` is accepted for
-    signature parity with megamoe.experts and ignored.
+    Differentiable (autograd) with respect to every floating-point input (T = 0 included: zero gradients).
+    Arguments are checked as megamoe.experts checks them (ValueError/TypeError naming the argument; an id
+    outside [0, E) too). `config` is accepted for signature parity with megamoe.experts and ignored.
     """
     del config
+    validate(x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, world_size=1)
+    check_topk_ids(topk_ids, w_gate_up.shape[0])
     num_tokens, top_k = topk_ids.shape
     acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     # y[t, j]: each slot's expert output. Gathering the routed tokens synchronises the host (nonzero);
-    # the reference is the readable math, not a sync-free path.
+    # the reference is the readable math, not a sync-free path. An expert without tokens still runs (on
+    # zero rows): every input stays in the graph, so with T = 0 the output requires grad and the gradients
+    # are zeros, as from the other backends.
     y = x.new_zeros(num_tokens, top_k, x.shape[1])
     for e in range(w_gate_up.shape[0]):
         token, slot = (topk_ids == e).nonzero(as_tuple=True)
-        if token.numel() > 0:
-            y = y.index_put((token, slot), swiglu_mlp(x[token], w_gate_up[e], w_down[e]))
+        y = y.index_put((token, slot), swiglu_mlp(x[token], w_gate_up[e], w_down[e]))
     out = torch.zeros(num_tokens, x.shape[1], dtype=acc_dtype, device=x.device)
     for j in range(top_k):
         out = out + topk_weights[:, j : j + 1].to(acc_dtype) * y[:, j].to(acc_dtype)

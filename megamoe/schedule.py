@@ -17,6 +17,7 @@ import torch
 from megamoe.config import DEFAULT_CONFIG, MoEConfig, check_block_m, check_group, check_positive_int
 
 DEFAULT_BLOCK_M = 128
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what x may be
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +137,75 @@ def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, *, check_range: boo
     else:
         # NOTE: no host sync; a bad id fails the device assert at the caller's next synchronisation.
         torch._assert_async(in_range, f"megamoe: topk_ids must hold expert ids in [0, {num_experts})")
+
+
+def _check_tensor(name: str, value, dim: int) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dim() != dim:
+        raise ValueError(f"{name} must have {dim} dimensions, got shape {tuple(value.shape)}")
+
+
+# The argument checks of megamoe.experts live here, beside check_topk_ids, rather than in megamoe.autograd:
+# megamoe.reference (which megamoe.autograd imports) runs the same ones.
+def validate(x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, world_size: int) -> None:
+    """Clear errors for bad arguments (shapes, dtypes, devices). Never asserts, never modifies inputs.
+    The ids' range is not checked here (build_schedule checks it; megamoe.reference calls check_topk_ids)."""
+    _check_tensor("topk_ids", topk_ids, 2)  # first: the checks below read its shape
+    _check_tensor("x", x, 2)
+    _check_tensor("topk_weights", topk_weights, 2)
+    _check_tensor("w_gate_up", w_gate_up, 3)
+    _check_tensor("w_down", w_down, 3)
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"x must be float16, bfloat16, float32 or float64, got {x.dtype}")
+    num_tokens, hidden = x.shape
+    if hidden < 1:
+        raise ValueError(f"x must be [T, H] with hidden size H >= 1, got shape {tuple(x.shape)}")
+    num_local, two_i, w_hidden = w_gate_up.shape
+    if num_local < 1:
+        raise ValueError(
+            f"w_gate_up must be [E_local, 2*I, H] with E_local >= 1 experts, got shape {tuple(w_gate_up.shape)}"
+        )
+    if two_i % 2 != 0 or two_i == 0:
+        raise ValueError(
+            "w_gate_up must be [E_local, 2*I, H] with an even middle size 2*I >= 2 (I >= 1), "
+            f"got shape {tuple(w_gate_up.shape)}"
+        )
+    if w_hidden != hidden:
+        raise ValueError(f"w_gate_up must be [E_local, 2*I, H={hidden}] to match x [T, H], got {tuple(w_gate_up.shape)}")
+    expected_down = (num_local, hidden, two_i // 2)
+    if tuple(w_down.shape) != expected_down:
+        raise ValueError(f"w_down must be [E_local, H, I] = {expected_down}, got {tuple(w_down.shape)}")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape) or topk_ids.shape[0] != num_tokens:
+        raise ValueError(
+            f"topk_ids and topk_weights must both be [T={num_tokens}, k], "
+            f"got {tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}"
+        )
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if w.dtype != x.dtype:
+            raise TypeError(f"{name} must have x's dtype {x.dtype}, got {w.dtype}")
+    if topk_weights.dtype not in (torch.float32, x.dtype):
+        raise TypeError(f"topk_weights must be float32 (or x's dtype {x.dtype}), got {topk_weights.dtype}")
+    if (shared_gate_up is None) != (shared_down is None):
+        raise ValueError("shared_gate_up and shared_down must be given together (or both None)")
+    if shared_gate_up is not None:
+        _check_tensor("shared_gate_up", shared_gate_up, 2)
+        _check_tensor("shared_down", shared_down, 2)
+        two_i_s = shared_gate_up.shape[0]
+        if two_i_s % 2 != 0 or shared_gate_up.shape[1] != hidden:
+            raise ValueError(f"shared_gate_up must be [2*I_s, H={hidden}], got {tuple(shared_gate_up.shape)}")
+        if tuple(shared_down.shape) != (hidden, two_i_s // 2):
+            raise ValueError(f"shared_down must be [H, I_s] = {(hidden, two_i_s // 2)}, got {tuple(shared_down.shape)}")
+        for name, w in (("shared_gate_up", shared_gate_up), ("shared_down", shared_down)):
+            if w.dtype != x.dtype:
+                raise TypeError(f"{name} must have x's dtype {x.dtype}, got {w.dtype}")
+    named = [("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w_gate_up", w_gate_up), ("w_down", w_down)]
+    if shared_gate_up is not None:
+        named += [("shared_gate_up", shared_gate_up), ("shared_down", shared_down)]
+    for name, t in named:
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}; all inputs must share one device")
+    check_topk_ids(topk_ids, num_local * world_size, check_range=False)  # the range: in build_schedule
 
 
 def check_gathered_ids(ids: torch.Tensor, num_experts: int, *, num_tokens: int, rank: int) -> torch.Tensor:

@@ -44,3 +44,24 @@ def test_autocast_bf16_casts_like_a_matmul():
                            shared_gate_up=bf16.shared_gate_up, shared_down=bf16.shared_down,
                            config=megamoe.MoEConfig(backend="torch"))
     assert torch.equal(out, want), "autocast output differs from explicit bf16"
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_autocast_keeps_float64(backend):
+    """float64 inputs under autocast stay float64, as a matmul's do (autocast casts only float32/float16/bfloat16):
+    the same output, bit for bit, as without autocast."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 32, generator=gen, dtype=torch.float64)
+    topk_ids = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(7)])
+    topk_weights = torch.rand(7, 2, generator=gen)
+    weights = dict(w_gate_up=torch.randn(6, 48, 32, generator=gen, dtype=torch.float64) / 32**0.5,
+                   w_down=torch.randn(6, 32, 24, generator=gen, dtype=torch.float64) / 24**0.5,
+                   shared_gate_up=torch.randn(16, 32, generator=gen, dtype=torch.float64) / 32**0.5,
+                   shared_down=torch.randn(32, 8, generator=gen, dtype=torch.float64) / 8**0.5)
+    config = megamoe.MoEConfig(backend=backend)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert (x @ weights["w_down"][0]).dtype == torch.float64  # what autocast does to a float64 matmul
+        out = megamoe.experts(x, topk_ids, topk_weights, **weights, config=config)
+    assert out.dtype == torch.float64
+    want = megamoe.experts(x, topk_ids, topk_weights, **weights, config=config)
+    assert torch.equal(out, want), "autocast changed a float64 call"

@@ -18,6 +18,7 @@ INVALID = [
     ("capacity_factor", float("nan"), ValueError),
     ("capacity_factor", "1.0", TypeError),
     ("capacity_factor", True, TypeError),
+    ("capacity_factor", 10**400, ValueError),  # an int beyond the floats (not an OverflowError)
     ("block_m", 0, ValueError),
     ("block_m", 3, ValueError),
     ("block_m", 48, ValueError),
@@ -67,6 +68,27 @@ VALID = [
 @pytest.mark.parametrize("field,value", VALID, ids=[f"{f}={v!r}" for f, v in VALID])
 def test_valid_field(field, value):
     assert getattr(MoEConfig(**{field: value}), field) == value
+
+
+@pytest.mark.parametrize("kind,number", [("float32", 1.5), ("float16", 0.5), ("float64", 2.0), ("int64", 3)], ids=str)
+def test_capacity_factor_numpy_scalar(kind, number):
+    """Any real number but a bool is accepted (NumPy's scalars too), stored as a Python float."""
+    np = pytest.importorskip("numpy")
+    config = MoEConfig(capacity_factor=getattr(np, kind)(number))
+    assert type(config.capacity_factor) is float and config.capacity_factor == number
+    assert config == MoEConfig(capacity_factor=float(number))
+
+
+@pytest.mark.parametrize("kind,value,exc", [("float32", "nan", ValueError), ("float32", "inf", ValueError),
+                                            ("float32", "-1.5", ValueError), ("int64", "0", ValueError),
+                                            ("bool_", "1", TypeError), ("str_", "1.5", TypeError)], ids=str)
+def test_capacity_factor_numpy_scalar_rejected(kind, value, exc):
+    """NumPy's scalars meet the rules of Python's numbers: NaN, inf and <= 0 are ValueErrors, a bool or a string
+    a TypeError, each naming capacity_factor."""
+    np = pytest.importorskip("numpy")
+    scalar = getattr(np, kind)(value if kind in ("str_", "bool_") else float(value))
+    with pytest.raises(exc, match=r"\bcapacity_factor\b"):
+        MoEConfig(capacity_factor=scalar)
 
 
 def test_defaults_are_dropless_and_auto():
@@ -134,3 +156,29 @@ def test_from_env_invalid_value_names_it(clean_env, var, value, field):
         MoEConfig.from_env()
     message = str(info.value)
     assert var in message or re.search(rf"\b{field}\b", message), f"message names neither {var} nor {field}: {message}"
+
+
+ENV_INVALID = [
+    ("MEGAMOE_BLOCK_M", "48"), ("MEGAMOE_BLOCK_M", "0"), ("MEGAMOE_BLOCK_M", "-16"), ("MEGAMOE_BLOCK_M", "2048"),
+    ("MEGAMOE_BLOCK_M", "sixteen"), ("MEGAMOE_BLOCK_M", "16.0"),
+    ("MEGAMOE_CAPACITY_FACTOR", "nan"), ("MEGAMOE_CAPACITY_FACTOR", "inf"), ("MEGAMOE_CAPACITY_FACTOR", "1e400"),
+    ("MEGAMOE_CAPACITY_FACTOR", "0"), ("MEGAMOE_CAPACITY_FACTOR", "-1"), ("MEGAMOE_CAPACITY_FACTOR", "lots"),
+    ("MEGAMOE_BACKEND", "TORCH"), ("MEGAMOE_BACKEND", ""), ("MEGAMOE_BACKEND", "gpu"),
+]
+
+
+@pytest.mark.parametrize("var,value", ENV_INVALID, ids=[f"{v}={x!r}" for v, x in ENV_INVALID])
+def test_from_env_error_names_variable_and_value(clean_env, var, value):
+    """Every error for a value read from the environment (a range or a choice as much as a parse failure) names
+    the variable and the value it holds: the user set the variable, not the field."""
+    clean_env.setenv(var, value)
+    with pytest.raises(ValueError) as info:
+        MoEConfig.from_env()
+    message = str(info.value)
+    assert var in message and repr(value) in message, f"message does not name {var}={value!r}: {message}"
+
+
+def test_from_env_invalid_value_overridden(clean_env):
+    """A keyword override wins over an invalid (but parseable) variable: its value is not used."""
+    clean_env.setenv("MEGAMOE_BLOCK_M", "48")
+    assert MoEConfig.from_env(block_m=16).block_m == 16

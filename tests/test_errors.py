@@ -13,7 +13,9 @@ from megamoe import CapacityOverflowError, MoEConfig, MoELayer, build_schedule
 from conftest import assert_close_tight, assert_equal, make_problem
 
 T, H, I, E, K, IS = 6, 8, 4, 4, 2, 4
-BACKENDS = pytest.mark.parametrize("backend", ["torch", "reference"])
+# "reference.experts": megamoe.reference.experts called directly (public; it checks its arguments as
+# megamoe.experts does).
+BACKENDS = pytest.mark.parametrize("backend", ["torch", "reference", "reference.experts"])
 
 
 def args(gen, dtype=torch.float32):
@@ -25,8 +27,11 @@ def args(gen, dtype=torch.float32):
 
 def call(kw, backend="torch"):
     kw = dict(kw)
-    return megamoe.experts(kw.pop("x"), kw.pop("topk_ids"), kw.pop("topk_weights"), kw.pop("w_gate_up"),
-                           kw.pop("w_down"), config=MoEConfig(backend=backend), **kw)
+    if backend == "reference.experts":
+        fn = megamoe.reference.experts
+    else:
+        fn, kw["config"] = megamoe.experts, MoEConfig(backend=backend)
+    return fn(kw.pop("x"), kw.pop("topk_ids"), kw.pop("topk_weights"), kw.pop("w_gate_up"), kw.pop("w_down"), **kw)
 
 
 def expect(exc, name, kw, backend="torch"):
@@ -281,6 +286,15 @@ def test_layer_bad_arguments(kwargs, name):
     with pytest.raises(ValueError, match=rf"\b{name}\b"):
         MoELayer(full.pop("hidden_size"), full.pop("intermediate_size"), full.pop("num_experts"), full.pop("top_k"),
                  **full)
+
+
+@pytest.mark.parametrize("value", ["false", 0, 1, 1.0, None], ids=repr)
+def test_layer_norm_topk_prob_must_be_bool(value):
+    """norm_topk_prob="false" (truthy) and friends: a TypeError naming the argument and what was given."""
+    with pytest.raises(TypeError) as info:
+        MoELayer(H, I, E, K, norm_topk_prob=value)
+    message = str(info.value)
+    assert re.search(r"\bnorm_topk_prob\b", message) and "bool" in message and repr(value) in message, message
 
 
 def test_layer_bad_config_type():

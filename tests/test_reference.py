@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import megamoe
-from conftest import assert_close_tight, make_problem, problem_id, run_reference
+from conftest import assert_close_tight, assert_equal, make_problem, problem_id, run_reference
 
 GRADCHECK_SHAPES = [(3, 4, 3, 3, 2), (1, 3, 2, 2, 1), (4, 5, 2, 4, 3)]
 
@@ -121,3 +121,30 @@ def test_low_precision_keeps_dtype_and_tracks_fp64(rng, dtype):
     assert out.dtype == dtype
     tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
     assert_close_tight("out", out, ref, tol)
+
+
+EMPTY_CASES = [("all", 0), ("all", 2), ("x", 0), ("topk_weights", 0), ("w_gate_up", 0), ("w_down", 0),
+               ("shared_down", 2)]
+
+
+@pytest.mark.parametrize("grad_of,shared", EMPTY_CASES, ids=[f"{g}-shared{s}" for g, s in EMPTY_CASES])
+def test_empty_batch_like_the_torch_backend(rng, grad_of, shared):
+    """T = 0 (an empty batch): the output requires grad when any input does, and every gradient is zeros of its
+    input's shape, as from backend="torch" (not an output autograd cannot reach, nor None gradients)."""
+    p = make_problem(rng, 0, 4, 3, 3, 2, shared_intermediate=shared, topk_ids=torch.empty(0, 2, dtype=torch.int64))
+
+    def run(fn, **kw):
+        leaves = {n: getattr(p, n).clone().requires_grad_(grad_of in ("all", n)) for n in p.float_names}
+        out = fn(leaves["x"], p.topk_ids, leaves["topk_weights"], leaves["w_gate_up"], leaves["w_down"],
+                 shared_gate_up=leaves.get("shared_gate_up"), shared_down=leaves.get("shared_down"), **kw)
+        assert out.requires_grad, f"{fn.__module__}: the output does not require grad"
+        wanted = [n for n, t in leaves.items() if t.requires_grad]
+        grads = torch.autograd.grad(out, [leaves[n] for n in wanted], p.d_out)
+        return {"out": out.detach(), **{f"d_{n}": g for n, g in zip(wanted, grads)}}
+
+    ours = run(megamoe.reference.experts)
+    want = run(megamoe.experts, config=megamoe.MoEConfig(backend="torch"))
+    assert ours.keys() == want.keys()
+    for name in want:
+        assert_equal(name, ours[name], want[name])
+        assert not want[name].any(), f"backend='torch' {name}: not zeros"
