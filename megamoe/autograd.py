@@ -205,6 +205,10 @@ _AGREED: set[tuple] = set()
 # The groups whose ranks have met in an agreement exchange once (any path): later exchanges on them wait at
 # most MoEConfig.comm_timeout_ms, the first one the process-group timeout (the warm-up).
 _MET_GROUPS: set[str] = set()
+# The groups whose agreement exchange timed out on this rank: that gather stays pending, so the next collective
+# on the group would pair with it (a late peer's check with this rank's stale gather, its routing gather with
+# this rank's next check); every later exchange on them raises at once instead (_exchange_status).
+_OUT_OF_STEP: set[str] = set()
 
 
 def _resolved_direction(config: MoEConfig, operation: str) -> str:
@@ -357,7 +361,9 @@ def check_ranks_agree(group, x, topk_ids, w_gate_up, w_down, config: MoEConfig) 
         raise RuntimeError(
             f"megamoe.experts: the peers of the expert-parallel group did not join the check of this call's shapes "
             f"({shown}) within MoEConfig.comm_timeout_ms={config.comm_timeout_ms}: a peer stopped or failed before "
-            f"this call, or is late by more than comm_timeout_ms{'' if every_call else fused} ({e.__cause__})"
+            f"this call, or is late by more than comm_timeout_ms{'' if every_call else fused} ({e.__cause__}); the "
+            "exchange stays pending, so the group is now out of step: later megamoe calls on it raise at once "
+            "(recreate the process group)"
         ) from e
     # NOTE: host sync — the verdict is needed on the host before the routing gather, whose size it checks.
     # Acceptable: on the fused path once per (group, shapes), like the workspace allocation (the warm-up);
@@ -371,9 +377,17 @@ def check_ranks_agree(group, x, topk_ids, w_gate_up, w_down, config: MoEConfig) 
 def _exchange_status(group, payload: torch.Tensor, comm_timeout_ms: int) -> torch.Tensor:
     """All-gather each rank's [len(AGREE_FIELDS) + _STATUS_LEN] int64 payload, [W * that] in rank order. The
     group's first exchange waits for the process-group timeout, later ones at most comm_timeout_ms (then a
-    TimeoutError whose __cause__ is the process group's error; the gather stays pending)."""
+    TimeoutError whose __cause__ is the process group's error; the gather stays pending, and the group is out of
+    step for this rank: every later exchange on it raises a RuntimeError at once, _OUT_OF_STEP)."""
     import torch.distributed as dist
 
+    if group.group_name in _OUT_OF_STEP:
+        raise RuntimeError(
+            f"megamoe.experts: the expert-parallel group {group.group_name!r} is out of step: an earlier call's "
+            "agreement exchange on it timed out (MoEConfig.comm_timeout_ms) and is still pending, so a new collective "
+            "on the group would pair with that one and mix up the ranks' data; destroy and recreate the process "
+            "group (or restart the job)"
+        )
     gathered = payload.new_empty(dist.get_world_size(group) * payload.numel())
     # all_gather_single is the newer name (torch >= 2.13) of all_gather_into_tensor.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -387,6 +401,7 @@ def _exchange_status(group, payload: torch.Tensor, comm_timeout_ms: int) -> torc
         try:
             work.wait(timeout=datetime.timedelta(milliseconds=comm_timeout_ms))
         except RuntimeError as e:
+            _OUT_OF_STEP.add(group.group_name)
             raise TimeoutError(f"no agreement exchange within {comm_timeout_ms} ms") from e
     _MET_GROUPS.add(group.group_name)
     return gathered
@@ -605,8 +620,12 @@ def _backward(ctx, grads):
     d_all = [None] * len(GRAD_NAMES)
     if mask:
         split = len(rest) - len(SCHEDULE_TENSORS)
+        # The output's gradient is undefined where nothing downstream depends on it (e.g. a custom Function
+        # returning None for it): zero gradients, computed rather than skipped, so that an expert-parallel
+        # backward still runs its exchanges with its peers.
+        d_out = torch.zeros_like(x) if grads[0] is None else grads[0].contiguous()
         d_inputs = iter(_experts_bwd(
-            grads[0].contiguous(), x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
+            d_out, x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
             rest[:split], rest[split:], *ctx.static, mask,
         ))
         d_all = [next(d_inputs) if need else None for need in _needs(mask, shared_gate_up)]

@@ -130,6 +130,9 @@ def _scenarios(rank: int) -> dict:
     absent = groups["absent-torch"]
     run("absent-torch-warm", lambda: _experts(absent, good))
     run("absent-torch", lambda: None if rank == 1 else _experts(absent, good))
+    # The timed-out ranks' gathers are pending: their next call on the group must not issue another collective
+    # (it would pair with a late peer's), but raise at once.
+    run("absent-torch-again", lambda: None if rank == 1 else _experts(absent, good))
     absent = groups["absent-fused"]
 
     def fused_new_shape(tokens):
@@ -235,6 +238,18 @@ def test_absent_peer_fails_the_others_after_comm_timeout(fail_fast, path):
         assert f"comm_timeout_ms={COMM_TIMEOUT_MS}" in message, f"rank {rank}: {message}"
         elapsed = fail_fast[rank][f"absent-{path}"]["elapsed"]
         assert COMM_TIMEOUT_MS / 1000 * 0.9 < elapsed < FAST_S, f"rank {rank}: gave up after {elapsed:.1f}s"
+
+
+def test_group_out_of_step_after_a_timeout_raises_at_once(fail_fast):
+    """After its agreement exchange timed out (the gather left pending), a rank's next call on that group raises
+    at once, saying the group is out of step, instead of issuing a collective that would pair with the pending
+    one (a late peer's check with the stale gather, its routing gather with this rank's new check)."""
+    for rank in (0, 2):
+        assert "out of step" in _error(fail_fast, rank, "absent-torch"), rank
+        message = _error(fail_fast, rank, "absent-torch-again")
+        assert message.startswith("RuntimeError: ") and "is out of step" in message, f"rank {rank}: {message}"
+        elapsed = fail_fast[rank]["absent-torch-again"]["elapsed"]
+        assert elapsed < COMM_TIMEOUT_MS / 1000 / 2, f"rank {rank}: took {elapsed:.2f}s"
 
 
 def test_fused_path_empty_batch_alone_fails_not_returns(fail_fast):

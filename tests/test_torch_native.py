@@ -163,3 +163,35 @@ def test_empty_batch(backend):
     out.sum().backward()
     for name, w in (("d_w_gate_up", w_gate_up), ("d_w_down", w_down)):
         assert w.grad is None or torch.equal(w.grad, torch.zeros_like(w)), name
+
+
+def test_undefined_output_gradient_gives_zero_gradients():
+    """Where the output's gradient is undefined (a Function downstream returns None for it) the backward gives
+    zero gradients instead of failing; and gradcheck's own check of that case passes."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(6)])
+    weights = torch.rand(6, 2, generator=gen, dtype=torch.float64, requires_grad=True)
+    w_gate_up = (torch.randn(4, 8, 8, generator=gen, dtype=torch.float64) / 8**0.5).requires_grad_()
+    w_down = (torch.randn(4, 8, 4, generator=gen, dtype=torch.float64) / 2).requires_grad_()
+
+    class Stop(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return None
+
+    out = megamoe.experts(x, ids, weights, w_gate_up, w_down, config=TORCH)
+    (Stop.apply(out).sum() + x.sum()).backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+    for name, t in (("topk_weights", weights), ("w_gate_up", w_gate_up), ("w_down", w_down)):
+        assert t.grad is None or not t.grad.any(), name
+
+    def fn(x, weights, w_gate_up, w_down):
+        return megamoe.experts(x, ids, weights, w_gate_up, w_down, config=TORCH)
+
+    inputs = tuple(t.detach().requires_grad_() for t in (x, weights, w_gate_up, w_down))
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)  # check_undefined_grad on
