@@ -152,3 +152,12 @@ def test_bench_run_draws_its_own_records(tmp_path):
     assert code == 0
     assert png.read_bytes().startswith(PNG_MAGIC)
     assert len(load_records([records_path])) == 4  # (torchtitan, torch) x (fwd, fwd+bwd)
+
+
+def test_records_of_two_problem_sizes_in_one_bar_are_an_error(tmp_path):
+    """Two records for the same bar (workload, backend, EP, GPU, pass, routing) from different problem sizes would
+    silently replace one another: an error naming both sizes."""
+    records = make_records(ep=1)
+    other = [dict(r, tokens=4096) for r in records]
+    with pytest.raises(ValueError, match=r"different problem sizes.*\(16384, 128\) and \(4096, 128\)"):
+        plot_records(records + other, tmp_path / "x.png")

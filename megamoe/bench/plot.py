@@ -107,8 +107,16 @@ def plot_records(records: list[dict], path: str | Path, *, title: str | None = N
     keys = sorted({(r["backend"], r["ep"], r["gpu"]) for r in measured},
                   key=lambda k: (backends.index(k[0]), k[1], k[2]))
     labels = {k: series_label({"backend": k[0], "ep": k[1], "gpu": k[2]}, with_gpu) for k in keys}
-    tflops = {(r["workload"], (r["backend"], r["ep"], r["gpu"]), r["pass"], r["routing"]): r["tflops"]
-              for r in measured}
+    tflops, problem = {}, {}
+    for r in measured:
+        key = (r["workload"], (r["backend"], r["ep"], r["gpu"]), r["pass"], r["routing"])
+        size = (r.get("tokens"), r.get("experts_per_gpu"))
+        if problem.setdefault(key, size) != size:  # one bar cannot stand for two problem sizes
+            raise ValueError(
+                f"records of {r['workload']} ({r['backend']}, ep={r['ep']}, {r['pass']}, {r['routing']}) with different "
+                f"problem sizes, (tokens, experts_per_gpu) {problem[key]} and {size}: plot them separately"
+            )
+        tflops[key] = r["tflops"]  # the same problem measured twice: the later record's bar
     # One line per GPU: runs merged from several files each measured their own ceiling; the highest is what
     # that GPU was shown to reach.
     runs_per_gpu: dict[str, set[float]] = {}
