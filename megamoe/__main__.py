@@ -52,6 +52,11 @@ def _add_bench(commands) -> argparse.ArgumentParser:
     bench.add_argument("--routing", choices=("balanced", "skewed", "both"), default="both")
     bench.add_argument("--iters", type=int, help="timed iterations (default: 20 on a GPU, 5 on CPU)")
     bench.add_argument("--warmup", type=int, help="untimed iterations first (default: 5 on a GPU, 2 on CPU)")
+    bench.add_argument(
+        "--rounds", type=int,
+        help="alternating rounds: each round times every backend and pass (and the matmul ceiling) once, in a "
+        "balanced order; a record's ms is the median of its rounds' medians (default: 3 on a GPU, 1 on CPU)",
+    )
     bench.add_argument("--dtype", choices=tuple(DTYPES), help="default: bf16 on a GPU, fp32 on CPU")
     bench.add_argument(
         "--experts-per-gpu", type=int, metavar="N",
@@ -72,7 +77,9 @@ def _add_bench(commands) -> argparse.ArgumentParser:
 
 
 # Options that only shape a timed run; with --from-json nothing is timed, so they would be silently ignored.
-TIMING_OPTIONS = ("workload", "backend", "peers", "tokens", "iters", "warmup", "dtype", "experts_per_gpu", "json")
+TIMING_OPTIONS = (
+    "workload", "backend", "peers", "tokens", "iters", "warmup", "rounds", "dtype", "experts_per_gpu", "json",
+)
 
 
 def _plot_from_json(args, bench: argparse.ArgumentParser) -> int:
@@ -110,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                 require_matplotlib()  # before timing: fail in a second, not after an hour of benchmarks
             except ImportError as e:
                 bench.error(str(e))
-        for option in ("tokens", "iters", "experts_per_gpu"):
+        for option in ("tokens", "iters", "rounds", "experts_per_gpu"):
             value = getattr(args, option)
             if value is not None and value < 1:
                 bench.error(f"--{option.replace('_', '-')} must be >= 1, got {value}")
@@ -128,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             json_path=args.json,
             plot_path=args.plot,
             peers=_names(args.peers, PEERS, "--peers", bench),
+            rounds=args.rounds,
         )
     return 0
 

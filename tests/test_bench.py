@@ -22,7 +22,7 @@ from megamoe.bench.run import RECORD_FIELDS
 from megamoe.bench.workloads import WORKLOADS, choose_experts_per_gpu, footprint_bytes, layer_flops
 
 REPO = Path(__file__).resolve().parents[1]
-TINY_RUN = ["bench", "--workload", "cpu-small", "--tokens", "64", "--iters", "2", "--warmup", "1"]
+TINY_RUN = ["bench", "--workload", "cpu-small", "--tokens", "64", "--iters", "2", "--warmup", "1", "--rounds", "2"]
 
 
 def test_layer_flops_counts_as_benchmarks_md():
@@ -165,10 +165,9 @@ def test_run_gates_the_timed_problem(monkeypatch, capsys):
         gated.append((weights, tokens))
         return gate_backends(w, backends, weights, tokens, group)
 
-    def spy_time(w, backend, pass_name, weights, token_sets, **kwargs):
+    def spy_time(backend, pass_name, weights, token_sets, **kwargs):
         timed.append((weights, token_sets[0]))
-        return {"ms": 1.0, "tflops": 1.0, "mfu": None, "peak_mem_bytes": None, "peak_mem_above_inputs_bytes": None,
-                "workspace_bytes": None}
+        return {"ms": 1.0, "peak_mem_bytes": None, "peak_mem_above_inputs_bytes": None, "workspace_bytes": None}
 
     monkeypatch.setattr(run, "gate_backends", spy_gate)
     monkeypatch.setattr(run, "time_pass", spy_time)
@@ -178,6 +177,33 @@ def test_run_gates_the_timed_problem(monkeypatch, capsys):
     (weights, tokens), = gated
     assert tokens.x_TH.shape == (48, 256) and weights.w_gate_up_E2IH.shape == (8, 256, 256)
     assert all(w is weights and t is tokens for w, t in timed) and len(timed) == 4  # 2 backends x 2 passes
+
+
+def test_backends_are_timed_in_alternating_rounds(monkeypatch, capsys, tmp_path):
+    """Every (backend, pass) takes one turn per round, in round_order's order; a record's ms is the median of its
+    rounds' medians (round_ms, in order), its TFLOP/s follows from that ms, its memory is the rounds' maximum."""
+    turns = []
+
+    def fake_time(backend, pass_name, weights, token_sets, **kwargs):
+        turns.append((backend, pass_name))
+        n = len(turns)
+        return {"ms": float(n), "peak_mem_bytes": n, "peak_mem_above_inputs_bytes": None, "workspace_bytes": None}
+
+    monkeypatch.setattr(run, "time_pass", fake_time)
+    path = tmp_path / "r.json"
+    code = run.run_bench(workloads=["cpu-small"], backends=["torch"], routing="balanced", tokens=48, iters=1,
+                         warmup=0, dtype=None, experts_per_gpu=None, json_path=str(path), rounds=3)
+    assert code == 0, capsys.readouterr().out
+    names = [(b, p) for b in ("torchtitan", "torch") for p in ("fwd", "fwd+bwd")]
+    assert turns == [t for r in range(3) for t in round_order(names, r)]
+    records = json.loads(path.read_text())
+    assert [(r["backend"], r["pass"]) for r in records] == names
+    for r in records:
+        key = (r["backend"], r["pass"])
+        want = [float(i + 1) for i, turn in enumerate(turns) if turn == key]
+        assert r["round_ms"] == want and r["ms"] == want[1]
+        assert r["tflops"] == pytest.approx(layer_flops(WORKLOADS["cpu-small"], 48, r["pass"]) / want[1] / 1e9)
+        assert r["peak_mem_bytes"] == max(want) and r["peak_mem_above_inputs_bytes"] is None
 
 
 def test_peak_memory_includes_the_ep_workspace():
@@ -212,6 +238,7 @@ def _check_records(records: list[dict], ep: int) -> None:
         problem = (r["workload"], r["ep"], r["tokens"], r["experts_per_gpu"])
         assert problem == ("cpu-small", ep, 64, 8 // ep)
         assert r["ms"] > 0 and r["tflops"] > 0
+        assert len(r["round_ms"]) == 2 and r["ms"] == pytest.approx(sum(r["round_ms"]) / 2)
         assert r["gpu"] == "cpu" and r["dtype"] == "fp32" and r["mfu"] is None and r["peak_mem_bytes"] is None
         assert r["peak_mem_above_inputs_bytes"] is None and r["workspace_bytes"] is None
         assert r["torch"] == torch.__version__ and r["commit"]

@@ -27,7 +27,8 @@ def make_records(ep: int, backends=("torchtitan", "torch", "triton"), workloads=
                     tflops = 100.0 + 50 * w + 20 * b + (5 if pass_name == "fwd+bwd" else 0) + 10 * ep
                     records.append({
                         "workload": workload, "backend": backend, "pass": pass_name, "routing": routing, "ep": ep,
-                        "tokens": 16384, "experts_per_gpu": 128 // ep, "dtype": "bf16", "ms": 1.0, "tflops": tflops,
+                        "tokens": 16384, "experts_per_gpu": 128 // ep, "dtype": "bf16", "ms": 1.0, "round_ms": [1.0],
+                        "tflops": tflops,
                         "mfu": tflops / CEILING, "ceiling_tflops": CEILING, "peak_mem_bytes": 2**30,
                         "peak_mem_above_inputs_bytes": 2**29, "workspace_bytes": None,
                         "gpu": "NVIDIA H200", "torch": "2.13.0", "triton": "3.6.0", "commit": "0123456789abcdef",

@@ -143,13 +143,6 @@ def ceiling_matmul(device: torch.device):
     return lambda: a @ b
 
 
-def matmul_ceiling_tflops(device: torch.device) -> float:
-    """TFLOP/s of the 8192^3 bf16 matmul on this GPU: the denominator of MFU."""
-    matmul = ceiling_matmul(device)
-    ms = median_ms(lambda i: matmul(), iters=20, warmup=5, device=device)
-    return CEILING_FLOPS / ms / 1e9
-
-
 def git_commit(checkout: Path = Path(__file__).parent) -> str:
     """HEAD of the checkout megamoe runs from, with "-dirty" where tracked files differ from it (a result then
     says that it was not measured on that commit's code), or "unknown" outside a git checkout."""

@@ -10,8 +10,10 @@ keeps what the backward needs); "fwd+bwd" adds autograd.grad of sum(out * d_out)
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -20,7 +22,9 @@ from tqdm import tqdm
 
 from megamoe.bench.baselines import PEERS
 from megamoe.bench.gate import experts_fn, gate_backends, unavailable_reason
-from megamoe.bench.measure import git_commit, matmul_ceiling_tflops, median_ms, reduce_over_ranks
+from megamoe.bench.measure import (
+    CEILING_FLOPS, alternating_rounds, ceiling_matmul, git_commit, median_ms, reduce_over_ranks,
+)
 from megamoe.bench.problem import forward_backward, forward_TH, make_tokens, make_weights
 from megamoe.bench.routing import ROUTINGS, expert_load_E
 from megamoe.bench.workloads import (
@@ -29,10 +33,11 @@ from megamoe.bench.workloads import (
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 BASELINE = "torchtitan"
+CEILING_TURN = "matmul-8192"  # the MFU ceiling's turn in every round (GPUs)
 TABLE_LABELS = {"torch": "portable"}  # megamoe's portable path, not torch's own
 TOKEN_SEED = 10_000  # + rank: every rank routes its own tokens
 RECORD_FIELDS = (
-    "workload", "backend", "pass", "routing", "ep", "tokens", "experts_per_gpu", "dtype", "ms", "tflops", "mfu",
+    "workload", "backend", "pass", "routing", "ep", "tokens", "experts_per_gpu", "dtype", "ms", "round_ms", "tflops", "mfu",
     "ceiling_tflops", "peak_mem_bytes", "peak_mem_above_inputs_bytes", "workspace_bytes", "gpu", "torch", "triton",
     "commit",
 )  # every record's fields (docs/design.md)
@@ -89,12 +94,12 @@ def memory_record(peak: int, inputs_bytes: int, workspace: int | None, device: t
             "workspace_bytes": None if workspace is None else int(values[2])}
 
 
-def time_pass(w, backend, pass_name, weights, token_sets, *, iters, warmup, ceiling, device, group) -> dict:
-    """ms, tflops, mfu and memory of one backend and pass, rotating through token_sets. Memory (GPUs, max over
-    ranks, memory_record): peak_mem_bytes, the caching allocator's peak plus the EP symmetric-memory
-    workspace; peak_mem_above_inputs_bytes, that less what the weights and input sets already held when the
-    pass started (activations, gradients, temporaries, workspace); workspace_bytes, the workspace alone (the
-    pass's own: the cached ones are dropped before it, so one of an earlier workload is not counted)."""
+def time_pass(backend, pass_name, weights, token_sets, *, iters, warmup, device, group) -> dict:
+    """ms (the median of iters timed calls) and memory of one backend and pass, rotating through token_sets.
+    Memory (GPUs, max over ranks, memory_record): peak_mem_bytes, the caching allocator's peak plus the EP
+    symmetric-memory workspace; peak_mem_above_inputs_bytes, that less what the weights and input sets already
+    held when the pass started (activations, gradients, temporaries, workspace); workspace_bytes, the workspace
+    alone (the pass's own: the cached ones are dropped before it, so one of an earlier workload is not counted)."""
     fn = experts_fn(backend)
     run = forward_TH if pass_name == "fwd" else forward_backward
 
@@ -111,12 +116,42 @@ def time_pass(w, backend, pass_name, weights, token_sets, *, iters, warmup, ceil
         torch.cuda.reset_peak_memory_stats(device)
         inputs_bytes = torch.cuda.memory_allocated(device)
     ms = median_ms(step, iters=iters, warmup=warmup, device=device, group=group)
-    tflops = layer_flops(w, token_sets[0].x_TH.shape[0], pass_name) / ms / 1e9
     memory = {"peak_mem_bytes": None, "peak_mem_above_inputs_bytes": None, "workspace_bytes": None}
     if on_gpu:
         workspace = None if workspace_api is None else workspace_api.workspace_bytes(group)
         memory = memory_record(torch.cuda.max_memory_allocated(device), inputs_bytes, workspace, device, group)
-    return {"ms": ms, "tflops": tflops, "mfu": tflops / ceiling if ceiling else None, **memory}
+    return {"ms": ms, **memory}
+
+
+def ceiling_ms(*, iters: int, warmup: int, device: torch.device, group) -> float:
+    """Median ms of the 8192^3 bf16 matmul whose TFLOP/s is MFU's denominator. Its operands live only for the
+    turn, so no pass's peak memory counts them."""
+    matmul = ceiling_matmul(device)
+    return median_ms(lambda i: matmul(), iters=iters, warmup=warmup, device=device, group=group)
+
+
+def time_in_rounds(turns: dict, rounds: int, progress) -> dict:
+    """{name: [result per round]} for turns ({name: call}), run in alternating rounds (measure.round_order), so
+    that every turn meets the GPU's clock under its power cap as often after each other turn: the backends'
+    ratios come from the same rounds, not from one backend timed after another."""
+    def run_turn(call):
+        result = call()
+        progress.update()
+        return result
+
+    return alternating_rounds(turns, rounds, run_turn)
+
+
+def summarise(row: dict, results: list[dict], flops: float, ceiling: float | None) -> None:
+    """Fill row from one turn's results over the rounds: ms the median of the rounds' medians (round_ms the
+    rounds' own, in order), TFLOP/s and MFU from it, each memory field its maximum over the rounds."""
+    row["round_ms"] = [r["ms"] for r in results]
+    row["ms"] = statistics.median(row["round_ms"])
+    row["tflops"] = flops / row["ms"] / 1e9
+    row["mfu"] = row["tflops"] / ceiling if ceiling else None
+    for field in ("peak_mem_bytes", "peak_mem_above_inputs_bytes", "workspace_bytes"):
+        values = [r[field] for r in results if r[field] is not None]
+        row[field] = max(values) if values else None
 
 
 def run_bench(
@@ -132,9 +167,12 @@ def run_bench(
     json_path: str | None,
     plot_path: str | None = None,
     peers: list[str] | None = None,
+    rounds: int | None = None,
 ) -> int:
     """Run the benchmark; rank 0 prints the table, writes JSON and draws the plot (megamoe.bench.plot).
     peers: names of megamoe.bench.baselines.PEERS to time too; one that cannot run here is a note.
+    rounds: alternating rounds per (workload, routing) in which every backend and pass (and on GPUs the MFU
+    ceiling's matmul) takes one turn of iters timed iterations (default: 3 on a GPU, 1 on CPU).
     Returns 1 if a backend failed its gate."""
     unknown = [p for p in peers or () if p not in PEERS]
     if unknown:
@@ -159,6 +197,7 @@ def run_bench(
     dtype = DTYPES[dtype_name]
     iters = iters or (20 if on_gpu else 5)
     warmup = warmup if warmup is not None else (5 if on_gpu else 2)
+    rounds = rounds or (3 if on_gpu else 1)
 
     facts = {
         "dtype": dtype_name,
@@ -167,10 +206,8 @@ def run_bench(
         "triton": triton_version(),
         "commit": git_commit(),
     }
-    ceiling = matmul_ceiling_tflops(device) if on_gpu else None
-    progress = tqdm(
-        total=len(workloads) * len(routings) * len(backends) * len(PASSES), file=sys.stderr, disable=rank != 0
-    )
+    progress = tqdm(total=0, file=sys.stderr, disable=rank != 0)
+    ceilings = []
     for name in workloads:
         w = WORKLOADS[name]
         num_tokens = tokens or w.tokens_per_gpu
@@ -193,25 +230,40 @@ def run_bench(
             load = max(load_E) / (sum(load_E) / num_experts)
             # Gate every backend on the timed problem itself (the first input set) before timing any, so the
             # gate's tensors are gone from the peak memory.
+            progress.set_description(f"{name} {routing_name}: gate")
             gates = gate_backends(w, backends, weights, token_sets[0], group)
+            these_rows, turns = {}, {}
             for backend in backends:
                 status, detail = gates[backend]
                 for pass_name in PASSES:
-                    progress.set_description(f"{name} {routing_name} {backend} {pass_name}")
-                    row = {
+                    these_rows[backend, pass_name] = {
                         "workload": name, "backend": backend, "pass": pass_name, "routing": routing_name,
                         "ep": world_size, "tokens": num_tokens, "experts_per_gpu": n_local, "ms": None,
-                        "tflops": None, "mfu": None, "ceiling_tflops": ceiling, "peak_mem_bytes": None,
-                        "peak_mem_above_inputs_bytes": None, "workspace_bytes": None,
+                        "round_ms": None, "tflops": None, "mfu": None, "ceiling_tflops": None,
+                        "peak_mem_bytes": None, "peak_mem_above_inputs_bytes": None, "workspace_bytes": None,
                         **facts, "status": status, "detail": detail, "load": load,
                     }
                     if status == "ok":
-                        row.update(time_pass(
-                            w, backend, pass_name, weights, token_sets,
-                            iters=iters, warmup=warmup, ceiling=ceiling, device=device, group=group,
-                        ))
-                    rows.append(row)
-                    progress.update()
+                        turns[backend, pass_name] = functools.partial(
+                            time_pass, backend, pass_name, weights, token_sets,
+                            iters=iters, warmup=warmup, device=device, group=group,
+                        )
+            if on_gpu:
+                turns[CEILING_TURN] = functools.partial(ceiling_ms, iters=iters, warmup=warmup, device=device,
+                                                        group=group)
+            progress.total += rounds * len(turns)
+            progress.set_description(f"{name} {routing_name}: {rounds} rounds of {len(turns)} turns")
+            results = time_in_rounds(turns, rounds, progress)
+            ceiling = None
+            if on_gpu:
+                ceiling = CEILING_FLOPS / statistics.median(results.pop(CEILING_TURN)) / 1e9
+                ceilings.append(ceiling)
+            for (backend, pass_name), row in these_rows.items():
+                row["ceiling_tflops"] = ceiling
+                if (backend, pass_name) in results:
+                    flops = layer_flops(w, num_tokens, pass_name)
+                    summarise(row, results[backend, pass_name], flops, ceiling)
+            rows += these_rows.values()
             del token_sets
         del weights
         if on_gpu:
@@ -220,11 +272,13 @@ def run_bench(
 
     if rank == 0:
         title = (
-            f"megamoe bench: {facts['gpu']}, ep={world_size}, {dtype_name}, median of {iters} iterations after "
-            f"{warmup} warm-up, torch {facts['torch']}, triton {facts['triton']}, commit {facts['commit'][:12]}"
+            f"megamoe bench: {facts['gpu']}, ep={world_size}, {dtype_name}, median of {rounds} alternating rounds' "
+            f"medians of {iters} iterations after {warmup} warm-up, torch {facts['torch']}, triton {facts['triton']}, "
+            f"commit {facts['commit'][:12]}"
         )
-        if ceiling:
-            notes.insert(0, f"bf16 matmul ceiling (8192^3): {ceiling:.0f} TFLOP/s")
+        if ceilings:
+            notes.insert(0, f"bf16 matmul ceiling (8192^3), timed in each workload's rounds: "
+                            f"{min(ceilings):.0f}-{max(ceilings):.0f} TFLOP/s")
         report(title, notes, rows, on_gpu, json_path)
         if plot_path:
             from megamoe.bench.plot import plot_records
