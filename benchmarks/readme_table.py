@@ -53,6 +53,8 @@ def table(records: list[dict]) -> str:
         titan_r, torch_r, triton_r = by.get("torchtitan"), by.get("torch"), by.get("triton")
 
         def cell(r):
+            if r and r.get("ms") is None:  # a backend that failed its gate or could not run: its status
+                return r.get("status", NA)
             return f"{r['ms']:.2f} ({r['tflops']:.0f})" if r else NA
 
         def mem(r):
@@ -65,7 +67,8 @@ def table(records: list[dict]) -> str:
         workspace = f"{workspace / 2**30:.2f}" if workspace is not None else NA
 
         mfu = f"{100 * triton_r['mfu']:.0f}%" if triton_r and triton_r.get("mfu") else NA
-        speedup = f"{titan_r['ms'] / triton_r['ms']:.2f}x" if titan_r and triton_r else NA
+        timed = titan_r and triton_r and titan_r.get("ms") and triton_r.get("ms")
+        speedup = f"{titan_r['ms'] / triton_r['ms']:.2f}x" if timed else NA
         lines.append(
             f"| {gpu} | {ep} | {workload} | {experts} | {tokens} | {routing} | {pass_name} | {cell(titan_r)} | "
             f"{cell(torch_r)} | {cell(triton_r)} | {mfu} | {mem(titan_r)} / {mem(torch_r)} / {mem(triton_r)} | "

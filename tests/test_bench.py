@@ -206,6 +206,29 @@ def test_backends_are_timed_in_alternating_rounds(monkeypatch, capsys, tmp_path)
         assert r["peak_mem_bytes"] == max(want) and r["peak_mem_above_inputs_bytes"] is None
 
 
+def test_a_backend_that_fails_its_gate_is_recorded_not_timed(monkeypatch, capsys, tmp_path):
+    """The JSON keeps a record of a backend that failed its gate (status, why, nothing measured), the run's exit
+    code says so, and the other backends are still timed."""
+    def gate_with_a_failure(w, backends, weights, tokens, group):
+        gates = gate_backends(w, backends, weights, tokens, group)
+        gates["torch"] = ("FAILED", "out: rel err 1 > 0.1")
+        return gates
+
+    monkeypatch.setattr(run, "gate_backends", gate_with_a_failure)
+    path = tmp_path / "r.json"
+    code = run.run_bench(workloads=["cpu-small"], backends=["torch"], routing="balanced", tokens=48, iters=1,
+                         warmup=0, dtype=None, experts_per_gpu=None, json_path=str(path))
+    out = capsys.readouterr().out
+    assert code == 1 and "FAILED: cpu-small balanced torch: out: rel err 1 > 0.1" in out, out
+    records = {(r["backend"], r["pass"]): r for r in json.loads(path.read_text())}
+    assert len(records) == 4 and all(tuple(r) == RECORD_FIELDS for r in records.values())
+    for pass_name in ("fwd", "fwd+bwd"):
+        failed, timed = records["torch", pass_name], records["torchtitan", pass_name]
+        assert failed["status"] == "FAILED" and failed["detail"] == "out: rel err 1 > 0.1"
+        assert failed["ms"] is None and failed["round_ms"] is None and failed["tflops"] is None
+        assert timed["status"] == "ok" and timed["ms"] > 0
+
+
 def test_peak_memory_includes_the_ep_workspace():
     """The symmetric-memory workspace lies outside the caching allocator: both peaks add it, and it is also
     reported alone (None where no workspace can exist: no group, or no Triton)."""
@@ -242,6 +265,7 @@ def _check_records(records: list[dict], ep: int) -> None:
         assert r["gpu"] == "cpu" and r["dtype"] == "fp32" and r["mfu"] is None and r["peak_mem_bytes"] is None
         assert r["peak_mem_above_inputs_bytes"] is None and r["workspace_bytes"] is None
         assert r["torch"] == torch.__version__ and r["commit"]
+        assert r["status"] == "ok" and r["detail"] == ""
 
 
 def test_cli_writes_json_records(tmp_path):

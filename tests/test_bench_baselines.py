@@ -276,3 +276,16 @@ def test_readme_table_against_torchtitan_and_old_files():
     assert ("| 6.00 (17) | 5.00 (20) | 2.00 (50) | 50% | 1.0 (0.50) / 1.0 (0.25) / 1.0 (0.12) | 1.00 | 3.00x "
             "| new.json |") in new
     assert "| - | 5.00 (20) | 2.50 (40) | 50% | - / 1.0 / 1.0 | - | - | old.json |" in old
+
+
+def test_readme_table_shows_a_failed_backend_without_a_ratio():
+    """A backend that failed its gate is a record with ms None: its cell says so and no speed-up is made up."""
+    base = {"gpu": "H200", "ep": 1, "workload": "qwen3-30b-a3b", "experts_per_gpu": 128, "tokens": 16384,
+            "routing": "balanced", "pass": "fwd", "mfu": None, "peak_mem_bytes": None, "source": "run.json"}
+    table = _readme_table_module().table([
+        dict(base, backend="torchtitan", ms=6.0, tflops=100 / 6.0, status="ok"),
+        dict(base, backend="triton", ms=None, tflops=None, status="FAILED"),
+    ])
+    row = table.splitlines()[2]
+    assert "| 6.00 (17) | - | FAILED | - |" in row and row.endswith("| - | run.json |"), row
+

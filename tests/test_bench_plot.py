@@ -32,6 +32,7 @@ def make_records(ep: int, backends=("torchtitan", "torch", "triton"), workloads=
                         "mfu": tflops / CEILING, "ceiling_tflops": CEILING, "peak_mem_bytes": 2**30,
                         "peak_mem_above_inputs_bytes": 2**29, "workspace_bytes": None,
                         "gpu": "NVIDIA H200", "torch": "2.13.0", "triton": "3.6.0", "commit": "0123456789abcdef",
+                        "status": "ok", "detail": "",
                     })
     assert all(set(r) == set(RECORD_FIELDS) for r in records), "synthetic records must carry exactly RECORD_FIELDS"
     return records

@@ -39,8 +39,9 @@ TOKEN_SEED = 10_000  # + rank: every rank routes its own tokens
 RECORD_FIELDS = (
     "workload", "backend", "pass", "routing", "ep", "tokens", "experts_per_gpu", "dtype", "ms", "round_ms", "tflops", "mfu",
     "ceiling_tflops", "peak_mem_bytes", "peak_mem_above_inputs_bytes", "workspace_bytes", "gpu", "torch", "triton",
-    "commit",
-)  # every record's fields (docs/design.md)
+    "commit", "status", "detail",
+)  # every record's fields (docs/design.md); a backend that did not pass its gate has status "FAILED" or
+# "unavailable", detail saying why, and None for what would have been measured
 
 
 def init_distributed() -> tuple[object, torch.device]:
@@ -283,7 +284,7 @@ def run_bench(
         if plot_path:
             from megamoe.bench.plot import plot_records
 
-            records = [{k: row[k] for k in RECORD_FIELDS} for row in rows if row["status"] == "ok"]
+            records = [{k: row[k] for k in RECORD_FIELDS} for row in rows]
             print(f"wrote the plot to {plot_records(records, plot_path, title=title)}")
     if group is not None:
         dist.destroy_process_group()
@@ -300,10 +301,11 @@ def report(title: str, notes: list[str], rows: list[dict], on_gpu: bool, json_pa
         if row["status"] != "ok" and row["pass"] == PASSES[0]:
             print(f"{row['status']}: {row['workload']} {row['routing']} {row['backend']}: {row['detail']}")
     if json_path:
-        records = [{k: row[k] for k in RECORD_FIELDS} for row in rows if row["status"] == "ok"]
+        records = [{k: row[k] for k in RECORD_FIELDS} for row in rows]
         with open(json_path, "w") as f:
             json.dump(records, f, indent=1)
-        print(f"wrote {len(records)} records to {json_path}")
+        measured = sum(row["status"] == "ok" for row in rows)
+        print(f"wrote {len(records)} records ({measured} measured) to {json_path}")
 
 
 def format_table(rows: list[dict], on_gpu: bool) -> str:
