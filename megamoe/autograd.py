@@ -638,6 +638,31 @@ def _backward(ctx, grads):
 _experts_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _check_no_function_transforms(**tensors) -> None:
+    """TypeError naming the first input that a torch.func transform (grad, vmap, jvp, ...) wraps or that carries a
+    forward-mode tangent (torch.autograd.forward_ad). The fast paths are custom ops with a backward formula only:
+    under forward-mode AD their output silently gets a zero (torch.func.jvp) or no (forward_ad) tangent, and
+    torch.func.grad / vmap fail inside torch with messages about an autograd.Function or a batching rule."""
+    from torch._C._functorch import is_batchedtensor, is_gradtrackingtensor
+    from torch.autograd import forward_ad
+
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        # Not is_functorch_wrapped_tensor: torch.func.functionalize's wrappers are fine (the op is functional).
+        if is_batchedtensor(t) or is_gradtrackingtensor(t):
+            what = "a tensor wrapped by a torch.func transform (grad, vmap, jvp, jacrev, ...)"
+        elif forward_ad.unpack_dual(t).tangent is not None:
+            what = "a forward-mode dual tensor (torch.autograd.forward_ad)"
+        else:
+            continue
+        raise TypeError(
+            f"megamoe.experts: {name} is {what}; the fused and torch backends support reverse-mode autograd only "
+            "(loss.backward() / torch.autograd.grad), not torch.func transforms or forward-mode AD. Call it outside "
+            "the transform, or use MoEConfig(backend='reference') (plain PyTorch ops, every transform)"
+        )
+
+
 def experts(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -700,6 +725,11 @@ def experts(
         backend_name = resolve_backend(config, x, group)
         if backend_name == "reference" and world_size > 1:
             raise ValueError("MoEConfig.backend='reference' computes all experts in one process; it takes no group")
+        if backend_name != "reference" and not torch.compiler.is_compiling():
+            _check_no_function_transforms(
+                x=x, topk_ids=topk_ids, topk_weights=topk_weights, w_gate_up=w_gate_up, w_down=w_down,
+                shared_gate_up=shared_gate_up, shared_down=shared_down,
+            )
     except REJECTION_TYPES as error:
         if group is not None:  # the peers are on their way to the agreement exchange: tell them, then raise
             announce_rejection(group, error, (w_gate_up, w_down, x, topk_ids, topk_weights), config)

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from megamoe.autograd import announce_rejection, experts
+from megamoe.autograd import AUTOCAST_CASTS, announce_rejection, experts
 from megamoe.config import MoEConfig, check_group, check_positive_int
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -114,7 +114,8 @@ class MoELayer(nn.Module):
 
     def _input_error(self, x) -> Exception | None:
         """What is wrong with forward's x, or None: a tensor [..., H] on the parameters' device, in their dtype
-        (any floating dtype under autocast, which casts it)."""
+        (under autocast, which casts float32/float16/bfloat16 but not float64: any of those three, for a layer
+        in one of them)."""
         if not isinstance(x, torch.Tensor):
             return TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() == 0 or x.shape[-1] != self.hidden_size:
@@ -122,10 +123,19 @@ class MoELayer(nn.Module):
         weight = self.w_gate_up
         if x.device != weight.device:
             return ValueError(f"x must be on the layer's device {weight.device}, got {x.device}")
-        autocast = torch.is_autocast_enabled(x.device.type)
-        if x.dtype != weight.dtype and not (autocast and x.is_floating_point()):
-            return TypeError(f"x must have the layer's dtype {weight.dtype} (or run under autocast), got {x.dtype}")
-        return None
+        if x.dtype == weight.dtype:
+            return None
+        # Under autocast another floating dtype is cast for the matmuls, but only float32/float16/bfloat16:
+        # autocast leaves float64 as it is, so float64 on one side only would reach the router's matmul mismatched.
+        if torch.is_autocast_enabled(x.device.type):
+            if x.dtype in AUTOCAST_CASTS and weight.dtype in AUTOCAST_CASTS:
+                return None
+            return TypeError(
+                f"x must have the layer's dtype {weight.dtype}, or under autocast any of "
+                f"{', '.join(str(d) for d in AUTOCAST_CASTS)} with a layer in one of them too (autocast does not "
+                f"cast float64), got {x.dtype}"
+            )
+        return TypeError(f"x must have the layer's dtype {weight.dtype} (or run under autocast), got {x.dtype}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         error = self._input_error(x)

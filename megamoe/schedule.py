@@ -120,6 +120,8 @@ def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, *, check_range: boo
     accelerators with a device assert (no host sync)."""
     if not isinstance(topk_ids, torch.Tensor):
         raise TypeError(f"topk_ids must be a torch.Tensor, got {type(topk_ids).__name__}")
+    if topk_ids.layout != torch.strided:
+        raise TypeError(f"topk_ids must be a dense (torch.strided) tensor, got layout {topk_ids.layout}")
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be [T, k], got shape {tuple(topk_ids.shape)}")
     if topk_ids.dtype not in (torch.int32, torch.int64):
@@ -142,6 +144,8 @@ def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, *, check_range: boo
 def _check_tensor(name: str, value, dim: int) -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.layout != torch.strided:  # e.g. sparse COO/CSR: .contiguous() and the kernels' ops fail on them
+        raise TypeError(f"{name} must be a dense (torch.strided) tensor, got layout {value.layout}")
     if value.dim() != dim:
         raise ValueError(f"{name} must have {dim} dimensions, got shape {tuple(value.shape)}")
 

@@ -1,0 +1,88 @@
+"""Inputs the fast paths cannot take: torch.func transforms and forward-mode AD, float64 beside autocast, sparse tensors:
+clear TypeErrors instead of silently wrong tangents or torch-internal errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+
+import megamoe
+from megamoe import MoEConfig, MoELayer, reference
+
+
+def _problem():
+    g = torch.Generator().manual_seed(0)
+    T, H, I, E, k = 5, 8, 4, 3, 2
+    x = torch.randn(T, H, generator=g, dtype=torch.float64)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g, dtype=torch.float64)
+    wgu = torch.randn(E, 2 * I, H, generator=g, dtype=torch.float64)
+    wd = torch.randn(E, H, I, generator=g, dtype=torch.float64)
+    return x, ids, w, wgu, wd
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("transform", ["jvp", "forward_ad", "grad", "vmap", "jvp_weight"])
+def test_function_transforms_raise_naming_the_input(backend, transform):
+    x, ids, w, wgu, wd = _problem()
+    cfg = MoEConfig(backend=backend)
+    with pytest.raises(TypeError, match=r"megamoe\.experts: (x|w_gate_up) is .*reverse-mode autograd only"):
+        if transform == "jvp":  # used to return an all-zero tangent
+            torch.func.jvp(lambda x: megamoe.experts(x, ids, w, wgu, wd, config=cfg), (x,), (torch.ones_like(x),))
+        elif transform == "jvp_weight":
+            torch.func.jvp(lambda v: megamoe.experts(x, ids, w, v, wd, config=cfg), (wgu,), (torch.ones_like(wgu),))
+        elif transform == "forward_ad":  # used to return no tangent at all
+            with fwAD.dual_level():
+                megamoe.experts(fwAD.make_dual(x, torch.ones_like(x)), ids, w, wgu, wd, config=cfg)
+        elif transform == "grad":
+            torch.func.grad(lambda x: megamoe.experts(x, ids, w, wgu, wd, config=cfg).sum())(x)
+        else:
+            torch.vmap(lambda x: megamoe.experts(x, ids, w, wgu, wd, config=cfg))(torch.stack([x, x]))
+
+
+def test_reference_backend_still_supports_jvp():
+    x, ids, w, wgu, wd = _problem()
+    t = torch.randn_like(x)
+    got = torch.func.jvp(
+        lambda x: megamoe.experts(x, ids, w, wgu, wd, config=MoEConfig(backend="reference")), (x,), (t,)
+    )[1]
+    want = torch.func.jvp(lambda x: reference.experts(x, ids, w, wgu, wd), (x,), (t,))[1]
+    assert got.abs().max() > 0
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("layer_dtype, x_dtype", [(torch.float32, torch.float64), (torch.float64, torch.float32)])
+def test_layer_float64_under_autocast_is_a_type_error_naming_x(layer_dtype, x_dtype):
+    layer = MoELayer(16, 8, 4, 2, dtype=layer_dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(TypeError, match=r"x must have the layer's dtype .*float64"):
+            layer(torch.randn(3, 16, dtype=x_dtype))
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_layer_under_autocast_still_casts_low_precision_x(x_dtype):
+    layer = MoELayer(16, 8, 4, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer(torch.randn(3, 16, dtype=x_dtype)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", "reference"])
+@pytest.mark.parametrize("name", ["x", "topk_ids", "topk_weights", "w_gate_up", "w_down"])
+def test_sparse_input_is_a_type_error_naming_it(backend, name):
+    x, ids, w, wgu, wd = _problem()
+    args = dict(x=x, topk_ids=ids, topk_weights=w, w_gate_up=wgu, w_down=wd)
+    args[name] = args[name].to_sparse()
+    with pytest.raises(TypeError, match=rf"{name} must be a dense \(torch.strided\) tensor, got layout torch.sparse_coo"):
+        megamoe.experts(*args.values(), config=MoEConfig(backend=backend))
+
+
+def test_build_schedule_sparse_ids_is_a_type_error():
+    with pytest.raises(TypeError, match=r"topk_ids must be a dense"):
+        megamoe.build_schedule(torch.zeros(4, 2, dtype=torch.long).to_sparse(), 4)
+
+
+def test_functionalize_still_works():
+    x, ids, w, wgu, wd = _problem()
+    f = lambda x: megamoe.experts(x, ids, w, wgu, wd, config=MoEConfig(backend="torch"))
+    assert torch.equal(torch.func.functionalize(f)(x), f(x))
