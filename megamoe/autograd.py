@@ -527,10 +527,11 @@ def _experts_fwd_fake(x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_
     *config_values, group_name, save_for_backward = static
     config = _config(*config_values)
     schedule = _schedule(topk_ids.to("meta"), x, w_gate_up, config, _group(group_name))
+    # new_empty, not empty_like: the real out is a fresh contiguous tensor whatever x's strides.
     if not save_for_backward:
-        return [torch.empty_like(x)]
+        return [x.new_empty(x.shape)]
     saved = _backend_module(config.backend).empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule)
-    return [torch.empty_like(x), *saved, *(torch.empty_like(t, device=x.device) for t in schedule_tensors(schedule))]
+    return [x.new_empty(x.shape), *saved, *(torch.empty_like(t, device=x.device) for t in schedule_tensors(schedule))]
 
 
 @torch.library.custom_op("megamoe::experts_bwd", mutates_args=())
@@ -586,7 +587,7 @@ def _needs(needs_grad: int, shared_gate_up) -> tuple[bool, ...]:
 @_experts_bwd.register_fake
 def _experts_bwd_fake(d_out, x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, saved, schedule_parts, *static):
     like = (x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down)
-    return [torch.empty_like(t) for t, need in zip(like, _needs(static[-1], shared_gate_up)) if need]
+    return [t.new_empty(t.shape) for t, need in zip(like, _needs(static[-1], shared_gate_up)) if need]
 
 
 _STATIC_ARGS = (*CONFIG_FIELDS, "group_name")

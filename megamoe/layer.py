@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from megamoe.autograd import AUTOCAST_CASTS, announce_rejection, experts
+from megamoe.autograd import AUTOCAST_CASTS, AUTOCAST_DEVICE_TYPES, announce_rejection, experts
 from megamoe.config import MoEConfig, check_group, check_positive_int
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -77,8 +77,12 @@ class MoELayer(nn.Module):
         self.score_func, self.norm_topk_prob = score_func, norm_topk_prob
         self.group, self.config = group, config
         factory = {"device": device, "dtype": dtype}
-        self.router = nn.Linear(hidden_size, num_experts, bias=False, **factory)
+        # Built on meta, then allocated where the experts are, uninitialised: reset_parameters (below) initialises
+        # it, so nn.Linear's own init would only consume random numbers, and a layer built on meta and then reset
+        # (to_empty + reset_parameters) would get other values than one built directly with the same seed.
+        self.router = nn.Linear(hidden_size, num_experts, bias=False, device="meta", dtype=dtype)
         self.w_gate_up = nn.Parameter(torch.empty(self.num_local_experts, 2 * intermediate_size, hidden_size, **factory))
+        self.router.to_empty(device=self.w_gate_up.device)
         self.w_down = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, intermediate_size, **factory))
         if shared_intermediate_size > 0:
             self.shared_gate_up = nn.Parameter(torch.empty(2 * shared_intermediate_size, hidden_size, **factory))
@@ -101,6 +105,15 @@ class MoELayer(nn.Module):
             nn.init.uniform_(self.shared_gate_up, -1 / math.sqrt(self.hidden_size), 1 / math.sqrt(self.hidden_size))
             bound = 1 / math.sqrt(self.shared_down.shape[1])
             nn.init.uniform_(self.shared_down, -bound, bound)
+        self.tokens_per_expert.zero_()  # garbage after to_empty (meta-device init)
+
+    def __getstate__(self):
+        # aux_loss is a non-leaf tensor of the last forward's autograd graph, which copy.deepcopy rejects
+        # ("Only Tensors created explicitly by the user (graph leaves) support the deepcopy protocol"): a copy
+        # (or a pickled layer) starts without one, as a layer that has not run a forward yet.
+        state = super().__getstate__()
+        state["aux_loss"] = None
+        return state
 
     def route(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Router: returns (topk_ids [T, k] int64, topk_weights [T, k] fp32, probs [T, E] fp32)."""
@@ -127,7 +140,8 @@ class MoELayer(nn.Module):
             return None
         # Under autocast another floating dtype is cast for the matmuls, but only float32/float16/bfloat16:
         # autocast leaves float64 as it is, so float64 on one side only would reach the router's matmul mismatched.
-        if torch.is_autocast_enabled(x.device.type):
+        # torch.is_autocast_enabled raises for device types without autocast (e.g. meta), as in megamoe.experts.
+        if x.device.type in AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(x.device.type):
             if x.dtype in AUTOCAST_CASTS and weight.dtype in AUTOCAST_CASTS:
                 return None
             return TypeError(

@@ -128,7 +128,8 @@ def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, *, check_range: boo
         raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
     if topk_ids.shape[1] < 1:
         raise ValueError(f"topk_ids must have k >= 1 columns, got shape {tuple(topk_ids.shape)}")
-    check_positive_int("num_experts", num_experts)
+    if not isinstance(num_experts, torch.SymInt):  # a symbolic size under torch.compile's dynamic shapes
+        check_positive_int("num_experts", num_experts)
     if not check_range or topk_ids.device.type == "meta" or topk_ids.numel() == 0:
         return
     in_range = ((topk_ids >= 0) & (topk_ids < num_experts)).all()

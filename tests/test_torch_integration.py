@@ -1,0 +1,129 @@
+"""MoELayer and the custom ops against PyTorch's machinery: opcheck, dynamic shapes under torch.compile, the meta
+device, deferred (meta) initialisation, copy.deepcopy."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import megamoe
+from megamoe import autograd as A
+
+T, H, I, E, K = 5, 32, 24, 6, 2
+CONFIG = megamoe.MoEConfig(backend="torch")
+
+
+def _inputs(gen, tokens=T, experts=E, dtype=torch.float32, shared=False):
+    x = torch.randn(tokens, H, generator=gen, dtype=dtype)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:K] for _ in range(tokens)])
+    w = torch.rand(tokens, K, generator=gen)
+    wgu = torch.randn(experts, 2 * I, H, generator=gen, dtype=dtype) / H**0.5
+    wd = torch.randn(experts, H, I, generator=gen, dtype=dtype) / I**0.5
+    sgu = torch.randn(16, H, generator=gen, dtype=dtype) / H**0.5 if shared else None
+    sd = torch.randn(H, 8, generator=gen, dtype=dtype) / 8**0.5 if shared else None
+    return x, ids, w, wgu, wd, sgu, sd
+
+
+def _static(block_m=16):
+    config = megamoe.MoEConfig(backend="torch", block_m=block_m)
+    return [getattr(config, name) for name in A.CONFIG_FIELDS] + [None]
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["no-shared", "shared"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_opcheck_experts_ops(shared, dtype):
+    """torch.library.opcheck on both ops: schema, autograd registration, fake tensors (contiguous inputs), and
+    the AOT dispatcher with dynamic shapes for the inference forward (whose outputs are all defined)."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = _inputs(gen, dtype=dtype, shared=shared)
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+    fwd = torch.ops.megamoe.experts_fwd.default
+    torch.library.opcheck(fwd, (*tensors, *_static(), False), test_utils=utils + ("test_aot_dispatch_dynamic",))
+    torch.library.opcheck(fwd, (*tensors, *_static(), True), test_utils=utils)
+    outs = fwd(*tensors, *_static(), True)
+    n = len(A.SCHEDULE_TENSORS)
+    d_out = torch.randn(T, H, generator=gen, dtype=dtype)
+    bwd_args = (d_out, *tensors, list(outs[1:-n]), list(outs[-n:]), *_static(), A.ALL_GRADS)
+    torch.library.opcheck(torch.ops.megamoe.experts_bwd.default, bwd_args, test_utils=utils + ("test_aot_dispatch_dynamic",))
+
+
+def test_fake_impls_match_real_strides_for_non_contiguous_inputs():
+    gen = torch.Generator().manual_seed(1)
+    x, ids, w, wgu, wd, _, _ = _inputs(gen)
+    x_t = x.t().contiguous().t()  # [T, H], column-major
+    torch.library.opcheck(torch.ops.megamoe.experts_fwd.default, (x_t, ids, w, wgu, wd, None, None, *_static(), False),
+                          test_utils="test_faketensor")
+    outs = torch.ops.megamoe.experts_fwd(x, ids, w, wgu, wd, None, None, *_static(), True)
+    n = len(A.SCHEDULE_TENSORS)
+    wgu_t = wgu.transpose(1, 2).contiguous().transpose(1, 2)
+    torch.library.opcheck(
+        torch.ops.megamoe.experts_bwd.default,
+        (torch.randn(T, H, generator=gen), x, ids, w, wgu_t, wd, None, None, list(outs[1:-n]), list(outs[-n:]),
+         *_static(), A.ALL_GRADS),
+        test_utils="test_faketensor",
+    )
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
+def test_compile_with_symbolic_expert_count(dynamic):
+    """A compiled megamoe.experts with symbolic T and E (dynamic=True, or automatic dynamic shapes on the second
+    call): the fake implementation takes a SymInt expert count; the same bits as eager."""
+    torch._dynamo.reset()
+
+    def f(x, ids, w, wgu, wd):
+        return megamoe.experts(x, ids, w, wgu, wd, config=CONFIG)
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=dynamic)
+    gen = torch.Generator().manual_seed(2)
+    for tokens, experts in ((5, 6), (7, 8), (9, 4)):
+        x, ids, w, wgu, wd, _, _ = _inputs(gen, tokens=tokens, experts=experts)
+        leaves = [t.requires_grad_() for t in (x, wgu, wd)]
+        out = compiled(x, ids, w, wgu, wd)
+        grads = torch.autograd.grad(out.square().sum(), leaves)
+        want = f(x, ids, w, wgu, wd)
+        want_grads = torch.autograd.grad(want.square().sum(), leaves)
+        assert torch.equal(out, want)
+        for a, b in zip(grads, want_grads):
+            assert torch.equal(a, b)
+
+
+def test_layer_runs_on_meta():
+    layer = megamoe.MoELayer(H, I, E, K, shared_intermediate_size=8, config=CONFIG, device="meta")
+    x = torch.randn(2, 3, H, device="meta")
+    y = layer(x)
+    assert y.shape == x.shape and y.device.type == "meta"
+    (y.sum() + layer.aux_loss).backward()
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and p.grad.shape == p.shape, name
+
+
+def test_meta_init_then_reset_matches_direct_init():
+    """to_empty + reset_parameters under a seed gives the parameters direct construction gives under it (as for
+    torch's own layers), and a tokens_per_expert of zeros."""
+    kwargs = dict(shared_intermediate_size=8, config=CONFIG)
+    torch.manual_seed(0)
+    direct = megamoe.MoELayer(H, I, E, K, **kwargs)
+    deferred = megamoe.MoELayer(H, I, E, K, device="meta", **kwargs).to_empty(device="cpu")
+    torch.manual_seed(0)
+    deferred.reset_parameters()
+    for (name, a), (_, b) in zip(direct.named_parameters(), deferred.named_parameters()):
+        assert torch.equal(a, b), name
+    assert torch.equal(deferred.tokens_per_expert, torch.zeros(E, dtype=torch.int32))
+    assert direct.router.weight.device.type == "cpu"
+    with torch.device("meta"):
+        assert megamoe.MoELayer(H, I, E, K).router.weight.device.type == "meta"
+
+
+def test_deepcopy_after_training_forward():
+    torch.manual_seed(0)
+    layer = megamoe.MoELayer(H, I, E, K, shared_intermediate_size=8, config=CONFIG)
+    x = torch.randn(T, H)
+    (layer(x).square().sum() + 0.01 * layer.aux_loss).backward()
+    copied = copy.deepcopy(layer)
+    assert copied.aux_loss is None and layer.aux_loss is not None
+    for (name, a), (_, b) in zip(layer.named_parameters(), copied.named_parameters()):
+        assert torch.equal(a, b), name
+    assert torch.equal(copied(x), layer(x))
+    assert torch.equal(copied.aux_loss, layer.aux_loss)
