@@ -72,6 +72,7 @@ class MoELayer(nn.Module):
         if num_experts % world_size != 0:
             raise ValueError(f"num_experts ({num_experts}) must be divisible by the group size ({world_size})")
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.shared_intermediate_size = shared_intermediate_size
         self.num_experts, self.top_k = num_experts, top_k
         self.num_local_experts = num_experts // world_size
         self.score_func, self.norm_topk_prob = score_func, norm_topk_prob
@@ -179,5 +180,6 @@ class MoELayer(nn.Module):
         return (
             f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
             f"num_experts={self.num_experts}, top_k={self.top_k}, score_func={self.score_func!r}, "
+            f"norm_topk_prob={self.norm_topk_prob}, shared_intermediate_size={self.shared_intermediate_size}, "
             f"num_local_experts={self.num_local_experts}"
         )

@@ -260,3 +260,12 @@ def test_capacity_overflow_changes_nothing(rng):
 def test_integer_dtype_is_rejected():
     with pytest.raises(TypeError, match=r"\bdtype\b.*int32"):
         MoELayer(H, I, E, K, dtype=torch.int32)
+
+
+def test_repr_names_what_tells_layers_apart():
+    """Layers that differ in their shared expert or top-k normalisation print differently."""
+    plain = repr(MoELayer(16, 8, 4, 2))
+    shared = repr(MoELayer(16, 8, 4, 2, shared_intermediate_size=8, norm_topk_prob=False))
+    assert "shared_intermediate_size=0" in plain and "norm_topk_prob=True" in plain, plain
+    assert "shared_intermediate_size=8" in shared and "norm_topk_prob=False" in shared, shared
+
