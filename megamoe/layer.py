@@ -101,12 +101,30 @@ class MoELayer(nn.Module):
         """Uniform init with bound 1/sqrt(fan_in) for every projection (nn.Linear's scale)."""
         self.router.reset_parameters()
         for w, fan_in in ((self.w_gate_up, self.hidden_size), (self.w_down, self.intermediate_size)):
-            nn.init.uniform_(w, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+            self._init_experts(w, 1 / math.sqrt(fan_in))
         if self.shared_gate_up is not None:
             nn.init.uniform_(self.shared_gate_up, -1 / math.sqrt(self.hidden_size), 1 / math.sqrt(self.hidden_size))
             bound = 1 / math.sqrt(self.shared_down.shape[1])
             nn.init.uniform_(self.shared_down, -bound, bound)
         self.tokens_per_expert.zero_()  # garbage after to_empty (meta-device init)
+
+    @torch.no_grad()
+    def _init_experts(self, w: torch.Tensor, bound: float) -> None:
+        """uniform_(-bound, bound) on w [E_local, ...]. Expert-parallel: the global experts are drawn one after
+        another and this rank keeps its own, so ranks seeded alike (as the replicated router needs) hold
+        different experts, not E/E_local copies of the same E_local; on the CPU generator the values are the
+        single-process layer's slice (one draw of [E, ...] consumes the stream as E draws of [...] do)."""
+        if self.num_local_experts == self.num_experts:
+            nn.init.uniform_(w, -bound, bound)
+            return
+        import torch.distributed as dist
+
+        first = dist.get_rank(self.group) * self.num_local_experts
+        slab = torch.empty_like(w[0])
+        for expert in range(self.num_experts):
+            slab.uniform_(-bound, bound)
+            if first <= expert < first + self.num_local_experts:
+                w[expert - first].copy_(slab)
 
     def __getstate__(self):
         # aux_loss is a non-leaf tensor of the last forward's autograd graph, which copy.deepcopy rejects
@@ -117,8 +135,9 @@ class MoELayer(nn.Module):
         return state
 
     def route(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Router: returns (topk_ids [T, k] int64, topk_weights [T, k] fp32, probs [T, E] fp32)."""
-        logits = self.router(x_TH).float()
+        """Router: returns (topk_ids [T, k] int64, topk_weights [T, k] fp32, probs [T, E] fp32). The router runs in
+        its own dtype (e.g. kept in fp32 with `layer.router.float()` in a bf16 layer): x is cast to it."""
+        logits = self.router(x_TH.to(self.router.weight.dtype)).float()
         scores = torch.softmax(logits, dim=-1) if self.score_func == "softmax" else torch.sigmoid(logits)
         topk_weights, topk_ids = torch.topk(scores, self.top_k, dim=-1)
         if self.norm_topk_prob:

@@ -43,6 +43,14 @@ over "ep" and replicated over "dp"; non-expert parameters are data-parallel over
     # exactly as above; then after backward:
     megamoe.parallel.reduce_expert_grads(model, dp_group=mesh["dp"].get_group())
 
+Checkpoints: module.state_dict() holds each rank's expert slice as a plain tensor under the same name on every
+rank, which torch.distributed.checkpoint (DCP) takes for a replica and saves from one rank only: every rank would
+load that rank's experts. Save and load through distributed_state_dict(module) instead, which presents them as
+DTensors sharded over their EP group (global shape [E, ...]):
+
+    dcp.save(megamoe.parallel.distributed_state_dict(model), checkpoint_id=path)
+    dcp.load(megamoe.parallel.distributed_state_dict(model), checkpoint_id=path)    # in place
+
 Tested on CPU with gloo (tests/test_distributed_wrappers.py) against a one-process run of the global batch.
 """
 
@@ -58,7 +66,8 @@ from megamoe.config import check_group
 from megamoe.integrations._patch_attr import PATCH_ATTR as _HF_PATCH_ATTR
 from megamoe.layer import MoELayer
 
-__all__ = ["ddp_ignore_experts", "expert_parameters", "non_expert_parameters", "reduce_expert_grads"]
+__all__ = ["ddp_ignore_experts", "distributed_state_dict", "expert_parameters", "non_expert_parameters",
+           "reduce_expert_grads"]
 
 
 def _expert_groups(module: nn.Module) -> dict[int, tuple[nn.Parameter, object]]:
@@ -102,6 +111,36 @@ def non_expert_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
     """
     found = _expert_groups(module)
     return {name: p for name, p in module.named_parameters() if id(p) not in found}
+
+
+def distributed_state_dict(module: nn.Module) -> dict:
+    """module.state_dict() with every expert-parallel parameter as a DTensor over its EP group, sharded on dim 0
+    (global shape [E, ...]; rank r's shard is its experts [r*E_l, (r+1)*E_l)), for torch.distributed.checkpoint.
+
+    A plain module.state_dict() holds rank r's expert slice under the same name on every rank; DCP takes such
+    tensors for replicas and writes one rank's only, so a checkpoint saved from it silently lost the other ranks'
+    experts (each rank loaded one rank's). The DTensors share storage with the parameters: dcp.load into this
+    dict loads the experts in place, and every other entry (FSDP2's DTensors included) is the module's own.
+    Replicas over a data-parallel group (2-D layout) hold the same shards; DCP writes each shard once.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    found = _expert_groups(module)
+    state = module.state_dict()
+    names = {id(p): name for name, p in module.named_parameters()}
+    meshes = {}
+    for key, (p, group) in found.items():
+        name = names.get(key)
+        if name is None or name not in state:
+            continue
+        if id(group) not in meshes:
+            meshes[id(group)] = DeviceMesh.from_group(group, p.device.type)
+        mesh, world = meshes[id(group)], dist.get_world_size(group)
+        shape = torch.Size((p.shape[0] * world, *p.shape[1:]))
+        state[name] = DTensor.from_local(p.detach(), mesh, [Shard(0)], run_check=False, shape=shape,
+                                         stride=torch.empty(shape, device="meta").stride())
+    return state
 
 
 def ddp_ignore_experts(model: nn.Module) -> list[str]:

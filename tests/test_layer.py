@@ -207,6 +207,21 @@ def test_low_precision_layer(rng, dtype):
         assert_close_budget("out", out.detach(), ref64, ref_low)
 
 
+def test_router_kept_in_fp32_in_a_bf16_layer(rng):
+    """A common recipe keeps the router in fp32 (layer.router.float()): the router runs in its own dtype (x cast
+    to it), routing from fp32 logits; the experts stay bf16. Before: F.linear's RuntimeError (bf16 != float)."""
+    layer = make_layer(rng, hidden=32, inter=16, shared=8, dtype=torch.bfloat16)
+    layer.router.float()
+    x = torch.randn(24, 32, generator=rng).bfloat16().requires_grad_()
+    out = layer(x)
+    assert out.dtype == torch.bfloat16
+    ids, weights, _ = layer.route(x)
+    logits = layer.router(x.detach().float())
+    assert torch.equal(ids, torch.topk(torch.softmax(logits, -1), layer.top_k, dim=-1).indices)
+    (out.float().sum() + layer.aux_loss).backward()
+    assert x.grad.dtype == torch.bfloat16 and layer.router.weight.grad.dtype == torch.float32
+
+
 @pytest.mark.parametrize("x_shape", [(0, H), (2, 0, H)], ids=["T0", "B2-S0"])
 def test_empty_batch(rng, x_shape):
     """No tokens: an empty output, zero counts and aux_loss exactly 0 (not 0 * NaN from a mean over no rows);
