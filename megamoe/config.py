@@ -15,6 +15,10 @@ BACKENDS = ("auto", "reference", "torch", "triton")
 COMM_DIRECTIONS = ("auto", "pull", "push")
 ENV_PREFIX = "MEGAMOE_"
 MAX_BLOCK_M = 1024
+# The longest comm_timeout_ms (about 24.8 days, an int32 of milliseconds): every wait it bounds can take it (the
+# agreement exchange's datetime.timedelta, the GPU's int64 nanoseconds), where 10**17 ms used to be accepted
+# and then fail with an OverflowError at an expert-parallel group's second call.
+MAX_COMM_TIMEOUT_MS = 2**31 - 1
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -90,6 +94,7 @@ class MoEConfig:
         error (a peer that never arrives must not hang the job): a GPU at each synchronisation point of the
         fused path, and the host in the ranks' agreement check (megamoe.autograd.check_ranks_agree, on
         every call of the torch path, on a new shape of the fused path) after the group's first one.
+        At most MAX_COMM_TIMEOUT_MS (2**31 - 1 ms, about 24.8 days).
     recompute: False (default) keeps the gate/up pre-activation of every routed row for the backward
         (2 * 2I bytes per row in bf16); True (memory first) keeps nothing per routed row and the backward
         reruns the gate/up GEMM from x (a third of the forward's FLOPs) instead, and on Hopper its x
@@ -129,6 +134,11 @@ class MoEConfig:
             object.__setattr__(self, "capacity_factor", value)
         check_block_m("MoEConfig.block_m", self.block_m)
         check_positive_int("MoEConfig.comm_timeout_ms", self.comm_timeout_ms)
+        if self.comm_timeout_ms > MAX_COMM_TIMEOUT_MS:
+            raise ValueError(
+                f"MoEConfig.comm_timeout_ms must be at most {MAX_COMM_TIMEOUT_MS} (about 24.8 days), "
+                f"got {self.comm_timeout_ms}"
+            )
         for name in ("num_comm_sms", "minibatch_tokens"):
             check_positive_int(f"MoEConfig.{name}", getattr(self, name), allow_none=True)
         for name in ("dispatch", "combine"):

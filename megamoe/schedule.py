@@ -296,7 +296,14 @@ def build_schedule(
     device = topk_ids.device
     rows = receive_rows(num_tokens, top_k, num_local, world_size, block_m, config.capacity_factor)
 
-    ids = topk_ids.to(torch.int32).contiguous() if world_size > 1 else topk_ids  # int32 on the wire
+    ids = topk_ids
+    if world_size > 1:  # int32 on the wire
+        if ids.dtype == torch.int64:
+            # Saturated, not wrapped: an int64 id beyond int32's range (say 2**32 + 1, which .to(int32) turns
+            # into 1) stays outside [0, E), so the range check of the gathered routing below still rejects it.
+            int32 = torch.iinfo(torch.int32)
+            ids = ids.clamp(int32.min, int32.max)
+        ids = ids.to(torch.int32).contiguous()
     if world_size > 1 and device.type == "meta":
         ids = ids.new_empty(world_size * num_tokens, top_k)  # shapes only: nothing to exchange
     elif world_size > 1 and gather_routing is not None:

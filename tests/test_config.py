@@ -40,6 +40,10 @@ INVALID = [
     ("comm_timeout_ms", -1, ValueError),
     ("comm_timeout_ms", 1.5, ValueError),
     ("comm_timeout_ms", None, ValueError),
+    # Past what the waits take (a datetime.timedelta in the agreement exchange, nanoseconds in an int64 on the
+    # GPU): was accepted, then an OverflowError at the second call of an expert-parallel group.
+    ("comm_timeout_ms", 10**17, ValueError),
+    ("comm_timeout_ms", 2**31, ValueError),
 ]
 
 
@@ -61,7 +65,7 @@ VALID = [
     ("block_m", None), ("block_m", 1), ("block_m", 64), ("block_m", 1024),
     ("num_comm_sms", 1), ("minibatch_tokens", 4096),
     ("dispatch", "pull"), ("dispatch", "push"), ("combine", "push"), ("combine", "auto"),
-    ("comm_timeout_ms", 1),
+    ("comm_timeout_ms", 1), ("comm_timeout_ms", 2**31 - 1),
 ]
 
 

@@ -165,8 +165,13 @@ def _run_errors(sc, rank, world, group):
     weights = torch.rand(T, K, dtype=torch.float64)
     bad = ids.clone()
     bad[0, 0] = num_experts  # on every rank, so that no rank waits in a collective for the others
+    # An int64 id beyond int32's range: the routing crosses the group as int32, where 2**32 + 1 used to wrap to
+    # expert 1 (in range) and route silently.
+    wide = ids.clone()
+    wide[0, 0] = 2**32 + 1
     return {
         "schedule-indivisible": _error_of(lambda: build_schedule(ids, num_experts + 1, group=group)),
+        "schedule-id-beyond-int32": _error_of(lambda: build_schedule(wide, num_experts, group=group)),
         "layer-indivisible": _error_of(lambda: MoELayer(H, I, num_experts + 1, K, group=group)),
         "experts-id-out-of-range": _error_of(
             lambda: megamoe.experts(x, bad, weights, w_gate_up, w_down, group=group, config=MoEConfig(backend="torch"))
@@ -385,6 +390,7 @@ def test_layer_matches_single_process_layer(ep, name):
         ("schedule-indivisible", "ValueError", ["num_experts", "divisible"]),
         ("layer-indivisible", "ValueError", ["num_experts", "divisible"]),
         ("experts-id-out-of-range", "ValueError", ["topk_ids"]),
+        ("schedule-id-beyond-int32", "ValueError", ["topk_ids", "2147483647", "[0, "]),
         ("reference-with-group", "ValueError", ["reference", "group"]),
     ],
 )
