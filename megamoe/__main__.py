@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from megamoe.bench.baselines import PEERS
 from megamoe.bench.run import BASELINE, DTYPES, run_bench
@@ -18,6 +19,8 @@ def _names(values: list[str] | None, allowed, option: str, parser: argparse.Argu
     if values is None:
         return None
     names = [name for value in values for name in value.split(",") if name]
+    if not names:  # e.g. --workload "" or ",": not a silent fall-back to the defaults
+        parser.error(f"{option}: no name given; choose from {', '.join(allowed)}")
     for name in names:
         if name not in allowed:
             parser.error(f"{option}: unknown {name!r}; choose from {', '.join(allowed)}")
@@ -82,6 +85,19 @@ TIMING_OPTIONS = (
 )
 
 
+def _check_outputs(args, bench: argparse.ArgumentParser) -> None:
+    """--json and --plot paths that cannot be written are errors before anything is timed, not after."""
+    if args.plot:
+        from megamoe.bench.plot import check_plot_path
+
+        try:
+            check_plot_path(args.plot)  # needs matplotlib: an ImportError says how to install it
+        except (ValueError, ImportError) as e:
+            bench.error(str(e))
+    if getattr(args, "json", None) and not Path(args.json).parent.is_dir():
+        bench.error(f"--json {args.json}: folder {Path(args.json).parent} does not exist")
+
+
 def _plot_from_json(args, bench: argparse.ArgumentParser) -> int:
     from megamoe.bench.plot import load_records, plot_records
 
@@ -90,12 +106,13 @@ def _plot_from_json(args, bench: argparse.ArgumentParser) -> int:
     given = [f"--{name.replace('_', '-')}" for name in TIMING_OPTIONS if getattr(args, name) is not None]
     if given:
         bench.error(f"{', '.join(given)}: not used with --from-json, which draws saved records without timing")
+    _check_outputs(args, bench)
     try:
         records = load_records(args.from_json)
         if args.routing != "both":
             records = [r for r in records if r["routing"] == args.routing]
         path = plot_records(records, args.plot)
-    except (ValueError, ImportError) as e:
+    except (ValueError, ImportError, OSError) as e:
         bench.error(str(e))
     print(f"wrote the plot of {len(records)} records from {len(args.from_json)} file(s) to {path}")
     return 0
@@ -110,13 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         if args.from_json:
             return _plot_from_json(args, bench)
-        if args.plot:
-            from megamoe.bench.plot import require_matplotlib
-
-            try:
-                require_matplotlib()  # before timing: fail in a second, not after an hour of benchmarks
-            except ImportError as e:
-                bench.error(str(e))
+        _check_outputs(args, bench)  # before timing: fail in a second, not after an hour of benchmarks
         for option in ("tokens", "iters", "rounds", "experts_per_gpu"):
             value = getattr(args, option)
             if value is not None and value < 1:

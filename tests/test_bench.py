@@ -286,6 +286,20 @@ def test_cli_rejects_unknown_names(option, known, capsys):
     assert exit_info.value.code == 2 and f"{option}: unknown 'nope'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("option", ["--workload", "--backend", "--peers"])
+def test_cli_rejects_an_empty_name_list(option, capsys, monkeypatch):
+    """`--workload ,` names nothing: an error, not a silent run of the default workloads or backends."""
+    monkeypatch.setattr("megamoe.__main__.run_bench", lambda **kwargs: pytest.fail("ran the defaults"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", option, ","])
+    assert exit_info.value.code == 2 and f"{option}: no name given" in capsys.readouterr().err
+
+
+def test_too_few_experts_names_the_option():
+    with pytest.raises(ValueError, match="1 experts per GPU \\(--experts-per-gpu 1\\) x 1 ranks is fewer than k = 8"):
+        choose_experts_per_gpu(WORKLOADS["qwen3-30b-a3b"], 16384, 1, 2, 1, None)
+
+
 def test_git_commit_marks_uncommitted_code(tmp_path):
     """A record's commit is HEAD, with "-dirty" once a tracked file differs from it (untracked files do not
     count), and "unknown" outside a git checkout."""

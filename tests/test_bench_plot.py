@@ -163,3 +163,31 @@ def test_records_of_two_problem_sizes_in_one_bar_are_an_error(tmp_path):
     other = [dict(r, tokens=4096) for r in records]
     with pytest.raises(ValueError, match=r"different problem sizes.*\(16384, 128\) and \(4096, 128\)"):
         plot_records(records + other, tmp_path / "x.png")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--plot", "{tmp}/x.foo"], "matplotlib cannot write .foo files"),
+        (["--plot", "{tmp}/missing/x.png"], "does not exist"),
+        (["--json", "{tmp}/missing/r.json"], "--json {tmp}/missing/r.json: folder"),
+    ],
+    ids=["plot-format", "plot-folder", "json-folder"],
+)
+def test_unwritable_outputs_fail_before_timing(tmp_path, capsys, monkeypatch, args, message):
+    """A --plot or --json path that cannot be written is an argparse error at once, not a traceback after the
+    whole benchmark has run (its results lost with it)."""
+    def timed(**kwargs):
+        raise AssertionError("the benchmark ran before its output paths were checked")
+
+    monkeypatch.setattr("megamoe.__main__.run_bench", timed)
+    with pytest.raises(SystemExit) as info:
+        main(["bench", *(a.format(tmp=tmp_path) for a in args)])
+    assert info.value.code == 2 and message.format(tmp=tmp_path) in capsys.readouterr().err
+
+
+def test_from_json_plot_into_a_missing_folder_is_a_usage_error(tmp_path, capsys):
+    path = write_json(tmp_path / "run.json", make_records(ep=1))
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--from-json", path, "--plot", str(tmp_path / "missing" / "x.png")])
+    assert info.value.code == 2 and "does not exist" in capsys.readouterr().err

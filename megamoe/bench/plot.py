@@ -38,6 +38,22 @@ def require_matplotlib():
     return plt
 
 
+def check_plot_path(path: str | Path) -> None:
+    """Raise ValueError (naming --plot) unless a plot can be written to path: its folder exists and its suffix is
+    a format matplotlib writes (no suffix: matplotlib's default, png). Checked before anything is timed, so that
+    a typo fails in a second, not after the benchmark. Needs matplotlib (require_matplotlib)."""
+    require_matplotlib()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise ValueError(f"--plot {path}: folder {path.parent} does not exist")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = path.suffix[1:].lower()
+    if suffix and suffix not in formats:
+        raise ValueError(f"--plot {path}: matplotlib cannot write .{suffix} files; use one of {', '.join(sorted(formats))}")
+
+
 def load_records(paths: list[str | Path]) -> list[dict]:
     """The records of `python -m megamoe bench --json` files, in file order.
 

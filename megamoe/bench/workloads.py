@@ -86,5 +86,6 @@ def choose_experts_per_gpu(
         while n > 1 and footprint_bytes(w, num_tokens, n, world_size, dtype_bytes) > 0.9 * free_bytes:
             n, why = n // 2, f"to fit {free_bytes / 2**30:.0f} GiB free"
     if n * world_size < w.top_k:
-        raise ValueError(f"{w.name}: {n} experts per GPU x {world_size} ranks is fewer than k = {w.top_k}")
+        cut = f" ({why})" if why else ""  # e.g. --experts-per-gpu 1
+        raise ValueError(f"{w.name}: {n} experts per GPU{cut} x {world_size} ranks is fewer than k = {w.top_k}")
     return n, why
