@@ -18,7 +18,8 @@ Precision (bf16/fp16 inputs; fp32 and fp64 run the same ops in their own dtype):
   CUDA's reduction kernel pairs slots j and j+4 for larger k); d_topk_weights[t, j] = <d_out[t], y[t, j]>
   summed in fp32 over products rounded once to the input dtype.
 Deterministic: no atomics, no index_add_/scatter_add_; every scatter (index_copy_) has unique targets.
-No host sync on the one-process path. With a group, the split sizes go to the host once per forward
+No host sync on the one-process path where torch._grouped_mm runs (bf16 on CUDA GPUs of compute capability
+>= 9.0; fp32 / bf16 / fp16 on the CPU); elsewhere the loop of GEMMs reads the segment ends on the host. With a group, the split sizes go to the host once per forward
 (see the NOTE in _exchange); the backward reuses that exchange (saved with the activations). Before it,
 megamoe.autograd.check_ranks_agree reads the ranks' agreement check on the host (one tiny collective per
 forward).

@@ -3,18 +3,18 @@ helpers the expert-parallel path (ep.py) shares (tile configs, device ranges, th
 
 Every GEMM reads and writes contiguous receive rows [R, *] (expert-major, padded per expert to the
 schedule's block_m, padding rows zero).
-Forward:  gather x_rows = x[row_src // k] -> gate_up_fwd (gate/up GEMM, SwiGLU epilogue: h, and gate_up
-          when kept) -> down_fwd (y_rows) -> combine (out[t] = sum_j w * y_rows[dest_row[t, j]] in fp32,
+Forward:  spread_rows x_rows = x[row_src // k] (token-major, kernels/gather.py) -> gate_up_fwd (gate/up
+          GEMM, SwiGLU epilogue: h, and gate_up when kept) -> down_fwd (y_rows) -> combine (out[t] = sum_j w * y_rows[dest_row[t, j]] in fp32,
           j in order, + shared last). x_rows, h and y_rows are released inside the forward. Where the tile
           table says so (small H, configs._GATHER_X_MAX_H) gate_up_fwd gathers the x rows in its loads and
           there is no x_rows.
-Backward: gather d_out_rows = d_out[row_src // k] (unweighted) -> down_dgrad_router (d_out_rows @ w_down,
+Backward: spread_rows d_out_rows = d_out[row_src // k] (unweighted) -> down_dgrad_router (d_out_rows @ w_down,
           the router weight and the SwiGLU backward in the epilogue: d_gate_up; h_w = w * h recomputed
           from gate_up; the router-weight gradient's partial sums) -> dw_down (d_out_rows^T h_w) ->
           d_topk_weights (the partial sums, in order) -> gate_up_dgrad (d_x_rows; where its Gluon kernel has
           room, one of its warps spreads x_rows beside the GEMM) -> combine without weights (d_x = sum_j
-          d_x_rows[dest_row[t, j]], + shared) -> x_rows by a gather pass unless spread -> dw_gate_up
-          (d_gate_up^T x_rows; with MoEConfig.recompute on the Gluon kernel, x gathered in its loads
+          d_x_rows[dest_row[t, j]], + shared) -> x_rows by a spread_rows pass unless spread beside
+          gate_up_dgrad -> dw_gate_up (d_gate_up^T x_rows; with MoEConfig.recompute on the Gluon kernel, x gathered in its loads
           instead). The weight-grad kernels own one output tile per program and loop over its expert's rows.
 The shared expert is a dense MLP on cuBLAS through torch: backends/swiglu.py's, the one every backend runs.
 
@@ -22,13 +22,13 @@ saved = (gate_up [R, 2I], shared pre [T, 2I_s], shared h [T, I_s]): 4I bytes per
 backward needs besides x and the schedule: h is recomputed from gate_up in down_dgrad's epilogue
 (gate_up_fwd computes it from the rounded gate_up, so the bits match) and the router-weight gradient
 <d_out[t], y_rows[r]> is computed as <d_out[t] @ w_down[e], h[r]> there, so y_rows is not kept either.
-With MoEConfig.recompute (memory first) gate_up is empty [0, 2I] and the backward reruns gate_up_fwd on
-x_rows (same kernel, same bits); where dw_gate_up runs the Gluon kernel (Hopper) it also gathers x in its
-loads, so the backward's peak (inside dw_gate_up) holds no x_rows: a quarter less at qwen3-30b-a3b, for
+With MoEConfig.recompute (memory first) gate_up is empty [0, 2I] and the backward reruns gate_up_fwd as the
+forward ran it (on x_rows, or gathering x in its loads at small H; same kernel, same bits); where
+dw_gate_up runs the Gluon kernel (Hopper) it also gathers x in its loads, so the backward's peak (inside dw_gate_up) holds no x_rows: a quarter less at qwen3-30b-a3b, for
 1.5-5% more time than the gather pass (docs/perf-notes.md, "GEMM core v3"). Without a shared expert the shared entries are absent. Entries are always tensors so the
 tuple can cross torch.library custom ops. gate_up's memory is released once down_dgrad_router has read it
 (autograd would hold it to the end of the backward; a second backward through the same forward recomputes
-it), so the backward's order keeps at most three [R, *] tensors live (gate_up, d_out_rows, d_gate_up and
+it), so the backward's order keeps at most four [R, *] tensors live (gate_up, d_out_rows, d_gate_up and
 h_w during down_dgrad_router; then d_gate_up and d_x_rows, then d_gate_up and x_rows; with x_rows spread
 beside gate_up_dgrad all three of those at once, only where that stays below dw_gate_up's moment).
 Gathering x inside the Triton dw_gate_up's pointer loads was measured and lost (323-349 TF/s against 589 on

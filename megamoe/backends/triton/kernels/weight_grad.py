@@ -105,8 +105,8 @@ def dw_down(
 ) -> torch.Tensor:
     """d_w_down [E_l, H, I] = d_y_rows^T h per expert, in the rows' dtype.
 
-    d_y_rows [R, H] and h [R, I], zero for padding, the router weight in one of them (one GPU: the d_out
-    rows and h_w = w * h; expert parallel: w * d_out rows and h); expert_offsets int32 [E_l + 1].
+    d_y_rows [R, H] and h [R, I], zero for padding, the router weight in one of them (both paths pass the
+    unweighted d_out rows and h_w = w * h); expert_offsets int32 [E_l + 1].
     config.block_k is the row step and must divide block_m. row_src (the schedule's, int32 [R], -1 on
     padding): the Gluon kernel (config.gluon) skips an expert's last row step where it holds padding rows
     only, the same sum for less work; the Triton kernels do not read it.
