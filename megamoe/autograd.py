@@ -24,6 +24,9 @@ from megamoe.schedule import (
 )
 
 TRITON_DTYPES = FLOAT_DTYPES[:3]  # the fused kernels accumulate in fp32: no float64 path
+# The smallest MoEConfig.block_m the fused kernels take (configs.kernel_configs: the smallest tl.dot row tile);
+# MoEConfig accepts any power of two from 1, which the torch path runs.
+TRITON_MIN_BLOCK_M = 16
 AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "hpu", "mps")
 AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)  # what autocast casts for a matmul; not float64
 
@@ -78,6 +81,11 @@ def resolve_backend(config: MoEConfig, x: torch.Tensor, group) -> str:
                 f"MoEConfig.backend='triton' runs float16, bfloat16 and float32, got x of dtype {x.dtype}; use "
                 "backend='torch' or 'reference' (or 'auto', which picks the torch path for it)"
             )
+        if config.backend == "triton" and config.block_m is not None and config.block_m < TRITON_MIN_BLOCK_M:
+            raise ValueError(
+                f"MoEConfig.backend='triton' needs MoEConfig.block_m None or a power of two >= {TRITON_MIN_BLOCK_M}, got "
+                f"{config.block_m}; use backend='torch' (or 'auto', which picks it for such a block_m)"
+            )
         if config.backend == "triton" and not one_host:
             hosts = group_hosts(group.group_name, x.device)
             raise ValueError(
@@ -87,7 +95,8 @@ def resolve_backend(config: MoEConfig, x: torch.Tensor, group) -> str:
                 "picks it for a group spanning hosts)"
             )
         return config.backend
-    if triton_runs_on(x.device) and x.dtype in (torch.bfloat16, torch.float16) and one_host:
+    triton_block_m = config.block_m is None or config.block_m >= TRITON_MIN_BLOCK_M
+    if triton_runs_on(x.device) and x.dtype in (torch.bfloat16, torch.float16) and one_host and triton_block_m:
         return "triton"
     return "torch"
 

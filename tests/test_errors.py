@@ -410,6 +410,28 @@ def test_triton_backend_rejects_float64(rng, monkeypatch):
     assert "backend='triton'" in message and "float64" in message and "float32" in message, message
 
 
+@pytest.mark.skipif("triton" not in megamoe.autograd.BACKENDS, reason="needs Triton")
+@pytest.mark.parametrize("block_m", [1, 8])
+def test_block_m_below_the_triton_tile(block_m, monkeypatch):
+    """MoEConfig.block_m below the fused kernels' smallest row tile (16; the config takes any power of two from 1,
+    which the torch path runs): "auto" picks the torch path where it would pick triton (before: triton, then a
+    ValueError from its tile table), and backend="triton" is a ValueError naming MoEConfig.block_m up front. The
+    device check is passed by pretending this CPU is a Hopper GPU."""
+    from megamoe.backends.triton.configs import kernel_configs
+
+    monkeypatch.setattr(megamoe.autograd, "triton_runs_on", lambda device: True)
+    floor = getattr(megamoe.autograd, "TRITON_MIN_BLOCK_M", 16)
+    x = torch.empty(4, H, dtype=torch.bfloat16)
+    assert megamoe.autograd.resolve_backend(MoEConfig(), x, None) == "triton"
+    assert megamoe.autograd.resolve_backend(MoEConfig(block_m=floor), x, None) == "triton"
+    assert megamoe.autograd.resolve_backend(MoEConfig(block_m=block_m), x, None) == "torch"
+    with pytest.raises(ValueError, match="MoEConfig.block_m"):
+        megamoe.autograd.resolve_backend(MoEConfig(backend="triton", block_m=block_m), x, None)
+    with pytest.raises(ValueError, match="block_m"):  # the tile table's own floor, which the constant mirrors
+        kernel_configs(H, I, torch.bfloat16, torch.device("cpu"), floor // 2)
+    kernel_configs(H, I, torch.bfloat16, torch.device("cpu"), floor)
+
+
 @pytest.mark.parametrize(
     "make,name",
     [

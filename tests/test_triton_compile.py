@@ -15,6 +15,7 @@ import os
 import re
 
 import pytest
+import torch
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("compile checks need compiled (not interpreted) kernels", allow_module_level=True)
@@ -22,7 +23,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 triton = pytest.importorskip("triton")
 
 from megamoe.backends.triton import kernels  # noqa: E402
-from megamoe.backends.triton.configs import _SM90, _SM90_TMA, TileConfig, triton_tile  # noqa: E402
+from megamoe.backends.triton.configs import _SM90, _SM90_TMA, TileConfig, kernel_configs, triton_tile  # noqa: E402
 from megamoe.backends.triton.kernels import gather, tma_gemm  # noqa: E402
 from compile_checks import SMEM_LIMIT, compile_triton, ptxas_report, sass  # noqa: E402
 
@@ -140,6 +141,22 @@ def _pipeline_report(compiled) -> dict:
     waits = [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)]
     return dict(cp_async="cp.async.cg.shared.global" in ptx or "cp.async.ca.shared.global" in ptx,
                 bulk="cp.async.bulk.tensor" in ptx, async_wgmma=any(n > 0 for n in waits))
+
+
+@pytest.mark.parametrize("name", ["gate_up_fwd", "down_fwd", "down_dgrad-router", "gate_up_dgrad", "dw_down"])
+def test_fp32_gemm_kernel_does_not_round_to_tf32(name):
+    """fp32 operands (backend="triton" in fp32 runs the pointer-load kernels) multiply in fp32, as torch's float32
+    matmul does by default: Triton's default for tl.dot on NVIDIA GPUs would round them to TF32 (kernels/_common.py
+    mma). The tile is the fp32 table's (block_k clipped); spills are not checked: fp32 is not a speed path."""
+    fn, field, extra = GEMM_KERNELS[name]
+    cfg = kernel_configs(2048, 768, torch.float32, torch.device("cpu"), 128)
+    cfg = getattr(cfg, field)
+    constexprs = _gemm_constexprs(fn, cfg, extra)
+    signature = {k: "*fp32" if v == "*bf16" else v for k, v in _signature(fn, constexprs).items()}
+    compiled = compile_triton(fn, signature, constexprs, _attrs(fn, signature), cfg.num_warps, cfg.num_stages, 90)
+    ptx = compiled.asm["ptx"]
+    assert "tf32" not in ptx, f"{name}: fp32 operands rounded to TF32 in the sm_90a PTX"
+    assert "fma.rn.f32" in ptx, f"{name}: no fp32 fused multiply-adds in the sm_90a PTX"
 
 
 @pytest.mark.parametrize("table", list(TABLES), ids=list(TABLES))

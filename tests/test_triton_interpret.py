@@ -485,6 +485,35 @@ def test_tma_core_refuses_unaligned_rows(monkeypatch):
 
 
 @interpreted
+def test_tma_core_takes_x_at_an_unaligned_base(monkeypatch):
+    """A contiguous x whose base is not 16-byte aligned (a view at an odd offset of a larger buffer; H a multiple
+    of 8, so the TMA tiles apply) runs on the TMA core gathering x in gate_up_fwd, with the bits of an aligned x
+    (before: the launcher's TMA check refused it, a ValueError from megamoe.experts on Hopper for H <= 2048)."""
+    from megamoe.backends.triton import experts as triton_experts
+    from megamoe.backends.triton.configs import kernel_configs
+
+    def gathering(*args):
+        table = _as_tma(kernel_configs(*args))
+        return dataclasses.replace(table, gate_up_fwd=dataclasses.replace(table.gate_up_fwd, gather=True))
+
+    monkeypatch.setattr(triton_experts, "tma_kernel_configs", gathering)
+    T, H, I, E, k = 19, 32, 16, 4, 2
+    x, ids, weights, wgu, wd, _, _ = make_problem(T, H, I, E, k, torch.float16)
+    d_out = torch.randn(T, H, generator=torch.Generator().manual_seed(7)).half()
+    unaligned = torch.empty(T * H + 1, dtype=torch.float16)[1:].view(T, H)
+    unaligned.copy_(x)
+    assert unaligned.is_contiguous() and unaligned.data_ptr() % 16
+    s = build_schedule(ids, E, block_m=16)
+
+    def run(x_in):
+        out, saved = experts_fwd(x_in, weights, wgu, wd, None, None, s, None)
+        return (out, *experts_bwd(d_out, x_in, weights, wgu, wd, None, None, s, None, None, saved)[:4])
+
+    for name, a, b in zip(["out", "d_x", "d_topk_weights", "d_w_gate_up", "d_w_down"], run(x), run(unaligned)):
+        assert torch.equal(a, b), name
+
+
+@interpreted
 def test_capacity_cut_pairs_count_as_zero():
     """Pairs a declared capacity cut (dest_row -1) contribute nothing and get zero router grads, never NaN."""
     T, H, I, E, k = 48, 32, 16, 3, 2

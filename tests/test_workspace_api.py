@@ -90,6 +90,7 @@ def cpu_symmetric(monkeypatch):
     monkeypatch.setattr(ws_module, "_WORKSPACES", {})
     monkeypatch.setattr(dist, "get_rank", lambda group: 0)
     monkeypatch.setattr(dist, "get_world_size", lambda group: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # device="cuda" is the current device's index
     return ws_module, calls, types.SimpleNamespace(group_name="g0")
 
 
@@ -187,3 +188,18 @@ def test_no_receive_rows_for_the_default_directions(cpu_symmetric):
     assert ws_module.workspace_bytes(group) == ws_module.WorkspaceSizes(4, 8, 0).nbytes(8, torch.bfloat16)
     grown = _get(ws_module, group, num_tokens=4, top_k=2, num_rows=32)
     assert len(calls) == 4 + 6 and grown.rows_in.local.shape == (32, 8)
+
+
+def test_device_without_index_is_the_current_device(cpu_symmetric):
+    """get_workspace(device="cuda") (the declaring call the README shows) and the layer's own call, which passes
+    x.device ("cuda:N": a CUDA tensor's device always has an index), are one workspace: the second allocates
+    nothing (before, "cuda" and "cuda:0" were two cache keys, so the declared maximum was allocated twice)."""
+    import torch
+
+    ws_module, calls, group = cpu_symmetric
+    declared = _get(ws_module, group, num_tokens=16, top_k=2, num_rows=0)
+    allocated = len(calls)
+    layer = ws_module.get_workspace(group, device=torch.device("cuda", 0), num_tokens=8, hidden_size=8, top_k=2,
+                                    num_rows=0, dtype=torch.bfloat16, comm_timeout_ms=1000)
+    assert len(calls) == allocated and len(ws_module._WORKSPACES) == 1
+    assert layer.tokens.local.data_ptr() == declared.tokens.local.data_ptr()

@@ -54,6 +54,7 @@ def cpu_workspaces(monkeypatch):
         monkeypatch.setattr(ws_module, "_WORKSPACES", {})
         monkeypatch.setattr(dist, "get_rank", lambda group: 0)
         monkeypatch.setattr(dist, "get_world_size", lambda group: world)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # device="cuda" is the current device's index
         return copies
 
     return setup

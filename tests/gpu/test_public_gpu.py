@@ -189,3 +189,31 @@ def test_layer_matches_reference():
     assert_within_budget(ours, layer_reference(layer, x, topk_ids, d_out, torch.float64),
                          layer_reference(layer, x, topk_ids, d_out, DTYPE))
     assert_same_bits(ours, layer_run(layer, x, d_out))
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recompute"])
+def test_x_at_an_unaligned_base(auto_is_triton, recompute):
+    """A contiguous x whose base is 2 bytes off 16-byte alignment (a view at an odd offset of a larger buffer), H a
+    multiple of 8 and <= 2048 (gate_up_fwd gathers x in its loads; with recompute dw_gate_up too): the same bits
+    as an aligned copy of x, not the launchers' TMA ValueError. (Written without a GPU to run it on.)"""
+    torch.manual_seed(0)
+    T, H, I, E, k = 300, 256, 128, 8, 2
+    dev, dt = "cuda", torch.bfloat16
+    x = torch.randn(T, H, device=dev, dtype=dt)
+    unaligned = torch.empty(T * H + 1, device=dev, dtype=dt)[1:].view(T, H)
+    unaligned.copy_(x)
+    assert unaligned.is_contiguous() and unaligned.data_ptr() % 16
+    ids = torch.randint(0, E, (T, k), device=dev)
+    weights = torch.rand(T, k, device=dev)
+    wgu = (torch.randn(E, 2 * I, H, device=dev) / H**0.5).to(dt)
+    wd = (torch.randn(E, H, I, device=dev) / I**0.5).to(dt)
+    config = megamoe.MoEConfig(backend="triton", recompute=recompute)
+
+    def run(x_in):  # x_in itself (a clone would be aligned), without grad: d_w_gate_up reads it
+        leaves = [t.detach().clone().requires_grad_() for t in (weights, wgu, wd)]
+        out = megamoe.experts(x_in, ids, *leaves, config=config)
+        out.float().square().sum().backward()
+        return [out, *(t.grad for t in leaves)]
+
+    for name, a, b in zip(["out", "d_topk_weights", "d_w_gate_up", "d_w_down"], run(x), run(unaligned)):
+        assert torch.equal(a, b), name

@@ -74,6 +74,17 @@ def one_gpu_configs(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tens
     return configs_for(x, w_gate_up, schedule)
 
 
+def tma_ready_x(x: torch.Tensor, cfg: KernelConfigs) -> torch.Tensor:
+    """x contiguous and, where the TMA core runs (its kernels gather x in their loads and take a descriptor of it:
+    gate_up_fwd where the tile says gather, dw_gate_up with MoEConfig.recompute), 16-byte aligned: a contiguous x
+    at an odd offset of a larger buffer (H a multiple of 8, its base not) is copied once instead of being refused
+    by the launchers' TMA check. one_gpu_configs checks only the weights' alignment; x's is settled here."""
+    x = x.contiguous()
+    if cfg.gate_up_fwd.tma and not tma_gemm.tma_addressable(x):
+        x = x.clone()  # the caching allocator's blocks are 512-byte aligned
+    return x
+
+
 def rows_in_use(schedule: Schedule) -> torch.Tensor:
     """int32 [2] on the device: the receive rows in use, (0, expert_offsets[E_l]); no host sync."""
     return range_of(schedule.expert_offsets[-1:], "rows_in_use")
@@ -132,7 +143,7 @@ def experts_fwd(
     _check_group(group, schedule, w_gate_up)
     config = DEFAULT_CONFIG if config is None else config
     cfg = one_gpu_configs(x, w_gate_up, w_down, schedule)
-    x = x.contiguous()
+    x = tma_ready_x(x, cfg)
     # NOTE: the block range stays on the device; every buffer and grid is sized from shapes alone.
     store_gate_up = save_for_backward and not config.recompute
     if schedule.num_rows == 0:  # T = 0: no rows, nothing to launch (a TMA descriptor cannot describe 0 rows)
@@ -196,7 +207,7 @@ def experts_bwd(
     need_x, need_weights, need_w_gate_up, need_w_down, need_shared_gate_up, need_shared_down = needs_grad
     gate_up, *shared_saved = saved
     cfg = one_gpu_configs(x, w_gate_up, w_down, schedule)
-    x = x.contiguous()
+    x = tma_ready_x(x, cfg)
     d_out = d_out.to(x.dtype).contiguous()
     d_x_shared, d_shared_gate_up, d_shared_down = shared_bwd(
         d_out, x, shared_gate_up, shared_down, shared_saved,

@@ -201,6 +201,8 @@ def get_workspace(
     check_positive_int("get_workspace: num_rows", num_rows, allow_zero=True)
     if device.type != "cuda":
         raise ValueError(f"get_workspace: symmetric memory needs a CUDA device, got {device}")
+    if device.index is None:  # "cuda" is the current device: one key with the layer's x.device ("cuda:N")
+        device = torch.device("cuda", torch.cuda.current_device())
     needed = WorkspaceSizes(num_tokens, num_tokens * top_k, num_rows)
     key = (group.group_name, device, hidden_size, dtype)
     held = _WORKSPACES.get(key)

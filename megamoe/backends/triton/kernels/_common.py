@@ -75,6 +75,18 @@ def tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def mma(a, b, acc):
+    """acc + a @ b, accumulated in fp32. fp32 operands multiply in full fp32 ("ieee"), as torch's float32 matmul
+    does by default; Triton's default would round them to TF32 (a 10-bit mantissa) on NVIDIA GPUs, far outside the
+    fp32 error budget. 16-bit operands take the default (the dtype decides at compile time: one branch is built)."""
+    if a.dtype == tl.float32:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
 def swiglu(g, u):
     """h = silu(g) * u in fp32, from g and u in the activations' dtype: the forward's h (gate_up_fwd) and the
     backward's recompute of it from the saved gate_up (router_epilogue) run this one function on the same

@@ -29,8 +29,8 @@ import triton.language as tl
 
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import (
-    check, check_matrix, check_row_src, check_rows, check_weight, column_halves, load_range, pair_weights, persistent_grid,
-    router_epilogue, swiglu, swiglu_bwd, tile_coords,
+    check, check_matrix, check_row_src, check_rows, check_weight, column_halves, load_range, mma, pair_weights,
+    persistent_grid, router_epilogue, swiglu, swiglu_bwd, tile_coords,
 )
 from megamoe.backends.triton.kernels import gluon_down_dgrad, gluon_gate_up, gluon_rows, tma_gemm
 from megamoe.backends.triton.kernels.gluon_common import ConsumerTile
@@ -85,7 +85,7 @@ def k_loop(acc, a_ptrs, b_ptrs, b_step, b_mask, offs_k, K, EVEN_K: tl.constexpr,
             k_ok = offs_k + k0 < K
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & b_mask, other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = mma(a, b, acc)
         a_ptrs += BLOCK_K
         b_ptrs += b_step
     return acc
@@ -124,8 +124,8 @@ def gate_up_fwd_tile(
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             bg = tl.load(wg_ptrs, mask=k_ok[:, None], other=0.0)
             bu = tl.load(wu_ptrs, mask=k_ok[:, None], other=0.0)
-        acc_g = tl.dot(a, bg, acc_g)
-        acc_u = tl.dot(a, bu, acc_u)
+        acc_g = mma(a, bg, acc_g)
+        acc_u = mma(a, bu, acc_u)
         a_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K
         wu_ptrs += BLOCK_K

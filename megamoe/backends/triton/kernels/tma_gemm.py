@@ -28,7 +28,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import (
-    check, column_halves, load_range, pair_weights, persistent_grid, router_epilogue, swiglu, swiglu_bwd, tile_coords,
+    check, column_halves, load_range, mma, pair_weights, persistent_grid, router_epilogue, swiglu, swiglu_bwd, tile_coords,
 )
 
 
@@ -54,7 +54,7 @@ def _k_loop(a_desc, w_desc, row, col, expert, K,
             b = w_desc.load([expert, col, k0]).reshape(BLOCK_N, BLOCK_K).T
         else:
             b = w_desc.load([expert, k0, col]).reshape(BLOCK_K, BLOCK_N)
-        acc = tl.dot(a, b, acc)
+        acc = mma(a, b, acc)
     return acc
 
 
@@ -86,8 +86,8 @@ def gate_up_fwd_tma_kernel(
                 a = x_desc.load([row, k0])
             bg = w_desc.load([expert, col, k0]).reshape(BLOCK_N, BLOCK_K)
             bu = w_desc.load([expert, I + col, k0]).reshape(BLOCK_N, BLOCK_K)
-            acc_g = tl.dot(a, bg.T, acc_g)
-            acc_u = tl.dot(a, bu.T, acc_u)
+            acc_g = mma(a, bg.T, acc_g)
+            acc_u = mma(a, bu.T, acc_u)
         g = acc_g.to(h_desc.dtype)
         u = acc_u.to(h_desc.dtype)
         if STORE_GATE_UP:
@@ -177,7 +177,7 @@ def dw_tma_kernel(
         for r0 in range(start, end, BLOCK_K):
             a = a_desc.load([r0, pid_m * BLOCK_M])
             b = b_desc.load([r0, pid_n * BLOCK_N])
-            acc = tl.dot(a.T, b, acc)
+            acc = mma(a.T, b, acc)
         dw_desc.store([expert, pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(dw_desc.dtype).reshape(1, BLOCK_M, BLOCK_N))
 
 

@@ -23,7 +23,7 @@ import triton.language as tl
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels import gluon_dw, tma_gemm
 from megamoe.backends.triton.kernels._common import (
-    check, check_expert_offsets, check_row_operands, persistent_grid, tile_coords,
+    check, check_expert_offsets, check_row_operands, mma, persistent_grid, tile_coords,
 )
 
 
@@ -48,7 +48,7 @@ def dw_tile(
     for _ in tl.range(start, end, BLOCK_K, num_stages=STAGES):
         a = tl.load(a_ptrs, mask=m_ok, other=0.0)
         b = tl.load(b_ptrs, mask=n_ok, other=0.0)
-        acc = tl.dot(tl.trans(a), b, acc)
+        acc = mma(tl.trans(a), b, acc)
         a_ptrs += BLOCK_K * M
         b_ptrs += BLOCK_K * N
     mask = (cols_m < M)[:, None] & (cols_n < N)[None, :]
