@@ -136,7 +136,7 @@ def test_edge_accuracy(case):
 @pytest.mark.parametrize("case", ["qwen3-30b-a3b-T512-E16", "odd-H2880-T77-k4"])
 def test_fp32_is_full_precision(case):
     """fp32 inputs (backend="triton" runs them on the pointer-load core) multiply in fp32, not TF32 (Triton's
-    default for tl.dot on NVIDIA GPUs, ~1e-3 relative error): every output within 2e-5 of the fp64 reference,
+    default for tl.dot on NVIDIA GPUs: 4.2e-4 relative error on an H200): every output within 2e-5 of the fp64 reference,
     the fp32 tolerance of the CPU interpreter tests."""
     T, H, I, E, k, shared, kind = {**WORKLOADS, **EDGES}[case]
     inputs = [t.float() if t is not None and t.is_floating_point() else t
