@@ -344,6 +344,9 @@ def mismatch(rank, world):
         run_ep(ids, p, d_out, rank, world, tokens, experts, config)
     torch.cuda.synchronize()
     dist.barrier()
+    # The test requires this line from every rank: the failure it expects is the mismatched call's, not a
+    # crash before it (any crash exits non-zero too).
+    print(f"rank {rank}: agreeing shapes ran", flush=True)
     tokens = 64 if rank == 0 else 32
     ids, p, d_out = problem(5, tokens, hidden, inter, experts, topk, world)
     run_ep(ids, p, d_out, rank, world, tokens, experts, config)

@@ -71,9 +71,16 @@ def test_one_workspace_reused_across_t():
 
 @multigpu
 def test_ranks_on_different_checked_shapes_fail_not_hang():
+    """Every rank runs the agreeing shapes, then the mismatched call fails the routing exchange's device assert
+    (a non-zero exit alone would also come from a worker that crashed before, or never reached the GPU)."""
     result = _torchrun("mismatch", timeout=120)
+    output = result.stdout + result.stderr
     assert result.returncode != 0, "ranks calling with different shapes finished"
     assert "NO ERROR" not in result.stdout, result.stdout[-2000:]
+    world = min(torch.cuda.device_count(), int(os.environ.get("MEGAMOE_TEST_GPUS", torch.cuda.device_count())))
+    for rank in range(world):
+        assert f"rank {rank}: agreeing shapes ran" in result.stdout, f"rank {rank} failed before the mismatch:\n{output[-4000:]}"
+    assert "assert" in result.stderr.lower(), f"no device assert:\n{output[-4000:]}"
 
 
 @multigpu
