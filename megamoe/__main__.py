@@ -8,7 +8,7 @@ from pathlib import Path
 
 from megamoe.bench.baselines import PEERS
 from megamoe.bench.run import BASELINE, DTYPES, run_bench
-from megamoe.bench.workloads import WORKLOADS
+from megamoe.bench.workloads import WORKLOADS, BenchUsageError
 from megamoe.config import BACKENDS
 
 TIMED_BACKENDS = (BASELINE, *(b for b in BACKENDS if b != "auto"))
@@ -134,20 +134,23 @@ def main(argv: list[str] | None = None) -> int:
                 bench.error(f"--{option.replace('_', '-')} must be >= 1, got {value}")
         if args.warmup is not None and args.warmup < 0:
             bench.error(f"--warmup must be >= 0, got {args.warmup}")
-        return run_bench(
-            workloads=_names(args.workload, WORKLOADS, "--workload", bench),
-            backends=_names(args.backend, TIMED_BACKENDS, "--backend", bench),
-            routing=args.routing,
-            tokens=args.tokens,
-            iters=args.iters,
-            warmup=args.warmup,
-            dtype=args.dtype,
-            experts_per_gpu=args.experts_per_gpu,
-            json_path=args.json,
-            plot_path=args.plot,
-            peers=_names(args.peers, PEERS, "--peers", bench),
-            rounds=args.rounds,
-        )
+        try:
+            return run_bench(
+                workloads=_names(args.workload, WORKLOADS, "--workload", bench),
+                backends=_names(args.backend, TIMED_BACKENDS, "--backend", bench),
+                routing=args.routing,
+                tokens=args.tokens,
+                iters=args.iters,
+                warmup=args.warmup,
+                dtype=args.dtype,
+                experts_per_gpu=args.experts_per_gpu,
+                json_path=args.json,
+                plot_path=args.plot,
+                peers=_names(args.peers, PEERS, "--peers", bench),
+                rounds=args.rounds,
+            )
+        except BenchUsageError as e:  # e.g. --experts-per-gpu below a workload's k: raised before any timing
+            bench.error(str(e))
     return 0
 
 

@@ -322,6 +322,41 @@ def test_git_commit_marks_uncommitted_code(tmp_path):
     assert git_commit(tmp_path) == f"{head}-dirty"
 
 
+def test_git_commit_is_unknown_in_a_repository_that_does_not_track_megamoe(tmp_path):
+    """megamoe installed in a virtual environment inside the user's own repository (untracked or ignored): the
+    record's commit is "unknown", not the commit of the user's project."""
+    from megamoe.bench.measure import git_commit
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / ".gitignore").write_text(".venv/\n")
+    git("add", ".gitignore")
+    git("commit", "-qm", "the user's project")
+    for venv in (".venv", "venv"):  # ignored, and merely untracked
+        installed = tmp_path / venv / "lib" / "site-packages" / "megamoe" / "bench"
+        installed.mkdir(parents=True)
+        (installed / "measure.py").write_text("")
+        assert git_commit(installed) == "unknown", venv
+
+
+def test_experts_per_gpu_below_a_later_workloads_k_fails_before_timing(monkeypatch, capsys):
+    """--experts-per-gpu 4 suits cpu-small (k 2) but not qwen3-30b-a3b (k 8): a usage error naming the option
+    before anything is timed, not a traceback after cpu-small's timing (whose results it would lose)."""
+    def no_timing(*args, **kwargs):
+        raise AssertionError("timed before the options were checked")
+
+    monkeypatch.setattr(run, "time_in_rounds", no_timing)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--workload", "cpu-small,qwen3-30b-a3b", "--experts-per-gpu", "4", "--tokens", "16"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "qwen3-30b-a3b: 4 experts per GPU (--experts-per-gpu 4) x 1 ranks is fewer than k = 8" in err
+    assert "Traceback" not in err
+
+
 def test_alternating_rounds_runs_the_round_order():
     """Every call timed once a round, in round_order's order (three names: rotations, then their mirror images);
     the times come back per variant in round order."""

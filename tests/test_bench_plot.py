@@ -60,6 +60,16 @@ def test_plot_from_json_files_writes_a_png(tmp_path, capsys):
     assert "wrote the plot of 32 records from 2 file(s)" in capsys.readouterr().out
 
 
+def test_plot_path_without_suffix_reports_the_file_written(tmp_path, capsys):
+    """--plot PATH without a suffix: matplotlib writes PATH.png, and that is the path returned and printed."""
+    records = write_json(tmp_path / "r.json", make_records(ep=1))
+    assert plot_records(make_records(ep=1), tmp_path / "direct") == tmp_path / "direct.png"
+    assert main(["bench", "--from-json", records, "--plot", str(tmp_path / "bench")]) == 0
+    assert (tmp_path / "bench.png").read_bytes().startswith(PNG_MAGIC)
+    assert not (tmp_path / "bench").exists()
+    assert capsys.readouterr().out.rstrip().endswith(f"to {tmp_path / 'bench.png'}")
+
+
 def test_plot_draws_series_ceiling_and_panels(tmp_path):
     """The SVG's text (kept as text, not paths) names every series, the ceiling line and every panel."""
     records = make_records(ep=1) + make_records(ep=2, backends=("torch",))

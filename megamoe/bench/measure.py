@@ -145,7 +145,8 @@ def ceiling_matmul(device: torch.device):
 
 def git_commit(checkout: Path = Path(__file__).parent) -> str:
     """HEAD of the checkout megamoe runs from, with "-dirty" where tracked files differ from it (a result then
-    says that it was not measured on that commit's code), or "unknown" outside a git checkout."""
+    says that it was not measured on that commit's code), or "unknown" outside a git checkout or in one that does not
+    track `checkout` (an installed megamoe in a virtual environment inside another repository)."""
     def git(*args: str) -> str | None:
         try:
             done = subprocess.run(["git", *args], cwd=checkout, capture_output=True, text=True, timeout=10)
@@ -154,7 +155,9 @@ def git_commit(checkout: Path = Path(__file__).parent) -> str:
         return done.stdout.strip() if done.returncode == 0 else None
 
     head = git("rev-parse", "HEAD")
-    if head is None:
+    # A checkout git does not track is not megamoe's repository but one around it: an installed megamoe in a
+    # virtual environment inside the user's own project would otherwise report that project's commit.
+    if head is None or git("ls-files", "--error-unmatch", "--", ".") is None:
         return "unknown"
     changes = git("status", "--porcelain", "--untracked-files=no")
     return head if changes == "" else f"{head}-dirty"

@@ -102,11 +102,12 @@ def default_title(records: list[dict]) -> str:
 
 
 def plot_records(records: list[dict], path: str | Path, *, title: str | None = None) -> Path:
-    """Draw TFLOP/s of `records` (bench records) to `path` (format from its suffix: .png, .svg, .pdf).
+    """Draw TFLOP/s of `records` (bench records) to `path` (format from its suffix: .png, .svg, .pdf; without one,
+    matplotlib's default format, whose suffix is appended: "bench" -> "bench.png").
 
     A later record with the same (workload, series, pass, routing) as an earlier one replaces it, so
     `--from-json old.json new.json` shows the newer measurement. Records without tflops are skipped.
-    title: the figure's title (default: default_title). Returns the path written.
+    title: the figure's title (default: default_title). Returns the path of the file written.
     Raises ValueError when no record has a measured tflops.
     """
     measured = [r for r in records if r.get("tflops") is not None]
@@ -183,6 +184,8 @@ def plot_records(records: list[dict], path: str | Path, *, title: str | None = N
     legend_rows = -(-len(handles) // ncol)
     fig.tight_layout(rect=(0, (0.15 + 0.2 * legend_rows) / height_in, 1, 1))  # panels above the legend
     path = Path(path)
+    if not path.suffix:  # matplotlib appends its default format's suffix: return the file it writes
+        path = path.with_name(f"{path.name.rstrip('.')}.{plt.rcParams['savefig.format']}")
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

@@ -199,6 +199,12 @@ def run_bench(
     iters = iters or (20 if on_gpu else 5)
     warmup = warmup if warmup is not None else (5 if on_gpu else 2)
     rounds = rounds or (3 if on_gpu else 1)
+    # Every workload's expert count against --experts-per-gpu and the ranks, before anything is timed: a
+    # BenchUsageError at the second workload must not come after the first one's timing (and lose it).
+    # Free memory is left out here; it only halves the count, and is checked again per workload below.
+    for name in workloads:
+        choose_experts_per_gpu(WORKLOADS[name], tokens or WORKLOADS[name].tokens_per_gpu, world_size,
+                               dtype.itemsize, experts_per_gpu, None)
 
     facts = {
         "dtype": dtype_name,

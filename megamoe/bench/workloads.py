@@ -62,6 +62,11 @@ def footprint_bytes(w: Workload, num_tokens: int, experts_per_gpu: int, world_si
     return (2 * weights + 3 * activations + inputs) * dtype_bytes
 
 
+class BenchUsageError(ValueError):
+    """Options that cannot run together (e.g. --experts-per-gpu below k): `python -m megamoe bench` reports it
+    as a usage error naming the option, before anything is timed."""
+
+
 def choose_experts_per_gpu(
     w: Workload,
     num_tokens: int,
@@ -76,7 +81,7 @@ def choose_experts_per_gpu(
     (None on CPU); the count is halved until footprint_bytes fits in 90% of it.
     """
     if w.num_experts % world_size != 0:
-        raise ValueError(f"{w.name}: {w.num_experts} experts do not split evenly over {world_size} ranks")
+        raise BenchUsageError(f"{w.name}: {w.num_experts} experts do not split evenly over {world_size} ranks")
     n, why = w.num_experts // world_size, ""
     if cap is not None and cap < n:
         n, why = cap, f"--experts-per-gpu {cap}"
@@ -87,5 +92,5 @@ def choose_experts_per_gpu(
             n, why = n // 2, f"to fit {free_bytes / 2**30:.0f} GiB free"
     if n * world_size < w.top_k:
         cut = f" ({why})" if why else ""  # e.g. --experts-per-gpu 1
-        raise ValueError(f"{w.name}: {n} experts per GPU{cut} x {world_size} ranks is fewer than k = {w.top_k}")
+        raise BenchUsageError(f"{w.name}: {n} experts per GPU{cut} x {world_size} ranks is fewer than k = {w.top_k}")
     return n, why
