@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("transformers", reason="transformers is not installed (it is in megamoe's 'test' extra)")
 pytest.importorskip("matplotlib", reason="matplotlib is not installed (it is in megamoe's 'test' extra)")
-pytest.importorskip("tqdm", reason="tqdm is not installed (it is in megamoe's 'test' extra)")
+pytest.importorskip("tqdm", reason="tqdm is not installed (a dependency of megamoe)")
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_moe.py"
 SMALL = ["--steps", "5", "--batch-size", "4", "--seq-len", "32", "--no-progress", "--check-determinism"]
