@@ -12,7 +12,7 @@ import torch
 
 from megamoe import reference
 from megamoe.config import BACKENDS as BACKEND_NAMES
-from megamoe.config import COMM_DIRECTIONS, DEFAULT_CONFIG, MoEConfig, check_group
+from megamoe.config import COMM_DIRECTIONS, DEFAULT_CONFIG, TRITON_MIN_BLOCK_M, MoEConfig, check_group
 from megamoe.schedule import (
     FLOAT_DTYPES,
     SCHEDULE_TENSORS,
@@ -24,9 +24,6 @@ from megamoe.schedule import (
 )
 
 TRITON_DTYPES = FLOAT_DTYPES[:3]  # the fused kernels accumulate in fp32: no float64 path
-# The smallest MoEConfig.block_m the fused kernels take (configs.kernel_configs: the smallest tl.dot row tile);
-# MoEConfig accepts any power of two from 1, which the torch path runs.
-TRITON_MIN_BLOCK_M = 16
 AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "hpu", "mps")
 AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)  # what autocast casts for a matmul; not float64
 

@@ -15,6 +15,9 @@ BACKENDS = ("auto", "reference", "torch", "triton")
 COMM_DIRECTIONS = ("auto", "pull", "push")
 ENV_PREFIX = "MEGAMOE_"
 MAX_BLOCK_M = 1024
+# The smallest block_m the fused Triton kernels take (the smallest tl.dot row tile); MoEConfig accepts any power
+# of two from 1, which the torch path runs ("auto" picks it below this).
+TRITON_MIN_BLOCK_M = 16
 # The longest comm_timeout_ms (about 24.8 days, an int32 of milliseconds): every wait it bounds can take it (the
 # agreement exchange's datetime.timedelta, the GPU's int64 nanoseconds), where 10**17 ms used to be accepted
 # and then fail with an OverflowError at an expert-parallel group's second call.

@@ -420,14 +420,14 @@ def test_block_m_below_the_triton_tile(block_m, monkeypatch):
     from megamoe.backends.triton.configs import kernel_configs
 
     monkeypatch.setattr(megamoe.autograd, "triton_runs_on", lambda device: True)
-    floor = getattr(megamoe.autograd, "TRITON_MIN_BLOCK_M", 16)
+    floor = megamoe.config.TRITON_MIN_BLOCK_M
     x = torch.empty(4, H, dtype=torch.bfloat16)
     assert megamoe.autograd.resolve_backend(MoEConfig(), x, None) == "triton"
     assert megamoe.autograd.resolve_backend(MoEConfig(block_m=floor), x, None) == "triton"
     assert megamoe.autograd.resolve_backend(MoEConfig(block_m=block_m), x, None) == "torch"
     with pytest.raises(ValueError, match="MoEConfig.block_m"):
         megamoe.autograd.resolve_backend(MoEConfig(backend="triton", block_m=block_m), x, None)
-    with pytest.raises(ValueError, match="block_m"):  # the tile table's own floor, which the constant mirrors
+    with pytest.raises(ValueError, match="block_m"):  # the tile table checks the same floor
         kernel_configs(H, I, torch.bfloat16, torch.device("cpu"), floor // 2)
     kernel_configs(H, I, torch.bfloat16, torch.device("cpu"), floor)
 

@@ -16,6 +16,8 @@ import functools
 
 import torch
 
+from megamoe.config import TRITON_MIN_BLOCK_M
+
 
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
@@ -214,8 +216,9 @@ def kernel_configs(hidden: int, intermediate: int, dtype: torch.dtype, device: t
     block_m: the schedule's rows per block (a power of two >= 16, the smallest tl.dot tile); row tiles
     larger than it are shrunk to it so that tiles never straddle experts.
     """
-    if block_m < 16 or block_m & (block_m - 1):
-        raise ValueError(f"the triton backend needs a schedule block_m that is a power of two >= 16, got {block_m}")
+    if block_m < TRITON_MIN_BLOCK_M or block_m & (block_m - 1):
+        raise ValueError(
+            f"the triton backend needs a schedule block_m that is a power of two >= {TRITON_MIN_BLOCK_M}, got {block_m}")
     return _kernel_configs(hidden, intermediate, dtype, _arch(torch.device(device)), block_m)
 
 
