@@ -145,8 +145,7 @@ def train(args, rank: int, world: int, device, data: torch.Tensor):
         rates.append(world * ids.numel() / (time.perf_counter() - start))
         bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{rates[-1]:,.0f}")
     bar.close()
-    if ep_group is not None:
-        dist.destroy_process_group(ep_group)
+    # The model keeps running over ep_group (its state_dict, unpatch_model): main's destroy_process_group ends it.
     return losses, rates, model
 
 

@@ -12,7 +12,9 @@ import torch
 
 from megamoe import reference
 from megamoe.config import BACKENDS as BACKEND_NAMES
-from megamoe.config import COMM_DIRECTIONS, DEFAULT_CONFIG, TRITON_MIN_BLOCK_M, MoEConfig, check_group
+from megamoe.config import (
+    COMM_DIRECTIONS, DEFAULT_CONFIG, TRITON_MIN_BLOCK_M, MoEConfig, check_group, note_group, on_group_recreated,
+)
 from megamoe.schedule import (
     FLOAT_DTYPES,
     SCHEDULE_TENSORS,
@@ -124,10 +126,10 @@ _GROUP_HOSTS: dict[str, tuple[str, ...]] = {}  # group name -> each rank's _host
 def group_hosts(group_name: str, device: torch.device) -> tuple[str, ...]:
     """Each rank's host (_host_id) in group rank order, gathered at the group's first use, then cached by
     group name (as the symmetric-memory workspaces are). device: where the gather runs with NCCL (x's)."""
+    group = _group(group_name)  # first: a group created again under this name forgets the cached hosts
     if group_name not in _GROUP_HOSTS:
         import contextlib
 
-        group = _group(group_name)
         hosts = [None] * torch.distributed.get_world_size(group)
         # NOTE: host sync — a collective whose result the host reads, once per group and process. Acceptable:
         # it runs at the group's first call, as the symmetric-memory workspace's rendezvous does (that call
@@ -156,11 +158,22 @@ def _raise_on_overflow(schedule: Schedule) -> None:
 
 
 def _group(group_name: str | None):
+    """The process group named group_name (None for None), noted (config.note_group): a group created again under
+    a name drops the state this module keeps for the name (_forget_group)."""
     if group_name is None:
         return None
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return _resolve_process_group(group_name)
+    group = _resolve_process_group(group_name)
+    note_group(group)
+    return group
+
+
+def _forget_group(group_name: str) -> None:
+    _GROUP_HOSTS.pop(group_name, None)
+    _MET_GROUPS.discard(group_name)
+    _OUT_OF_STEP.discard(group_name)
+    _AGREED.difference_update({key for key in _AGREED if key[0] == group_name})
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -215,6 +228,7 @@ _MET_GROUPS: set[str] = set()
 # on the group would pair with it (a late peer's check with this rank's stale gather, its routing gather with
 # this rank's next check); every later exchange on them raises at once instead (_exchange_status).
 _OUT_OF_STEP: set[str] = set()
+on_group_recreated(_forget_group)
 
 
 def _resolved_direction(config: MoEConfig, operation: str) -> str:
@@ -693,7 +707,8 @@ def experts(
     group: expert-parallel process group; rank r owns global experts [r*E_local, (r+1)*E_local) and every
         rank passes the same T and k. None: this process owns all experts.
     config: MoEConfig (backend, capacity, ...). Under torch.autocast the float32/float16/bfloat16 inputs
-        (but topk_weights) are cast to the autocast dtype, as a matmul's would be; float64 ones are not.
+        (but topk_weights) are cast to the autocast dtype, as a matmul's would be; float64 ones are not. A
+        topk_weights in x's float16/bfloat16 is widened to float32 when x is cast to the other.
     Returns out [T, H] in x's dtype (the autocast dtype under autocast, unless x is float64).
 
     Inference: under torch.no_grad() / torch.inference_mode(), or when no input requires grad, nothing is
@@ -710,11 +725,16 @@ def experts(
     )
     if autocast:
         dtype = torch.get_autocast_dtype(x.device.type)
+        x_dtype = x.dtype
         # Only the dtypes autocast itself casts for a matmul: float64 stays float64 (as a matmul's would).
         x, w_gate_up, w_down, shared_gate_up, shared_down = (
             t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in AUTOCAST_CASTS else t
             for t in (x, w_gate_up, w_down, shared_gate_up, shared_down)
         )
+        # topk_weights is not cast, but one in x's float16/bfloat16 (allowed beside x) would no longer match x
+        # cast to the other: it is widened to float32 (exact, and always allowed).
+        if isinstance(topk_weights, torch.Tensor) and topk_weights.dtype == x_dtype != x.dtype:
+            topk_weights = topk_weights.float()
         with torch.autocast(x.device.type, enabled=False):
             return experts(x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up=shared_gate_up,
                            shared_down=shared_down, group=group, config=config)

@@ -63,6 +63,30 @@ def check_group(name: str, group) -> None:
     )
 
 
+# State kept per expert-parallel group (megamoe.autograd's agreement exchanges and host gather, the symmetric-memory
+# workspaces) is keyed by the group's name, which is what the custom ops carry. A group destroyed and created again
+# can come back under the same name (dist.destroy_process_group, then init_process_group: the default group is "0"
+# again) and must start afresh: note_group forgets a name's state when the name comes back with another group.
+_GROUP_OF_NAME: dict[str, object] = {}
+_FORGET_GROUP: list = []
+
+
+def on_group_recreated(forget) -> None:
+    """Register forget(group_name), which drops a module's state for group_name (note_group calls it)."""
+    _FORGET_GROUP.append(forget)
+
+
+def note_group(group) -> None:
+    """Record that group (a process group, or anything with a group_name) is the one its name now stands for;
+    if that name stood for another group object before, every registered forget(name) runs first."""
+    name = group.group_name
+    known = _GROUP_OF_NAME.get(name)
+    if known is not None and known is not group:
+        for forget in _FORGET_GROUP:
+            forget(name)
+    _GROUP_OF_NAME[name] = group
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """Knobs of the MoE layer. Every field is validated; defaults give the dropless, deterministic path.

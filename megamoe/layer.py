@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -9,6 +10,7 @@ from torch import nn
 
 from megamoe.autograd import AUTOCAST_CASTS, AUTOCAST_DEVICE_TYPES, announce_rejection, experts
 from megamoe.config import MoEConfig, check_group, check_positive_int
+from megamoe.expert_state import load_expert_shards, shard_expert_state
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -26,6 +28,9 @@ class MoELayer(nn.Module):
 
     Parameters: router.weight [E, H]; w_gate_up [E_local, 2I, H] (gate rows first); w_down [E_local, H, I];
     shared_gate_up [2I_s, H] and shared_down [H, I_s] when a shared expert is present.
+    With a group, state_dict() holds w_gate_up and w_down as DTensors [E, ...] over the group, sharded on dim 0
+    (so that torch.distributed.checkpoint saves every rank's experts), and load_state_dict also takes a
+    one-process state dict of all E experts (each rank loads its own): megamoe.expert_state.
 
     After each forward (no host synchronisation): `tokens_per_expert` [E] int32 — this rank's (token, slot)
     pairs routed to each global expert; `aux_loss` — the Switch-Transformer load-balancing loss
@@ -125,6 +130,27 @@ class MoELayer(nn.Module):
             slab.uniform_(-bound, bound)
             if first <= expert < first + self.num_local_experts:
                 w[expert - first].copy_(slab)
+
+    _EXPERT_WEIGHTS = ("w_gate_up", "w_down")
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.group is not None:
+            shard_expert_state(destination, prefix, self._EXPERT_WEIGHTS, self.group)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if self.group is not None:  # state_dict is load_state_dict's own copy of the caller's
+            load_expert_shards(state_dict, prefix, self._EXPERT_WEIGHTS, self.group, self.num_local_experts)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        # A process group cannot be copied (nor pickled): a copy of an expert-parallel layer runs over the same group.
+        if self.group is not None:
+            memo.setdefault(id(self.group), self.group)
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return copied
 
     def __getstate__(self):
         # aux_loss is a non-leaf tensor of the last forward's autograd graph, which copy.deepcopy rejects

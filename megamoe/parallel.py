@@ -43,13 +43,26 @@ over "ep" and replicated over "dp"; non-expert parameters are data-parallel over
     # exactly as above; then after backward:
     megamoe.parallel.reduce_expert_grads(model, dp_group=mesh["dp"].get_group())
 
-Checkpoints: module.state_dict() holds each rank's expert slice as a plain tensor under the same name on every
-rank, which torch.distributed.checkpoint (DCP) takes for a replica and saves from one rank only: every rank would
-load that rank's experts. Save and load through distributed_state_dict(module) instead, which presents them as
-DTensors sharded over their EP group (global shape [E, ...]):
+Gradient clipping: torch.nn.utils.clip_grad_norm_ would see only this rank's experts, so the norm (and the factor
+every gradient is scaled by) would differ between ranks, and the replicas (router, shared expert) would drift
+apart. clip_grad_norm_(model, max_norm) takes the norm of the whole model's gradient, every expert once, the same
+on every rank; call it after reduce_expert_grads:
 
-    dcp.save(megamoe.parallel.distributed_state_dict(model), checkpoint_id=path)
-    dcp.load(megamoe.parallel.distributed_state_dict(model), checkpoint_id=path)    # in place
+    megamoe.parallel.reduce_expert_grads(model)
+    megamoe.parallel.clip_grad_norm_(model, max_norm=1.0)
+    optimizer.step()
+
+Checkpoints: model.state_dict() holds each expert-parallel weight as a DTensor over its EP group, sharded on dim 0
+(global shape [E, ...]), so torch.distributed.checkpoint (DCP) saves every rank's experts and reshards them on
+load (megamoe.expert_state):
+
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    state = model.state_dict(); dcp.load(state, checkpoint_id=path); model.load_state_dict(state)
+
+The optimizer's state of the expert parameters (e.g. AdamW's moments) is per rank as the parameters are, but
+optimizer.state_dict() holds it as plain tensors under the same keys on every rank, which DCP would save from one
+rank only: save it per rank (torch.save(optimizer.state_dict(), f"optim-rank{rank}.pt")) until megamoe presents it
+sharded too.
 
 Tested on CPU with gloo (tests/test_distributed_wrappers.py) against a one-process run of the global batch.
 """
@@ -66,7 +79,7 @@ from megamoe.config import check_group
 from megamoe.integrations._patch_attr import PATCH_ATTR as _HF_PATCH_ATTR
 from megamoe.layer import MoELayer
 
-__all__ = ["ddp_ignore_experts", "distributed_state_dict", "expert_parameters", "non_expert_parameters",
+__all__ = ["clip_grad_norm_", "ddp_ignore_experts", "expert_parameters", "non_expert_parameters",
            "reduce_expert_grads"]
 
 
@@ -111,36 +124,6 @@ def non_expert_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
     """
     found = _expert_groups(module)
     return {name: p for name, p in module.named_parameters() if id(p) not in found}
-
-
-def distributed_state_dict(module: nn.Module) -> dict:
-    """module.state_dict() with every expert-parallel parameter as a DTensor over its EP group, sharded on dim 0
-    (global shape [E, ...]; rank r's shard is its experts [r*E_l, (r+1)*E_l)), for torch.distributed.checkpoint.
-
-    A plain module.state_dict() holds rank r's expert slice under the same name on every rank; DCP takes such
-    tensors for replicas and writes one rank's only, so a checkpoint saved from it silently lost the other ranks'
-    experts (each rank loaded one rank's). The DTensors share storage with the parameters: dcp.load into this
-    dict loads the experts in place, and every other entry (FSDP2's DTensors included) is the module's own.
-    Replicas over a data-parallel group (2-D layout) hold the same shards; DCP writes each shard once.
-    """
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    found = _expert_groups(module)
-    state = module.state_dict()
-    names = {id(p): name for name, p in module.named_parameters()}
-    meshes = {}
-    for key, (p, group) in found.items():
-        name = names.get(key)
-        if name is None or name not in state:
-            continue
-        if id(group) not in meshes:
-            meshes[id(group)] = DeviceMesh.from_group(group, p.device.type)
-        mesh, world = meshes[id(group)], dist.get_world_size(group)
-        shape = torch.Size((p.shape[0] * world, *p.shape[1:]))
-        state[name] = DTensor.from_local(p.detach(), mesh, [Shard(0)], run_check=False, shape=shape,
-                                         stride=torch.empty(shape, device="meta").stride())
-    return state
 
 
 def ddp_ignore_experts(model: nn.Module) -> list[str]:
@@ -226,3 +209,68 @@ def reduce_expert_grads(module: nn.Module, dp_group=None) -> None:
     for grad, divisor, work in pending:
         work.wait()
         grad.div_(divisor)
+
+
+def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_(module.parameters(), ...) for a model with expert-parallel parameters (in place;
+    returns the total norm, the same on every rank).
+
+    The norm is that of the whole model's gradient, as one process holding every expert would take it: each EP
+    group's experts summed over the group (every expert once; their replicas over a data-parallel group hold the
+    same gradient after reduce_expert_grads), the other parameters as they are (replicas, e.g. under DDP: the same
+    on every rank; DTensors, e.g. under FSDP2: over their mesh). Every gradient is then scaled by
+    min(1, max_norm / (norm + 1e-6)), as torch does. A collective over every EP group: every rank must call it,
+    after reduce_expert_grads. norm_type: a p-norm's p > 0, or inf.
+    """
+    if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm >= 0:
+        raise ValueError(f"max_norm must be a number >= 0, got {max_norm!r}")
+    if not isinstance(norm_type, (int, float)) or isinstance(norm_type, bool) or not norm_type > 0:
+        raise ValueError(f"norm_type must be a number > 0 or inf, got {norm_type!r}")
+    from torch.distributed.tensor import DTensor
+
+    norm_type = float(norm_type)
+    found = _expert_groups(module)
+    by_group: dict[int, tuple[object, list[nn.Parameter]]] = {}
+    replicas, by_mesh = [], {}
+    for p in module.parameters():
+        if id(p) in found:
+            group = found[id(p)][1]
+            by_group.setdefault(id(group), (group, []))[1].append(p)
+        elif p.grad is None:
+            continue
+        elif isinstance(p.grad, DTensor):
+            by_mesh.setdefault(id(p.grad.device_mesh), []).append(p.grad)
+        else:
+            replicas.append(p.grad)
+    norms = []
+    # Every rank joins each EP group's reduction, in the order of the modules, even with no gradient of its own.
+    for group, params in by_group.values():
+        grads = [p.grad for p in params if p.grad is not None]
+        local = torch.nn.utils.get_total_norm(grads, norm_type) if grads else params[0].new_zeros(())
+        # Summed in fp32 at least (a bf16 model's norms are bf16).
+        local = local.to(device=params[0].device, dtype=torch.promote_types(local.dtype, torch.float32))
+        if norm_type == float("inf"):
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+            norms.append(local)
+        else:
+            local = local.pow(norm_type)
+            dist.all_reduce(local, group=group)
+            norms.append(local.pow(1 / norm_type))
+    if replicas:
+        norms.append(torch.nn.utils.get_total_norm(replicas, norm_type))
+    for grads in by_mesh.values():
+        norms.append(torch.nn.utils.get_total_norm(grads, norm_type).full_tensor())
+    if not norms:
+        return torch.zeros(())
+    device = norms[0].device
+    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):  # a host sync, as in torch.nn.utils.clip_grad_norm_
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), "
+                           "so it cannot be clipped; error_if_nonfinite=False clips anyway")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in module.parameters():
+        if p.grad is not None:
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            grad.mul_(coef.to(grad.device, grad.dtype))
+    return total

@@ -65,3 +65,26 @@ def test_autocast_keeps_float64(backend):
     assert out.dtype == torch.float64
     want = megamoe.experts(x, topk_ids, topk_weights, **weights, config=config)
     assert torch.equal(out, want), "autocast changed a float64 call"
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("x_dtype, autocast_dtype", [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)])
+def test_autocast_topk_weights_in_x_dtype(backend, x_dtype, autocast_dtype):
+    """topk_weights in x's float16/bfloat16 (allowed beside x) under autocast to the other one: widened to float32
+    (it used to be a TypeError, 'topk_weights must be float32 (or x's dtype <the autocast dtype>)'); the same bits
+    as the explicit call, and its gradient in its own dtype."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 32, generator=gen).to(x_dtype)
+    topk_ids = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(7)])
+    topk_weights = torch.rand(7, 2, generator=gen).to(x_dtype).requires_grad_()
+    w_gate_up = (torch.randn(6, 48, 32, generator=gen) / 32**0.5).to(x_dtype)
+    w_down = (torch.randn(6, 32, 24, generator=gen) / 24**0.5).to(x_dtype)
+    config = megamoe.MoEConfig(backend=backend)
+    with torch.autocast("cpu", dtype=autocast_dtype):
+        out = megamoe.experts(x, topk_ids, topk_weights, w_gate_up, w_down, config=config)
+    want = megamoe.experts(x.to(autocast_dtype), topk_ids, topk_weights.detach().float(), w_gate_up.to(autocast_dtype),
+                           w_down.to(autocast_dtype), config=config)
+    assert out.dtype == autocast_dtype
+    assert torch.equal(out, want), "autocast output differs from the explicit call"
+    out.float().sum().backward()
+    assert topk_weights.grad is not None and topk_weights.grad.dtype == x_dtype

@@ -21,9 +21,12 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Shard
 
 from megamoe import MoELayer
-from megamoe.parallel import ddp_ignore_experts, expert_parameters, non_expert_parameters, reduce_expert_grads
+from megamoe.parallel import (
+    clip_grad_norm_, ddp_ignore_experts, expert_parameters, non_expert_parameters, reduce_expert_grads,
+)
 from conftest import assert_close_tight, init_gloo, leave_gloo, rel_err, run_gloo_workers
 
 T, H, I, I_SHARED, K = 6, 8, 4, 4, 2  # tokens per rank, hidden, expert and shared intermediate, top-k
@@ -32,7 +35,9 @@ AUX, LR = 0.1, 0.5
 TOL = 1e-12  # fp64: only the order of the sums differs from the single process
 SPAWN_TIMEOUT_S = 120
 LAYOUTS = {"1d-W2": dict(world=2, dp=1), "2d-dp2xep2": dict(world=4, dp=2)}
-RECIPES = ("ddp", "fsdp2", "ddp-naive", "ddp-no-reduce")  # the last two: mistakes the checks must catch
+# "-clip": then clip_grad_norm_ (the single process: torch's); the last three: mistakes the checks must catch
+RECIPES = ("ddp", "fsdp2", "ddp-clip", "fsdp2-clip", "ddp-naive", "ddp-no-reduce", "ddp-torch-clip")
+MAX_NORM = 0.05  # well below the gradient's norm (checked), so clipping changes every parameter
 
 
 def _ep_size(layout: dict) -> int:
@@ -66,16 +71,18 @@ def _loss(out: torch.Tensor, layer: MoELayer, d_out: torch.Tensor) -> torch.Tens
     return (out * d_out).sum() + AUX * layer.aux_loss
 
 
-def single_process_step(problem: dict, world: int) -> dict[str, torch.Tensor]:
-    """Parameters after one SGD step on the gradient of (1/N) sum_r L_r, all experts in one layer."""
+def single_process_step(problem: dict, world: int, clip: bool = False) -> dict[str, torch.Tensor]:
+    """Parameters after one SGD step on the gradient of (1/N) sum_r L_r, all experts in one layer; with clip, the
+    gradient clipped to MAX_NORM first (torch.nn.utils.clip_grad_norm_; its norm under "norm")."""
     layer = _layer(problem)
     losses = []
     for r in range(world):
         tok = slice(r * T, (r + 1) * T)
         losses.append(_loss(layer(problem["x"][tok]), layer, problem["d_out"][tok]))
     (sum(losses) / world).backward()
+    norm = torch.nn.utils.clip_grad_norm_(layer.parameters(), MAX_NORM) if clip else None
     torch.optim.SGD(layer.parameters(), lr=LR).step()
-    return {n: p.detach() for n, p in layer.named_parameters()}
+    return {"norm": norm, **{n: p.detach() for n, p in layer.named_parameters()}}
 
 
 # --------------------------------------------------------------------------------------------- workers
@@ -92,7 +99,7 @@ def _step(recipe: str, problem: dict, rank: int, world: int, mesh) -> dict[str, 
     ep_rank = dist.get_rank(ep_group)
     layer = _layer(problem, ep_group, slice(ep_rank * EXPERTS_PER_RANK, (ep_rank + 1) * EXPERTS_PER_RANK))
     experts = expert_parameters(layer)
-    if recipe in ("ddp", "ddp-no-reduce"):
+    if recipe in ("ddp", "ddp-clip", "ddp-no-reduce", "ddp-torch-clip"):
         # The layer is the wrapped module itself in the 1-D layout (the case DDP's own ignore list gets
         # wrong, see ddp_ignore_experts) and a submodule in the 2-D one.
         root = layer if dp_group is None else torch.nn.Sequential(layer)
@@ -100,7 +107,7 @@ def _step(recipe: str, problem: dict, rank: int, world: int, mesh) -> dict[str, 
         model = DistributedDataParallel(root)  # the default group: the whole world
     elif recipe == "ddp-naive":  # the mistake the recipe avoids: DDP treats the experts as replicas
         model = DistributedDataParallel(layer)
-    elif recipe == "fsdp2":
+    elif recipe in ("fsdp2", "fsdp2-clip"):
         from torch.distributed.device_mesh import init_device_mesh
 
         world_mesh = init_device_mesh("cpu", (world,))  # non-expert parameters: sharded over every rank
@@ -113,13 +120,18 @@ def _step(recipe: str, problem: dict, rank: int, world: int, mesh) -> dict[str, 
         warnings.filterwarnings("ignore", message=".*returned a view tensor")
         out = model(problem["x"][tok])
     _loss(out, layer, problem["d_out"][tok]).backward()
-    if recipe in ("ddp", "fsdp2"):
+    if recipe != "ddp-no-reduce" and recipe != "ddp-naive":
         reduce_expert_grads(layer, dp_group=dp_group)
+    norm = None
+    if recipe.endswith("-clip"):
+        clip = torch.nn.utils.clip_grad_norm_ if recipe == "ddp-torch-clip" else clip_grad_norm_
+        norm = clip(layer.parameters() if recipe == "ddp-torch-clip" else layer, MAX_NORM)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
     # Two groups, foreach: under FSDP2 one group mixing DTensors and the plain expert tensors would fail.
     groups = [{"params": list(experts.values())}, {"params": list(non_expert_parameters(layer).values())}]
     torch.optim.SGD(groups, lr=LR, foreach=True).step()
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for n, p in layer.named_parameters()}
+    return {"norm": norm, **{n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                             for n, p in layer.named_parameters()}}
 
 
 def _overlapping_dp_groups(problem: dict, mesh) -> dict[str, tuple[str | None, bool]]:
@@ -190,26 +202,37 @@ def _expected_on_rank(expected: dict, layout: dict, rank: int) -> dict:
     return {n: (p[experts] if n in ("w_gate_up", "w_down") else p) for n, p in expected.items()}
 
 
-@pytest.mark.parametrize("recipe", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("recipe", ["ddp", "fsdp2", "ddp-clip", "fsdp2-clip"])
 def test_one_step_matches_single_process(run, recipe):
+    """Each rank's parameters after one step are the single process's (with -clip: the gradient clipped by
+    parallel.clip_grad_norm_ there, by torch's clip_grad_norm_ over all experts in the single process)."""
     layout, problem, results = run
-    expected = single_process_step(problem, layout["world"])
+    clip = recipe.endswith("-clip")
+    expected = single_process_step(problem, layout["world"], clip=clip)
+    if clip:
+        assert expected["norm"] > 4 * MAX_NORM, f"the gradient's norm {expected['norm']} is not clipped by {MAX_NORM}"
     for rank in range(layout["world"]):
         got = _params(results, rank, recipe)
         want = _expected_on_rank(expected, layout, rank)
         assert got.keys() == want.keys(), f"rank {rank}: parameters {sorted(got)}"
         for name, value in want.items():
-            assert_close_tight(f"{recipe} rank {rank}: {name} after one step", got[name], value, TOL)
+            if value is not None:
+                assert_close_tight(f"{recipe} rank {rank}: {name} after one step", got[name], value, TOL)
 
 
-@pytest.mark.parametrize("recipe", ["ddp-naive", "ddp-no-reduce"])
+@pytest.mark.parametrize("recipe", ["ddp-naive", "ddp-no-reduce", "ddp-torch-clip"])
 def test_mistakes_do_not_match(run, recipe):
     """Negative controls, so the comparison above can fail. ddp-naive: DDP over every parameter broadcasts
     rank 0's experts at construction and averages different experts' gradients. ddp-no-reduce: experts
     ignored by DDP but reduce_expert_grads not called, so their gradients are sums over the EP group's
-    tokens instead of the mean objective's (and miss the other dp replicas' tokens in the 2-D layout)."""
+    tokens instead of the mean objective's (and miss the other dp replicas' tokens in the 2-D layout).
+    ddp-torch-clip: torch's clip_grad_norm_ on each rank sees that rank's experts only, so the ranks scale by
+    different factors and even the replicas (router, shared expert) differ between ranks."""
     layout, problem, results = run
-    expected = single_process_step(problem, layout["world"])
+    expected = single_process_step(problem, layout["world"], clip=recipe == "ddp-torch-clip")
+    if recipe == "ddp-torch-clip":
+        routers = [_params(results, rank, recipe)["router.weight"] for rank in range(layout["world"])]
+        assert max(rel_err(r, routers[0]) for r in routers) > 1e-6, "the replicated router agrees on every rank"
     errors = []
     for rank in range(layout["world"]):
         got, want = _params(results, rank, recipe), _expected_on_rank(expected, layout, rank)
@@ -217,7 +240,9 @@ def test_mistakes_do_not_match(run, recipe):
         if recipe == "ddp-no-reduce":  # only the experts are wrong
             for name in ("router.weight", "shared_gate_up", "shared_down"):
                 assert_close_tight(f"{recipe} rank {rank}: {name} after one step", got[name], want[name], TOL)
-    assert min(errors) > 1e-3, f"{recipe} matched the single process on some rank (rel errors per rank {errors})"
+    # Clipping by a wrong factor moves a step's update, not the parameters, by that factor: a smaller bound.
+    bound = 1e-6 if recipe == "ddp-torch-clip" else 1e-3
+    assert min(errors) > bound, f"{recipe} matched the single process on some rank (rel errors per rank {errors})"
 
 
 def test_reduce_expert_grads_rejects_an_overlapping_dp_group(run):
@@ -269,33 +294,72 @@ def test_expert_parameters_of_patched_hf_model(family):
 
 def _init_and_dcp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     """Per rank: the experts of MoELayer(group=WORLD) built under the seed every rank uses (the replicated router
-    needs it), and what a DCP round trip restores, through a plain state_dict and through distributed_state_dict."""
+    needs it), and what each way of checkpointing restores into a fresh layer built under another seed: DCP through
+    model.state_dict(), torch.save / torch.load of each rank's state_dict, and a one-process state dict of all
+    experts; a DCP round trip of plain per-rank tensors under one name (the negative control); a deep copy."""
+    import copy
+
     import torch.distributed.checkpoint as dcp
 
     init_gloo(rank, world, port)
     torch.manual_seed(0)
     layer = MoELayer(H, I, EXPERTS_PER_RANK * world, K, shared_intermediate_size=I_SHARED, group=dist.group.WORLD)
     results = {"init": {n: p.detach().clone() for n, p in layer.named_parameters()}}
-    try:
-        from megamoe.parallel import distributed_state_dict
 
+    def fresh() -> MoELayer:
+        torch.manual_seed(1)
+        return MoELayer(H, I, EXPERTS_PER_RANK * world, K, shared_intermediate_size=I_SHARED, group=dist.group.WORLD)
+
+    def restored(model: MoELayer) -> dict[str, bool]:
+        return {n: torch.equal(p, saved[n]) for n, p in model.named_parameters()}
+
+    try:
         with torch.no_grad():  # rank-specific experts, replicated router and shared expert
             layer.w_gate_up.add_(rank)
             layer.w_down.add_(rank)
-        saved = {n: t.clone() for n, t in layer.state_dict().items()}
-        for how in ("plain", "distributed"):
-            path = os.path.join(out_dir, f"ckpt-{how}")
-            dcp.save(layer.state_dict() if how == "plain" else distributed_state_dict(layer), checkpoint_id=path)
-            torch.manual_seed(1)
-            fresh = MoELayer(H, I, EXPERTS_PER_RANK * world, K, shared_intermediate_size=I_SHARED,
-                             group=dist.group.WORLD)
-            if how == "plain":
-                state = fresh.state_dict()
-                dcp.load(state, checkpoint_id=path)
-                fresh.load_state_dict(state)
-            else:
-                dcp.load(distributed_state_dict(fresh), checkpoint_id=path)  # in place
-            results[how] = {n: torch.equal(t, saved[n]) for n, t in fresh.state_dict().items()}
+        saved = {n: p.detach().clone() for n, p in layer.named_parameters()}
+        state = layer.state_dict()
+        results["state_types"] = {n: type(t).__name__ for n, t in state.items()}
+        results["global_shapes"] = {n: tuple(t.shape) for n, t in state.items()}
+
+        path = os.path.join(out_dir, "ckpt-dcp")
+        dcp.save(layer.state_dict(), checkpoint_id=path)
+        results["dcp_path"], results["saved"] = path, saved
+        model = fresh()
+        loaded = model.state_dict()
+        dcp.load(loaded, checkpoint_id=path)
+        model.load_state_dict(loaded)
+        results["dcp"] = restored(model)
+
+        path = os.path.join(out_dir, f"ckpt-rank{rank}.pt")
+        torch.save(layer.state_dict(), path)
+        model = fresh()
+        model.load_state_dict(torch.load(path, weights_only=True))
+        results["torch.save"] = restored(model)
+
+        full = {n: t.full_tensor() if n in ("w_gate_up", "w_down") else t for n, t in layer.state_dict().items()}
+        model = fresh()
+        model.load_state_dict(full)  # as a one-process checkpoint of all experts
+        results["one-process"] = restored(model)
+
+        path = os.path.join(out_dir, "ckpt-plain")
+        dcp.save({n: p.detach() for n, p in layer.named_parameters()}, checkpoint_id=path)
+        model = fresh()
+        plain = {n: p.detach() for n, p in model.named_parameters()}
+        dcp.load(plain, checkpoint_id=path)  # into the parameters, in place
+        results["plain"] = restored(model)
+
+        copied = copy.deepcopy(layer)
+        results["deepcopy"] = (copied.group is layer.group, restored(copied),
+                               copied.w_gate_up.data_ptr() != layer.w_gate_up.data_ptr())
+
+        wrong = dict(state)
+        wrong["w_down"] = wrong["w_down"].redistribute(placements=[Shard(1)])
+        try:
+            fresh().load_state_dict(wrong)
+            results["wrong_placement"] = None
+        except ValueError as e:
+            results["wrong_placement"] = str(e)
     except Exception as e:  # noqa: BLE001 - reported by the parent with the traceback
         results["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -320,12 +384,43 @@ def test_expert_parallel_init_is_the_single_process_layer_sharded(init_and_dcp):
             assert torch.equal(res["init"][name], want), f"rank {rank}: {name} differs from the single-process init"
 
 
-def test_dcp_round_trip_through_distributed_state_dict(init_and_dcp):
-    """DCP takes a plain state_dict's expert slices (same name on every rank) for replicas and writes one rank's:
-    the negative control loses experts; distributed_state_dict restores every rank's own, and the replicas."""
+def test_checkpoints_keep_every_ranks_experts(init_and_dcp):
+    """model.state_dict() of an expert-parallel layer holds its experts as DTensors [E, ...] sharded over the group:
+    DCP, torch.save / torch.load and a one-process state dict of all experts each restore every rank's own experts
+    (and the replicas). The negative control: plain per-rank tensors under one name, which DCP takes for replicas,
+    lose experts. A deep copy shares the group and copies the weights; a DTensor sharded otherwise is refused."""
     for rank, res in enumerate(init_and_dcp):
         if "error" in res:
             pytest.fail(f"rank {rank}: {res['error']}")
-    assert not all(all(res["plain"].values()) for res in init_and_dcp), "the plain state_dict round trip was exact"
     for rank, res in enumerate(init_and_dcp):
-        assert all(res["distributed"].values()), f"rank {rank}: not restored: {res['distributed']}"
+        assert res["state_types"] == {"router.weight": "Tensor", "w_gate_up": "DTensor", "w_down": "DTensor",
+                                      "shared_gate_up": "Tensor", "shared_down": "Tensor"}, f"rank {rank}"
+        assert res["global_shapes"]["w_gate_up"] == (EXPERTS_PER_RANK * 2, 2 * I, H), f"rank {rank}"
+        for how in ("dcp", "torch.save", "one-process"):
+            assert all(res[how].values()), f"rank {rank}: {how} did not restore {res[how]}"
+        same_group, copied, own_storage = res["deepcopy"]
+        assert same_group and all(copied.values()) and own_storage, f"rank {rank}: deepcopy {res['deepcopy']}"
+        error = res["wrong_placement"]
+        assert error is not None and "state_dict['w_down'] must be a DTensor" in error, (
+            f"rank {rank}: a DTensor sharded on dim 1 was accepted: {error}")
+    assert not all(all(res["plain"].values()) for res in init_and_dcp), "the plain round trip was exact"
+
+
+def test_dcp_checkpoint_of_expert_parallel_layer_loads_into_one_process(init_and_dcp):
+    """DCP reshards: the 2-rank checkpoint loads into a one-process layer of all experts (no process group), each
+    rank's experts at its rows."""
+    import torch.distributed.checkpoint as dcp
+
+    for rank, res in enumerate(init_and_dcp):
+        if "error" in res:
+            pytest.fail(f"rank {rank}: {res['error']}")
+    layer = MoELayer(H, I, EXPERTS_PER_RANK * 2, K, shared_intermediate_size=I_SHARED)
+    state = layer.state_dict()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is (disabled|not initialized).*")
+        dcp.load(state, checkpoint_id=init_and_dcp[0]["dcp_path"])
+    layer.load_state_dict(state)
+    saved = [res["saved"] for res in init_and_dcp]
+    for name, p in layer.named_parameters():
+        want = torch.cat([s[name] for s in saved]) if name in ("w_gate_up", "w_down") else saved[0][name]
+        assert torch.equal(p, want), f"{name}: not the ranks' saved values"

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import copy
 import io
+import os
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (it is in megamoe's 'test' extra)"
@@ -297,13 +299,47 @@ def _expert_parallel_worker(rank: int, world: int, init_file: str, family: str, 
                 num_local = expected.shape[0] // world
                 expected = expected[rank * num_local : (rank + 1) * num_local]
             assert_close(f"rank {rank} grad of {name}", grad, expected, rtol=1e-4, atol=1e-6)
+        _check_expert_parallel_state(model, family, rank, os.path.dirname(result_file))
         hf.unpatch_model(model)
         full = dict(model.named_parameters())
         for name, param in _model(family).named_parameters():
             assert torch.equal(full[name], param), f"rank {rank}: {name} not restored by unpatch_model"
+        assert not any(isinstance(t, DTensor) for t in model.state_dict().values()), f"rank {rank}: DTensors unpatched"
     finally:
         dist.destroy_process_group()
     open(result_file + f".{rank}", "w").write("ok")
+
+
+def _check_expert_parallel_state(model, family: str, rank: int, directory: str) -> None:
+    """A model patched with a group: its state_dict holds each experts weight as a DTensor of the full [E, ...]
+    (the unpatched model's values); a DCP round trip restores every rank's experts into another patched model;
+    a deep copy shares the group."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    original = _model(family).state_dict()
+    state = model.state_dict()
+    experts = [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert experts, "the tiny model has experts"
+    for key, value in state.items():
+        assert isinstance(value, DTensor) == (key in experts), f"rank {rank}: {key} is a {type(value).__name__}"
+        if key in experts:
+            assert torch.equal(value.full_tensor(), original[key]), f"rank {rank}: {key} is not the full experts'"
+    path = os.path.join(directory, f"dcp-{family}")
+    dcp.save(state, checkpoint_id=path)
+    other = hf.patch_model(_model(family), group=dist.group.WORLD)
+    with torch.no_grad():
+        for param in other.parameters():
+            param.zero_()
+    loaded = other.state_dict()
+    dcp.load(loaded, checkpoint_id=path)
+    other.load_state_dict(loaded)
+    want = dict(model.named_parameters())
+    for name, param in other.named_parameters():
+        assert torch.equal(param, want[name]), f"rank {rank}: {name} not restored by the DCP round trip"
+    copied = copy.deepcopy(model)
+    patched = [m for m in copied.modules() if getattr(m, "_megamoe_patch", None) is not None]
+    assert patched and all(m._megamoe_patch.group is dist.group.WORLD for m in patched), f"rank {rank}: deepcopy"
 
 
 def _group_checks_worker(rank: int, world: int, init_file: str, result_file: str) -> None:

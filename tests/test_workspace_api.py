@@ -203,3 +203,35 @@ def test_device_without_index_is_the_current_device(cpu_symmetric):
                                     num_rows=0, dtype=torch.bfloat16, comm_timeout_ms=1000)
     assert len(calls) == allocated and len(ws_module._WORKSPACES) == 1
     assert layer.tokens.local.data_ptr() == declared.tokens.local.data_ptr()
+
+
+@pytest.mark.parametrize("group", [None, "g0", 0])
+def test_group_must_be_a_process_group(group):
+    """Without a process group there is nothing to rendezvous with: a TypeError naming the argument (was an
+    AttributeError on group.group_name)."""
+    with pytest.raises(TypeError, match=r"get_workspace: group must be the expert-parallel .*ProcessGroup"):
+        megamoe.get_workspace(group, device="cuda:0", **SIZES)
+
+
+@pytest.mark.parametrize("value", [0, -5, 2**31])
+def test_bad_comm_timeout_names_the_argument(value):
+    """comm_timeout_ms bounds every barrier of the returned workspace: MoEConfig's limits (was taken as given)."""
+    with pytest.raises(ValueError, match="comm_timeout_ms"):
+        megamoe.get_workspace(None, device="cuda", comm_timeout_ms=value, **SIZES)
+
+
+def test_group_created_again_under_a_cached_name_gets_its_own_workspace(cpu_symmetric):
+    """A workspace is cached by its group's name, and a group destroyed and created again can come back under the
+    same name (the default group is "0" after every init_process_group): its symmetric memory must be its own, set
+    up with the new group, not the destroyed group's."""
+    import types
+
+    ws_module, calls, group = cpu_symmetric
+    first = _get(ws_module, group, num_tokens=4, top_k=2, num_rows=0)
+    assert _get(ws_module, group, num_tokens=4, top_k=2, num_rows=0).tokens.local.data_ptr() == first.tokens.local.data_ptr()
+    allocated = len(calls)
+    again = types.SimpleNamespace(group_name=group.group_name)  # another group object, the same name
+    second = _get(ws_module, again, num_tokens=4, top_k=2, num_rows=0)
+    assert len(calls) == 2 * allocated, "the recreated group's workspace was not allocated"
+    assert second.tokens.local.data_ptr() != first.tokens.local.data_ptr()
+    assert len(ws_module._WORKSPACES) == 1, "the destroyed group's workspace is still cached"

@@ -108,6 +108,7 @@ from torch import nn
 
 import megamoe
 from megamoe.config import MoEConfig, check_group
+from megamoe.expert_state import load_expert_shards, shard_expert_state
 from megamoe.integrations._patch_attr import PATCH_ATTR as _PATCH_ATTR  # read by megamoe.parallel too
 
 __all__ = [
@@ -173,6 +174,10 @@ class _Patch:
     group: object
     config: MoEConfig | None
     local_slice: tuple[int, int] | None  # (first global expert, number of local experts) when sharded
+
+    def __deepcopy__(self, memo):
+        # Immutable, and its process group can be neither copied nor pickled: a copied model shares the record.
+        return self
 
 
 # --------------------------------------------------------------------------------------------- validation
@@ -597,6 +602,30 @@ def _shard(experts: nn.Module, group) -> tuple[int, int]:
     return first, num_local
 
 
+_EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+_STATE_HOOKS_ATTR = "_megamoe_state_hooks"  # set on an experts module once the two hooks below are registered
+
+
+def _sharded(experts: nn.Module) -> _Patch | None:
+    patch = getattr(experts, _PATCH_ATTR, None)
+    return patch if patch is not None and patch.local_slice is not None else None
+
+
+def _save_sharded_experts(experts: nn.Module, state_dict, prefix, local_metadata) -> None:
+    """state_dict post-hook of an experts module patched with a group (a no-op once unpatched): its weights as
+    DTensor shards of the global experts (megamoe.expert_state), as MoELayer(group=...) gives them."""
+    patch = _sharded(experts)
+    if patch is not None:
+        shard_expert_state(state_dict, prefix, _EXPERT_WEIGHTS, patch.group)
+
+
+def _load_sharded_experts(experts: nn.Module, state_dict, prefix, *args) -> None:
+    """load_state_dict pre-hook: the inverse of _save_sharded_experts (also takes all experts, or the local ones)."""
+    patch = _sharded(experts)
+    if patch is not None:
+        load_expert_shards(state_dict, prefix, _EXPERT_WEIGHTS, patch.group, patch.local_slice[1])
+
+
 def _unshard(experts: nn.Module, group) -> None:
     import torch.distributed as dist
 
@@ -679,6 +708,13 @@ def patch_model(model: nn.Module, *, group=None, config: MoEConfig | None = None
         local_slice = _shard(experts, group) if group is not None else None
         patch = _Patch(spec=spec, group=group, config=config, local_slice=local_slice)
         setattr(experts, _PATCH_ATTR, patch)
+        if group is not None and not getattr(experts, _STATE_HOOKS_ATTR, False):
+            # Registered once per module (they act only while it is patched with a group), so that patching
+            # again after unpatch_model does not stack them; module-level functions, so torch.save(model) and
+            # copy.deepcopy carry them.
+            experts.register_state_dict_post_hook(_save_sharded_experts)
+            experts.register_load_state_dict_pre_hook(_load_sharded_experts)
+            setattr(experts, _STATE_HOOKS_ATTR, True)
         setattr(experts, _CHECKED_ATTR, True)
         _bind(experts, megamoe_experts_forward)
         if spec.shared is not None:

@@ -18,7 +18,7 @@ import dataclasses
 
 import torch
 
-from megamoe.config import check_positive_int
+from megamoe.config import MAX_COMM_TIMEOUT_MS, check_positive_int, note_group, on_group_recreated
 
 DEFAULT_TIMEOUT_MS = 30_000
 # The barrier channel of each exchange (see the module docstring): the routing all-gather, the dispatch of
@@ -131,6 +131,14 @@ class Workspace:
 _WORKSPACES: dict[tuple, Workspace] = {}
 
 
+def _forget_group(group_name: str) -> None:
+    for key in [key for key in _WORKSPACES if key[0] == group_name]:
+        del _WORKSPACES[key]
+
+
+on_group_recreated(_forget_group)
+
+
 def _symmetric(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, group_name: str) -> _Buffer:
     from torch.distributed import _symmetric_memory as symm_mem
 
@@ -199,8 +207,15 @@ def get_workspace(
     for name, value in (("num_tokens", num_tokens), ("hidden_size", hidden_size), ("top_k", top_k)):
         check_positive_int(f"get_workspace: {name}", value)
     check_positive_int("get_workspace: num_rows", num_rows, allow_zero=True)
+    check_positive_int("get_workspace: comm_timeout_ms", comm_timeout_ms)
+    if comm_timeout_ms > MAX_COMM_TIMEOUT_MS:
+        raise ValueError(f"get_workspace: comm_timeout_ms must be at most {MAX_COMM_TIMEOUT_MS}, got {comm_timeout_ms}")
     if device.type != "cuda":
         raise ValueError(f"get_workspace: symmetric memory needs a CUDA device, got {device}")
+    if not isinstance(getattr(group, "group_name", None), str):  # the cache key and the rendezvous' name
+        raise TypeError(f"get_workspace: group must be the expert-parallel torch.distributed ProcessGroup, got "
+                        f"{type(group).__name__} {group!r}")
+    note_group(group)  # a group created again under a cached workspace's name gets a workspace of its own
     if device.index is None:  # "cuda" is the current device: one key with the layer's x.device ("cuda:N")
         device = torch.device("cuda", torch.cuda.current_device())
     needed = WorkspaceSizes(num_tokens, num_tokens * top_k, num_rows)

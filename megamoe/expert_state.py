@@ -1,0 +1,76 @@
+"""Expert-parallel weights in state dicts: each rank's experts as its shard of the global [E, ...] tensor.
+
+Rank r of an expert-parallel group holds experts [r*E_l, (r+1)*E_l) of every expert weight as a plain tensor
+[E_l, ...] (the kernels take it as it is). Under the same name on every rank, such a tensor reads as a replica
+to torch.distributed.checkpoint (DCP), which would write one rank's copy only; so the state dicts of
+MoELayer(group=...) and of patched Hugging Face experts (integrations.hf.patch_model(..., group=...)) present
+these weights as DTensors over the group, sharded on dim 0, with the global shape [E, ...]. They share storage
+with the parameters (dcp.load into model.state_dict() loads them in place), and torch.save / torch.load keep
+them as DTensors.
+
+Loading accepts, per expert weight:
+    a DTensor sharded on dim 0 (Shard(0)) or replicated over the same ranks, global shape [E, ...]: this
+        rank's experts (the state dict of an expert-parallel model, e.g. through DCP);
+    a plain tensor [E, ...] (a one-process checkpoint of all experts): this rank's rows of it;
+    a plain tensor [E_l, ...]: as it is (this rank's own slice, as saved before these were DTensors).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _mesh(group, device_type: str):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group, device_type)
+
+
+def shard_expert_state(state: dict, prefix: str, names: tuple[str, ...], group) -> None:
+    """Replace state[prefix + name], this rank's [E_l, ...] experts, by the DTensor [E, ...] they are the shard of
+    (in place; names absent from state are skipped). Tensors on the meta device stay as they are (no mesh
+    there)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    world = dist.get_world_size(group)
+    for name in names:
+        local = state.get(prefix + name)
+        if local is None or isinstance(local, DTensor) or local.device.type == "meta":
+            continue
+        shape = torch.Size((local.shape[0] * world, *local.shape[1:]))
+        state[prefix + name] = DTensor.from_local(
+            local.detach(), _mesh(group, local.device.type), [Shard(0)], run_check=False, shape=shape,
+            stride=torch.empty(shape, device="meta").stride(),
+        )
+
+
+def load_expert_shards(state: dict, prefix: str, names: tuple[str, ...], group, num_local: int) -> None:
+    """Replace state[prefix + name] by this rank's [num_local, ...] experts of it (in place; the module
+    docstring lists what is accepted). Raises ValueError naming the entry for a DTensor that is neither sharded
+    on dim 0 nor replicated over this group's ranks, or whose global shape does not hold num_local experts per
+    rank."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    first = rank * num_local
+    for name in names:
+        key = prefix + name
+        value = state.get(key)
+        if value is None or not isinstance(value, torch.Tensor):
+            continue
+        if isinstance(value, DTensor):
+            ranks = value.device_mesh.mesh.flatten().tolist()
+            placements = tuple(value.placements)
+            if (ranks != dist.get_process_group_ranks(group) or placements not in ((Shard(0),), (Replicate(),))
+                    or value.dim() == 0 or value.shape[0] != num_local * world):
+                raise ValueError(
+                    f"state_dict[{key!r}] must be a DTensor [E={num_local * world}, ...] sharded on dim 0 (Shard(0)) or "
+                    f"replicated over the expert-parallel group's ranks {dist.get_process_group_ranks(group)}, or a "
+                    f"plain tensor; got a DTensor of shape {tuple(value.shape)} with placements {placements} over "
+                    f"ranks {ranks}"
+                )
+            local = value.to_local()
+            state[key] = local if placements == (Shard(0),) else local[first : first + num_local]
+        elif value.dim() > 0 and value.shape[0] == num_local * world and world > 1:
+            state[key] = value[first : first + num_local]
