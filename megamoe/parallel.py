@@ -59,28 +59,33 @@ load (megamoe.expert_state):
     dcp.save(model.state_dict(), checkpoint_id=path)
     state = model.state_dict(); dcp.load(state, checkpoint_id=path); model.load_state_dict(state)
 
-The optimizer's state of the expert parameters (e.g. AdamW's moments) is per rank as the parameters are, but
-optimizer.state_dict() holds it as plain tensors under the same keys on every rank, which DCP would save from one
-rank only: save it per rank (torch.save(optimizer.state_dict(), f"optim-rank{rank}.pt")) until megamoe presents it
-sharded too.
+The optimizer's state of the expert parameters (e.g. AdamW's moments) is per rank as the parameters are; after
+shard_optimizer_state(model, optimizer), optimizer.state_dict() holds it as DTensors too, and torch's
+get_optimizer_state_dict / set_optimizer_state_dict (which fill a fresh optimizer's state first) carry it through DCP:
+
+    parallel.shard_optimizer_state(model, optimizer)                 # once, after building the optimizer
+    dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=path)
 
 Tested on CPU with gloo (tests/test_distributed_wrappers.py) against a one-process run of the global batch.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megamoe.config import check_group
+from megamoe.expert_state import load_expert_shards, shard_expert_state
 # The mark patch_model leaves on the modules it patched: from a module of its own, not from integrations.hf,
 # so that `import megamoe` (which imports this module) never loads the Hugging Face adapter or transformers.
 from megamoe.integrations._patch_attr import PATCH_ATTR as _HF_PATCH_ATTR
 from megamoe.layer import MoELayer
 
 __all__ = ["clip_grad_norm_", "ddp_ignore_experts", "expert_parameters", "non_expert_parameters",
-           "reduce_expert_grads"]
+           "reduce_expert_grads", "shard_optimizer_state"]
 
 
 def _expert_groups(module: nn.Module) -> dict[int, tuple[nn.Parameter, object]]:
@@ -274,3 +279,50 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
             grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             grad.mul_(coef.to(grad.device, grad.dtype))
     return total
+
+
+def shard_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Make optimizer.state_dict() hold the state of module's expert-parallel parameters as module.state_dict() holds
+    the parameters: each state tensor of a parameter's shape (AdamW's exp_avg and exp_avg_sq, SGD's momentum_buffer,
+    ...) as a DTensor [E, ...] sharded over the parameter's EP group, so that torch.distributed.checkpoint saves
+    every rank's; optimizer.load_state_dict takes them back (and, as load_state_dict does, a one-process state of all
+    experts: each rank keeps its rows). Registers a state_dict post-hook and a load_state_dict pre-hook on optimizer
+    (call once, after building it); returns optimizer. Other parameters' state is left as it is."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    groups = {key: group for key, (_, group) in _expert_groups(module).items()}
+    optimizer.register_state_dict_post_hook(functools.partial(_shard_optimizer_state, groups))
+    optimizer.register_load_state_dict_pre_hook(functools.partial(_load_optimizer_shards, groups))
+    return optimizer
+
+
+def _expert_entries(groups: dict, optimizer: torch.optim.Optimizer, state_dict: dict, state: dict):
+    """(key, parameter, EP group, a copy of its entry of `state`) of each expert parameter with state. The keys are
+    the ones state_dict's param_groups list, in the order of optimizer.param_groups' parameters (as
+    Optimizer.load_state_dict pairs them): indices from Optimizer.state_dict(), names from torch's
+    get_optimizer_state_dict."""
+    keys = [key for param_group in state_dict["param_groups"] for key in param_group["params"]]
+    params = [p for param_group in optimizer.param_groups for p in param_group["params"]]
+    for key, p in zip(keys, params):
+        entry = state.get(key)
+        if id(p) in groups and entry:
+            yield key, p, groups[id(p)], dict(entry)
+
+
+def _shard_optimizer_state(groups: dict, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+    # state_dict["state"] is state_dict()'s own dict, but its entries are the optimizer's live ones: replaced, not
+    # changed.
+    for key, p, group, entry in _expert_entries(groups, optimizer, state_dict, state_dict["state"]):
+        names = tuple(k for k, v in entry.items() if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == p.shape)
+        shard_expert_state(entry, "", names, group)
+        state_dict["state"][key] = entry
+
+
+def _load_optimizer_shards(groups: dict, optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    state = dict(state_dict["state"])  # the caller's nested dicts stay as they are
+    for key, p, group, entry in _expert_entries(groups, optimizer, state_dict, state):
+        names = tuple(k for k, v in entry.items()
+                      if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[1:] == p.shape[1:])
+        load_expert_shards(entry, "", names, group, p.shape[0])
+        state[key] = entry
+    return {**state_dict, "state": state}

@@ -26,6 +26,7 @@ from torch.distributed.tensor import Shard
 from megamoe import MoELayer
 from megamoe.parallel import (
     clip_grad_norm_, ddp_ignore_experts, expert_parameters, non_expert_parameters, reduce_expert_grads,
+    shard_optimizer_state,
 )
 from conftest import assert_close_tight, init_gloo, leave_gloo, rel_err, run_gloo_workers
 
@@ -353,6 +354,10 @@ def _init_and_dcp_worker(rank: int, world: int, port: int, out_dir: str) -> None
         results["deepcopy"] = (copied.group is layer.group, restored(copied),
                                copied.w_gate_up.data_ptr() != layer.w_gate_up.data_ptr())
 
+        for how in ("sharded", "plain"):  # the optimizer's state through DCP, and the negative control
+            results[f"optim-{how}"] = _optimizer_round_trip(rank, fresh, os.path.join(out_dir, f"optim-{how}"),
+                                                            shard=how == "sharded")
+
         wrong = dict(state)
         wrong["w_down"] = wrong["w_down"].redistribute(placements=[Shard(1)])
         try:
@@ -364,6 +369,36 @@ def _init_and_dcp_worker(rank: int, world: int, port: int, out_dir: str) -> None
         results["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     leave_gloo(rank, world)
+
+
+def _optimizer_round_trip(rank: int, fresh, path: str, shard: bool) -> dict[str, bool]:
+    """One AdamW step on rank-specific expert gradients, its state saved with DCP through torch's get_optimizer_state_dict
+    and loaded into a fresh layer's optimizer with set_optimizer_state_dict: per parameter, whether every state
+    tensor came back. shard: after parallel.shard_optimizer_state on both optimizers (else plain, which loses
+    experts' state)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    def optimizer(layer):
+        opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+        return shard_optimizer_state(layer, opt) if shard else opt
+
+    layer = fresh()
+    opt = optimizer(layer)
+    experts = {id(p) for p in expert_parameters(layer).values()}
+    for p in layer.parameters():  # the replicas' gradients agree across ranks, as after DDP's average
+        p.grad = torch.full_like(p, rank + 1.0 if id(p) in experts else 1.0)
+    opt.step()
+    want = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in layer.named_parameters()}
+    dcp.save({"model": layer.state_dict(), "optim": get_optimizer_state_dict(layer, opt)}, checkpoint_id=path)
+    other = fresh()
+    other_opt = optimizer(other)
+    state = {"model": other.state_dict(), "optim": get_optimizer_state_dict(other, other_opt)}
+    dcp.load(state, checkpoint_id=path)
+    other.load_state_dict(state["model"])
+    set_optimizer_state_dict(other, other_opt, state["optim"])
+    return {n: all(torch.equal(other_opt.state[p][k], v) for k, v in want[n].items())
+            for n, p in other.named_parameters()}
 
 
 @pytest.fixture(scope="module")
@@ -404,6 +439,16 @@ def test_checkpoints_keep_every_ranks_experts(init_and_dcp):
         assert error is not None and "state_dict['w_down'] must be a DTensor" in error, (
             f"rank {rank}: a DTensor sharded on dim 1 was accepted: {error}")
     assert not all(all(res["plain"].values()) for res in init_and_dcp), "the plain round trip was exact"
+
+
+def test_optimizer_state_checkpoints_keep_every_ranks_experts(init_and_dcp):
+    """After parallel.shard_optimizer_state, AdamW's state of every rank's experts survives a DCP round trip through
+    torch's get/set_optimizer_state_dict; without it (the negative control) some rank gets another rank's."""
+    for rank, res in enumerate(init_and_dcp):
+        if "error" in res:
+            pytest.fail(f"rank {rank}: {res['error']}")
+        assert all(res["optim-sharded"].values()), f"rank {rank}: not restored {res['optim-sharded']}"
+    assert not all(all(res["optim-plain"].values()) for res in init_and_dcp), "the plain optimizer round trip was exact"
 
 
 def test_dcp_checkpoint_of_expert_parallel_layer_loads_into_one_process(init_and_dcp):
