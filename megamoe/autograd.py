@@ -460,6 +460,19 @@ def announce_rejection(group, error: Exception, tensors, config) -> None:
 CONFIG_FIELDS = tuple(field.name for field in dataclasses.fields(MoEConfig))
 
 
+def _constant(config: MoEConfig) -> MoEConfig:
+    """config, with its fields as Python scalars under torch.compile. torch.compile(dynamic=True) traces the int and
+    float attributes of a module or an argument as symbols, a MoEConfig's too: a symbolic capacity_factor reached the
+    validation (math.isfinite cannot be traced) and the ops (an unhashable symbol). A config picks kernels and buffer
+    sizes: the compiled call takes its fields as constants (_config_fields)."""
+    return MoEConfig(*_config_fields(config)) if torch.compiler.is_compiling() else config
+
+
+@torch.compiler.assume_constant_result
+def _config_fields(config: MoEConfig) -> tuple:
+    return tuple(getattr(config, name) for name in CONFIG_FIELDS)
+
+
 @functools.lru_cache(maxsize=64)
 def _config(*values) -> MoEConfig:
     return MoEConfig(*values)
@@ -748,6 +761,7 @@ def experts(
         config = DEFAULT_CONFIG if config is None else config
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a megamoe.MoEConfig or None, got {type(config).__name__}")
+        config = _constant(config)
         validate(x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, world_size)
         backend_name = resolve_backend(config, x, group)
         if backend_name == "reference" and world_size > 1:

@@ -88,3 +88,28 @@ def test_autocast_topk_weights_in_x_dtype(backend, x_dtype, autocast_dtype):
     assert torch.equal(out, want), "autocast output differs from the explicit call"
     out.float().sum().backward()
     assert topk_weights.grad is not None and topk_weights.grad.dtype == x_dtype
+
+
+def test_compile_dynamic_with_a_config_of_numbers():
+    """torch.compile(dynamic=True) traces a module's and an argument's int and float attributes as symbols, a
+    MoEConfig's too: a capacity_factor (and block_m, comm_timeout_ms) used to fail the trace (math.isfinite on a
+    symbolic float in the config's validation; an unhashable symbol in the ops). Now the compiled layer and functional
+    call give the eager results, and a changed config is honoured (a recompile: the tiny capacity overflows)."""
+    torch.manual_seed(0)
+    roomy = megamoe.MoEConfig(backend="torch", capacity_factor=4.0, block_m=16, comm_timeout_ms=1234)
+    layer = megamoe.MoELayer(32, 24, 6, 2, config=roomy)
+    x = torch.randn(400, 32)
+    topk_ids, topk_weights, _ = layer.route(x)
+    eager = layer(x)
+    # The compiled router may fuse differently (as in test_compile_fullgraph_matches_eager); the experts are the same.
+    torch.testing.assert_close(torch.compile(layer, dynamic=True, fullgraph=True)(x), eager, rtol=1e-5, atol=1e-6,
+                               msg="layer")
+    experts = torch.compile(megamoe.experts, dynamic=True, fullgraph=True)
+    want = megamoe.experts(x, topk_ids, topk_weights, layer.w_gate_up, layer.w_down, config=roomy)
+    assert torch.equal(experts(x, topk_ids, topk_weights, layer.w_gate_up, layer.w_down, config=roomy), want)
+    # 400 tokens x 2 slots need 800 rows; a capacity of 0.25 gives ceil(200 / 16) + 6 experts = 19 blocks (304 rows).
+    tiny = megamoe.MoEConfig(backend="torch", capacity_factor=0.25, block_m=16)
+    with pytest.raises(megamoe.CapacityOverflowError):  # eager, then compiled
+        megamoe.experts(x, topk_ids, topk_weights, layer.w_gate_up, layer.w_down, config=tiny)
+    with pytest.raises(megamoe.CapacityOverflowError):
+        experts(x, topk_ids, topk_weights, layer.w_gate_up, layer.w_down, config=tiny)
