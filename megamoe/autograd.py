@@ -672,6 +672,19 @@ def _backward(ctx, grads):
 _experts_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _no_double_backward(ctx, grads):
+    raise RuntimeError(
+        "megamoe.experts has no second derivative: its backward (megamoe::experts_bwd) cannot itself be "
+        "differentiated (torch.autograd.grad(..., create_graph=True) followed by another backward, e.g. a gradient "
+        "penalty); MoEConfig(backend='reference') computes the layer in differentiable PyTorch ops"
+    )
+
+
+# A backward built with create_graph=True records experts_bwd; differentiating that raises the error above instead
+# of torch's advice to the op's author ("no autograd formula was registered").
+_experts_bwd.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
 def _check_no_function_transforms(**tensors) -> None:
     """TypeError naming the first input that a torch.func transform (grad, vmap, jvp, ...) wraps or that carries a
     forward-mode tangent (torch.autograd.forward_ad). The fast paths are custom ops with a backward formula only:

@@ -52,6 +52,21 @@ def test_reference_backend_still_supports_jvp():
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_second_derivative_is_a_clear_error(backend):
+    """A backward with create_graph=True works (its first-order gradients are exact); differentiating it again raises
+    megamoe's RuntimeError naming the cause and the reference backend (was torch's advice to the op's author: "no
+    autograd formula was registered")."""
+    x, ids, w, wgu, wd = _problem()
+    x.requires_grad_()
+    out = megamoe.experts(x, ids, w, wgu, wd, config=MoEConfig(backend=backend))
+    d_x, = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    want = torch.autograd.grad(reference.experts(x, ids, w, wgu, wd).square().sum(), x)[0]
+    torch.testing.assert_close(d_x, want, rtol=1e-10, atol=1e-12)
+    with pytest.raises(RuntimeError, match=r"megamoe\.experts has no second derivative.*backend='reference'"):
+        d_x.square().sum().backward()
+
+
 @pytest.mark.parametrize("layer_dtype, x_dtype", [(torch.float32, torch.float64), (torch.float64, torch.float32)])
 def test_layer_float64_under_autocast_is_a_type_error_naming_x(layer_dtype, x_dtype):
     layer = MoELayer(16, 8, 4, 2, dtype=layer_dtype)
