@@ -460,21 +460,18 @@ def announce_rejection(group, error: Exception, tensors, config) -> None:
 CONFIG_FIELDS = tuple(field.name for field in dataclasses.fields(MoEConfig))
 
 
-def _constant(config: MoEConfig) -> MoEConfig:
-    """config, with its fields as Python scalars under torch.compile. torch.compile(dynamic=True) traces the int and
-    float attributes of a module or an argument as symbols, a MoEConfig's too: a symbolic capacity_factor reached the
-    validation (math.isfinite cannot be traced) and the ops (an unhashable symbol). A config picks kernels and buffer
-    sizes: the compiled call takes its fields as constants (_config_fields)."""
-    return MoEConfig(*_config_fields(config)) if torch.compiler.is_compiling() else config
-
-
-@torch.compiler.assume_constant_result
-def _config_fields(config: MoEConfig) -> tuple:
-    return tuple(getattr(config, name) for name in CONFIG_FIELDS)
+def _config(*values) -> MoEConfig:
+    """The MoEConfig of an op's static arguments (CONFIG_FIELDS' values). Under torch.compile(dynamic=True) an int or
+    float field can arrive as a symbol (a module's or an argument's number attributes are traced so): specialised
+    here, in the ops' fake impls (int() and float() of a symbol install the guard that recompiles for another
+    value), since a config picks kernels and buffer sizes."""
+    concrete = (int(v) if isinstance(v, torch.SymInt) else float(v) if isinstance(v, torch.SymFloat) else v
+                for v in values)
+    return _cached_config(*concrete)
 
 
 @functools.lru_cache(maxsize=64)
-def _config(*values) -> MoEConfig:
+def _cached_config(*values) -> MoEConfig:
     return MoEConfig(*values)
 
 
@@ -774,7 +771,6 @@ def experts(
         config = DEFAULT_CONFIG if config is None else config
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a megamoe.MoEConfig or None, got {type(config).__name__}")
-        config = _constant(config)
         validate(x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, world_size)
         backend_name = resolve_backend(config, x, group)
         if backend_name == "reference" and world_size > 1:
@@ -795,11 +791,15 @@ def experts(
     hidden, intermediate = x.shape[1], w_down.shape[2]
     block_m = config.block_m or _backend_module(backend_name).block_m_for(hidden, intermediate, x.dtype)
     contiguous = [t.contiguous() if t is not None else None for t in (x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down)]
-    config = dataclasses.replace(config, backend=backend_name, block_m=block_m)
+    # The ops' static arguments: config's fields with the resolved backend and block_m, not a new MoEConfig (whose
+    # validation cannot trace the symbols torch.compile(dynamic=True) may make of its numbers; the ops specialise
+    # them, _config).
+    static = [backend_name if name == "backend" else block_m if name == "block_m" else getattr(config, name)
+              for name in CONFIG_FIELDS]
     group_name = None if group is None else group.group_name
     # Inference (grad mode off, e.g. torch.no_grad() / torch.inference_mode(), or no input requiring grad):
     # nothing is kept for a backward that cannot happen.
     save_for_backward = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down)
     )
-    return _experts_fwd(*contiguous, *(getattr(config, name) for name in CONFIG_FIELDS), group_name, save_for_backward)[0]
+    return _experts_fwd(*contiguous, *static, group_name, save_for_backward)[0]
