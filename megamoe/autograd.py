@@ -560,7 +560,7 @@ def _experts_fwd_fake(x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_
     # new_empty, not empty_like: the real out is a fresh contiguous tensor whatever x's strides.
     if not save_for_backward:
         return [x.new_empty(x.shape)]
-    saved = _backend_module(config.backend).empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule)
+    saved = _backend_module(config.backend).empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule, config)
     return [x.new_empty(x.shape), *saved, *(torch.empty_like(t, device=x.device) for t in schedule_tensors(schedule))]
 
 

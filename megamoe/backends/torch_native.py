@@ -26,7 +26,7 @@ forward).
 
 Backend interface (shared with the triton backend):
     block_m_for(hidden, intermediate, dtype) -> int      rows per expert-segment block for build_schedule
-    empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule) -> tuple  tensors shaped like `saved`
+    empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule, config) -> tuple  tensors shaped like `saved`
     experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config,
                 *, save_for_backward=True)
         -> (out [T, H], saved: tuple of tensors for the backward; () without save_for_backward)
@@ -358,8 +358,9 @@ def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
     return out.to(x.dtype), (x_rows, gate_up, h, y_pairs, *exchange_saved, *shared_saved)
 
 
-def empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule: Schedule) -> tuple[torch.Tensor, ...]:
-    """Tensors shaped like experts_fwd's `saved` (for torch.compile's fake implementation)."""
+def empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule: Schedule, config) -> tuple[torch.Tensor, ...]:
+    """Tensors shaped like experts_fwd's `saved` (for torch.compile's fake implementation); config does not change
+    them here."""
     rows, hidden, two_i = schedule.num_rows, x.shape[1], w_gate_up.shape[1]
     saved = [
         x.new_empty(rows, hidden),

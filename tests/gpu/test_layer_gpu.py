@@ -30,9 +30,12 @@ def test_auto_picks_the_fused_path():
     assert int(layer.tokens_per_expert.sum()) == 4 * 100 * 4
 
 
-@pytest.mark.parametrize("shared", [0, 128], ids=["no-shared", "shared"])
-def test_compile_fullgraph_matches_eager(shared):
+@pytest.mark.parametrize("shared, recompute", [(0, False), (128, False), (0, True)],
+                         ids=["no-shared", "shared", "recompute"])
+def test_compile_fullgraph_matches_eager(shared, recompute):
+    """recompute: the forward keeps gate_up empty ([0, 2I]); the fake impl must say so (it said [R, 2I])."""
     layer = _layer(shared)
+    config = megamoe.MoEConfig(recompute=recompute)
     x = torch.randn(2, 333, 512, device="cuda", dtype=torch.bfloat16)
     d_out = torch.randn_like(x)
     # The router is computed once, outside both runs, so both see identical routing: the comparison is
@@ -41,7 +44,7 @@ def test_compile_fullgraph_matches_eager(shared):
 
     def experts(x_):
         return megamoe.experts(x_.view(-1, 512), topk_ids, topk_weights, layer.w_gate_up, layer.w_down,
-                               shared_gate_up=layer.shared_gate_up, shared_down=layer.shared_down)
+                               shared_gate_up=layer.shared_gate_up, shared_down=layer.shared_down, config=config)
 
     params = [x.requires_grad_()] + [p for p in (layer.w_gate_up, layer.w_down, layer.shared_gate_up, layer.shared_down) if p is not None]
     eager = experts(x)

@@ -42,8 +42,8 @@ def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, share
     )
 
 
-def empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule):
-    return _path(schedule).empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule)
+def empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule, config):
+    return _path(schedule).empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule, config)
 
 
 __all__ = ["block_m_for", "empty_saved", "experts_bwd", "experts_fwd", "place_routing", "routing_exchange"]

@@ -183,7 +183,7 @@ def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
     """overlap=False: whole exchanges around the one-GPU GEMMs whatever the directions, the unfused layer
     (the fused one's bitwise reference, and its time without overlap in benchmarks/overlap_bench.py)."""
     if schedule.num_tokens == 0:  # T = 0 on every rank (module docstring): nothing to exchange or launch
-        saved = empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule) if save_for_backward else ()
+        saved = empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule, config) if save_for_backward else ()
         return x.new_empty(0, x.shape[1]), saved
     fused = _fused(config, overlap)
     ws = _workspace(x, schedule.num_tokens, schedule.top_k, schedule.num_rows, group, config)
@@ -223,8 +223,9 @@ def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
     return out, (x_rows, gate_up, *shared_saved)
 
 
-def empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule: Schedule):
-    """Tensors shaped like experts_fwd's `saved`: (x_rows, gate_up, *the shared expert's)."""
+def empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule: Schedule, config):
+    """Tensors shaped like experts_fwd's `saved`: (x_rows, gate_up, *the shared expert's); config.recompute does not
+    change them here."""
     rows, inter, hidden = schedule.num_rows, w_down.shape[2], x.shape[1]
     return (x.new_empty(rows, hidden), x.new_empty(rows, 2 * inter), *empty_shared_saved(x, shared_gate_up))
 

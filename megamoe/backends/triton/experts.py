@@ -160,9 +160,11 @@ def experts_fwd(
     return out, (gate_up if gate_up is not None else x.new_empty(0, w_gate_up.shape[1]), *shared_saved)
 
 
-def empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule: Schedule) -> tuple[torch.Tensor, ...]:
-    """Tensors shaped like experts_fwd's `saved` (default config), for torch.compile's fake impl."""
-    return (x.new_empty(schedule.num_rows, w_gate_up.shape[1]), *empty_shared_saved(x, shared_gate_up))
+def empty_saved(x, w_gate_up, w_down, shared_gate_up, schedule: Schedule, config: MoEConfig) -> tuple[torch.Tensor, ...]:
+    """Tensors shaped like experts_fwd's `saved`, for torch.compile's fake impl: gate_up [R, 2I], or [0, 2I] with
+    config.recompute."""
+    rows = 0 if config.recompute else schedule.num_rows
+    return (x.new_empty(rows, w_gate_up.shape[1]), *empty_shared_saved(x, shared_gate_up))
 
 
 def empty_batch_grads(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
