@@ -33,7 +33,7 @@ def test_auto_picks_the_fused_path():
 @pytest.mark.parametrize("shared, recompute", [(0, False), (128, False), (0, True)],
                          ids=["no-shared", "shared", "recompute"])
 def test_compile_fullgraph_matches_eager(shared, recompute):
-    """recompute: the forward keeps gate_up empty ([0, 2I]); the fake impl must say so (it said [R, 2I])."""
+    """recompute: the forward keeps no gate_up ([0, 2I]) and the backward reruns gate_up_fwd, compiled as eager."""
     layer = _layer(shared)
     config = megamoe.MoEConfig(recompute=recompute)
     x = torch.randn(2, 333, 512, device="cuda", dtype=torch.bfloat16)
@@ -58,6 +58,21 @@ def test_compile_fullgraph_matches_eager(shared, recompute):
     out = torch.compile(layer, fullgraph=True)(x.detach())
     out.float().square().sum().backward()
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
+def test_fake_impl_gives_the_real_shapes(recompute):
+    """torch.library.opcheck's fake-tensor check of experts_fwd on the fused path: every output's shape, dtype and
+    strides as the real op gives them. With recompute the saved gate_up is [0, 2I] (the fake said [R, 2I])."""
+    from megamoe.autograd import CONFIG_FIELDS
+
+    layer = _layer()
+    x = torch.randn(300, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    topk_ids, topk_weights, _ = layer.route(x.detach())
+    config = megamoe.MoEConfig(backend="triton", block_m=128, recompute=recompute)
+    static = [getattr(config, name) for name in CONFIG_FIELDS]
+    args = (x, topk_ids, topk_weights, layer.w_gate_up, layer.w_down, None, None, *static, None, True)
+    torch.library.opcheck(torch.ops.megamoe.experts_fwd.default, args, test_utils=("test_faketensor",))
 
 
 def test_autocast_fp32_weights():
