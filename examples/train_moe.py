@@ -41,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--max-grad-norm", type=float, default=None,
+                        help="clip the gradient to this norm (megamoe.parallel.clip_grad_norm_: one norm on every rank)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
@@ -136,6 +138,8 @@ def train(args, rank: int, world: int, device, data: torch.Tensor):
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         parallel.reduce_expert_grads(model)  # the experts' gradients, on DDP's convention (a no-op without EP)
+        if args.max_grad_norm is not None:  # after reduce_expert_grads: the norm of the gradients the step applies
+            parallel.clip_grad_norm_(model, args.max_grad_norm)
         optimizer.step()
         logged = loss.detach().float()
         if world > 1:

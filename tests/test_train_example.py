@@ -40,11 +40,12 @@ def test_single_process(tmp_path):
 
 
 def test_torchrun_data_and_expert_parallel(tmp_path):
-    """2 ranks, DDP over data + experts sharded over the ranks; the saved checkpoint loads in transformers."""
+    """2 ranks, DDP over data + experts sharded over the ranks, the gradient clipped (parallel.clip_grad_norm_ over
+    patched experts); the saved checkpoint loads in transformers."""
     transformers = pytest.importorskip("transformers")
     stdout = _run([
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE),
-        *SMALL, "--expert-parallel", "--save-model", "--out-dir", str(tmp_path),
+        *SMALL, "--expert-parallel", "--save-model", "--max-grad-norm", "0.5", "--out-dir", str(tmp_path),
     ])
     _check_outputs(tmp_path, stdout)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model")
