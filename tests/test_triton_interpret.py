@@ -672,7 +672,7 @@ def test_ep_matches_one_gpu(case, capacity, directions, overlap, monkeypatch):
             else:
                 budget_check(f"{path} {name}", result, want64, want_lp)
     for name, module, saved_ in [("experts.py", None, saved1), ("ep.py", ep, saved)]:
-        want = (module.empty_saved if module else empty_saved)(x, wgu, wd, sgu, s)
+        want = (module.empty_saved if module else empty_saved)(x, wgu, wd, sgu, s, config)
         shapes = [tuple(t.shape) for t in saved_], [tuple(t.shape) for t in want]
         assert shapes[0] == shapes[1], f"{name}: empty_saved shapes {shapes[1]} != saved {shapes[0]}"
         assert [t.dtype for t in saved_] == [t.dtype for t in want], f"{name}: empty_saved dtypes differ from saved"
