@@ -6,12 +6,12 @@ to torch.distributed.checkpoint (DCP), which would write one rank's copy only; s
 MoELayer(group=...) and of patched Hugging Face experts (integrations.hf.patch_model(..., group=...)) present
 these weights as DTensors over the group, sharded on dim 0, with the global shape [E, ...]. They share storage
 with the parameters (dcp.load into model.state_dict() loads them in place), and torch.save / torch.load keep
-them as DTensors.
+them as DTensors. state_dict(keep_vars=True) keeps the parameters themselves ([E_l, ...]), as torch promises.
 
 Loading accepts, per expert weight:
     a DTensor sharded on dim 0 (Shard(0)) or replicated over the same ranks, global shape [E, ...]: this
         rank's experts (the state dict of an expert-parallel model, e.g. through DCP);
-    a plain tensor [E, ...] (a one-process checkpoint of all experts): this rank's rows of it;
+    a plain tensor [E, ...] (a one-process checkpoint of all experts): a copy of this rank's rows of it;
     a plain tensor [E_l, ...]: as it is (this rank's own slice, as saved before these were DTensors).
 """
 
@@ -29,14 +29,14 @@ def _mesh(group, device_type: str):
 
 def shard_expert_state(state: dict, prefix: str, names: tuple[str, ...], group) -> None:
     """Replace state[prefix + name], this rank's [E_l, ...] experts, by the DTensor [E, ...] they are the shard of
-    (in place; names absent from state are skipped). Tensors on the meta device stay as they are (no mesh
-    there)."""
+    (in place; names absent from state are skipped). Left as they are: tensors on the meta device (no mesh there)
+    and parameters themselves (state_dict(keep_vars=True), whose contract is the module's own variables)."""
     from torch.distributed.tensor import DTensor, Shard
 
     world = dist.get_world_size(group)
     for name in names:
         local = state.get(prefix + name)
-        if local is None or isinstance(local, DTensor) or local.device.type == "meta":
+        if (local is None or isinstance(local, (DTensor, torch.nn.Parameter)) or local.device.type == "meta"):
             continue
         shape = torch.Size((local.shape[0] * world, *local.shape[1:]))
         state[prefix + name] = DTensor.from_local(
@@ -71,6 +71,8 @@ def load_expert_shards(state: dict, prefix: str, names: tuple[str, ...], group, 
                     f"ranks {ranks}"
                 )
             local = value.to_local()
-            state[key] = local if placements == (Shard(0),) else local[first : first + num_local]
+            # A copy of this rank's rows, not a view: a view would keep all E experts alive in what it is loaded
+            # into (load_state_dict(assign=True), e.g. after meta-device init; an optimizer's state).
+            state[key] = local if placements == (Shard(0),) else local[first : first + num_local].clone()
         elif value.dim() > 0 and value.shape[0] == num_local * world and world > 1:
-            state[key] = value[first : first + num_local]
+            state[key] = value[first : first + num_local].clone()

@@ -226,12 +226,14 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
     same gradient after reduce_expert_grads), the other parameters as they are (replicas, e.g. under DDP: the same
     on every rank; DTensors, e.g. under FSDP2: over their mesh). Every gradient is then scaled by
     min(1, max_norm / (norm + 1e-6)), as torch does. A collective over every EP group: every rank must call it,
-    after reduce_expert_grads. norm_type: a p-norm's p > 0, or inf.
+    after reduce_expert_grads. norm_type: a p-norm's p > 0, or inf (float("inf") or "inf").
     """
     if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm >= 0:
         raise ValueError(f"max_norm must be a number >= 0, got {max_norm!r}")
+    if norm_type == "inf":  # as torch.nn.utils.clip_grad_norm_ takes it
+        norm_type = float("inf")
     if not isinstance(norm_type, (int, float)) or isinstance(norm_type, bool) or not norm_type > 0:
-        raise ValueError(f"norm_type must be a number > 0 or inf, got {norm_type!r}")
+        raise ValueError(f"norm_type must be a number > 0, inf or 'inf', got {norm_type!r}")
     from torch.distributed.tensor import DTensor
 
     norm_type = float(norm_type)

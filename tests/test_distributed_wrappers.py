@@ -343,12 +343,38 @@ def _init_and_dcp_worker(rank: int, world: int, port: int, out_dir: str) -> None
         model.load_state_dict(full)  # as a one-process checkpoint of all experts
         results["one-process"] = restored(model)
 
+        # Loaded by assignment (a layer built on meta) and into an optimizer, the one-process state's rows are this
+        # rank's own tensors, not views keeping all E experts alive.
+        meta = MoELayer(H, I, EXPERTS_PER_RANK * world, K, shared_intermediate_size=I_SHARED, group=dist.group.WORLD,
+                        device="meta")
+        meta.load_state_dict(full, assign=True)
+        one = MoELayer(H, I, EXPERTS_PER_RANK * world, K, shared_intermediate_size=I_SHARED)
+        one_opt = torch.optim.SGD(one.parameters(), lr=0.1, momentum=0.9)
+        for p in one.parameters():
+            p.grad = torch.ones_like(p)
+        one_opt.step()
+        opt = shard_optimizer_state(meta, torch.optim.SGD(meta.parameters(), lr=0.1, momentum=0.9))
+        opt.load_state_dict(one_opt.state_dict())
+        own = {n: p for n, p in meta.named_parameters() if n in ("w_gate_up", "w_down")}
+        own.update({f"{n} momentum": opt.state[p]["momentum_buffer"] for n, p in list(own.items())})
+        results["own storage"] = {n: t.untyped_storage().nbytes() == t.numel() * t.element_size() for n, t in own.items()}
+        results["assigned"] = restored(meta)
+
         path = os.path.join(out_dir, "ckpt-plain")
         dcp.save({n: p.detach() for n, p in layer.named_parameters()}, checkpoint_id=path)
         model = fresh()
         plain = {n: p.detach() for n, p in model.named_parameters()}
         dcp.load(plain, checkpoint_id=path)  # into the parameters, in place
         results["plain"] = restored(model)
+
+        kept = layer.state_dict(keep_vars=True)  # torch's contract: the parameters themselves
+        results["keep_vars"] = {n: kept[n] is p for n, p in layer.named_parameters()}
+
+        for p in layer.parameters():  # the largest gradient entry is an expert's of the last rank
+            p.grad = torch.full_like(p, 1.0 + (rank if p.dim() == 3 else 0))
+        largest = clip_grad_norm_(layer, 1e9, "inf")  # the string, as torch takes it; nothing clipped
+        results["inf_norm"] = (float(largest), float(world))
+        layer.zero_grad(set_to_none=True)
 
         copied = copy.deepcopy(layer)
         results["deepcopy"] = (copied.group is layer.group, restored(copied),
@@ -422,8 +448,10 @@ def test_expert_parallel_init_is_the_single_process_layer_sharded(init_and_dcp):
 def test_checkpoints_keep_every_ranks_experts(init_and_dcp):
     """model.state_dict() of an expert-parallel layer holds its experts as DTensors [E, ...] sharded over the group:
     DCP, torch.save / torch.load and a one-process state dict of all experts each restore every rank's own experts
-    (and the replicas). The negative control: plain per-rank tensors under one name, which DCP takes for replicas,
-    lose experts. A deep copy shares the group and copies the weights; a DTensor sharded otherwise is refused."""
+    (and the replicas); loaded by assignment or into an optimizer, a one-process state leaves copies of this rank's
+    rows, not views of all experts. The negative control: plain per-rank tensors under one name, which DCP takes for
+    replicas, lose experts. A deep copy shares the group and copies the weights; a DTensor sharded otherwise is
+    refused."""
     for rank, res in enumerate(init_and_dcp):
         if "error" in res:
             pytest.fail(f"rank {rank}: {res['error']}")
@@ -431,8 +459,11 @@ def test_checkpoints_keep_every_ranks_experts(init_and_dcp):
         assert res["state_types"] == {"router.weight": "Tensor", "w_gate_up": "DTensor", "w_down": "DTensor",
                                       "shared_gate_up": "Tensor", "shared_down": "Tensor"}, f"rank {rank}"
         assert res["global_shapes"]["w_gate_up"] == (EXPERTS_PER_RANK * 2, 2 * I, H), f"rank {rank}"
-        for how in ("dcp", "torch.save", "one-process"):
+        for how in ("dcp", "torch.save", "one-process", "assigned", "own storage"):
             assert all(res[how].values()), f"rank {rank}: {how} did not restore {res[how]}"
+        assert all(res["keep_vars"].values()), f"rank {rank}: state_dict(keep_vars=True) {res['keep_vars']}"
+        got, want = res["inf_norm"]
+        assert got == want, f"rank {rank}: clip_grad_norm_ 'inf' norm {got}, want {want} (the largest over the ranks)"
         same_group, copied, own_storage = res["deepcopy"]
         assert same_group and all(copied.values()) and own_storage, f"rank {rank}: deepcopy {res['deepcopy']}"
         error = res["wrong_placement"]

@@ -710,8 +710,8 @@ def patch_model(model: nn.Module, *, group=None, config: MoEConfig | None = None
         setattr(experts, _PATCH_ATTR, patch)
         if group is not None and not getattr(experts, _STATE_HOOKS_ATTR, False):
             # Registered once per module (they act only while it is patched with a group), so that patching
-            # again after unpatch_model does not stack them; module-level functions, so torch.save(model) and
-            # copy.deepcopy carry them.
+            # again after unpatch_model does not stack them; module-level functions, which copy.deepcopy carries
+            # (and torch.save(model) once unpatched).
             experts.register_state_dict_post_hook(_save_sharded_experts)
             experts.register_load_state_dict_pre_hook(_load_sharded_experts)
             setattr(experts, _STATE_HOOKS_ATTR, True)
