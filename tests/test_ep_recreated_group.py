@@ -19,7 +19,7 @@ import torch.distributed as dist
 import megamoe
 from megamoe import MoEConfig
 from megamoe.autograd import AGREE_FIELDS
-from conftest import assert_close_tight, init_gloo, leave_gloo, run_gloo_workers
+from conftest import assert_close_tight, init_gloo, leave_gloo, make_problem, run_gloo_workers
 
 WORLD = 2
 T, H, I, K, E_LOCAL = 4, 8, 4, 2, 2
@@ -28,23 +28,15 @@ STATUS_LEN = 3  # autograd's per-rank status after the signature in the agreemen
 CONFIG = MoEConfig(backend="torch", comm_timeout_ms=COMM_TIMEOUT_MS)
 
 
-def _problem() -> dict:
-    gen = torch.Generator().manual_seed(5)
-    num_experts = E_LOCAL * WORLD
-    return dict(
-        x=torch.randn(WORLD * T, H, generator=gen, dtype=torch.float64),
-        topk_ids=torch.stack([torch.randperm(num_experts, generator=gen)[:K] for _ in range(WORLD * T)]),
-        topk_weights=torch.rand(WORLD * T, K, generator=gen, dtype=torch.float64),
-        w_gate_up=torch.randn(num_experts, 2 * I, H, generator=gen, dtype=torch.float64) / H**0.5,
-        w_down=torch.randn(num_experts, H, I, generator=gen, dtype=torch.float64) / I**0.5,
-    )
+def _problem():
+    return make_problem(torch.Generator().manual_seed(5), WORLD * T, H, I, E_LOCAL * WORLD, K)
 
 
 def _call(rank: int) -> torch.Tensor:
     p = _problem()
     tok, exp = slice(rank * T, (rank + 1) * T), slice(rank * E_LOCAL, (rank + 1) * E_LOCAL)
-    return megamoe.experts(p["x"][tok], p["topk_ids"][tok], p["topk_weights"][tok], p["w_gate_up"][exp],
-                           p["w_down"][exp], group=dist.group.WORLD, config=CONFIG)
+    return megamoe.experts(p.x[tok], p.topk_ids[tok], p.topk_weights[tok], p.w_gate_up[exp], p.w_down[exp],
+                           group=dist.group.WORLD, config=CONFIG)
 
 
 def _attempt(fn) -> dict:
@@ -82,7 +74,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def test_recreated_group_is_not_out_of_step(tmp_path):
     results = run_gloo_workers(_worker, WORLD, (str(tmp_path),), tmp_path, 120, "recreated group")
     p = _problem()
-    want = megamoe.reference.experts(p["x"], p["topk_ids"], p["topk_weights"], p["w_gate_up"], p["w_down"])
+    want = megamoe.reference.experts(p.x, p.topk_ids, p.topk_weights, p.w_gate_up, p.w_down)
     for rank, res in enumerate(results):
         assert "worker" not in res, f"rank {rank}: {res['worker']}"
         assert res["warm"]["error"] is None, f"rank {rank}: {res['warm']['error']}"
