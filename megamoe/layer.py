@@ -32,6 +32,10 @@ class MoELayer(nn.Module):
     (so that torch.distributed.checkpoint saves every rank's experts), and load_state_dict also takes a
     one-process state dict of all E experts (each rank loads its own): megamoe.expert_state.
 
+    x: [..., H] in the layer's dtype (under autocast: float32, float16 or bfloat16). Also accepted: x in the dtype of
+    the router and shared expert when only the experts are in another of those three, as under FSDP2's
+    MixedPrecisionPolicy with the experts in ignored_params; the experts are then cast to x's dtype for the call.
+
     After each forward (no host synchronisation): `tokens_per_expert` [E] int32 — this rank's (token, slot)
     pairs routed to each global expert; `aux_loss` — the Switch-Transformer load-balancing loss
     E * sum_e f_e * P_e over this rank's tokens (f_e: fraction of pairs sent to e; P_e: mean router
@@ -174,7 +178,7 @@ class MoELayer(nn.Module):
     def _input_error(self, x) -> Exception | None:
         """What is wrong with forward's x, or None: a tensor [..., H] on the parameters' device, in their dtype
         (under autocast, which casts float32/float16/bfloat16 but not float64: any of those three, for a layer
-        in one of them)."""
+        in one of them; or the dtype of every parameter but the experts, _experts_follow)."""
         if not isinstance(x, torch.Tensor):
             return TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() == 0 or x.shape[-1] != self.hidden_size:
@@ -182,7 +186,7 @@ class MoELayer(nn.Module):
         weight = self.w_gate_up
         if x.device != weight.device:
             return ValueError(f"x must be on the layer's device {weight.device}, got {x.device}")
-        if x.dtype == weight.dtype:
+        if x.dtype == weight.dtype or self._experts_follow(x):
             return None
         # Under autocast another floating dtype is cast for the matmuls, but only float32/float16/bfloat16:
         # autocast leaves float64 as it is, so float64 on one side only would reach the router's matmul mismatched.
@@ -196,6 +200,23 @@ class MoELayer(nn.Module):
                 f"cast float64), got {x.dtype}"
             )
         return TypeError(f"x must have the layer's dtype {weight.dtype} (or run under autocast), got {x.dtype}")
+
+    def _experts_follow(self, x: torch.Tensor) -> bool:
+        """Whether the experts are cast to x's dtype for this call, outside autocast: x and every other parameter of
+        the layer (router, shared expert) are in one float32/float16/bfloat16 dtype, the experts in another of the
+        three. That is FSDP2's MixedPrecisionPolicy(param_dtype=...) with the experts in fully_shard's
+        ignored_params (megamoe.parallel's recipe for expert parallelism): FSDP2 casts x and the parameters it
+        manages for the forward, not the ones it ignores. The cast is differentiable: the experts' gradients
+        arrive in their own dtype, as FSDP2's managed parameters' do."""
+        experts_dtype = self.w_gate_up.dtype
+        others = [self.router.weight]
+        if self.shared_gate_up is not None:
+            others += [self.shared_gate_up, self.shared_down]
+        autocast = x.device.type in AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(x.device.type)
+        return (
+            not autocast and x.dtype != experts_dtype and x.dtype in AUTOCAST_CASTS and experts_dtype in AUTOCAST_CASTS
+            and self.w_down.dtype == experts_dtype and all(p.dtype == x.dtype for p in others)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         error = self._input_error(x)
@@ -212,8 +233,11 @@ class MoELayer(nn.Module):
         # sum / max(T, 1) rather than mean: an empty batch gives 0 (0 * 0), not 0 * NaN.
         mean_probs = probs.sum(dim=0) / max(x_TH.shape[0], 1)
         aux_loss = self.num_experts * (fraction * mean_probs).sum()
+        w_gate_up, w_down = self.w_gate_up, self.w_down
+        if self._experts_follow(x):
+            w_gate_up, w_down = w_gate_up.to(x.dtype), w_down.to(x.dtype)
         out = experts(
-            x_TH, topk_ids, topk_weights, self.w_gate_up, self.w_down,
+            x_TH, topk_ids, topk_weights, w_gate_up, w_down,
             shared_gate_up=self.shared_gate_up, shared_down=self.shared_down,
             group=self.group, config=self.config,
         )

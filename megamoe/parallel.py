@@ -27,6 +27,8 @@ N = EP size x DP size. (examples/train_moe.py, 1-D, divides by W for the same re
     model = DistributedDataParallel(model)
     # or FSDP2: pass the set to every fully_shard call whose module holds experts
     fully_shard(model, mesh=init_device_mesh("cuda", (world,)), ignored_params=set(experts.values()))
+    # built on the meta device: to_empty gives the (ignored) experts new parameter objects, FSDP2's own keep theirs;
+    # after model.to_empty(...) take experts = megamoe.parallel.expert_parameters(model) again for the optimizer
     optimizer = torch.optim.AdamW([{"params": list(experts.values())},   # two groups: needed under FSDP2
                                    {"params": list(megamoe.parallel.non_expert_parameters(model).values())}])
     ...

@@ -500,3 +500,73 @@ def test_dcp_checkpoint_of_expert_parallel_layer_loads_into_one_process(init_and
     for name, p in layer.named_parameters():
         want = torch.cat([s[name] for s in saved]) if name in ("w_gate_up", "w_down") else saved[0][name]
         assert torch.equal(p, want), f"{name}: not the ranks' saved values"
+
+
+# ------------------------------------------------------------------- FSDP2 mixed precision, experts ignored
+
+
+def _fsdp2_mixed_precision_worker(rank: int, world: int, port: int, in_path: str, out_dir: str) -> None:
+    """The README's FSDP2 recipe (1-D, experts in ignored_params) with MixedPrecisionPolicy(bf16 params, fp32
+    reduce), built on meta, then to_empty, loaded and sharded: one forward + backward + reduce_expert_grads; saves the
+    output's dtype and every parameter's full gradient (or the error)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    init_gloo(rank, world, port)
+    problem = torch.load(in_path, weights_only=False)
+    try:
+        with torch.device("meta"):
+            layer = MoELayer(H, I, problem["num_experts"], K, shared_intermediate_size=I_SHARED, group=dist.group.WORLD)
+        layer.to_empty(device="cpu")
+        layer.load_state_dict(problem["state"])  # the one-process state of all experts: each rank keeps its own
+        experts = expert_parameters(layer)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        fully_shard(layer, mesh=init_device_mesh("cpu", (world,)), ignored_params=set(experts.values()), mp_policy=policy)
+        tok = slice(rank * T, (rank + 1) * T)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*returned a view tensor")
+            out = layer(problem["x"][tok])
+        (out.float() * problem["d_out"][tok]).sum().add(AUX * layer.aux_loss).backward()
+        reduce_expert_grads(layer)
+        results = {"out_dtype": out.dtype, "grads": {
+            n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+            for n, p in layer.named_parameters()}}
+    except Exception as e:  # noqa: BLE001 - reported by the parent with the traceback
+        results = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    leave_gloo(rank, world)
+
+
+def test_fsdp2_mixed_precision_with_ignored_experts(tmp_path):
+    """FSDP2's MixedPrecisionPolicy casts x, the router and the shared expert to bf16 for the forward but not the
+    experts it ignores: the layer casts them too (as autocast would), and every gradient is fp32, near a single
+    process under autocast. Before: TypeError "x must have the layer's dtype torch.float32" at the first forward."""
+    world = 2
+    problem = make_problem(LAYOUTS["1d-W2"])
+    problem["state"] = {k: v.float() for k, v in problem["state"].items()}
+    problem["x"], problem["d_out"] = problem["x"].float(), problem["d_out"].float()
+    in_path = str(tmp_path / "problem.pt")
+    torch.save(problem, in_path)
+    results = run_gloo_workers(_fsdp2_mixed_precision_worker, world, (in_path, str(tmp_path)), tmp_path,
+                               SPAWN_TIMEOUT_S, "FSDP2 mixed precision")
+    for rank, res in enumerate(results):
+        if "error" in res:
+            pytest.fail(f"rank {rank}: {res['error']}\n{res['traceback']}")
+    layer = MoELayer(H, I, problem["num_experts"], K, shared_intermediate_size=I_SHARED)
+    layer.load_state_dict(problem["state"])
+    losses = []
+    for r in range(world):
+        tok = slice(r * T, (r + 1) * T)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer(problem["x"][tok])
+        losses.append((out.float() * problem["d_out"][tok]).sum() + AUX * layer.aux_loss)
+    (sum(losses) / world).backward()
+    for rank, res in enumerate(results):
+        assert res["out_dtype"] == torch.bfloat16, f"rank {rank}"
+        experts = slice(rank * EXPERTS_PER_RANK, (rank + 1) * EXPERTS_PER_RANK)
+        for name, p in layer.named_parameters():
+            want = p.grad[experts] if name in ("w_gate_up", "w_down") else p.grad
+            got = res["grads"][name]
+            assert got.dtype == torch.float32, f"rank {rank}: d_{name} is {got.dtype}"
+            assert rel_err(got, want) < 2e-2, f"rank {rank}: d_{name} rel err {rel_err(got, want):.3e}"

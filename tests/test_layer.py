@@ -222,6 +222,34 @@ def test_router_kept_in_fp32_in_a_bf16_layer(rng):
     assert x.grad.dtype == torch.bfloat16 and layer.router.weight.grad.dtype == torch.float32
 
 
+def test_experts_follow_x_when_only_they_are_fp32(rng):
+    """FSDP2's MixedPrecisionPolicy(param_dtype=bf16) with the experts in ignored_params (megamoe.parallel's
+    expert-parallel recipe) hands the layer a bf16 x, a bf16 router and shared expert, and the fp32 experts: the
+    experts are cast for the call, as autocast casts them (the same bits as the fp32 layer under autocast), and
+    their gradients arrive in fp32. Before: "x must have the layer's dtype torch.float32" at the first forward."""
+    layer = make_layer(rng, hidden=32, inter=16, shared=8, dtype=torch.float32)
+    x = torch.randn(24, 32, generator=rng)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = layer(x)
+        (want.float().square().sum() + layer.aux_loss).backward()
+    want_grads = {n: p.grad for n, p in layer.named_parameters()}
+    layer.zero_grad(set_to_none=True)
+    # What FSDP2 does to the parameters it manages, for the forward; the experts stay fp32.
+    layer.router.bfloat16()
+    layer.shared_gate_up.data, layer.shared_down.data = layer.shared_gate_up.bfloat16(), layer.shared_down.bfloat16()
+    out = layer(x.bfloat16())
+    (out.float().square().sum() + layer.aux_loss).backward()
+    assert_equal("out", out, want)
+    for name, p in layer.named_parameters():
+        assert p.grad.dtype == p.dtype, name
+        assert_equal(f"d_{name}", p.grad.float(), want_grads[name])
+    assert layer.w_gate_up.dtype == layer.w_down.dtype == torch.float32
+    # Only the experts follow: a bf16 x beside an fp32 router is still the TypeError naming the layer's dtype.
+    layer.router.float()
+    with pytest.raises(TypeError, match="x must have the layer's dtype torch.float32"):
+        layer(x.bfloat16())
+
+
 @pytest.mark.parametrize("x_shape", [(0, H), (2, 0, H)], ids=["T0", "B2-S0"])
 def test_empty_batch(rng, x_shape):
     """No tokens: an empty output, zero counts and aux_loss exactly 0 (not 0 * NaN from a mean over no rows);
