@@ -328,6 +328,29 @@ def test_transformers_expert_parallel_sentinels():
         torch.testing.assert_close(grad, grad_ref, rtol=1e-5, atol=1e-6)
 
 
+def test_float64_model_keeps_float64_routing_weights():
+    """A float64 model (model.double(), as for numerics checks) whose router returns float64 weights: megamoe
+    keeps them float64, as eager does (rounding them to fp32 left ~1e-8 relative errors), result and gradients."""
+    model = _qwen().double()
+    experts = model.model.layers[0].mlp.experts
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 32, generator=gen, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, 8, (9, 2), generator=gen)
+    weights = torch.rand(9, 2, generator=gen, dtype=torch.float64, requires_grad=True)
+    results = []
+    for implementation in ("eager", "megamoe"):
+        model.set_experts_implementation(implementation)
+        out = experts(x, ids, weights)
+        grads = torch.autograd.grad(out.square().sum(), [x, weights, experts.gate_up_proj, experts.down_proj])
+        results.append((out, grads))
+    (out_ref, grads_ref), (out, grads) = results
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, out_ref, rtol=1e-12, atol=1e-14)
+    for grad, grad_ref in zip(grads, grads_ref):
+        assert grad.dtype == torch.float64
+        torch.testing.assert_close(grad, grad_ref, rtol=1e-12, atol=1e-14)
+
+
 def test_patch_model_shares_the_adapter():
     model = _qwen()
     hf.patch_model(model)

@@ -427,9 +427,12 @@ def _run_experts(experts: nn.Module, x_TH, topk_ids_TK, topk_weights_TK, *, grou
     # Under autocast megamoe.experts casts x and the weights to the autocast dtype, as the model's own
     # F.linear would; the result goes back to the residual stream's dtype, as the model's experts return it.
     # Routers return weights in the model dtype (Qwen, OLMoE) or fp32 (Mixtral, DeepSeek-V3); megamoe
-    # combines in fp32 either way.
+    # combines in fp32 either way, except for a float64 model, where float64 weights stay float64 (megamoe
+    # accumulates float64 in float64; rounding them to fp32 would cost the model its precision).
+    if not (topk_weights_TK.dtype == torch.float64 and x_TH.dtype == torch.float64):
+        topk_weights_TK = topk_weights_TK.float()
     out_TH = megamoe.experts(
-        x_TH, topk_ids_TK, topk_weights_TK.float(), experts.gate_up_proj, experts.down_proj,
+        x_TH, topk_ids_TK, topk_weights_TK, experts.gate_up_proj, experts.down_proj,
         group=group, config=config, **shared_kwargs,
     ).to(x_TH.dtype)
     # No view of the result when nothing was reshaped (FSDP2 warns about modules returning views).
