@@ -238,6 +238,42 @@ def test_layer_input_not_modified(rng):
         assert_equal(n, p.detach(), params_before[n])
 
 
+# --------------------------------------------------------------------------------------------- autograd safety
+
+FLOAT_INPUTS = ["x", "topk_weights", "w_gate_up", "w_down", "shared_gate_up", "shared_down"]
+
+
+@pytest.mark.parametrize("name", FLOAT_INPUTS)
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_inplace_change_after_forward_raises(rng, backend, name):
+    """An input changed in place between the forward and the backward (say an optimizer step, or x.add_(1)) is
+    torch's "modified by an inplace operation" error, as for built-in ops, never gradients of the changed values:
+    the ops save their inputs with ctx.save_for_backward (version-checked)."""
+    leaves = {n: (t.requires_grad_() if t.is_floating_point() else t) for n, t in args(rng).items()}
+    out = call(leaves, backend)
+    with torch.no_grad():
+        leaves[name].add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward(torch.ones_like(out))
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_retain_graph_backward_twice_accumulates(rng, backend):
+    """Two backwards through one forward (retain_graph=True) accumulate exactly twice the gradients, and a
+    torch.autograd.grad of some inputs between them gives those inputs' gradients of the full backward."""
+    leaves = {n: (t.requires_grad_() if t.is_floating_point() else t) for n, t in args(rng).items()}
+    d_out = torch.randn(T, H, generator=rng)
+    out = call(leaves, backend)
+    some = torch.autograd.grad(out, [leaves["w_down"], leaves["x"]], d_out, retain_graph=True)
+    out.backward(d_out, retain_graph=True)
+    first = {n: leaves[n].grad.clone() for n in FLOAT_INPUTS}
+    out.backward(d_out)
+    for n in FLOAT_INPUTS:
+        assert_equal(f"d_{n} after two backwards", leaves[n].grad, 2 * first[n])
+    assert_equal("d_w_down of autograd.grad([w_down, x])", some[0], first["w_down"])
+    assert_equal("d_x of autograd.grad([w_down, x])", some[1], first["x"])
+
+
 # --------------------------------------------------------------------------------------------- schedule, layer
 
 

@@ -194,6 +194,39 @@ def test_public_experts_fp16_topk_weights(triton_backend):
         assert_close_budget(name, ours[name], ref64[name], ref_low[name])
 
 
+@interpreted
+@pytest.mark.parametrize("name", ["x", "topk_weights", "w_gate_up", "w_down"])
+def test_public_experts_inplace_change_after_forward_raises(name, triton_backend):
+    """On the Triton backend too, an input changed in place between the forward and the backward (an optimizer
+    step, x.add_(1)) is torch's version-counter error, not gradients of the changed values (the backward
+    re-reads x and the weights to spread rows and, in a second backward, to recompute gate_up)."""
+    _, p = problem(21, SHAPE[0], torch.float32, shared=False)
+    leaves = {n: getattr(p, n).detach().clone().requires_grad_() for n in p.float_names}
+    out = megamoe.experts(leaves["x"], p.topk_ids, leaves["topk_weights"], leaves["w_gate_up"], leaves["w_down"])
+    with torch.no_grad():
+        leaves[name].add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward(p.d_out)
+
+
+@interpreted
+def test_public_experts_retain_graph_backward_twice(triton_backend):
+    """Through megamoe.experts (autograd): the first backward frees the saved gate_up, the second (retain_graph)
+    recomputes it, and the gradients accumulate to exactly twice the first's, after a torch.autograd.grad of
+    one input in between (which already released gate_up)."""
+    _, p = problem(22, SHAPE[0], torch.float16)
+    leaves = {n: getattr(p, n).detach().clone().requires_grad_() for n in p.float_names}
+    out = megamoe.experts(leaves["x"], p.topk_ids, leaves["topk_weights"], leaves["w_gate_up"], leaves["w_down"],
+                          shared_gate_up=leaves["shared_gate_up"], shared_down=leaves["shared_down"])
+    some = torch.autograd.grad(out, [leaves["topk_weights"]], p.d_out, retain_graph=True)[0]
+    out.backward(p.d_out, retain_graph=True)
+    first = {n: leaf.grad.clone() for n, leaf in leaves.items()}
+    out.backward(p.d_out)
+    for n, leaf in leaves.items():
+        assert_equal(f"d_{n} after two backwards", leaf.grad, 2 * first[n])
+    assert_equal("d_topk_weights of autograd.grad([topk_weights])", some, first["topk_weights"])
+
+
 # ----------------------------------------------------------------------------------------------------
 # The empty batch
 
