@@ -305,6 +305,18 @@ def test_custom_gate_probe():
             assert "_apply_gate" in reason
 
 
+def _eager_and_megamoe(model, experts, x, ids, weights):
+    """(out, grads of x, weights, gate_up_proj, down_proj) of the experts called with the model's eager
+    implementation, then with megamoe's."""
+    results = []
+    for implementation in ("eager", "megamoe"):
+        model.set_experts_implementation(implementation)
+        out = experts(x, ids, weights)
+        grads = torch.autograd.grad(out.square().sum(), [x, weights, experts.gate_up_proj, experts.down_proj])
+        results.append((out, grads))
+    return results
+
+
 def test_transformers_expert_parallel_sentinels():
     """transformers' own EP ("all_to_all"/"all_reduce") hands the experts local ids with a sentinel id
     (num_local_experts) and weight 0 for routes to other ranks: same result and gradients as eager."""
@@ -316,13 +328,7 @@ def test_transformers_expert_parallel_sentinels():
     ids = torch.randint(0, 8, (9, 2), generator=gen)
     ids[::2, 1] = 8  # sentinel
     weights = torch.rand(9, 2, generator=gen).masked_fill(ids == 8, 0.0).requires_grad_()
-    results = []
-    for implementation in ("eager", "megamoe"):
-        model.set_experts_implementation(implementation)
-        out = experts(x, ids, weights)
-        grads = torch.autograd.grad(out.square().sum(), [x, weights, experts.gate_up_proj, experts.down_proj])
-        results.append((out, grads))
-    (out_ref, grads_ref), (out, grads) = results
+    (out_ref, grads_ref), (out, grads) = _eager_and_megamoe(model, experts, x, ids, weights)
     torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-6)
     for grad, grad_ref in zip(grads, grads_ref):
         torch.testing.assert_close(grad, grad_ref, rtol=1e-5, atol=1e-6)
@@ -337,13 +343,7 @@ def test_float64_model_keeps_float64_routing_weights():
     x = torch.randn(9, 32, generator=gen, dtype=torch.float64, requires_grad=True)
     ids = torch.randint(0, 8, (9, 2), generator=gen)
     weights = torch.rand(9, 2, generator=gen, dtype=torch.float64, requires_grad=True)
-    results = []
-    for implementation in ("eager", "megamoe"):
-        model.set_experts_implementation(implementation)
-        out = experts(x, ids, weights)
-        grads = torch.autograd.grad(out.square().sum(), [x, weights, experts.gate_up_proj, experts.down_proj])
-        results.append((out, grads))
-    (out_ref, grads_ref), (out, grads) = results
+    (out_ref, grads_ref), (out, grads) = _eager_and_megamoe(model, experts, x, ids, weights)
     assert out.dtype == torch.float64
     torch.testing.assert_close(out, out_ref, rtol=1e-12, atol=1e-14)
     for grad, grad_ref in zip(grads, grads_ref):
