@@ -115,7 +115,9 @@ class MoELayer(nn.Module):
             nn.init.uniform_(self.shared_gate_up, -1 / math.sqrt(self.hidden_size), 1 / math.sqrt(self.hidden_size))
             bound = 1 / math.sqrt(self.shared_down.shape[1])
             nn.init.uniform_(self.shared_down, -bound, bound)
-        self.tokens_per_expert.zero_()  # garbage after to_empty (meta-device init)
+        # Garbage after to_empty (meta-device init). Replaced, as forward replaces it, not zeroed in place: after a
+        # forward under torch.inference_mode it is an inference tensor, which cannot change in place outside it.
+        self.tokens_per_expert = torch.zeros_like(self.tokens_per_expert)
 
     @torch.no_grad()
     def _init_experts(self, w: torch.Tensor, bound: float) -> None:

@@ -127,6 +127,23 @@ def test_inference_under_autocast_and_layer():
     assert_equal("out", got, want)
 
 
+def test_layer_reset_after_inference_mode_forward():
+    """A forward under inference_mode leaves tokens_per_expert an inference tensor (the forward's counts), which
+    cannot change in place outside inference_mode: reset_parameters afterwards still re-initialises the layer,
+    as it does after a forward with grad enabled (was: RuntimeError "Inplace update to inference tensor")."""
+    torch.manual_seed(0)
+    layer = megamoe.MoELayer(32, 24, 6, 2, config=CONFIG)
+    with torch.inference_mode():
+        layer(torch.randn(3, 32))
+    torch.manual_seed(1)
+    layer.reset_parameters()
+    torch.manual_seed(1)
+    fresh = megamoe.MoELayer(32, 24, 6, 2, config=CONFIG)
+    for (name, got), want in zip(layer.state_dict().items(), fresh.state_dict().values()):
+        assert_equal(name, got, want)
+    assert_equal("tokens_per_expert", layer.tokens_per_expert, torch.zeros(6, dtype=torch.int32))
+
+
 # --------------------------------------------------------------------------------------------- partial backward
 
 # (what requires grad) -> what must not run in the backward
