@@ -32,9 +32,9 @@ import torch
 
 import megamoe
 from megamoe.bench.problem import forward_TH, make_tokens, make_weights
+from megamoe.bench.run import DTYPES
 from megamoe.bench.workloads import GPU_WORKLOADS, NUM_INPUT_SETS, WORKLOADS, choose_experts_per_gpu
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODES = {
     "grad": contextlib.nullcontext,
     "no_grad": torch.no_grad,

@@ -34,11 +34,11 @@ import torch.distributed as dist
 import megamoe
 import megamoe.autograd
 from megamoe.bench.problem import forward_backward, make_tokens, make_weights
+from megamoe.bench.run import DTYPES
 from megamoe.bench.workloads import NUM_INPUT_SETS, WORKLOADS, choose_experts_per_gpu
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKEND_PATH = "megamoe/backends/torch_native.py"
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TOKEN_SEED = 1234
 
 

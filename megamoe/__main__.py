@@ -94,7 +94,7 @@ def _check_outputs(args, bench: argparse.ArgumentParser) -> None:
             check_plot_path(args.plot)  # needs matplotlib: an ImportError says how to install it
         except (ValueError, ImportError) as e:
             bench.error(str(e))
-    if getattr(args, "json", None) and not Path(args.json).parent.is_dir():
+    if args.json and not Path(args.json).parent.is_dir():
         bench.error(f"--json {args.json}: folder {Path(args.json).parent} does not exist")
 
 

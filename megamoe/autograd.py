@@ -177,10 +177,10 @@ def _forget_group(group_name: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Ranks of an expert-parallel group must agree on every size the collectives depend on. Disagreeing ranks
-# used to abort (gloo: size mismatch), hang until the process-group timeout (one rank with T=0) or index
-# out of range with routing gathered from a peer; a bad expert id on one rank left its peers blocked in
-# the routing gather. check_ranks_agree turns all of these into a ValueError on every rank; a rank that
+# Ranks of an expert-parallel group must agree on every size the collectives depend on. Unchecked,
+# disagreeing ranks abort (gloo: size mismatch), hang until the process-group timeout (one rank with T=0) or
+# index out of range with routing gathered from a peer; a bad expert id on one rank leaves its peers blocked
+# in the routing gather. check_ranks_agree turns all of these into a ValueError on every rank; a rank that
 # rejects its own arguments joins its exchange anyway (announce_rejection), so its peers raise at once.
 
 _SAME_TK = "every rank of the group must pass the same T and k (pad the batch to a common T)"

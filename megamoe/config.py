@@ -19,8 +19,8 @@ MAX_BLOCK_M = 1024
 # of two from 1, which the torch path runs ("auto" picks it below this).
 TRITON_MIN_BLOCK_M = 16
 # The longest comm_timeout_ms (about 24.8 days, an int32 of milliseconds): every wait it bounds can take it (the
-# agreement exchange's datetime.timedelta, the GPU's int64 nanoseconds), where 10**17 ms used to be accepted
-# and then fail with an OverflowError at an expert-parallel group's second call.
+# agreement exchange's datetime.timedelta, the GPU's int64 nanoseconds); a longer one, e.g. 10**17 ms, would
+# fail with an OverflowError at an expert-parallel group's second call.
 MAX_COMM_TIMEOUT_MS = 2**31 - 1
 
 

@@ -18,8 +18,8 @@ import torch
 
 def swiglu_fwd(gate_up: torch.Tensor, live: int | None = None) -> torch.Tensor:
     """h = silu(gate) * up in gate_up's dtype (fp32 math inside each op, one rounding per op, as PyTorch's
-    F.silu(g) * u): two passes over [R, I], 10 B per element in bf16 (was an fp32 copy of [R, 2I] and fp32
-    temporaries, 38 B). Only the first `live` rows are computed (the rest of h is left unwritten)."""
+    F.silu(g) * u): two passes over [R, I], 10 B per element in bf16 (an fp32 copy of [R, 2I] and fp32
+    temporaries would be 38 B). Only the first `live` rows are computed (the rest of h is left unwritten)."""
     gate, up = gate_up[:live].chunk(2, dim=-1)
     h = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
     torch.ops.aten.silu.out(gate, out=h[:live]).mul_(up)
@@ -28,7 +28,7 @@ def swiglu_fwd(gate_up: torch.Tensor, live: int | None = None) -> torch.Tensor:
 
 def swiglu_bwd(gate_up: torch.Tensor, d_h: torch.Tensor, live: int | None = None) -> torch.Tensor:
     """d_gate_up [R, 2I] of swiglu_fwd, written in place into one buffer (no fp32 copies, no cat): the ops
-    of PyTorch's autograd of F.silu(g) * u, 22 B per element of [R, I] in bf16 (was 142). d_h is consumed
+    of PyTorch's autograd of F.silu(g) * u, 22 B per element of [R, I] in bf16. d_h is consumed
     (overwritten). Only the first `live` rows are computed (the rest of d_gate_up is left unwritten)."""
     gate, up = gate_up[:live].chunk(2, dim=-1)
     d_gate_up = torch.empty_like(gate_up)

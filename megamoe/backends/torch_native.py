@@ -1,9 +1,9 @@
 """The portable MoE path: the schedule, torch ops and (with a group) torch.distributed all_to_all.
 
-It runs on CPU (gloo) and any GPU (NCCL), and is the baseline the benchmarks compare against: what a
-user would otherwise write (TorchTitan-like: token gather, `torch._grouped_mm` over expert segments
-padded to 16 rows, all_to_all with split sizes known on the host). Forward and backward are written
-out by hand, in eager ops chosen for the bytes they move, so that every reduction has a fixed order.
+It runs on CPU (gloo) and any GPU (NCCL): token gather, `torch._grouped_mm` over expert segments padded
+to 16 rows, all_to_all with split sizes known on the host. (The benchmarks' baseline, what TorchTitan users
+run, is megamoe.bench.baselines; this path is timed beside it as "portable".) Forward and backward are
+written out by hand, in eager ops chosen for the bytes they move, so that every reduction has a fixed order.
 
 Precision (bf16/fp16 inputs; fp32 and fp64 run the same ops in their own dtype):
 - GEMMs run in the input dtype (fp32 accumulation inside); SwiGLU and its backward run in the input dtype
@@ -11,8 +11,7 @@ Precision (bf16/fp16 inputs; fp32 and fp64 run the same ops in their own dtype):
   its autograd (the error-budget reference), never an fp32 copy of [R, 2I] (backends/swiglu.py, which
   also holds the shared expert that every backend runs).
 - Forward slot sum: out[t] = sum_j w[t, j] * y[t, j] + shared[t], products and sums in fp32 (fp64 for
-  fp64), j = 0..k-1 in order, one chain of in-place fp32 ops (the documented math, the same fp32 ops as
-  before).
+  fp64), j = 0..k-1 in order, one chain of in-place fp32 ops (the documented math).
 - Backward: d_y = w * d_out in fp32, rounded once; d_x[t] = sum_j d_x_pairs[t, j] by one torch.sum with
   fp32 accumulation, whose order is fixed by the shapes (j = 0..k-1 on CPU and for k <= 4 on CUDA;
   CUDA's reduction kernel pairs slots j and j+4 for larger k); d_topk_weights[t, j] = <d_out[t], y[t, j]>
@@ -215,15 +214,15 @@ def to_rows(
             scale = pair_scale.reshape(-1)
             pair = torch.where(src >= 0, src, scale.numel())
             scale_rows = torch.cat([scale, scale.new_zeros(1)]).index_select(0, pair)
-            rows.mul_(scale_rows.unsqueeze(1))  # in place: one pass over [R, H] (was 20 B/element of fp32 temporaries)
+            rows.mul_(scale_rows.unsqueeze(1))  # in place: one pass over [R, H], no fp32 [R, H] temporaries
         return rows
     send = ex.send_order[: ex.num_sent]
     sent = source.index_select(0, send // k)
     if pair_scale is not None:  # scaled on the sending side: the same products, no separate exchange of weights
         sent.mul_(pair_scale.reshape(-1).index_select(0, send).unsqueeze(1))
     received = _all_to_all(sent, ex.recv_splits, ex.send_splits, group)
-    # The received rows copied and the padding rows zeroed, each written once (was a zero-fill of all R
-    # rows, then the copy). Rows past live_rows are never read and stay unwritten: recv_order lists the
+    # The received rows copied and the padding rows zeroed, each written once (no zero-fill of all R rows
+    # first). Rows past live_rows are never read and stay unwritten: recv_order lists the
     # rows nobody sends by ascending row, so the first live - num_received of them are the ones below live.
     rows = received.new_empty(schedule.num_rows, *source.shape[1:])
     rows.index_copy_(0, ex.recv_order[: ex.num_received], received)
@@ -238,7 +237,7 @@ def to_pairs(rows_RH: torch.Tensor, schedule: Schedule, group, ex: _Exchange | N
     pairs = schedule.num_tokens * schedule.top_k
     if _is_local(schedule, group):
         dest = schedule.dest_row.reshape(-1).long()
-        if _dropless(schedule):  # every pair has a row: one gather (was a gather plus a where-copy)
+        if _dropless(schedule):  # every pair has a row: one gather, no masking
             return rows_RH.index_select(0, dest)
         out = rows_RH.index_select(0, dest.clamp(min=0))
         return out.masked_fill_((dest < 0).unsqueeze(1), 0)
@@ -252,17 +251,17 @@ def to_pairs(rows_RH: torch.Tensor, schedule: Schedule, group, ex: _Exchange | N
 
 
 def weighted_slot_sum(
-    y_TKH: torch.Tensor, weights_TK: torch.Tensor, extra_TH: torch.Tensor | None = None
+    y_TKH: torch.Tensor, weights_TK: torch.Tensor, extra_TH: torch.Tensor | None
 ) -> torch.Tensor:
     """out[t] = sum_j w[t, j] * y[t, j] (+ extra[t]) in fp32 (fp64 for fp64), j = 0..k-1 in order, then cast
-    to y's dtype: the documented math, the same fp32 operations as the zero-initialised loop it replaces.
+    to y's dtype: the documented math.
 
     An explicit chain of in-place fp32 ops rather than one batched reduction: in eager torch a batched one
     needs the products w * y first, rounded to bf16 (or bf16 weights in a bmm), which the documented math
     does not round, and its order is not j = 0..k-1 on CUDA. The chain reads and writes the fp32
     accumulator once per slot; it starts from the first product (no zero-fill) and writes the last op's
     result straight in y's dtype (no separate cast pass): (10k - 6) B per [T, H] element in bf16, 10k + 4
-    with a shared expert (was 10k + 10 and 10k + 20).
+    with a shared expert.
     """
     acc_dtype = _acc_dtype(y_TKH.dtype)
     num_tokens, top_k, hidden = y_TKH.shape
@@ -280,10 +279,10 @@ def weighted_slot_sum(
     return acc
 
 
-def slot_sum(pairs_TKH: torch.Tensor, extra_TH: torch.Tensor | None = None) -> torch.Tensor:
+def slot_sum(pairs_TKH: torch.Tensor, extra_TH: torch.Tensor | None) -> torch.Tensor:
     """sum_j pairs[t, j] (+ extra[t]) accumulated in fp32 (fp64 for fp64), in pairs' dtype.
 
-    One torch.sum over the k dim (reads the pairs once; was k passes over an fp32 [T, H] accumulator,
+    One torch.sum over the k dim (reads the pairs once, not k passes over an fp32 [T, H] accumulator at
     10 B per element per slot): the reduction kernel accumulates in fp32 and rounds once, in an order fixed
     by the shapes (see the module docstring), so it is deterministic. With extra, the fp32 sum is kept and
     extra added before the one rounding.
@@ -298,7 +297,7 @@ def pair_weight_grads(d_out: torch.Tensor, y_pairs_TKH: torch.Tensor) -> torch.T
     """d_topk_weights[t, j] = <d_out[t], y[t, j]> summed in fp32 (fp64 for fp64).
 
     The products are rounded once to the inputs' dtype (one pass over [T, k, H] in bf16, then one read by
-    the reduction: 6 B/element; was an fp32 copy of y_pairs and an fp32 product, ~18 B/element).
+    the reduction: 6 B/element; an fp32 copy of y_pairs and an fp32 product would be ~18 B/element).
     """
     return (y_pairs_TKH * d_out.unsqueeze(1)).sum(-1, dtype=_acc_dtype(d_out.dtype))
 
@@ -325,8 +324,8 @@ def rows_bwd(d_y_rows, x_rows, gate_up, h, w_gate_up, w_down, ends, live: int | 
              *, need_x: bool = True, need_w_gate_up: bool = True, need_w_down: bool = True):
     """Backward of rows_fwd: returns (d_x_rows [R, H], d_w_gate_up, d_w_down), None for each one not needed
     (its GEMM skipped; the SwiGLU backward and the down-projection data grad run only for d_x or
-    d_w_gate_up). h comes saved from the forward (2 B per [R, I] element held; was recomputed here, an
-    extra SwiGLU forward of 38 B per element)."""
+    d_w_gate_up). h comes saved from the forward (2 B per [R, I] element held, rather than recomputed here
+    by an extra SwiGLU forward of 38 B per element)."""
     d_w_down = grouped_mm(d_y_rows.t(), h, ends) if need_w_down else None
     if not (need_x or need_w_gate_up):
         return None, None, d_w_down

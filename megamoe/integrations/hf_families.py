@@ -27,7 +27,6 @@ import functools
 import importlib
 import inspect
 import os
-import time
 
 import torch
 from torch import nn
@@ -139,8 +138,6 @@ class FamilyResult:
     model_class: str = ""
     experts_class: str = ""
     reasons: list[str] = dataclasses.field(default_factory=list)  # hf.unsupported_reasons, when refused
-    moe_layers: int = 0
-    seconds: float = 0.0
 
 
 @functools.lru_cache(maxsize=None)
@@ -159,6 +156,7 @@ def _decorated_forward_code():
 
 
 def is_experts_class(cls) -> bool:
+    """Whether cls is a class whose own forward is the one @use_experts_implementation installs."""
     forward = inspect.isclass(cls) and cls.__dict__.get("forward")
     return bool(forward) and getattr(forward, "__code__", None) is _decorated_forward_code()
 
@@ -169,7 +167,6 @@ def discover() -> list[Family]:
     import transformers.models
 
     root = os.path.dirname(transformers.models.__file__)
-    code = _decorated_forward_code()
     families = []
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name, f"modeling_{name}.py")
@@ -185,9 +182,7 @@ def discover() -> list[Family]:
             families.append(Family(name, module_name, (), f"{type(error).__name__}: {error}"))
             continue
         experts = tuple(
-            cls.__name__ for cls in vars(module).values()
-            if inspect.isclass(cls) and cls.__module__ == module_name
-            and getattr(cls.__dict__.get("forward"), "__code__", None) is code
+            cls.__name__ for cls in vars(module).values() if is_experts_class(cls) and cls.__module__ == module_name
         )
         if experts:
             families.append(Family(name, module_name, experts))
@@ -337,15 +332,13 @@ def check_experts_class(family: Family, experts_class: str, *, tokens: tuple[int
     reasons: hf.unsupported_reasons), "mismatch" or "error" otherwise."""
     from megamoe.integrations import hf
 
-    start = time.perf_counter()
     result = FamilyResult(family.model_type, "error", experts_class=experts_class)
     try:
         model, experts = tiny_model(family, experts_class, seed=seed)
     except Exception as error:  # noqa: BLE001
         result.status, result.detail = "skipped", f"no tiny model: {error}"
-        result.seconds = time.perf_counter() - start
         return result
-    result.model_class, result.moe_layers = type(model).__name__, len(experts)
+    result.model_class = type(model).__name__
     vocab = getattr(model.config, "vocab_size", None) or 96
     input_ids = torch.randint(3, min(vocab, 96), tokens, generator=torch.Generator().manual_seed(seed + 1))
     try:
@@ -383,5 +376,4 @@ def check_experts_class(family: Family, experts_class: str, *, tokens: tuple[int
                 problems.append(f"grad of {name}: relative error {e:.3g}")
         result.status = "mismatch" if problems else "supported"
         result.detail = "; ".join(problems[:5]) or f"{len(calls)} megamoe.experts calls, {len(grads)} gradients"
-    result.seconds = time.perf_counter() - start
     return result

@@ -66,7 +66,6 @@ def combine(
     shared_TH: torch.Tensor | None,
     *,
     config: TileConfig,
-    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """out [T, H] = sum_j weights[t, j] * rows[index[t, j]] (+ shared[t], last); weights None means 1.
 
@@ -83,7 +82,7 @@ def combine(
               f"got {weights_TK.dtype} {tuple(weights_TK.shape)}")
     if shared_TH is not None:
         check(tuple(shared_TH.shape) == (num_tokens, hidden) and shared_TH.is_contiguous(), "shared must be a contiguous [T, H] tensor")
-    out = torch.empty(num_tokens, hidden, dtype=out_dtype or rows_NH.dtype, device=rows_NH.device)
+    out = torch.empty(num_tokens, hidden, dtype=rows_NH.dtype, device=rows_NH.device)
     grid = (triton.cdiv(num_tokens, config.block_m), triton.cdiv(hidden, config.block_n))
     combine_kernel[grid](
         rows_NH, weights_TK if weights_TK is not None else rows_NH, index_TK,
