@@ -9,7 +9,7 @@ Per benchmarked workload (megamoe.bench.workloads.GPU_WORKLOADS: its H, I, k and
 tile-table entries run) with T = 512 tokens and at most 16 experts (so that the fp64 reference of every
 expert fits), weights and routing made as the bench makes them (megamoe.bench.problem, balanced and skewed
 routing of megamoe.bench.routing): the output and every gradient (x, topk_weights, w_gate_up, w_down and
-the shared expert's) within the error budget of docs/design.md (tests/gpu/test_triton_gpu.py's form of it),
+the shared expert's) within the error budget of docs/design.md (with conftest's one-ulp noise floor),
 and a second run with the same bits. Also through the public path: topk_weights in bf16, and the empty
 batch; and MoELayer (router included) forward and backward at a small size.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import BF16_ULP, assert_close_budget
 
 import megamoe
 from megamoe.autograd import resolve_backend
@@ -39,26 +40,10 @@ def auto_is_triton():
         pytest.skip('backend "auto" does not pick the Triton path on this GPU')
 
 
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
-
-
-def error_budget(ref_err: float, numel: int) -> float:
-    """The error budget (docs/design.md) as tests/gpu/test_triton_gpu.py states it: 2x the bf16 reference's
-    relative error plus a noise floor, one bf16 ulp / sqrt(n) added to the reference's error first (on a few
-    elements that error is itself a random draw, possibly far below typical)."""
-    return 2 * (ref_err + 2.0**-8 / numel**0.5) + 1e-5
-
-
 def assert_within_budget(ours: dict, ref64: dict, ref_low: dict) -> None:
     assert list(ours) == list(ref64), f"results {list(ours)} != the reference's {list(ref64)}"
     for name, want in ref64.items():
-        got = ours[name]
-        assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-        assert torch.isfinite(got).all(), f"{name}: {(~torch.isfinite(got)).sum().item()} non-finite values"
-        err, ref_err = relative_error(got, want), relative_error(ref_low[name], want)
-        budget = error_budget(ref_err, want.numel())
-        assert err <= budget, f"{name}: relative error {err:.3e} > budget {budget:.3e} (bf16 reference's {ref_err:.3e})"
+        assert_close_budget(name, ours[name], want, ref_low[name], ulp=BF16_ULP)
 
 
 def assert_same_bits(first: dict, second: dict) -> None:
