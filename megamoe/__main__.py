@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 from megamoe.bench.baselines import PEERS
@@ -85,17 +86,32 @@ TIMING_OPTIONS = (
 )
 
 
+def _check_writable(option: str, path: str, bench: argparse.ArgumentParser) -> None:
+    """A usage error naming option unless a file can be written at path: not a folder, in a folder that exists
+    and takes a new file (tried with a temporary file, which is gone at once)."""
+    path = Path(path)
+    if path.is_dir():
+        bench.error(f"--{option} {path}: is a folder; give a file path")
+    if not path.parent.is_dir():
+        bench.error(f"--{option} {path}: folder {path.parent} does not exist")
+    try:
+        tempfile.TemporaryFile(dir=path.parent).close()
+    except OSError as e:
+        bench.error(f"--{option} {path}: cannot write in folder {path.parent} ({e.strerror})")
+
+
 def _check_outputs(args, bench: argparse.ArgumentParser) -> None:
     """--json and --plot paths that cannot be written are errors before anything is timed, not after."""
     if args.plot:
         from megamoe.bench.plot import check_plot_path
 
+        _check_writable("plot", args.plot, bench)
         try:
             check_plot_path(args.plot)  # needs matplotlib: an ImportError says how to install it
         except (ValueError, ImportError) as e:
             bench.error(str(e))
-    if args.json and not Path(args.json).parent.is_dir():
-        bench.error(f"--json {args.json}: folder {Path(args.json).parent} does not exist")
+    if args.json:
+        _check_writable("json", args.json, bench)
 
 
 def _plot_from_json(args, bench: argparse.ArgumentParser) -> int:

@@ -262,6 +262,7 @@ def _check_records(records: list[dict], ep: int) -> None:
         assert problem == ("cpu-small", ep, 64, 8 // ep)
         assert r["ms"] > 0 and r["tflops"] > 0
         assert len(r["round_ms"]) == 2 and r["ms"] == pytest.approx(sum(r["round_ms"]) / 2)
+        assert (r["iters"], r["warmup"]) == (2, 1)  # TINY_RUN's: a record says what its ms is the median of
         assert r["gpu"] == "cpu" and r["dtype"] == "fp32" and r["mfu"] is None and r["peak_mem_bytes"] is None
         assert r["peak_mem_above_inputs_bytes"] is None and r["workspace_bytes"] is None
         assert r["torch"] == torch.__version__ and r["commit"]
@@ -320,6 +321,21 @@ def test_git_commit_marks_uncommitted_code(tmp_path):
     assert git_commit(tmp_path) == head
     (tmp_path / "kernel.py").write_text("a = 2\n")
     assert git_commit(tmp_path) == f"{head}-dirty"
+
+
+def test_titles_keep_the_dirty_mark(monkeypatch, capsys):
+    """The printed title and a plot's default title cut the commit to 12 characters but keep "-dirty": a run of
+    uncommitted code does not read as a run of HEAD."""
+    from megamoe.bench.plot import default_title
+
+    commit = "0123456789abcdef0123456789abcdef01234567-dirty"
+    monkeypatch.setattr(run, "git_commit", lambda: commit)
+    monkeypatch.setattr(run, "time_pass", lambda *args, **kwargs: {
+        "ms": 1.0, "peak_mem_bytes": None, "peak_mem_above_inputs_bytes": None, "workspace_bytes": None})
+    run.run_bench(workloads=["cpu-small"], backends=["torch"], routing="balanced", tokens=16, iters=1, warmup=0,
+                  dtype=None, experts_per_gpu=None, json_path=None)
+    assert "commit 0123456789ab-dirty" in capsys.readouterr().out.splitlines()[0]
+    assert default_title([{"gpu": "cpu", "torch": "2.13.0", "commit": commit}]).endswith("commit 0123456789ab-dirty")
 
 
 def test_git_commit_is_unknown_in_a_repository_that_does_not_track_megamoe(tmp_path):

@@ -247,6 +247,15 @@ def test_speedup_column_is_against_torchtitan():
     assert [line.split()[-1] for line in lines[1:]] == ["1.00x", "0.75x", "2.00x", "-"]
 
 
+def test_cpu_tflops_are_not_printed_as_zero():
+    """A CPU's rates are thousandths of a TFLOP/s: the table shows 3 significant digits, not "0.00"."""
+    rows = [{"workload": "cpu-small", "experts_per_gpu": 8, "routing": "balanced", "load": 1.0, "backend": backend,
+             "pass": "fwd", "ms": 5.0, "tflops": tflops, "status": "ok"}
+            for backend, tflops in (("torchtitan", 0.0016897), ("torch", 523.4))]
+    lines = format_table(rows, on_gpu=False).splitlines()
+    assert [line.split()[7] for line in lines[1:]] == ["0.00169", "523"]
+
+
 def _readme_table_module():
     spec = importlib.util.spec_from_file_location("readme_table", REPO / "benchmarks" / "readme_table.py")
     module = importlib.util.module_from_spec(spec)

@@ -28,7 +28,7 @@ def make_records(ep: int, backends=("torchtitan", "torch", "triton"), workloads=
                     records.append({
                         "workload": workload, "backend": backend, "pass": pass_name, "routing": routing, "ep": ep,
                         "tokens": 16384, "experts_per_gpu": 128 // ep, "dtype": "bf16", "ms": 1.0, "round_ms": [1.0],
-                        "tflops": tflops,
+                        "iters": 20, "warmup": 5, "tflops": tflops,
                         "mfu": tflops / CEILING, "ceiling_tflops": CEILING, "peak_mem_bytes": 2**30,
                         "peak_mem_above_inputs_bytes": 2**29, "workspace_bytes": None,
                         "gpu": "NVIDIA H200", "torch": "2.13.0", "triton": "3.6.0", "commit": "0123456789abcdef",
@@ -181,8 +181,11 @@ def test_records_of_two_problem_sizes_in_one_bar_are_an_error(tmp_path):
         (["--plot", "{tmp}/x.foo"], "matplotlib cannot write .foo files"),
         (["--plot", "{tmp}/missing/x.png"], "does not exist"),
         (["--json", "{tmp}/missing/r.json"], "--json {tmp}/missing/r.json: folder"),
+        (["--json", "{tmp}"], "--json {tmp}: is a folder"),
+        (["--plot", "{tmp}"], "--plot {tmp}: is a folder"),
+        (["--json", "/proc/r.json"], "--json /proc/r.json: cannot write in folder /proc"),
     ],
-    ids=["plot-format", "plot-folder", "json-folder"],
+    ids=["plot-format", "plot-folder", "json-folder", "json-is-a-folder", "plot-is-a-folder", "json-folder-read-only"],
 )
 def test_unwritable_outputs_fail_before_timing(tmp_path, capsys, monkeypatch, args, message):
     """A --plot or --json path that cannot be written is an argparse error at once, not a traceback after the

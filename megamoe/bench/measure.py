@@ -143,6 +143,12 @@ def ceiling_matmul(device: torch.device):
     return lambda: a @ b
 
 
+def short_commit(commit: str) -> str:
+    """git_commit's result for a title: the hash cut to 12 characters, its "-dirty" kept."""
+    head, dirty, _ = commit.partition("-dirty")
+    return head[:12] + dirty
+
+
 def git_commit(checkout: Path = Path(__file__).parent) -> str:
     """HEAD of the checkout megamoe runs from, with "-dirty" where tracked files differ from it (a result then
     says that it was not measured on that commit's code), or "unknown" outside a git checkout or in one that does not

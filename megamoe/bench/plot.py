@@ -15,6 +15,8 @@ import json
 import textwrap
 from pathlib import Path
 
+from megamoe.bench.measure import short_commit
+
 PASS_ORDER = ("fwd", "fwd+bwd")
 ROUTING_ORDER = ("balanced", "skewed")
 NEEDED_FIELDS = ("workload", "backend", "pass", "routing", "ep", "tflops", "ceiling_tflops", "gpu")
@@ -39,15 +41,13 @@ def require_matplotlib():
 
 
 def check_plot_path(path: str | Path) -> None:
-    """Raise ValueError (naming --plot) unless a plot can be written to path: its folder exists and its suffix is
-    a format matplotlib writes (no suffix: matplotlib's default, png). Checked before anything is timed, so that
-    a typo fails in a second, not after the benchmark. Needs matplotlib (require_matplotlib)."""
+    """Raise ValueError (naming --plot) unless path's suffix is a format matplotlib writes (no suffix: matplotlib's
+    default, png). Checked before anything is timed, with the path itself (`python -m megamoe bench`), so that a
+    typo fails in a second, not after the benchmark. Needs matplotlib (require_matplotlib)."""
     require_matplotlib()
     from matplotlib.backend_bases import FigureCanvasBase
 
     path = Path(path)
-    if not path.parent.is_dir():
-        raise ValueError(f"--plot {path}: folder {path.parent} does not exist")
     formats = FigureCanvasBase.get_supported_filetypes()
     suffix = path.suffix[1:].lower()
     if suffix and suffix not in formats:
@@ -87,18 +87,19 @@ def _ordered(values, preferred) -> list:
     return [v for v in preferred if v in seen] + [v for v in seen if v not in preferred]
 
 
-def _fmt(value: float) -> str:
+def format_tflops(value: float) -> str:
+    """A TFLOP/s figure to 3 significant digits (whole numbers from 100 on): a CPU's 0.0017 is not shown as 0.00."""
     return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
 
 
 def default_title(records: list[dict]) -> str:
     """What the records were measured on: GPU(s), torch version(s) and commit(s)."""
 
-    def distinct(field, width=None):
-        values = dict.fromkeys(str(r.get(field))[:width] for r in records)
+    def distinct(field, short=str):
+        values = dict.fromkeys(short(str(r.get(field))) for r in records)
         return ", ".join(values)
 
-    return f"megamoe bench: {distinct('gpu')}; torch {distinct('torch')}; commit {distinct('commit', 12)}"
+    return f"megamoe bench: {distinct('gpu')}; torch {distinct('torch')}; commit {distinct('commit', short_commit)}"
 
 
 def plot_records(records: list[dict], path: str | Path, *, title: str | None = None) -> Path:
@@ -159,7 +160,7 @@ def plot_records(records: list[dict], path: str | Path, *, title: str | None = N
                         xs.append(j - 0.4 + (i + 0.5) * width)
                         heights.append(value)
                 bars = ax.bar(xs, heights, width, color=colors[i % len(colors)], label=labels[key])
-                ax.bar_label(bars, labels=[_fmt(h) for h in heights], fontsize=6, padding=1)
+                ax.bar_label(bars, labels=[format_tflops(h) for h in heights], fontsize=6, padding=1)
             for k, (gpu, ceiling, several) in enumerate(ceilings):
                 name = f" ({gpu})" if with_gpu else ""
                 highest = " (the highest of its runs)" if several else ""

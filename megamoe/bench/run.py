@@ -23,8 +23,9 @@ from tqdm import tqdm
 from megamoe.bench.baselines import PEERS
 from megamoe.bench.gate import experts_fn, gate_backends, unavailable_reason
 from megamoe.bench.measure import (
-    CEILING_FLOPS, alternating_rounds, ceiling_matmul, git_commit, median_ms, reduce_over_ranks,
+    CEILING_FLOPS, alternating_rounds, ceiling_matmul, git_commit, median_ms, reduce_over_ranks, short_commit,
 )
+from megamoe.bench.plot import format_tflops, plot_records
 from megamoe.bench.problem import forward_backward, forward_TH, make_tokens, make_weights
 from megamoe.bench.routing import ROUTINGS, expert_load_E
 from megamoe.bench.workloads import (
@@ -37,9 +38,9 @@ CEILING_TURN = "matmul-8192"  # the MFU ceiling's turn in every round (GPUs)
 TABLE_LABELS = {"torch": "portable"}  # megamoe's portable path, not torch's own
 TOKEN_SEED = 10_000  # + rank: every rank routes its own tokens
 RECORD_FIELDS = (
-    "workload", "backend", "pass", "routing", "ep", "tokens", "experts_per_gpu", "dtype", "ms", "round_ms", "tflops", "mfu",
-    "ceiling_tflops", "peak_mem_bytes", "peak_mem_above_inputs_bytes", "workspace_bytes", "gpu", "torch", "triton",
-    "commit", "status", "detail",
+    "workload", "backend", "pass", "routing", "ep", "tokens", "experts_per_gpu", "dtype", "ms", "round_ms", "iters",
+    "warmup", "tflops", "mfu", "ceiling_tflops", "peak_mem_bytes", "peak_mem_above_inputs_bytes", "workspace_bytes",
+    "gpu", "torch", "triton", "commit", "status", "detail",
 )  # every record's fields (docs/design.md); a backend that did not pass its gate has status "FAILED" or
 # "unavailable", detail saying why, and None for what would have been measured
 
@@ -212,6 +213,8 @@ def run_bench(
         "torch": torch.__version__,
         "triton": triton_version(),
         "commit": git_commit(),
+        "iters": iters,  # each round's ms is the median of iters calls after warmup untimed ones
+        "warmup": warmup,
     }
     progress = tqdm(total=0, file=sys.stderr, disable=rank != 0)
     ceilings = []
@@ -281,15 +284,13 @@ def run_bench(
         title = (
             f"megamoe bench: {facts['gpu']}, ep={world_size}, {dtype_name}, median of {rounds} alternating rounds' "
             f"medians of {iters} iterations after {warmup} warm-up, torch {facts['torch']}, triton {facts['triton']}, "
-            f"commit {facts['commit'][:12]}"
+            f"commit {short_commit(facts['commit'])}"
         )
         if ceilings:
             notes.insert(0, f"bf16 matmul ceiling (8192^3), timed in each workload's rounds: "
                             f"{min(ceilings):.0f}-{max(ceilings):.0f} TFLOP/s")
         report(title, notes, rows, on_gpu, json_path)
         if plot_path:
-            from megamoe.bench.plot import plot_records
-
             records = [{k: row[k] for k in RECORD_FIELDS} for row in rows]
             print(f"wrote the plot to {plot_records(records, plot_path, title=title)}")
     if group is not None:
@@ -329,7 +330,7 @@ def format_table(rows: list[dict], on_gpu: bool) -> str:
         if r["ms"] is None:
             lines.append(line + [r["status"]] + ["-"] * (len(header) - len(line) - 1))
             continue
-        line += [f"{r['ms']:.3f}", f"{r['tflops']:.2f}"]
+        line += [f"{r['ms']:.3f}", format_tflops(r["tflops"])]
         if on_gpu:
             workspace = r["workspace_bytes"]
             line += [f"{r['mfu']:.1%}", f"{r['peak_mem_bytes'] / 2**30:.2f} GiB",
