@@ -11,6 +11,7 @@ from torch import nn
 from megamoe.autograd import AUTOCAST_CASTS, AUTOCAST_DEVICE_TYPES, announce_rejection, experts
 from megamoe.config import MoEConfig, check_group, check_positive_int
 from megamoe.expert_state import load_expert_shards, shard_expert_state
+from megamoe.schedule import FLOAT_DTYPES
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -39,7 +40,9 @@ class MoELayer(nn.Module):
     After each forward (no host synchronisation): `tokens_per_expert` [E] int32 — this rank's (token, slot)
     pairs routed to each global expert; `aux_loss` — the Switch-Transformer load-balancing loss
     E * sum_e f_e * P_e over this rank's tokens (f_e: fraction of pairs sent to e; P_e: mean router
-    probability of e), differentiable with respect to the router; add `coef * layer.aux_loss` to your loss.
+    probability of e), differentiable with respect to the router; add `coef * layer.aux_loss` to your loss. Under
+    reentrant activation checkpointing (use_reentrant=True) the forward runs without grad and aux_loss has no
+    gradient: checkpoint non-reentrantly (checkpoint_wrapper's default).
     """
 
     def __init__(
@@ -68,8 +71,8 @@ class MoELayer(nn.Module):
             raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
         if not isinstance(norm_topk_prob, bool):  # a string such as "false" would be truthy
             raise TypeError(f"norm_topk_prob must be a bool, got {type(norm_topk_prob).__name__} {norm_topk_prob!r}")
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+        if dtype is not None and dtype not in FLOAT_DTYPES:  # what forward's x may be
+            raise TypeError(f"dtype must be torch.float16, bfloat16, float32, float64 or None, got {dtype!r}")
         if config is not None and not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a megamoe.MoEConfig or None, got {type(config).__name__}")
         check_group("group", group)

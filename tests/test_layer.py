@@ -300,9 +300,13 @@ def test_capacity_overflow_changes_nothing(rng):
     assert layer.aux_loss is before[1]
 
 
-def test_integer_dtype_is_rejected():
-    with pytest.raises(TypeError, match=r"\bdtype\b.*int32"):
-        MoELayer(H, I, E, K, dtype=torch.int32)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float8_e4m3fn, torch.complex64], ids=str)
+def test_dtype_the_experts_do_not_run_is_rejected(dtype):
+    """A dtype forward could never take (x must be float16, bfloat16, float32 or float64): a TypeError naming it
+    at construction. Before, float8 passed the floating-point check and failed in torch's uniform_ with a
+    NotImplementedError ("check_uniform_bounds" not implemented for 'Float8_e4m3fn')."""
+    with pytest.raises(TypeError, match=rf"\bdtype\b.*float64.*{dtype}"):
+        MoELayer(H, I, E, K, dtype=dtype)
 
 
 def test_repr_names_what_tells_layers_apart():

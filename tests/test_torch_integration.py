@@ -127,3 +127,76 @@ def test_deepcopy_after_training_forward():
         assert torch.equal(a, b), name
     assert torch.equal(copied(x), layer(x))
     assert torch.equal(copied.aux_loss, layer.aux_loss)
+
+
+def _block(layer: megamoe.MoELayer, x: torch.Tensor) -> torch.Tensor:
+    return x + layer(torch.nn.functional.layer_norm(x, (H,)))
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "checkpoint_wrapper"])
+def test_layer_under_non_reentrant_checkpointing_keeps_aux_loss_gradient(how):
+    """A block with MoELayer under non-reentrant activation checkpointing: the loss with aux_loss and every gradient
+    (the router's through aux_loss included) are the plain run's bits."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.moe = megamoe.MoELayer(H, I, E, K, shared_intermediate_size=8, config=CONFIG)
+
+        def forward(self, x):
+            return _block(self.moe, x)
+
+    def grads(wrap):
+        torch.manual_seed(0)
+        block = Block()
+        run = block if wrap is None else wrap(block)
+        x = torch.randn(2, T, H, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        loss = run(x).square().sum() + 0.1 * block.moe.aux_loss
+        assert block.moe.aux_loss.requires_grad
+        loss.backward()
+        return loss.detach(), [x.grad, *(p.grad for p in block.parameters())]
+
+    wrap = checkpoint_wrapper if how == "checkpoint_wrapper" else (
+        lambda block: lambda x: checkpoint(block, x, use_reentrant=False))
+    want_loss, want = grads(None)
+    got_loss, got = grads(wrap)
+    assert torch.equal(got_loss, want_loss)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_training_resumed_from_state_dicts_is_bitwise_the_uninterrupted_run(tmp_path):
+    """AdamW on MoELayer: stop after 2 of 4 steps, torch.save the model's and optimizer's state dicts, resume in a
+    fresh layer and optimizer: the remaining losses, aux_loss, tokens_per_expert and final parameters are bitwise
+    those of the run that never stopped."""
+    batches = [torch.randn(2, T, H, generator=torch.Generator().manual_seed(s)) for s in range(4)]
+
+    def fresh(seed):
+        torch.manual_seed(seed)
+        layer = megamoe.MoELayer(H, I, E, K, shared_intermediate_size=8, config=CONFIG)
+        return layer, torch.optim.AdamW(layer.parameters(), lr=1e-2, weight_decay=0.1)
+
+    def step(layer, optimizer, x):
+        loss = _block(layer, x).square().mean() + 0.1 * layer.aux_loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss.detach(), layer.aux_loss.detach(), layer.tokens_per_expert.clone()
+
+    layer, optimizer = fresh(0)
+    uninterrupted = []
+    for s, x in enumerate(batches):
+        if s == 2:
+            torch.save({"model": layer.state_dict(), "optim": optimizer.state_dict()}, tmp_path / "ckpt.pt")
+        uninterrupted.append(step(layer, optimizer, x))
+    resumed_layer, resumed_optimizer = fresh(1)
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    resumed_layer.load_state_dict(state["model"])
+    resumed_optimizer.load_state_dict(state["optim"])
+    for s in (2, 3):
+        for got, want in zip(step(resumed_layer, resumed_optimizer, batches[s]), uninterrupted[s]):
+            assert torch.equal(got, want), s
+    for (name, a), (_, b) in zip(layer.named_parameters(), resumed_layer.named_parameters()):
+        assert torch.equal(a, b), name
