@@ -33,9 +33,9 @@ class MoELayer(nn.Module):
     (so that torch.distributed.checkpoint saves every rank's experts), and load_state_dict also takes a
     one-process state dict of all E experts (each rank loads its own): megamoe.expert_state.
 
-    x: [..., H] in the layer's dtype (under autocast: float32, float16 or bfloat16). Also accepted: x in the dtype of
-    the router and shared expert when only the experts are in another of those three, as under FSDP2's
-    MixedPrecisionPolicy with the experts in ignored_params; the experts are then cast to x's dtype for the call.
+    x: [..., H] in the layer's dtype (under autocast: float32, float16 or bfloat16). Also accepted: x in the float16 or
+    bfloat16 of the router and shared expert when only the experts are float32, as under FSDP2's MixedPrecisionPolicy
+    with the experts in ignored_params; the experts are then cast to x's dtype for the call.
 
     After each forward (no host synchronisation): `tokens_per_expert` [E] int32 — this rank's (token, slot)
     pairs routed to each global expert; `aux_loss` — the Switch-Transformer load-balancing loss
@@ -208,10 +208,12 @@ class MoELayer(nn.Module):
 
     def _experts_follow(self, x: torch.Tensor) -> bool:
         """Whether the experts are cast to x's dtype for this call, outside autocast: x and every other parameter of
-        the layer (router, shared expert) are in one float32/float16/bfloat16 dtype, the experts in another of the
-        three. That is FSDP2's MixedPrecisionPolicy(param_dtype=...) with the experts in fully_shard's
-        ignored_params (megamoe.parallel's recipe for expert parallelism): FSDP2 casts x and the parameters it
-        manages for the forward, not the ones it ignores. The cast is differentiable: the experts' gradients
+        the layer (router, shared expert) are in one of float16/bfloat16, the experts in float32. That is FSDP2's
+        MixedPrecisionPolicy(param_dtype=...) with the experts in fully_shard's ignored_params (megamoe.parallel's
+        recipe for expert parallelism): FSDP2 casts x and the parameters it manages for the forward, not the ones
+        it ignores. Only that way round: a float32 x beside a router kept in float32 (layer.router.float()) in a
+        bfloat16 layer without a shared expert is a mistake (the TypeError), not a call to run the experts in
+        float32. The cast is differentiable: the experts' gradients
         arrive in their own dtype, as FSDP2's managed parameters' do."""
         experts_dtype = self.w_gate_up.dtype
         others = [self.router.weight]
@@ -219,7 +221,7 @@ class MoELayer(nn.Module):
             others += [self.shared_gate_up, self.shared_down]
         autocast = x.device.type in AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(x.device.type)
         return (
-            not autocast and x.dtype != experts_dtype and x.dtype in AUTOCAST_CASTS and experts_dtype in AUTOCAST_CASTS
+            not autocast and x.dtype in (torch.float16, torch.bfloat16) and experts_dtype == torch.float32
             and self.w_down.dtype == experts_dtype and all(p.dtype == x.dtype for p in others)
         )
 

@@ -250,6 +250,17 @@ def test_experts_follow_x_when_only_they_are_fp32(rng):
         layer(x.bfloat16())
 
 
+def test_fp32_x_beside_an_fp32_router_in_a_bf16_layer_is_an_error(rng):
+    """The router kept in fp32 in a bf16 layer without a shared expert (test_router_kept_in_fp32_in_a_bf16_layer):
+    an fp32 x is then in the dtype of every parameter but the experts, yet it is a mistake, not FSDP2's mixed
+    precision (which hands a narrower x to fp32 experts): the TypeError naming the layer's dtype, not the bf16
+    experts silently run in fp32 (an fp32 output, and fp32 copies of the experts held for the backward)."""
+    layer = make_layer(rng, hidden=32, inter=16, shared=0, dtype=torch.bfloat16)
+    layer.router.float()
+    with pytest.raises(TypeError, match="x must have the layer's dtype torch.bfloat16"):
+        layer(torch.randn(24, 32, generator=rng))
+
+
 @pytest.mark.parametrize("x_shape", [(0, H), (2, 0, H)], ids=["T0", "B2-S0"])
 def test_empty_batch(rng, x_shape):
     """No tokens: an empty output, zero counts and aux_loss exactly 0 (not 0 * NaN from a mean over no rows);

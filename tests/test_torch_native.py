@@ -9,6 +9,7 @@ import torch
 import megamoe
 from megamoe import MoEConfig
 from conftest import (
+    BF16_ULP,
     assert_close_budget,
     assert_close_tight,
     assert_equal,
@@ -89,6 +90,17 @@ def test_low_precision_within_error_budget(rng, shape, route, shared, dtype):
     assert ours["d_topk_weights"].dtype == torch.float32, "d_topk_weights must keep topk_weights' dtype"
     for name in ref64:
         assert_close_budget(name, ours[name], ref64[name], ref_low[name])
+
+
+def test_error_budget_of_an_all_zero_reference_is_exact_zeros():
+    """conftest.assert_close_budget on an all-zero reference (tests/gpu/ep_worker.py's "rank0" routing: the weight
+    gradients of a rank whose experts no token reaches): a nonzero result fails however small, as the GPU tests'
+    own budgets required before they shared this one (the relative error to a zero norm was /1e-30)."""
+    n = 4 * 512 * 512  # ep_worker's d_w_gate_up [E_local, 2I, H] of that case
+    zeros = torch.zeros(n, dtype=torch.float64)
+    assert_close_budget("d_w_gate_up", zeros.bfloat16(), zeros, zeros.bfloat16(), ulp=BF16_ULP)
+    with pytest.raises(AssertionError, match="1 nonzero values where the reference is all zeros"):
+        assert_close_budget("d_w_gate_up", zeros.index_fill(0, torch.tensor([7]), 1e-6), zeros, zeros, ulp=BF16_ULP)
 
 
 @pytest.mark.parametrize("shape,route", LOWP_CASES[:3], ids=LOWP_IDS[:3])
