@@ -88,16 +88,17 @@ TIMING_OPTIONS = (
 
 def _check_writable(option: str, path: str, bench: argparse.ArgumentParser) -> None:
     """A usage error naming option unless a file can be written at path: not a folder, in a folder that exists
-    and takes a new file (tried with a temporary file, which is gone at once)."""
-    path = Path(path)
-    if path.is_dir():
+    and takes a new file (tried with a temporary file, which is gone at once). A symbolic link is checked where
+    it points."""
+    folder = Path(path).resolve().parent
+    if Path(path).is_dir():
         bench.error(f"--{option} {path}: is a folder; give a file path")
-    if not path.parent.is_dir():
-        bench.error(f"--{option} {path}: folder {path.parent} does not exist")
+    if not folder.is_dir():
+        bench.error(f"--{option} {path}: folder {folder} does not exist")
     try:
-        tempfile.TemporaryFile(dir=path.parent).close()
+        tempfile.TemporaryFile(dir=folder).close()
     except OSError as e:
-        bench.error(f"--{option} {path}: cannot write in folder {path.parent} ({e.strerror})")
+        bench.error(f"--{option} {path}: cannot write in folder {folder} ({e.strerror})")
 
 
 def _check_outputs(args, bench: argparse.ArgumentParser) -> None:

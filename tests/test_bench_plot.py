@@ -199,6 +199,17 @@ def test_unwritable_outputs_fail_before_timing(tmp_path, capsys, monkeypatch, ar
     assert info.value.code == 2 and message.format(tmp=tmp_path) in capsys.readouterr().err
 
 
+def test_json_through_a_dangling_link_fails_before_timing(tmp_path, capsys, monkeypatch):
+    """--json naming a symbolic link into a folder that does not exist: checked where the link points (a dangling
+    link's own folder exists, and the run would otherwise fail at its end, writing the JSON)."""
+    monkeypatch.setattr("megamoe.__main__.run_bench", lambda **kwargs: pytest.fail("the benchmark ran"))
+    link = tmp_path / "r.json"
+    link.symlink_to(tmp_path / "missing" / "r.json")
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--json", str(link)])
+    assert info.value.code == 2 and f"--json {link}: folder" in capsys.readouterr().err
+
+
 def test_from_json_plot_into_a_missing_folder_is_a_usage_error(tmp_path, capsys):
     path = write_json(tmp_path / "run.json", make_records(ep=1))
     with pytest.raises(SystemExit) as info:
