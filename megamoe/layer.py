@@ -258,4 +258,4 @@ class MoELayer(nn.Module):
             f"num_experts={self.num_experts}, top_k={self.top_k}, score_func={self.score_func!r}, "
             f"norm_topk_prob={self.norm_topk_prob}, shared_intermediate_size={self.shared_intermediate_size}, "
             f"num_local_experts={self.num_local_experts}"
-        )
+        ) + (f", config={self.config!r}" if self.config is not None else "")

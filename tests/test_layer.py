@@ -321,9 +321,12 @@ def test_dtype_the_experts_do_not_run_is_rejected(dtype):
 
 
 def test_repr_names_what_tells_layers_apart():
-    """Layers that differ in their shared expert or top-k normalisation print differently."""
+    """Layers that differ in their shared expert, top-k normalisation or config print differently."""
     plain = repr(MoELayer(16, 8, 4, 2))
     shared = repr(MoELayer(16, 8, 4, 2, shared_intermediate_size=8, norm_topk_prob=False))
+    configured = repr(MoELayer(16, 8, 4, 2, config=MoEConfig(backend="torch", recompute=True)))
     assert "shared_intermediate_size=0" in plain and "norm_topk_prob=True" in plain, plain
+    assert "config=" not in plain, plain
     assert "shared_intermediate_size=8" in shared and "norm_topk_prob=False" in shared, shared
+    assert "config=MoEConfig(backend='torch'," in configured and "recompute=True)" in configured, configured
 
