@@ -22,6 +22,10 @@ TRITON_MIN_BLOCK_M = 16
 # agreement exchange's datetime.timedelta, the GPU's int64 nanoseconds); a longer one, e.g. 10**17 ms, would
 # fail with an OverflowError at an expert-parallel group's second call.
 MAX_COMM_TIMEOUT_MS = 2**31 - 1
+# The largest minibatch_tokens: no rank holds more tokens (the schedule's rows are int32), so a larger one means no
+# more than this (one ready flag for the whole batch); a far larger one, e.g. 10**23, would fail with an
+# OverflowError in the launch of the fused expert-parallel kernels (their blocks-per-flag argument).
+MAX_MINIBATCH_TOKENS = 2**31 - 1
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -99,7 +103,8 @@ class MoEConfig:
         dropped. A finite float c > 0 sizes each rank's receive rows for c times the balanced load
         (c * T * k rows, plus per-expert padding); routing that overflows it is detected on the device
         and raised as an error (on CPU at once; on CUDA through a device-side assert that surfaces at
-        the next host synchronisation, e.g. `loss.item()`).
+        the next host synchronisation, e.g. `loss.item()`). Not with backend="reference" (a ValueError),
+        which computes every pair: no buffer to size, no overflow to raise.
     block_m: rows per GEMM tile; every expert's rows are padded to a multiple of it. None lets the
         backend choose (torch: 16, the alignment torch._grouped_mm wants; triton: its tile table).
     num_comm_sms / minibatch_tokens / dispatch / combine: expert-parallel overlap knobs used by the
@@ -113,7 +118,7 @@ class MoEConfig:
         minibatch_tokens: the overlap granularity: the rows of about minibatch_tokens tokens
             (minibatch_tokens * k rows, whole blocks of block_m) share one ready flag, raised when
             they have all landed; a GEMM tile starts when its rows' flag is up. None: one flag per
-            block, the finest granularity.
+            block, the finest granularity. At most MAX_MINIBATCH_TOKENS (2**31 - 1; no rank holds more tokens).
         dispatch / combine: the direction of each communication operation, "pull", "push" or
             "auto" (pull dispatch, push combine: the directions that run inside the fused kernels;
             other choices run whole exchanges around the GEMMs).
@@ -122,7 +127,8 @@ class MoEConfig:
         fused path, and the host in the ranks' agreement check (megamoe.autograd.check_ranks_agree, on
         every call of the torch path, on a new shape of the fused path) after the group's first one.
         At most MAX_COMM_TIMEOUT_MS (2**31 - 1 ms, about 24.8 days).
-    recompute: False (default) keeps the gate/up pre-activation of every routed row for the backward
+    recompute (read by the fused one-GPU path only; the torch and expert-parallel paths ignore it):
+        False (default) keeps the gate/up pre-activation of every routed row for the backward
         (2 * 2I bytes per row in bf16); True (memory first) keeps nothing per routed row and the backward
         reruns the gate/up GEMM from x (a third of the forward's FLOPs) instead, and on Hopper its x
         weight-gradient GEMM gathers x in its loads rather than from a copy of the routed rows (a quarter
@@ -159,6 +165,11 @@ class MoEConfig:
                 )
             # Stored as a Python float: one type for the sizing arithmetic, equality and hashing.
             object.__setattr__(self, "capacity_factor", value)
+            if self.backend == "reference":
+                raise ValueError(
+                    f"MoEConfig.capacity_factor must be None with backend='reference' (which computes every pair: "
+                    f"no receive buffer to size, no overflow to raise), got {self.capacity_factor}"
+                )
         check_block_m("MoEConfig.block_m", self.block_m)
         check_positive_int("MoEConfig.comm_timeout_ms", self.comm_timeout_ms)
         if self.comm_timeout_ms > MAX_COMM_TIMEOUT_MS:
@@ -168,6 +179,11 @@ class MoEConfig:
             )
         for name in ("num_comm_sms", "minibatch_tokens"):
             check_positive_int(f"MoEConfig.{name}", getattr(self, name), allow_none=True)
+        if self.minibatch_tokens is not None and self.minibatch_tokens > MAX_MINIBATCH_TOKENS:
+            raise ValueError(
+                f"MoEConfig.minibatch_tokens must be None or at most {MAX_MINIBATCH_TOKENS}, "
+                f"got {self.minibatch_tokens}"
+            )
         for name in ("dispatch", "combine"):
             value = getattr(self, name)
             if value not in COMM_DIRECTIONS:
@@ -185,15 +201,13 @@ class MoEConfig:
         env: dict = {}
         for field, parse in (("backend", str), ("capacity_factor", float), ("block_m", int)):
             name = ENV_PREFIX + field.upper()
-            if name in os.environ:
+            if name in os.environ and field not in overrides:  # an override wins: the variable is not read
                 try:
                     env[field] = parse(os.environ[name])
                 except ValueError:
                     raise ValueError(
                         f"{name} (MoEConfig.{field}) must be {parse.__name__}-valued, got {os.environ[name]!r}"
                     ) from None
-                if field in overrides:  # not used: an override wins
-                    continue
                 # Checked alone (the other fields at their valid defaults), so that an error names the
                 # variable the user set, not only the field it feeds.
                 try:

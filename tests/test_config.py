@@ -33,6 +33,9 @@ INVALID = [
     ("minibatch_tokens", 0, ValueError),
     ("minibatch_tokens", "64", ValueError),
     ("minibatch_tokens", False, ValueError),
+    # Past the int32 rows of any rank: was accepted, then an OverflowError in the fused EP kernels' launch.
+    ("minibatch_tokens", 2**31, ValueError),
+    ("minibatch_tokens", 10**23, ValueError),
     ("dispatch", "pushpull", ValueError),
     ("dispatch", None, ValueError),
     ("combine", "PULL", ValueError),
@@ -63,7 +66,7 @@ VALID = [
     ("backend", "auto"), ("backend", "reference"), ("backend", "torch"), ("backend", "triton"),
     ("capacity_factor", None), ("capacity_factor", 1), ("capacity_factor", 0.01), ("capacity_factor", 8.0),
     ("block_m", None), ("block_m", 1), ("block_m", 64), ("block_m", 1024),
-    ("num_comm_sms", 1), ("minibatch_tokens", 4096),
+    ("num_comm_sms", 1), ("minibatch_tokens", 4096), ("minibatch_tokens", 2**31 - 1),
     ("dispatch", "pull"), ("dispatch", "push"), ("combine", "push"), ("combine", "auto"),
     ("comm_timeout_ms", 1), ("comm_timeout_ms", 2**31 - 1),
 ]
@@ -93,6 +96,14 @@ def test_capacity_factor_numpy_scalar_rejected(kind, value, exc):
     scalar = getattr(np, kind)(value if kind in ("str_", "bool_") else float(value))
     with pytest.raises(exc, match=r"\bcapacity_factor\b"):
         MoEConfig(capacity_factor=scalar)
+
+
+def test_reference_backend_takes_no_capacity():
+    """backend="reference" computes every pair (no receive buffer, no overflow to raise): a capacity_factor beside it
+    was silently ignored (routing that overflows it ran without a CapacityOverflowError); now a ValueError naming both."""
+    with pytest.raises(ValueError, match=r"capacity_factor.*backend='reference'.*got 0\.5"):
+        MoEConfig(backend="reference", capacity_factor=0.5)
+    assert MoEConfig(backend="reference").capacity_factor is None
 
 
 def test_defaults_are_dropless_and_auto():
@@ -182,7 +193,9 @@ def test_from_env_error_names_variable_and_value(clean_env, var, value):
     assert var in message and repr(value) in message, f"message does not name {var}={value!r}: {message}"
 
 
-def test_from_env_invalid_value_overridden(clean_env):
-    """A keyword override wins over an invalid (but parseable) variable: its value is not used."""
-    clean_env.setenv("MEGAMOE_BLOCK_M", "48")
+@pytest.mark.parametrize("value", ["48", "sixteen"], ids=["invalid", "unparseable"])
+def test_from_env_invalid_value_overridden(clean_env, value):
+    """A keyword override wins over an invalid variable, parseable or not: its value is not used (an unparseable
+    one used to raise)."""
+    clean_env.setenv("MEGAMOE_BLOCK_M", value)
     assert MoEConfig.from_env(block_m=16).block_m == 16
