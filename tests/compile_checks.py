@@ -53,13 +53,13 @@ def compile_gluon(fn, signature: dict, constexprs: dict, attrs: dict):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
-def ptxas_report(ptx: str) -> dict:
-    """Registers, spill bytes and stack frame of a kernel, from ptxas -v on its PTX for sm_90a (and the log)."""
+def ptxas_report(ptx: str, arch: int = 90) -> dict:
+    """Registers, spill bytes and stack frame of a kernel, from ptxas -v on its PTX for sm_{arch}a (and the log)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
             f.write(ptx)
-        proc = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", os.path.join(tmp, "k.cubin")],
+        proc = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}a", path, "-o", os.path.join(tmp, "k.cubin")],
                               capture_output=True, text=True, check=True)
     log = proc.stdout + proc.stderr
 
@@ -116,11 +116,12 @@ def assert_register_split(name: str, report: dict, producer_regs: int, consumer_
     assert ("inc", str(consumer_regs)) in report["setmaxnreg"], f"{name}: consumer registers {report['setmaxnreg']}"
 
 
-def assert_no_spills_or_serialisation(name: str, report: dict) -> None:
-    """No spills, no stack frame, no local memory in the SASS, no wgmma serialised by ptxas (C7510)."""
+def assert_no_spills_or_serialisation(name: str, report: dict, local: int = 0) -> None:
+    """No spills, no stack frame, no local memory in the SASS (at most `local` instructions, where a test names a
+    known exception), no wgmma serialised by ptxas (C7510)."""
     px = report["ptxas"]
     assert px["spill_stores"] == 0 and px["spill_loads"] == 0 and px["stack"] == 0, f"{name} spills:\n{px['log']}"
-    assert report["local"] == 0, f"{name}: local-memory loads/stores in the SASS"
+    assert report["local"] <= local, f"{name}: {report['local']} local-memory loads/stores in the SASS"
     assert "C7510" not in px["log"] and "serialized" not in px["log"], f"{name}: wgmma serialised:\n{px['log']}"
 
 

@@ -81,8 +81,8 @@ def _pointer_type(name: str) -> str:
     return _POINTERS.get(name, "*i32")
 
 
-def _compile_gluon(router: bool, store_h_w: bool, cfg=G.DEFAULT_CONFIG):
-    bf16 = dict(dtype=torch.bfloat16)
+def _compile_gluon(router: bool, store_h_w: bool, cfg=G.DEFAULT_CONFIG, dtype=torch.bfloat16):
+    bf16 = dict(dtype=dtype)  # or fp16, which the Hopper table runs on the same kernel
     descs = G.descriptors(torch.empty(R, H, **bf16), torch.empty(E, H, I, **bf16), torch.empty(R, 2 * I, **bf16),
                           torch.empty(R, 2 * I, **bf16), torch.empty(R, I, **bf16), cfg)
     fn = G.down_dgrad_ws_kernel
@@ -526,3 +526,30 @@ def test_config_fits_and_matches_the_triton_tile():
     assert cfg.smem_bytes() + 1024 <= SMEM_LIMIT, dataclasses.asdict(cfg)
     with pytest.raises(ValueError, match="z_stages must be at least 2, got 1"):
         dataclasses.replace(cfg, z_stages=1)  # a piece's stage is released only after the next piece's wait
+
+
+# fp16 operands run the same kernel on Hopper (configs.tma_kernel_configs takes float16). With Triton 3.6's ptxas
+# the router variants spill more in fp16 than in bf16 (a known gap of the fp16 path, not fixed: bf16 is the speed
+# path): router-h_w 20/20 B (stack 16, 10 local instructions), router (no h_w: d_w_down not needed) 112/112 B
+# (stack 72, 56 local instructions); Triton 3.9's: router-h_w none (16 local instructions), router 8/6 B (stack 8,
+# 32 local). Their bounds (spill bytes, stack bytes, local instructions) are the larger of the two, so that more
+# fails; the variants without the router spill nothing, as in bf16.
+FP16_SPILL_BOUNDS = {"router-h_w": (20, 16, 16), "router": (112, 72, 56)}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_gluon_down_dgrad_fp16_sm90a(name):
+    router, store_h_w = VARIANTS[name]
+    r = warp_specialized_report(_compile_gluon(router, store_h_w, dtype=torch.float16))
+    px = r["ptxas"]
+    print(f"\ngluon down_dgrad fp16 {name}: spills {px['spill_stores']}/{px['spill_loads']} B, stack {px['stack']} B, "
+          f"local {r['local']}")
+    forms = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.(\w+)\.(\w+)", r["ptx"]))
+    assert forms == {("f16", "f16")}, f"{name} fp16: wgmma forms {forms}"
+    if router:
+        spill, stack, local = FP16_SPILL_BOUNDS[name]
+        assert px["spill_stores"] <= spill and px["spill_loads"] <= spill and px["stack"] <= stack and r["local"] <= local, (
+            f"{name} fp16 spills:\n{px['log']}")
+        assert "C7510" not in px["log"] and "serialized" not in px["log"], f"{name} fp16: wgmma serialised"
+    else:
+        assert_no_spills_or_serialisation(f"{name} fp16", r)

@@ -61,16 +61,19 @@ T = 256  # tokens of the gathered operand (R / top_k)
 WGMMA_RE = r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)\.f32\.bf16\.bf16 \{[^}]*\}, %rd\d+, %rd\d+, (%p\d+), (\d), (\d), (\d), (\d);"
 
 
-def _compile_gluon(cfg, gather: bool = False, skip_padding: bool = True):
+def _compile_gluon(cfg, gather: bool = False, skip_padding: bool = True, dtype=torch.bfloat16):
     """gather: the producer gathers b (its descriptor over the tokens [T, N], as the launcher builds it);
-    skip_padding: an expert's last row step of padding skipped (what the one-GPU path runs)."""
-    a = torch.empty(R, M, dtype=torch.bfloat16)
-    b = torch.empty(T if gather else R, N, dtype=torch.bfloat16)
-    dw = torch.empty(E, M, N, dtype=torch.bfloat16)
+    skip_padding: an expert's last row step of padding skipped (what the one-GPU path runs); dtype: the
+    operands' (bf16, or fp16, which the Hopper table runs on the same kernel)."""
+    a = torch.empty(R, M, dtype=dtype)
+    b = torch.empty(T if gather else R, N, dtype=dtype)
+    dw = torch.empty(E, M, N, dtype=dtype)
     descs = dict(zip(("a_desc", "b_desc", "dw_desc"), G.descriptors(a, b, dw, cfg)))
     fn = G.dw_ws_kernel
     consts = G.constexprs(cfg, gather, skip_padding)
-    signature = kernel_signature(fn, consts, {name: mangle_type(d) for name, d in descs.items()}, _arg_type)
+    src_type = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
+    arg_type = lambda name: src_type if name == "src_ptr" else _arg_type(name)  # noqa: E731
+    signature = kernel_signature(fn, consts, {name: mangle_type(d) for name, d in descs.items()}, arg_type)
     return compile_gluon(fn, signature, consts, divisible_by_16(fn, pointers(fn)))
 
 
@@ -388,3 +391,13 @@ def test_barrier_protocol_model(name):
             want += [(tile, ki, wg) for ki in range(_expert_rows(offsets, expert, cfg.block_k, padded_last)[1]) for wg in readers]
         assert sorted(reads) == sorted(want), (name, trial)
 
+
+
+@pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathering"])
+def test_gluon_dw_kernel_fp16_sm90a(gather):
+    """fp16 operands run the same kernel on Hopper (configs.tma_kernel_configs takes float16): the production tile,
+    on rows and gathering b (MoEConfig.recompute), must issue fp16 wgmma without spills or local memory."""
+    r = warp_specialized_report(_compile_gluon(G.CONFIGS[G.DEFAULT_CONFIG], gather=gather, dtype=torch.float16))
+    forms = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.(\w+)\.(\w+)", r["ptx"]))
+    assert forms == {("f16", "f16")}, f"dw fp16: wgmma forms {forms}"
+    assert_no_spills_or_serialisation(f"dw fp16 {'gathering' if gather else 'rows'}", r)

@@ -68,19 +68,18 @@ WGMMA = re.compile(r"(wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.
                    r"(\d), (\d), (\d), (\d);")
 
 
-def _operands(gemm: str):
+def _operands(gemm: str, dtype=torch.bfloat16):
     """(a [R, K], w, out [R, N]) as the launcher gets them, on CPU."""
     if GEMMS[gemm]:
-        return (torch.empty(R, I, dtype=torch.bfloat16), torch.empty(E, H, I, dtype=torch.bfloat16),
-                torch.empty(R, H, dtype=torch.bfloat16))
-    return (torch.empty(R, 2 * I, dtype=torch.bfloat16), torch.empty(E, 2 * I, H, dtype=torch.bfloat16),
-            torch.empty(R, H, dtype=torch.bfloat16))
+        return (torch.empty(R, I, dtype=dtype), torch.empty(E, H, I, dtype=dtype), torch.empty(R, H, dtype=dtype))
+    return (torch.empty(R, 2 * I, dtype=dtype), torch.empty(E, 2 * I, H, dtype=dtype), torch.empty(R, H, dtype=dtype))
 
 
-def _compile(gemm: str, tile, spread_h: int = 0):
-    """The kernel of one GEMM and tile; spread_h: gate_up_dgrad with SPREAD for x [T, spread_h] (0: without)."""
+def _compile(gemm: str, tile, spread_h: int = 0, dtype=torch.bfloat16):
+    """The kernel of one GEMM and tile; spread_h: gate_up_dgrad with SPREAD for x [T, spread_h] (0: without);
+    dtype: the operands' (bf16, or fp16, which the Hopper table runs on the same kernels)."""
     w_nk = GEMMS[gemm]
-    a, w, out = _operands(gemm)
+    a, w, out = _operands(gemm, dtype)
     descs = dict(zip(("a_desc", "w_desc", "out_desc"), gluon_rows.descriptors(a, w, out, w_nk, tile)))
     if spread_h:
         x, x_rows = torch.empty(T, spread_h, dtype=torch.bfloat16), torch.empty(R, spread_h, dtype=torch.bfloat16)
@@ -469,3 +468,17 @@ def test_spread_model_catches_a_reload_before_the_stores_read(parts):
         except ProtocolError as error:
             failures.append(str(error))
     assert failures and any("still read" in f for f in failures), failures[:3]
+
+
+@pytest.mark.parametrize("gemm", list(GEMMS))
+def test_gluon_row_gemm_fp16_sm90a(gemm):
+    """fp16 operands run the same kernels on Hopper (configs.tma_kernel_configs takes float16): the table's tile
+    (its entries' gluon_rows tile, "coop") must issue fp16 wgmma, without spills or local memory."""
+    from megamoe.backends.triton.kernels.gluon_common import ConsumerTile
+
+    tile = ConsumerTile.of(getattr(_SM90_TMA, gemm))
+    assert tile == gluon_rows.TILES["coop"], tile
+    r = warp_specialized_report(_compile(gemm, tile, dtype=torch.float16))
+    forms = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.(\w+)\.(\w+)", r["ptx"]))
+    assert forms == {("f16", "f16")}, f"{gemm} fp16: wgmma forms {forms}"
+    assert_no_spills_or_serialisation(f"{gemm} fp16", r)

@@ -11,6 +11,7 @@ Run: pytest tests/test_triton_compile.py  (about a minute on 2 cores; needs Trit
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 
@@ -24,15 +25,16 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from megamoe.backends.triton import kernels  # noqa: E402
-from megamoe.backends.triton.configs import _SM90, _SM90_TMA, TileConfig, kernel_configs, triton_tile  # noqa: E402
-from megamoe.backends.triton.kernels import gather, tma_gemm  # noqa: E402
+from megamoe.backends.triton.configs import _DEFAULT, _SM90, _SM90_TMA, TileConfig, kernel_configs, triton_tile  # noqa: E402,E501
+combine_module = importlib.import_module("megamoe.backends.triton.kernels.combine")  # kernels.combine is the launcher
+from megamoe.backends.triton.kernels import gather, row_copy, tma_gemm  # noqa: E402
 from compile_checks import SMEM_LIMIT, compile_triton, ptxas_report, sass  # noqa: E402
 
 
-def _fused(a: str, b: str, **extra) -> dict:
+def _fused(a: str, b: str, table=_SM90, **extra) -> dict:
     """Constexprs of a fused expert-parallel kernel (kernels/ep_fused.py) running the table's tiles a
     then b (bf16 rows of H = 2048: 16 rows x 1024 columns per copy step)."""
-    ta, tb = getattr(_SM90, a), getattr(_SM90, b)
+    ta, tb = getattr(table, a), getattr(table, b)
     return dict(
         SPLIT=1, BLOCK_M=ta.block_m, GROUP_M=ta.group_m,
         A_EVEN_K=True, A_BLOCK_N=ta.block_n, A_BLOCK_K=ta.block_k, A_STAGES=ta.num_stages,
@@ -296,13 +298,14 @@ def test_tma_kernel_sm100_compiles(name):
     assert "tcgen05.mma" in compiled.asm["ptx"], f"tma {name}: sm_100a PTX does not use tcgen05.mma"
 
 
-def _sass_k_loops(cubin: bytes) -> tuple[list[tuple[int, int]], list[int]]:
-    """(address ranges of the innermost loops that issue HGMMA, addresses of spill instructions) in the
-    kernel's SASS (cuobjdump bundled with Triton's ptxas). A loop is a backward branch's range."""
+def _sass_k_loops(cubin: bytes, mma: str = "HGMMA") -> tuple[list[tuple[int, int]], list[int]]:
+    """(address ranges of the innermost loops that issue `mma` (HGMMA: sm_90a's wgmma; UTCHMMA: sm_100a's
+    tcgen05.mma), addresses of spill instructions) in the kernel's SASS (cuobjdump bundled with Triton's ptxas).
+    A loop is a backward branch's range."""
     code = [(int(m.group(1), 16), line) for line in sass(cubin).splitlines() if (m := re.search(r"/\*([0-9a-f]{4,})\*/", line))]
     loops = [(int(m.group(1), 16), addr) for addr, line in code
              if (m := re.search(r"BRA\s+0x([0-9a-f]+)", line)) and int(m.group(1), 16) < addr]
-    hgmma = [addr for addr, line in code if "HGMMA" in line]
+    hgmma = [addr for addr, line in code if mma in line]
     with_mma = [(a, b) for a, b in loops if any(a <= h <= b for h in hgmma)]
     innermost = [(a, b) for a, b in with_mma
                  if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in with_mma)]
@@ -349,3 +352,147 @@ def test_gemm_kernel_sm100_compiles(name):
     _skip_unless_triton_targets_sm100()
     compiled = _compile(fn, _gemm_constexprs(fn, cfg, extra), cfg.num_warps, cfg.num_stages, 100)
     assert "tcgen05.mma" in compiled.asm["ptx"], f"{name}: sm_100a PTX does not use tcgen05.mma"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Blackwell (sm_100a): what the product runs there. tma_kernel_configs / ep_tma_kernel_configs are Hopper-only
+# (the Gluon kernels are wgmma kernels), so on a compute capability 10.x GPU autograd's "auto" picks the triton
+# backend (capability >= 9.0) and every GEMM runs the pointer-load core with the _DEFAULT table, the
+# expert-parallel path the fused kernels of kernels/ep_fused.py with the same tiles. The tests above compile the
+# pointer-load kernels for sm_100a only at the _SM90 tiles, which Blackwell never runs.
+
+
+@pytest.mark.parametrize("workload", ["qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "gpt-oss-120b", "mixtral-8x7b",
+                                      "kimi-k2"])
+def test_blackwell_runs_the_pointer_load_default_table(workload, monkeypatch):
+    """On a Blackwell GPU (configs._arch patched: there is none here) no TMA/Gluon table applies and the
+    benchmarked workloads' tiles are _DEFAULT's, bf16 and fp16 alike: the entries compiled below."""
+    from megamoe.backends.triton import configs
+    from megamoe.bench.workloads import WORKLOADS
+
+    monkeypatch.setattr(configs, "_arch", lambda device: (10, 0))
+    w = WORKLOADS[workload]
+    for dtype in (torch.bfloat16, torch.float16):
+        block_m = configs.block_m_for(w.hidden, w.intermediate, dtype)
+        args = (w.hidden, w.intermediate, dtype, torch.device("cuda"), block_m)
+        assert configs.tma_kernel_configs(*args) is None and configs.ep_tma_kernel_configs(*args) is None
+        assert configs._kernel_configs(w.hidden, w.intermediate, dtype, (10, 0), block_m) == _DEFAULT
+
+
+SM100_GEMM_KERNELS = dict(GEMM_KERNELS)
+SM100_GEMM_KERNELS["ep_fwd"] = (kernels.ep_fwd_kernel, "gate_up_fwd", _fused("gate_up_fwd", "down_fwd", _DEFAULT))
+SM100_GEMM_KERNELS["ep_bwd"] = (kernels.ep_bwd_kernel, "dw_down", _fused(
+    "down_dgrad", "gate_up_dgrad", _DEFAULT, W_BLOCK_M=_DEFAULT.dw_down.block_m, W_BLOCK_N=_DEFAULT.dw_down.block_n,
+    W_BLOCK_K=_DEFAULT.dw_down.block_k, W_GROUP_M=_DEFAULT.dw_down.group_m, W_STAGES=_DEFAULT.dw_down.num_stages))
+# Spill bytes allowed on sm_100a (stores and loads each). The fused backward spills 304 / 292 bytes at the
+# _DEFAULT tiles with Triton 3.6's ptxas (255 registers, 272-byte stack frame), more than on Hopper (280), none
+# inside a tcgen05 K loop (test_sm100_spills_stay_out_of_k_loops); the bound is that state until the Blackwell tiles
+# are measured (configs: "Blackwell until measured").
+SM100_SPILL_BUDGET = {**SPILL_BUDGET, "ep_bwd": 304}
+
+
+def _compile_sm100_default(name: str):
+    fn, field, extra = SM100_GEMM_KERNELS[name]
+    cfg = getattr(_DEFAULT, field)
+    return _compile(fn, _gemm_constexprs(fn, cfg, extra), cfg.num_warps, cfg.num_stages, 100), cfg
+
+
+@pytest.mark.parametrize("name", list(SM100_GEMM_KERNELS))
+def test_gemm_kernel_sm100_default_table_uses_tcgen05_without_spills(name):
+    _skip_unless_triton_targets_sm100()
+    compiled, cfg = _compile_sm100_default(name)
+    ptx = compiled.asm["ptx"]
+    assert "tcgen05.mma" in ptx, f"{name}: sm_100a PTX does not use tcgen05.mma"
+    report = ptxas_report(ptx, 100)
+    print(f"sm100 {name} {cfg}: {report['registers']} registers, shared {compiled.metadata.shared} B, "
+          f"spills {report['spill_stores']}/{report['spill_loads']} B")
+    budget = SM100_SPILL_BUDGET.get(name, 0)
+    assert report["spill_stores"] <= budget and report["spill_loads"] <= budget, f"{name}[sm100] spills:\n{report['log']}"
+    assert compiled.metadata.shared <= SMEM_LIMIT, f"{name}[sm100] needs {compiled.metadata.shared} B of shared memory"
+
+
+@pytest.mark.parametrize("name", list(SM100_SPILL_BUDGET))
+def test_sm100_spills_stay_out_of_k_loops(name):
+    _skip_unless_triton_targets_sm100()
+    compiled, _ = _compile_sm100_default(name)
+    k_loops, spills = _sass_k_loops(compiled.asm["cubin"], "UTCHMMA")
+    assert k_loops, f"{name}: found no loop issuing UTCHMMA in the sm_100a SASS"
+    inside = [hex(s) for s in spills for a, b in k_loops if a <= s <= b]
+    assert not inside, f"{name}: spill instructions inside a K loop at {inside} (loops {k_loops})"
+
+
+# The memory-bound kernels every path launches, as their launchers specialise them: combine (forward with the
+# router weights, backward's d_x without; with and without a shared expert; the benchmarked workloads' k),
+# row_sums (d_topk_weights: the one-GPU path in the router's dtype, EP in fp32), spread_rows, and the row copies of
+# the expert-parallel exchanges (comm/exchange.py: bf16 token rows pulled or pushed, the fp32 router weights one a
+# row, the int32 routing rows; a table of peer buffers on either side). Each on the combine tile of the table the
+# target runs (Hopper: the TMA table's 4 x 512 and the pointer table's 8 x 256; Blackwell: _DEFAULT's).
+def _copy_rows_case(src_table: bool, dst_table: bool, elem: int, row_elems: int, aligned: bool) -> tuple:
+    block = min(triton.next_power_of_2(row_elems), 4096 // elem)
+    rows = max(1, min(row_copy._MAX_ROWS, row_copy.COPY_SHAPE.step_bytes // (block * elem)))
+    raw = {2: "*i16", 4: "*i32", 8: "*i64"}[elem]
+    signature = {"src_ptr": "*i64" if src_table else raw, "src_peer_ptr": "*i32", "src_row_ptr": "*i32",
+                 "dst_ptr": "*i64" if dst_table else raw, "dst_peer_ptr": "*i32", "dst_row_ptr": "*i32",
+                 "num_rows": "i32", "row_elems": "i32"}
+    consts = dict(SRC_TABLE=src_table, DST_TABLE=dst_table, RAW=row_copy._RAW_TYPES[elem], ALIGNED=aligned,
+                  ROWS=rows, BLOCK=block)
+    return row_copy._copy_rows_kernel, signature, consts, row_copy.COPY_SHAPE.num_warps
+
+
+def _combine_case(top_k: int, weights: bool, shared: bool, tile: TileConfig) -> tuple:
+    fn = kernels.combine_kernel
+    signature = {"y_ptr": "*bf16", "w_ptr": "*fp32" if weights else "*bf16", "index_ptr": "*i32", "shared_ptr": "*bf16",
+                 "out_ptr": "*bf16", "T": "i32", "H": "i32"}
+    consts = dict(TOP_K=top_k, HAS_WEIGHTS=weights, HAS_SHARED=shared, BLOCK_T=tile.block_m, BLOCK_H=tile.block_n)
+    return fn, signature, consts, tile.num_warps
+
+
+def _row_sums_case(out: str) -> tuple:
+    signature = {"parts_ptr": "*fp32", "index_ptr": "*i32", "out_ptr": out, "num_pairs": "i32", "P": "i32"}
+    consts = dict(BLOCK=combine_module.ROW_SUMS_BLOCK, BLOCK_P=combine_module.ROW_SUMS_BLOCK_P)
+    return kernels.row_sums_kernel, signature, consts, 4
+
+
+def _spread_case() -> tuple:
+    fn = kernels.spread_rows_kernel
+    signature = {"src_ptr": "*bf16", "dest_row_ptr": "*i32", "row_src_ptr": "*i32", "rows_in_use_ptr": "*i32",
+                 "out_ptr": "*bf16", "T": "i32", "H": "i32", "top_k": "i32"}
+    return fn, signature, dict(zip(("BLOCK_T", "BLOCK_H"), gather._SPREAD_TILE[:2])), 4
+
+
+def _memory_cases(arch: int) -> dict:
+    tiles = {"tma": _SM90_TMA.combine, "ptr": _SM90.combine} if arch == 90 else {"ptr": _DEFAULT.combine}
+    cases = {}
+    for tile_name, tile in tiles.items():
+        for top_k in (8, 4, 2):  # qwen3 / deepseek-v3 / kimi-k2, gpt-oss-120b, mixtral-8x7b
+            for weights, shared in ((True, False), (True, True), (False, False), (False, True)):
+                name = f"combine-{tile_name}-k{top_k}-{'w' if weights else 'dx'}{'-shared' if shared else ''}"
+                cases[name] = _combine_case(top_k, weights, shared, tile)
+    cases["row_sums-fp32"] = _row_sums_case("*fp32")
+    cases["row_sums-bf16"] = _row_sums_case("*bf16")
+    if arch != 90:  # sm_90a: test_memory_kernel_sm90_compiles_without_spills
+        cases["spread_rows"] = _spread_case()
+    cases["copy_rows-pull-bf16"] = _copy_rows_case(True, False, 2, 2048, True)  # pull_rows: d_out / x token rows
+    cases["copy_rows-push-bf16"] = _copy_rows_case(False, True, 2, 2048, True)  # push dispatch, pairs
+    cases["copy_rows-local-bf16"] = _copy_rows_case(False, False, 2, 2048, True)  # push dispatch's padding rows
+    cases["copy_rows-pull-fp32"] = _copy_rows_case(True, False, 4, 1, False)  # the router weights, one a row
+    cases["copy_rows-push-fp32"] = _copy_rows_case(False, True, 4, 1, False)  # d_topk_weights' partial sums
+    cases["copy_rows-routing"] = _copy_rows_case(True, False, 4, 3 + 16384 * 8, False)  # gather_routing's rows
+    return cases
+
+
+MEMORY_CASES = {arch: _memory_cases(arch) for arch in (90, 100)}
+
+
+@pytest.mark.parametrize("case", [(arch, name) for arch in MEMORY_CASES for name in MEMORY_CASES[arch]],
+                         ids=[f"sm{arch}-{name}" for arch in MEMORY_CASES for name in MEMORY_CASES[arch]])
+def test_memory_kernels_compile_without_spills(case):
+    arch, name = case
+    if arch == 100:
+        _skip_unless_triton_targets_sm100()
+    fn, signature, consts, num_warps = MEMORY_CASES[arch][name]
+    sig = {n: "constexpr" if n in consts else signature[n] for n in fn.arg_names}
+    compiled = compile_triton(fn, sig, consts, _attrs(fn, sig), num_warps, 1, arch)
+    report = ptxas_report(compiled.asm["ptx"], arch)
+    assert report["spill_stores"] == 0 and report["spill_loads"] == 0 and report["stack"] == 0, (
+        f"sm{arch} {name} spills:\n{report['log']}")
