@@ -116,6 +116,11 @@ def assert_register_split(name: str, report: dict, producer_regs: int, consumer_
     assert ("inc", str(consumer_regs)) in report["setmaxnreg"], f"{name}: consumer registers {report['setmaxnreg']}"
 
 
+def wgmma_operand_types(ptx: str) -> set:
+    """The (a, b) operand types of the kernel's wgmma instructions, e.g. {("bf16", "bf16")}."""
+    return set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.(\w+)\.(\w+)", ptx))
+
+
 def assert_no_spills_or_serialisation(name: str, report: dict, local: int = 0) -> None:
     """No spills, no stack frame, no local memory in the SASS (at most `local` instructions, where a test names a
     known exception), no wgmma serialised by ptxas (C7510)."""

@@ -69,6 +69,7 @@ from megamoe.backends.triton.kernels import tma_gemm  # noqa: E402
 from compile_checks import (  # noqa: E402
     SMEM_LIMIT, assert_no_spills_or_serialisation, assert_register_split, compile_gluon, compile_triton, count,
     divisible_by_16, kernel_signature, pointers, tensordesc, warp_specialized_report,
+    wgmma_operand_types,
 )
 # A qwen3-30b-a3b-like problem: the descriptors' block shapes and layouts are what matters, not the sizes.
 R, H, I, E = 2048, 2048, 768, 4
@@ -544,7 +545,7 @@ def test_gluon_down_dgrad_fp16_sm90a(name):
     px = r["ptxas"]
     print(f"\ngluon down_dgrad fp16 {name}: spills {px['spill_stores']}/{px['spill_loads']} B, stack {px['stack']} B, "
           f"local {r['local']}")
-    forms = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.(\w+)\.(\w+)", r["ptx"]))
+    forms = wgmma_operand_types(r["ptx"])
     assert forms == {("f16", "f16")}, f"{name} fp16: wgmma forms {forms}"
     if router:
         spill, stack, local = FP16_SPILL_BOUNDS[name]

@@ -54,6 +54,7 @@ from megamoe.backends.triton.kernels import tma_gemm  # noqa: E402
 from compile_checks import (  # noqa: E402
     SMEM_LIMIT, assert_no_spills_or_serialisation, assert_register_split, compile_gluon, compile_triton, count,
     divisible_by_16, int32_arg, kernel_signature, pointers, tensordesc, warp_specialized_report,
+    wgmma_operand_types,
 )
 # A qwen3-30b-a3b-like dw_down: the descriptors' block shapes and layouts are what matters, not the sizes.
 R, M, N, E = 2048, 2048, 768, 4
@@ -398,6 +399,6 @@ def test_gluon_dw_kernel_fp16_sm90a(gather):
     """fp16 operands run the same kernel on Hopper (configs.tma_kernel_configs takes float16): the production tile,
     on rows and gathering b (MoEConfig.recompute), must issue fp16 wgmma without spills or local memory."""
     r = warp_specialized_report(_compile_gluon(G.CONFIGS[G.DEFAULT_CONFIG], gather=gather, dtype=torch.float16))
-    forms = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.(\w+)\.(\w+)", r["ptx"]))
+    forms = wgmma_operand_types(r["ptx"])
     assert forms == {("f16", "f16")}, f"dw fp16: wgmma forms {forms}"
     assert_no_spills_or_serialisation(f"dw fp16 {'gathering' if gather else 'rows'}", r)

@@ -48,6 +48,7 @@ from megamoe.backends.triton.kernels import tma_gemm  # noqa: E402
 from compile_checks import (  # noqa: E402
     SMEM_LIMIT, MBarrier, assert_no_spills_or_serialisation, assert_register_split, compile_gluon, compile_triton,
     count, divisible_by_16, int32_arg, kernel_signature, pointers, ptxas_report, tensordesc, warp_specialized_report,
+    wgmma_operand_types,
 )
 # A qwen3-30b-a3b-like problem: the descriptors' block shapes and layouts are what matters, not the sizes.
 R, H, I, E, T = 2048, 2048, 768, 4, 512
@@ -353,6 +354,6 @@ def test_gluon_gate_up_fp16_sm90a(case):
     name, store_gate_up = FP16_CASES[case]
     tile = G.TILES[name]
     r = warp_specialized_report(_compile_gluon(tile, store_gate_up, gather=not tile.handoff, dtype=torch.float16))
-    forms = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.(\w+)\.(\w+)", r["ptx"]))
+    forms = wgmma_operand_types(r["ptx"])
     assert forms == {("f16", "f16")}, f"{case} fp16: wgmma forms {forms}"
     assert_no_spills_or_serialisation(f"{case} fp16", r, local=FP16_LOCAL.get(case, 0))

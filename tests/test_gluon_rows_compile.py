@@ -59,6 +59,7 @@ from megamoe.backends.triton.kernels import gluon_rows, tma_gemm  # noqa: E402
 from compile_checks import (  # noqa: E402
     SMEM_LIMIT, MBarrier, ProtocolError, assert_no_spills_or_serialisation, assert_register_split, compile_gluon,
     compile_triton, count, divisible_by_16, int32_arg, kernel_signature, pointers, tensordesc, warp_specialized_report,
+    wgmma_operand_types,
 )
 SCHEDULE_BLOCK_M = 128
 # qwen3-30b-a3b-like operands: the descriptors' block shapes and layouts are what matters, not the sizes.
@@ -479,6 +480,6 @@ def test_gluon_row_gemm_fp16_sm90a(gemm):
     tile = ConsumerTile.of(getattr(_SM90_TMA, gemm))
     assert tile == gluon_rows.TILES["coop"], tile
     r = warp_specialized_report(_compile(gemm, tile, dtype=torch.float16))
-    forms = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.(\w+)\.(\w+)", r["ptx"]))
+    forms = wgmma_operand_types(r["ptx"])
     assert forms == {("f16", "f16")}, f"{gemm} fp16: wgmma forms {forms}"
     assert_no_spills_or_serialisation(f"{gemm} fp16", r)
