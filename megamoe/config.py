@@ -214,8 +214,12 @@ class MoEConfig:
                     cls(**{field: env[field]})
                 except (TypeError, ValueError) as error:
                     raise type(error)(f"{name}={os.environ[name]!r}: {error}") from None
-        env.update(overrides)
-        return cls(**env)
+        cls(**overrides)  # an invalid override raises as it would without the environment
+        try:
+            return cls(**env, **overrides)
+        except (TypeError, ValueError) as error:  # each valid alone, the variables clash with each other or an override
+            read = ", ".join(f"{ENV_PREFIX}{field.upper()}={os.environ[ENV_PREFIX + field.upper()]!r}" for field in env)
+            raise type(error)(f"{error} (from the environment: {read})") from None
 
 
 DEFAULT_CONFIG = MoEConfig()

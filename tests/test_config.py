@@ -199,3 +199,17 @@ def test_from_env_invalid_value_overridden(clean_env, value):
     one used to raise)."""
     clean_env.setenv("MEGAMOE_BLOCK_M", value)
     assert MoEConfig.from_env(block_m=16).block_m == 16
+
+
+@pytest.mark.parametrize("override", [{}, {"backend": "reference"}], ids=["both-variables", "override"])
+def test_from_env_clash_names_the_variables(clean_env, override):
+    """Variables valid alone that clash (a capacity factor with the reference backend), with each other or with an
+    override: the error names the variables the user set, not only the fields (it named neither variable)."""
+    clean_env.setenv("MEGAMOE_CAPACITY_FACTOR", "0.5")
+    if not override:
+        clean_env.setenv("MEGAMOE_BACKEND", "reference")
+    with pytest.raises(ValueError, match=r"backend='reference'.*MEGAMOE_CAPACITY_FACTOR='0\.5'"):
+        MoEConfig.from_env(**override)
+    clean_env.setenv("MEGAMOE_BACKEND", "torch")  # an invalid override alone: its own error, no variable named
+    with pytest.raises(ValueError, match=r"block_m.*got 3$"):
+        MoEConfig.from_env(block_m=3)

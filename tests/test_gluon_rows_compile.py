@@ -83,7 +83,7 @@ def _compile(gemm: str, tile, spread_h: int = 0, dtype=torch.bfloat16):
     a, w, out = _operands(gemm, dtype)
     descs = dict(zip(("a_desc", "w_desc", "out_desc"), gluon_rows.descriptors(a, w, out, w_nk, tile)))
     if spread_h:
-        x, x_rows = torch.empty(T, spread_h, dtype=torch.bfloat16), torch.empty(R, spread_h, dtype=torch.bfloat16)
+        x, x_rows = torch.empty(T, spread_h, dtype=dtype), torch.empty(R, spread_h, dtype=dtype)
         descs |= zip(("x_desc", "x_rows_desc"), gluon_rows.spread_descriptors(x, x_rows))
     else:  # unused without SPREAD: the launcher passes the operands' descriptors
         descs |= {"x_desc": descs["a_desc"], "x_rows_desc": descs["w_desc"]}
@@ -471,15 +471,19 @@ def test_spread_model_catches_a_reload_before_the_stores_read(parts):
     assert failures and any("still read" in f for f in failures), failures[:3]
 
 
-@pytest.mark.parametrize("gemm", list(GEMMS))
-def test_gluon_row_gemm_fp16_sm90a(gemm):
+@pytest.mark.parametrize("gemm,spread_h", [(gemm, 0) for gemm in GEMMS] + [("gate_up_dgrad", 2048)],
+                         ids=list(GEMMS) + ["gate_up_dgrad-spread"])
+def test_gluon_row_gemm_fp16_sm90a(gemm, spread_h):
     """fp16 operands run the same kernels on Hopper (configs.tma_kernel_configs takes float16): the table's tile
-    (its entries' gluon_rows tile, "coop") must issue fp16 wgmma, without spills or local memory."""
+    (its entries' gluon_rows tile, "coop"), and gate_up_dgrad spreading fp16 x beside it (the backward's default,
+    experts.py), must take fp16 descriptors only and issue fp16 wgmma, without spills or local memory."""
     from megamoe.backends.triton.kernels.gluon_common import ConsumerTile
 
     tile = ConsumerTile.of(getattr(_SM90_TMA, gemm))
     assert tile == gluon_rows.TILES["coop"], tile
-    r = warp_specialized_report(_compile(gemm, tile, dtype=torch.float16))
+    r = warp_specialized_report(_compile(gemm, tile, spread_h=spread_h, dtype=torch.float16))
+    descs = {name: t for name, t in r["compiled"].src.signature.items() if t.startswith("tensordesc")}
+    assert all(t.startswith("tensordesc<fp16[") for t in descs.values()), f"{gemm} fp16: descriptors {descs}"
     forms = wgmma_operand_types(r["ptx"])
     assert forms == {("f16", "f16")}, f"{gemm} fp16: wgmma forms {forms}"
     assert_no_spills_or_serialisation(f"{gemm} fp16", r)

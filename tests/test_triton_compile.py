@@ -398,7 +398,7 @@ def _compile_sm100_default(name: str):
 
 
 @pytest.mark.parametrize("name", list(SM100_GEMM_KERNELS))
-def test_gemm_kernel_sm100_default_table_uses_tcgen05_without_spills(name):
+def test_gemm_kernel_sm100_default_table_uses_tcgen05_within_spill_budget(name):
     _skip_unless_triton_targets_sm100()
     compiled, cfg = _compile_sm100_default(name)
     ptx = compiled.asm["ptx"]
