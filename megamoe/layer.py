@@ -213,8 +213,8 @@ class MoELayer(nn.Module):
         recipe for expert parallelism): FSDP2 casts x and the parameters it manages for the forward, not the ones
         it ignores. Only that way round: a float32 x beside a router kept in float32 (layer.router.float()) in a
         bfloat16 layer without a shared expert is a mistake (the TypeError), not a call to run the experts in
-        float32. The cast is differentiable: the experts' gradients
-        arrive in their own dtype, as FSDP2's managed parameters' do."""
+        float32. The cast is differentiable: the experts' gradients arrive in their own dtype, as FSDP2's managed
+        parameters' do."""
         experts_dtype = self.w_gate_up.dtype
         others = [self.router.weight]
         if self.shared_gate_up is not None:
