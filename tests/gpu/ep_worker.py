@@ -26,6 +26,10 @@ from megamoe.backends.triton.configs import block_m_for
 from megamoe.bench.measure import cuda_graph
 
 
+# Set to "1" to run every rank on GPU 0 (test_ep_gpu.py's two ranks on one GPU).
+ONE_GPU_RANKS = "MEGAMOE_TEST_ONE_GPU_RANKS"
+
+
 def problem(seed, tokens, hidden, inter, experts, topk, world, routing="balanced", shared=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     total = tokens * world
@@ -382,8 +386,15 @@ def reject(rank, world):
 def main():
     mode = sys.argv[1] if len(sys.argv) > 1 else "checks"
     rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    if os.environ.get(ONE_GPU_RANKS) == "1":
+        # Every rank on GPU 0, time-sliced: NCCL refuses two ranks on one GPU, so the group is gloo's, and
+        # symmetric memory is told the ranks' buffers may share a device. No speed is measured this way.
+        os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+        torch.cuda.set_device(0)
+        dist.init_process_group("gloo")
+    else:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     world = dist.get_world_size()
     modes = {"checks": checks, "ep-kernels": ep_kernels, "timeout": timeout, "workspace": workspace, "mismatch": mismatch,
              "reject": reject}
