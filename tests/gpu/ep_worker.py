@@ -1,9 +1,11 @@
-"""Expert-parallel GPU checks, one process per GPU (run by test_ep_gpu.py through torchrun).
+"""Expert-parallel GPU checks, one process per GPU, or every process on GPU 0 with MEGAMOE_TEST_ONE_GPU_RANKS=1
+(run by test_ep_gpu.py through torchrun).
 
 Every rank builds the same global problem (same seed), runs its shard through megamoe.experts with a
 group, and compares its outputs and gradients with the fp64 reference of the global problem (error
 budget as docs/design.md) — for every backend and direction, bitwise across runs, directions and EP overlap
-settings (num_comm_sms, minibatch_tokens), under a CUDA graph, with skewed routing and an empty rank. Exits non-zero on the first failure.
+settings (num_comm_sms, minibatch_tokens), under a CUDA graph, with skewed routing and an empty rank, in
+inference and with frozen experts. Exits non-zero on the first failure.
 Modes beyond "checks": "timeout" (a peer that never arrives), "workspace" (one workspace reused across T),
 "mismatch" (ranks each on a different already-checked shape), "reject" (a rank rejecting its arguments).
 "ep-kernels" runs the EP path's own functions (ep.experts_fwd / _bwd) on any number of GPUs, one included.
@@ -153,6 +155,37 @@ def checks(rank, world):
             print(f"rank {rank} {tag} {backend}: ok", flush=True)
     for num_comm_sms, minibatch_tokens in ((None, None), (4, 1)):
         graph_check(rank, world, megamoe.MoEConfig(backend="triton", num_comm_sms=num_comm_sms, minibatch_tokens=minibatch_tokens))
+    inference_and_partial(rank, world)
+
+
+def inference_and_partial(rank, world):
+    """On the fused path: under no_grad and inference_mode the training forward's out, bit for bit, a workspace
+    first allocated under inference_mode serving a training step after it, and a backward asked for x and
+    topk_weights alone (frozen experts) giving the full backward's d_x and d_topk_weights bit for bit."""
+    tokens, hidden, inter, experts, topk = 256, 256, 128, 4 * world, 2
+    ids, p, d_out = problem(13, tokens, hidden, inter, experts, topk, world)
+    config = megamoe.MoEConfig(backend="triton")
+    full = run_ep(ids, p, d_out, rank, world, tokens, experts, config)
+    local = local_inputs(p, rank, world, tokens, experts, torch.bfloat16)
+    rows = slice(rank * tokens, (rank + 1) * tokens)
+
+    def forward(inputs):
+        return megamoe.experts(inputs["x"], ids[rows], inputs["topk_weights"], inputs["w_gate_up"], inputs["w_down"],
+                               group=dist.group.WORLD, config=config)
+
+    for mode in (torch.no_grad, torch.inference_mode):
+        megamoe.clear_workspaces()  # the first call allocates the workspace, here under mode
+        with mode():
+            out = forward(local)
+        check_bitwise(f"{mode.__name__} out", {"out": out}, {"out": full["out"]})
+        again = run_ep(ids, p, d_out, rank, world, tokens, experts, config)  # training on that workspace
+        check_bitwise(f"training after {mode.__name__} allocated the workspace", again, full)
+    leaves = dict(local, x=local["x"].clone().requires_grad_(), topk_weights=local["topk_weights"].clone().requires_grad_())
+    out = forward(leaves)
+    d_x, d_w = torch.autograd.grad(out, [leaves["x"], leaves["topk_weights"]], d_out[rows].to(out.dtype))
+    check_bitwise("frozen experts", {"out": out.detach(), "d_x": d_x, "d_topk_weights": d_w},
+                  {n: full[n] for n in ("out", "d_x", "d_topk_weights")})
+    print(f"rank {rank} inference and partial backward: ok", flush=True)
 
 
 def run_ep_kernels(ids, p, d_out, rank, world, tokens, experts, config, overlap=True, dtype=torch.bfloat16):
