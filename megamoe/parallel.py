@@ -162,6 +162,24 @@ def ddp_ignore_experts(model: nn.Module) -> list[str]:
     return names
 
 
+def _check_not_data_parallel(module: nn.Module, found: dict) -> None:
+    """ValueError naming the first expert-parallel parameter of module that is a DTensor: FSDP2's fully_shard took it
+    for a replica (it was not in ignored_params), so each rank keeps a shard of its own experts and all-gathers the
+    others' shards of theirs: the ranks' experts are mixed from construction on, and reduce_expert_grads /
+    clip_grad_norm_ would go on silently (or fail inside a collective)."""
+    from torch.distributed.tensor import DTensor
+
+    for name, p in module.named_parameters():
+        if id(p) in found and isinstance(p, DTensor):
+            raise ValueError(
+                f"expert-parallel parameter {name!r} is a DTensor {tuple(p.placements)} over ranks "
+                f"{p.device_mesh.mesh.flatten().tolist()}: a data-parallel wrapper (FSDP2's fully_shard) manages it as "
+                "a replica, but every rank of its expert-parallel group holds other experts, which it shards and "
+                "all-gathers together; pass set(megamoe.parallel.expert_parameters(model).values()) as ignored_params "
+                "to every fully_shard call whose module holds experts (megamoe.parallel's docstring)"
+            )
+
+
 def _check_dp_group(dp_group, ep_groups) -> None:
     """ValueError unless dp_group and every EP group have no rank in common but this one: the ranks of dp_group
     must hold replicas of this rank's experts, and every other rank of an EP group holds other experts."""
@@ -194,10 +212,13 @@ def reduce_expert_grads(module: nn.Module, dp_group=None) -> None:
     joins the same collectives. Frozen parameters (requires_grad=False) are skipped.
     Raises ValueError, before any gradient is touched, if dp_group shares a rank other than this one with
     the EP group of any of these parameters (e.g. the EP group itself, or the world in the 2-D layout):
-    that rank holds different experts, whose gradients the sum would mix into these.
+    that rank holds different experts, whose gradients the sum would mix into these; and if FSDP2 manages one of
+    these parameters (a DTensor: fully_shard was not given it in ignored_params), which mixes the ranks' experts.
     """
     check_group("dp_group", dp_group)
-    found = _expert_groups(module).values()
+    groups = _expert_groups(module)
+    _check_not_data_parallel(module, groups)
+    found = groups.values()
     if dp_group is not None:
         _check_dp_group(dp_group, {id(group): group for _, group in found}.values())
     dp_size = 1 if dp_group is None else dist.get_world_size(dp_group)
@@ -228,7 +249,8 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
     same gradient after reduce_expert_grads), the other parameters as they are (replicas, e.g. under DDP: the same
     on every rank; DTensors, e.g. under FSDP2: over their mesh). Every gradient is then scaled by
     min(1, max_norm / (norm + 1e-6)), as torch does. A collective over every EP group: every rank must call it,
-    after reduce_expert_grads. norm_type: a p-norm's p > 0, or inf (float("inf") or "inf").
+    after reduce_expert_grads. norm_type: a p-norm's p > 0, or inf (float("inf") or "inf"). Raises ValueError as
+    reduce_expert_grads does if FSDP2 manages an expert-parallel parameter.
     """
     if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm >= 0:
         raise ValueError(f"max_norm must be a number >= 0, got {max_norm!r}")
@@ -240,6 +262,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
 
     norm_type = float(norm_type)
     found = _expert_groups(module)
+    _check_not_data_parallel(module, found)
     by_group: dict[int, tuple[object, list[nn.Parameter]]] = {}
     replicas, by_mesh = [], {}
     for p in module.parameters():

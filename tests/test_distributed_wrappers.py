@@ -570,3 +570,50 @@ def test_fsdp2_mixed_precision_with_ignored_experts(tmp_path):
             got = res["grads"][name]
             assert got.dtype == torch.float32, f"rank {rank}: d_{name} is {got.dtype}"
             assert rel_err(got, want) < 2e-2, f"rank {rank}: d_{name} rel err {rel_err(got, want):.3e}"
+
+
+# ------------------------------------------------------------------- FSDP2 managing the experts (a mistake)
+
+
+def _fsdp2_experts_not_ignored_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """fully_shard(layer) without ignored_params, which shards and all-gathers each rank's own experts as one
+    replicated tensor: one forward + backward, then what reduce_expert_grads and clip_grad_norm_ raise (or None)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    init_gloo(rank, world, port)
+    results = {}
+    try:
+        torch.manual_seed(0)
+        layer = MoELayer(H, I, EXPERTS_PER_RANK * world, K, group=dist.group.WORLD, dtype=torch.float64)
+        fully_shard(layer, mesh=init_device_mesh("cpu", (world,)))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*returned a view tensor")
+            layer(torch.randn(T, H, dtype=torch.float64)).sum().backward()
+        for name, call in (("reduce_expert_grads", lambda: reduce_expert_grads(layer)),
+                           ("clip_grad_norm_", lambda: clip_grad_norm_(layer, 1.0))):
+            try:
+                call()
+                results[name] = None
+            except Exception as e:  # noqa: BLE001 - the parent checks the type and message
+                results[name] = f"{type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001 - reported by the parent with the traceback
+        results["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    leave_gloo(rank, world)
+
+
+def test_fsdp2_managing_the_experts_is_a_value_error(tmp_path):
+    """Experts left out of fully_shard's ignored_params become DTensors whose shards are different ranks' experts:
+    reduce_expert_grads and clip_grad_norm_ refuse them, naming the parameter and the fix. Before: reduce_expert_grads
+    returned as if nothing were wrong and clip_grad_norm_ raised NotImplementedError from inside a collective."""
+    results = run_gloo_workers(_fsdp2_experts_not_ignored_worker, 2, (str(tmp_path),), tmp_path, SPAWN_TIMEOUT_S,
+                               "FSDP2 managing the experts")
+    for rank, res in enumerate(results):
+        if "error" in res:
+            pytest.fail(f"rank {rank}: {res['error']}")
+        for name in ("reduce_expert_grads", "clip_grad_norm_"):
+            error = res[name]
+            assert error is not None and error.startswith("ValueError: expert-parallel parameter 'w_gate_up' is a "
+                                                          "DTensor") and "ignored_params" in error, (
+                f"rank {rank}: {name} gave {error}")
