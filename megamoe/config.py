@@ -53,13 +53,20 @@ def check_block_m(name: str, value) -> None:
 
 def check_group(name: str, group) -> None:
     """TypeError naming `name` unless group is None or a torch.distributed ProcessGroup (a host-side type
-    check; nothing is communicated)."""
+    check; nothing is communicated); ValueError for the value dist.new_group returns to the ranks it leaves out."""
     if group is None:
         return
     import torch.distributed as dist
 
     if dist.is_available() and isinstance(group, dist.ProcessGroup):
         return
+    # An int in torch 2.x: compared only as one, since == on an arbitrary object may do anything.
+    if dist.is_available() and type(group) is int and group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"{name} must be a process group that this rank belongs to, or None; got {group!r}, "
+            "dist.GroupMember.NON_GROUP_MEMBER, which dist.new_group returns to the ranks it leaves out: pass each "
+            "rank the group it is a member of"
+        )
     hint = " (for a DeviceMesh, pass mesh.get_group())" if hasattr(group, "get_group") else ""
     raise TypeError(
         f"{name} must be a torch.distributed ProcessGroup (e.g. dist.group.WORLD) or None, "

@@ -395,6 +395,29 @@ def test_group_not_a_process_group(rng, group):
         assert type(group).__name__ in message, f"{where}: message does not say what was given: {message}"
 
 
+def test_group_of_a_non_member(rng):
+    """The value dist.new_group returns to a rank outside the new group (GroupMember.NON_GROUP_MEMBER, -100): a
+    ValueError saying the rank is not a member, from experts, MoELayer, build_schedule and reduce_expert_grads alike
+    (as from patch_model). Before: "group must be a torch.distributed ProcessGroup ..., got int -100"."""
+    group = torch.distributed.GroupMember.NON_GROUP_MEMBER
+    kw = args(rng)
+    x = kw.pop("x")
+    calls = {
+        "experts": ("group", lambda: megamoe.experts(x, kw["topk_ids"], kw["topk_weights"], kw["w_gate_up"],
+                                                     kw["w_down"], group=group, config=MoEConfig(backend="torch"))),
+        "MoELayer": ("group", lambda: MoELayer(H, I, E, K, group=group)),
+        "build_schedule": ("group", lambda: build_schedule(kw["topk_ids"], E, group=group)),
+        "reduce_expert_grads": ("dp_group", lambda: megamoe.parallel.reduce_expert_grads(MoELayer(H, I, E, K),
+                                                                                          dp_group=group)),
+    }
+    for where, (name, fn) in calls.items():
+        with pytest.raises(ValueError) as info:
+            fn()
+        message = str(info.value)
+        assert message.startswith(f"{name} must be a process group that this rank belongs to") and "-100" in message, (
+            f"{where}: {message}")
+
+
 @pytest.mark.parametrize("block_m", [-1, 0, 3, 48, 2048, 16.0, True], ids=repr)
 def test_build_schedule_bad_block_m(block_m):
     """build_schedule's block_m follows MoEConfig.block_m's rule (None or a power of two in [1, 1024])."""
