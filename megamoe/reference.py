@@ -36,10 +36,19 @@ def experts(
     w_down [E, H, I]; shared_gate_up [2I_s, H]; shared_down [H, I_s]. Returns [T, H] in x's dtype.
     Differentiable (autograd) with respect to every floating-point input (T = 0 included: zero gradients).
     Arguments are checked as megamoe.experts checks them (ValueError/TypeError naming the argument; an id
-    outside [0, E) too). `config` is accepted for signature parity with megamoe.experts and ignored.
+    outside [0, E) too; inputs on the meta device too, which hold no routing to gather by). `config` is accepted
+    for signature parity with megamoe.experts and ignored.
     """
     del config
     validate(x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, world_size=1)
+    if x.device.type == "meta":
+        # The loop below picks each expert's tokens by the routing's values (nonzero), which meta tensors lack:
+        # torch would fail inside nonzero with advice about its own fake-tensor configuration.
+        raise ValueError(
+            "megamoe.reference.experts (MoEConfig.backend='reference') needs the routing's values to pick each "
+            "expert's tokens, and x and the other inputs are on the meta device, which holds none; run it on "
+            "the CPU or a GPU, or use MoEConfig(backend='torch') (or 'auto'), which runs on meta (shapes only)"
+        )
     check_topk_ids(topk_ids, w_gate_up.shape[0])
     num_tokens, top_k = topk_ids.shape
     acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32

@@ -507,3 +507,19 @@ def test_positive_int_one_rule(make, name):
     with pytest.raises(ValueError) as info:
         make()
     assert re.search(rf"\b{name} must be (None or )?a positive int, got 0$", str(info.value)), str(info.value)
+
+
+@pytest.mark.parametrize("backend", ["reference", "reference.experts"])
+def test_reference_on_meta_is_a_value_error(rng, backend):
+    """The reference picks each expert's tokens by the routing's values, which meta tensors lack: a ValueError
+    saying so and naming the backend that runs on meta, not torch's NotImplementedError from inside nonzero."""
+    kw = {name: t.to("meta") for name, t in args(rng).items()}
+    with pytest.raises(ValueError, match="meta") as info:
+        call(kw, backend)
+    assert "backend='torch'" in str(info.value), str(info.value)
+
+
+def test_layer_with_the_reference_backend_on_meta_is_a_value_error():
+    layer = MoELayer(H, I, E, K, config=MoEConfig(backend="reference"), device="meta")
+    with pytest.raises(ValueError, match="meta"):
+        layer(torch.randn(3, H, device="meta"))
