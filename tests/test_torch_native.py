@@ -3,6 +3,8 @@ the error budget, forward and every gradient, bitwise reproducible."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -207,3 +209,19 @@ def test_undefined_output_gradient_gives_zero_gradients():
 
     inputs = tuple(t.detach().requires_grad_() for t in (x, weights, w_gate_up, w_down))
     assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)  # check_undefined_grad on
+
+
+def test_fp16_d_topk_weights_where_the_products_pass_fp16s_range(rng):
+    """fp16 (the dtype of GPUs without bf16, which run this path) with a loss-scaled d_out (GradScaler starts at
+    2**16): the products d_out[t, h] * y[t, j, h] pass fp16's 65504 while their fp32 sum, d_topk_weights, does not.
+    They are taken in fp32, as the reference and the fused path take them, not rounded to inf (and inf - inf = NaN)."""
+    num_tokens, num_experts = 16, 4
+    p = make_problem(rng, num_tokens, 32, 16, num_experts, 2)
+    p = dataclasses.replace(p, x=p.x * 8, d_out=p.d_out * 2**13)  # |y| ~ 10-100, |d_out| < 65504
+    low = p.cast(torch.float16)
+    y = torch.stack([megamoe.reference.swiglu_mlp(low.x, low.w_gate_up[e], low.w_down[e]) for e in range(num_experts)])
+    y_pairs = y[low.topk_ids, torch.arange(num_tokens).unsqueeze(1)]  # [T, k, H]
+    products = y_pairs.float() * low.d_out.float().unsqueeze(1)
+    assert products.abs().max() > torch.finfo(torch.float16).max, "the products stay inside fp16's range"
+    ours, ref64, ref_low = run_experts(low, config=TORCH), run_reference(p), run_reference(low)
+    assert_close_budget("d_topk_weights", ours["d_topk_weights"], ref64["d_topk_weights"], ref_low["d_topk_weights"])

@@ -15,7 +15,7 @@ Precision (bf16/fp16 inputs; fp32 and fp64 run the same ops in their own dtype):
 - Backward: d_y = w * d_out in fp32, rounded once; d_x[t] = sum_j d_x_pairs[t, j] by one torch.sum with
   fp32 accumulation, whose order is fixed by the shapes (j = 0..k-1 on CPU and for k <= 4 on CUDA;
   CUDA's reduction kernel pairs slots j and j+4 for larger k); d_topk_weights[t, j] = <d_out[t], y[t, j]>
-  summed in fp32 over products rounded once to the input dtype.
+  summed in fp32 over products rounded once to the input dtype (fp16: fp32 products, past fp16's range).
 Deterministic: no atomics, no index_add_/scatter_add_; every scatter (index_copy_) has unique targets.
 No host sync on the one-process path where torch._grouped_mm runs (bf16 on CUDA GPUs of compute capability
 >= 9.0; fp32 / bf16 / fp16 on the CPU); elsewhere the loop of GEMMs reads the segment ends on the host. With a group, the split sizes go to the host once per forward
@@ -297,9 +297,16 @@ def pair_weight_grads(d_out: torch.Tensor, y_pairs_TKH: torch.Tensor) -> torch.T
     """d_topk_weights[t, j] = <d_out[t], y[t, j]> summed in fp32 (fp64 for fp64).
 
     The products are rounded once to the inputs' dtype (one pass over [T, k, H] in bf16, then one read by
-    the reduction: 6 B/element; an fp32 copy of y_pairs and an fp32 product would be ~18 B/element).
+    the reduction: 6 B/element; an fp32 copy of y_pairs and an fp32 product would be ~18 B/element), except
+    in fp16: there they are fp32 (y read in fp16, the product written and read in fp32: 10 B/element).
     """
-    return (y_pairs_TKH * d_out.unsqueeze(1)).sum(-1, dtype=_acc_dtype(d_out.dtype))
+    acc_dtype = _acc_dtype(d_out.dtype)
+    if d_out.dtype == torch.float16:
+        # fp16's range ends at 65504, bf16's is fp32's: with a loss-scaled d_out (GradScaler) the products of fp16
+        # training pass it where their fp32 sum does not, and inf - inf would give a NaN weight gradient that the
+        # reference and the fused path (both multiply in fp32) do not give.
+        d_out = d_out.to(acc_dtype)
+    return (y_pairs_TKH * d_out.unsqueeze(1)).sum(-1, dtype=acc_dtype)
 
 
 def rows_fwd(x_rows, w_gate_up, w_down, ends, live: int | None = None):
