@@ -682,11 +682,14 @@ def _no_double_backward(ctx, grads):
 _experts_bwd.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
-def _check_no_function_transforms(**tensors) -> None:
+def _check_no_function_transforms(compiling: bool, **tensors) -> None:
     """TypeError naming the first input that a torch.func transform (grad, vmap, jvp, ...) wraps or that carries a
     forward-mode tangent (torch.autograd.forward_ad). The fast paths are custom ops with a backward formula only:
     under forward-mode AD their output silently gets a zero (torch.func.jvp) or no (forward_ad) tangent, and
-    torch.func.grad / vmap fail inside torch with messages about an autograd.Function or a batching rule."""
+    torch.func.grad / vmap fail inside torch with messages about an autograd.Function or a batching rule.
+    compiling (under torch.compile): only the forward-mode check, which Dynamo traces (it marks the functorch
+    wrapper queries as skipped); it still catches torch.func.jvp traced by torch.compile, whose tangent would
+    otherwise be silently zero. grad and vmap fail loudly there (torch's errors)."""
     from torch._C._functorch import is_batchedtensor, is_gradtrackingtensor
     from torch.autograd import forward_ad
 
@@ -694,7 +697,7 @@ def _check_no_function_transforms(**tensors) -> None:
         if t is None:
             continue
         # Not is_functorch_wrapped_tensor: torch.func.functionalize's wrappers are fine (the op is functional).
-        if is_batchedtensor(t) or is_gradtrackingtensor(t):
+        if not compiling and (is_batchedtensor(t) or is_gradtrackingtensor(t)):
             what = "a tensor wrapped by a torch.func transform (grad, vmap, jvp, jacrev, ...)"
         elif forward_ad.unpack_dual(t).tangent is not None:
             what = "a forward-mode dual tensor (torch.autograd.forward_ad)"
@@ -775,10 +778,10 @@ def experts(
         backend_name = resolve_backend(config, x, group)
         if backend_name == "reference" and world_size > 1:
             raise ValueError("MoEConfig.backend='reference' computes all experts in one process; it takes no group")
-        if backend_name != "reference" and not torch.compiler.is_compiling():
+        if backend_name != "reference":
             _check_no_function_transforms(
-                x=x, topk_ids=topk_ids, topk_weights=topk_weights, w_gate_up=w_gate_up, w_down=w_down,
-                shared_gate_up=shared_gate_up, shared_down=shared_down,
+                torch.compiler.is_compiling(), x=x, topk_ids=topk_ids, topk_weights=topk_weights, w_gate_up=w_gate_up,
+                w_down=w_down, shared_gate_up=shared_gate_up, shared_down=shared_down,
             )
     except REJECTION_TYPES as error:
         if group is not None:  # the peers are on their way to the agreement exchange: tell them, then raise

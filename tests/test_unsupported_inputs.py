@@ -101,3 +101,15 @@ def test_functionalize_still_works():
     x, ids, w, wgu, wd = _problem()
     f = lambda x: megamoe.experts(x, ids, w, wgu, wd, config=MoEConfig(backend="torch"))
     assert torch.equal(torch.func.functionalize(f)(x), f(x))
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_compiled_jvp_raises_naming_the_input(backend):
+    """torch.func.jvp traced by torch.compile: the same TypeError as in eager (the check used to be skipped under
+    torch.compile, and the tangent came back silently all zeros)."""
+    torch._dynamo.reset()
+    x, ids, w, wgu, wd = _problem()
+    f = lambda x: megamoe.experts(x, ids, w, wgu, wd, config=MoEConfig(backend=backend))
+    compiled = torch.compile(lambda x: torch.func.jvp(f, (x,), (torch.ones_like(x),))[1])
+    with pytest.raises(TypeError, match=r"megamoe\.experts: x is .*reverse-mode autograd only"):
+        compiled(x)
