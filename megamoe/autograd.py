@@ -682,6 +682,16 @@ def _no_double_backward(ctx, grads):
 _experts_bwd.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
+@torch.library.register_vmap("megamoe::experts_bwd")
+def _experts_bwd_vmap(info, in_dims, d_out, *args):
+    """A batch of output gradients (torch.vmap over torch.autograd.grad): the backward is linear in d_out, so it
+    runs once per slice and each gradient is stacked (dim 0). Only d_out is batched: the other inputs are the
+    forward's, which ran outside the vmap (megamoe.experts rejects inputs a torch.func transform wraps)."""
+    slices = [_experts_bwd(d_out_b, *args) for d_out_b in d_out.unbind(in_dims[0])]
+    grads = [torch.stack(grad) for grad in zip(*slices)]
+    return grads, [0] * len(grads)
+
+
 def _check_no_function_transforms(compiling: bool, **tensors) -> None:
     """TypeError naming the first input that a torch.func transform (grad, vmap, jvp, ...) wraps or that carries a
     forward-mode tangent (torch.autograd.forward_ad). The fast paths are custom ops with a backward formula only:

@@ -113,3 +113,18 @@ def test_compiled_jvp_raises_naming_the_input(backend):
     compiled = torch.compile(lambda x: torch.func.jvp(f, (x,), (torch.ones_like(x),))[1])
     with pytest.raises(TypeError, match=r"megamoe\.experts: x is .*reverse-mode autograd only"):
         compiled(x)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_vmap_over_autograd_grad_matches_a_loop(backend):
+    """torch.vmap over torch.autograd.grad (a batch of output gradients through one forward): every gradient is the
+    one backward per slice gives, bit for bit (was "Batching rule not implemented for megamoe::experts_bwd")."""
+    x, ids, w, wgu, wd = _problem()
+    leaves = [t.clone().requires_grad_() for t in (x, w, wgu, wd)]
+    out = megamoe.experts(leaves[0], ids, *leaves[1:], config=MoEConfig(backend=backend))
+    d_outs = torch.randn(3, *out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    got = torch.vmap(lambda d: torch.autograd.grad(out, leaves, d, retain_graph=True))(d_outs)
+    for i, name in enumerate(["x", "topk_weights", "w_gate_up", "w_down"]):
+        want = torch.stack([torch.autograd.grad(out, leaves[i], d, retain_graph=True)[0] for d in d_outs])
+        assert torch.equal(got[i], want), f"d_{name}"
+
