@@ -645,6 +645,17 @@ def _backward(ctx, grads):
             "megamoe: backward through a forward that ran without saving for it (grad mode off or no input "
             "requiring grad when megamoe.experts was called)"
         )
+    # torch's legacy vmap, whose fallback cannot batch an op with tensor-list arguments (torch.vmap can:
+    # _experts_bwd_vmap): a clear error instead of "Batching rule not implemented for megamoe::experts_bwd". Not
+    # asked under torch.compile (compiled autograd), which cannot trace the query and never runs the legacy vmap.
+    if (grads[0] is not None and not torch.compiler.is_compiling()
+            and torch._C._functorch.is_legacy_batchedtensor(grads[0])):
+        raise TypeError(
+            "megamoe.experts: torch.autograd.grad(..., is_grads_batched=True) and "
+            "torch.autograd.functional.jacobian(..., vectorize=True) batch the backward with torch's legacy "
+            "vmap, which cannot run it; use torch.vmap over torch.autograd.grad, vectorize=False, or "
+            "MoEConfig(backend='reference') (plain PyTorch ops)"
+        )
     x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, *rest = ctx.saved_tensors
     needs = tuple(ctx.needs_input_grad[i] for i in _GRAD_INPUTS)
     mask = mask_from_needs(needs)

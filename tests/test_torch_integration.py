@@ -200,3 +200,22 @@ def test_training_resumed_from_state_dicts_is_bitwise_the_uninterrupted_run(tmp_
             assert torch.equal(got, want), s
     for (name, a), (_, b) in zip(layer.named_parameters(), resumed_layer.named_parameters()):
         assert torch.equal(a, b), name
+
+
+def test_compiled_autograd_fullgraph_backward():
+    """An eager forward, its backward traced by compiled autograd with fullgraph=True: the eager gradients (the
+    backward's Python formula must stay traceable)."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(3)
+    x, ids, w, wgu, wd, sgu, sd = _inputs(gen, shared=True)
+    leaves = [t.requires_grad_() for t in (x, w, wgu, wd, sgu, sd)]
+
+    def loss():
+        return megamoe.experts(x, ids, w, wgu, wd, shared_gate_up=sgu, shared_down=sd, config=CONFIG).square().sum()
+
+    want = torch.autograd.grad(loss(), leaves)
+    out = loss()
+    with torch._dynamo.compiled_autograd._enable(torch.compile(fullgraph=True)):
+        out.backward()
+    for name, t, g in zip(["x", "topk_weights", "w_gate_up", "w_down", "shared_gate_up", "shared_down"], leaves, want):
+        torch.testing.assert_close(t.grad, g, rtol=1e-5, atol=1e-6, msg=f"d_{name}")

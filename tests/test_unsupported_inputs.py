@@ -128,3 +128,16 @@ def test_vmap_over_autograd_grad_matches_a_loop(backend):
         want = torch.stack([torch.autograd.grad(out, leaves[i], d, retain_graph=True)[0] for d in d_outs])
         assert torch.equal(got[i], want), f"d_{name}"
 
+
+@pytest.mark.parametrize("how", ["is_grads_batched", "jacobian_vectorize"])
+def test_legacy_batched_gradients_are_a_type_error(how):
+    """torch.autograd's own batched gradients run torch's legacy vmap, which cannot batch the backward op: megamoe's
+    TypeError naming them and what works instead (was torch's "Batching rule not implemented")."""
+    x, ids, w, wgu, wd = _problem()
+    f = lambda x: megamoe.experts(x, ids, w, wgu, wd, config=MoEConfig(backend="torch"))
+    with pytest.raises(TypeError, match=r"is_grads_batched=True.*torch\.vmap over torch\.autograd\.grad"):
+        if how == "is_grads_batched":
+            x.requires_grad_()
+            torch.autograd.grad(f(x), x, torch.ones(2, *x.shape, dtype=x.dtype), is_grads_batched=True)
+        else:
+            torch.autograd.functional.jacobian(f, x, vectorize=True)
