@@ -773,11 +773,13 @@ def experts(
     if autocast:
         dtype = torch.get_autocast_dtype(x.device.type)
         x_dtype = x.dtype
-        # Only the dtypes autocast itself casts for a matmul: float64 stays float64 (as a matmul's would).
-        x, w_gate_up, w_down, shared_gate_up, shared_down = (
-            t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in AUTOCAST_CASTS else t
-            for t in (x, w_gate_up, w_down, shared_gate_up, shared_down)
-        )
+        # Only the dtypes autocast itself casts for a matmul: float64 stays float64 (as a matmul's would). Beside an x
+        # that is not cast (float64), nothing is: a float32 weight there is a mismatch, reported in the dtype given.
+        if x_dtype in AUTOCAST_CASTS:
+            x, w_gate_up, w_down, shared_gate_up, shared_down = (
+                t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in AUTOCAST_CASTS else t
+                for t in (x, w_gate_up, w_down, shared_gate_up, shared_down)
+            )
         # topk_weights is not cast, but one in x's float16/bfloat16 (allowed beside x) would no longer match x
         # cast to the other: it is widened to float32 (exact, and always allowed).
         if isinstance(topk_weights, torch.Tensor) and topk_weights.dtype == x_dtype != x.dtype:

@@ -141,3 +141,13 @@ def test_legacy_batched_gradients_are_a_type_error(how):
             torch.autograd.grad(f(x), x, torch.ones(2, *x.shape, dtype=x.dtype), is_grads_batched=True)
         else:
             torch.autograd.functional.jacobian(f, x, vectorize=True)
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_float64_x_beside_float32_weight_under_autocast_names_the_given_dtype(backend):
+    """x float64 (which autocast leaves alone) and w_gate_up float32 under autocast: the TypeError says float32, the
+    dtype passed (it said the autocast dtype, bfloat16, which the caller never passed)."""
+    x, ids, w, wgu, wd = _problem()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(TypeError, match=r"w_gate_up must have x's dtype torch\.float64, got torch\.float32"):
+            megamoe.experts(x, ids, w, wgu.float(), wd, config=MoEConfig(backend=backend))
