@@ -95,7 +95,9 @@ class MoELayer(nn.Module):
         # (to_empty + reset_parameters) would get other values than one built directly with the same seed.
         self.router = nn.Linear(hidden_size, num_experts, bias=False, device="meta", dtype=dtype)
         self.w_gate_up = nn.Parameter(torch.empty(self.num_local_experts, 2 * intermediate_size, hidden_size, **factory))
-        self.router.to_empty(device=self.w_gate_up.device)
+        # A new Parameter rather than to_empty, which swaps the tensors and cannot under FakeTensorMode (a layer built
+        # there for tracing or memory estimation: "Couldn't swap Linear.weight").
+        self.router.weight = nn.Parameter(torch.empty_like(self.router.weight, device=self.w_gate_up.device))
         self.w_down = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, intermediate_size, **factory))
         if shared_intermediate_size > 0:
             self.shared_gate_up = nn.Parameter(torch.empty(2 * shared_intermediate_size, hidden_size, **factory))

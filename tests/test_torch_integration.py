@@ -219,3 +219,18 @@ def test_compiled_autograd_fullgraph_backward():
         out.backward()
     for name, t, g in zip(["x", "topk_weights", "w_gate_up", "w_down", "shared_gate_up", "shared_down"], leaves, want):
         torch.testing.assert_close(t.grad, g, rtol=1e-5, atol=1e-6, msg=f"d_{name}")
+
+
+def test_layer_under_fake_tensor_mode():
+    """MoELayer built and run (forward, backward) under FakeTensorMode, as for tracing or memory estimation: shapes
+    and gradients as on a real device (its construction used to fail: "_apply(): Couldn't swap Linear.weight")."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        layer = megamoe.MoELayer(H, I, E, K, shared_intermediate_size=8, config=CONFIG)
+        x = torch.randn(2, T, H, requires_grad=True)
+        y = layer(x)
+        (y.sum() + layer.aux_loss).backward()
+    assert y.shape == x.shape and x.grad.shape == x.shape
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and p.grad.shape == p.shape, name
