@@ -698,6 +698,12 @@ def _experts_bwd_vmap(info, in_dims, d_out, *args):
     """A batch of output gradients (torch.vmap over torch.autograd.grad): the backward is linear in d_out, so it
     runs once per slice and each gradient is stacked (dim 0). Only d_out is batched: the other inputs are the
     forward's, which ran outside the vmap (megamoe.experts rejects inputs a torch.func transform wraps)."""
+    def batched(dim) -> bool:  # a list argument's in_dims is a list
+        return any(batched(d) for d in dim) if isinstance(dim, (list, tuple)) else dim is not None
+
+    if any(batched(dim) for dim in in_dims[1:]):
+        raise TypeError("megamoe.experts: torch.vmap can batch only the output gradient of its backward, not the "
+                        "forward's inputs or saved tensors; run the forward outside the vmap")
     slices = [_experts_bwd(d_out_b, *args) for d_out_b in d_out.unbind(in_dims[0])]
     grads = [torch.stack(grad) for grad in zip(*slices)]
     return grads, [0] * len(grads)
