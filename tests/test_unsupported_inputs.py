@@ -129,6 +129,22 @@ def test_vmap_over_autograd_grad_matches_a_loop(backend):
         assert torch.equal(got[i], want), f"d_{name}"
 
 
+def test_vmap_of_the_backward_op_over_a_forward_input_is_a_type_error(monkeypatch):
+    """The backward op's vmap rule batches d_out alone: called under torch.vmap with one of the forward's inputs
+    batched (only a direct caller of the op can), a TypeError, not a result that ignores the batch."""
+    x, ids, w, wgu, wd = _problem()
+    calls = []
+    real = megamoe.autograd._experts_bwd
+    monkeypatch.setattr(megamoe.autograd, "_experts_bwd", lambda *args: calls.append(args) or real(*args))
+    leaf = x.clone().requires_grad_()
+    out = megamoe.experts(leaf, ids, w, wgu, wd, config=MoEConfig(backend="torch"))
+    torch.autograd.grad(out, leaf, torch.ones_like(out))
+    (args,) = calls
+    xs = torch.stack([args[1], args[1]])
+    with pytest.raises(TypeError, match=r"can batch only the output gradient"):
+        torch.vmap(lambda xb: real(args[0], xb, *args[2:]))(xs)
+
+
 @pytest.mark.parametrize("how", ["is_grads_batched", "jacobian_vectorize"])
 def test_legacy_batched_gradients_are_a_type_error(how):
     """torch.autograd's own batched gradients run torch's legacy vmap, which cannot batch the backward op: megamoe's
