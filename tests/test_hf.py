@@ -244,6 +244,28 @@ def test_deepseek_v3_changes_after_patching_are_honoured(change, monkeypatch):
     assert calls == [change == "new gate_proj weight"], f"{change}: megamoe.experts calls (shared fused): {calls}"
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_unpatch_through_a_wrapper_added_after_patching(family, monkeypatch):
+    """A module wrapped around the patched experts (as PEFT's ParamWrapper does with LoRA on the expert weights):
+    is_patched still sees the patch and unpatch_model undoes it (both looked only at the wrapper: is_patched said
+    False and unpatch_model did nothing, the experts kept running through megamoe)."""
+    original = _model(family).eval()
+    patched = hf.patch_model(copy.deepcopy(original))
+    for model in (original, patched):
+        for block in (m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate")):
+            block.experts = _Scaled(block.experts, 0.5)
+    assert hf.is_patched(patched), "is_patched: False once the experts are wrapped"
+    hf.unpatch_model(patched)
+    assert not hf.is_patched(patched), "is_patched: True after unpatch_model"
+    for name, module in patched.named_modules():
+        assert "forward" not in vars(module), f"{name}: megamoe's forward still bound after unpatch_model"
+    calls = _count_megamoe_calls(monkeypatch)
+    ids = _batch()
+    with torch.no_grad():
+        assert torch.equal(patched(input_ids=ids).logits, original(input_ids=ids).logits), "logits after unpatch"
+    assert calls == [], f"megamoe.experts still called after unpatch_model: {calls}"
+
+
 def test_unsupported_activation_leaves_model_untouched():
     config = _config("mixtral")
     config.hidden_act = "gelu"

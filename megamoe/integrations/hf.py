@@ -683,7 +683,11 @@ def patch_model(model: nn.Module, *, group=None, config: MoEConfig | None = None
 
     DeepSeek-V3: a module wrapped around or hooked onto `experts` or `shared_experts` (or its projections)
     after patching is honoured: the block then runs its own forward, the two modules called one after the
-    other, instead of the fused call.
+    other, instead of the fused call. A wrapper around `experts` (PEFT's LoRA on the expert weights) is seen
+    through by is_patched and unpatch_model; merge such adapters (merge_and_unload) before unpatch_model, since
+    with a group they were made for this rank's slice of the experts.
+    The patched experts ignore transformers' own experts_implementation setting (set_experts_implementation)
+    until unpatch_model.
     """
     if config is not None and not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a megamoe.MoEConfig or None, got {type(config).__name__}")
@@ -731,10 +735,10 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     the full expert weights (a collective over the group: every rank must call it). Afterwards
     save_pretrained writes a checkpoint that plain transformers loads."""
     for _, block, spec in _moe_blocks(model):
-        experts = getattr(block, spec.experts)
-        patch: _Patch | None = getattr(experts, _PATCH_ATTR, None)
-        if patch is None:
+        experts = _patched_experts(block, spec)
+        if experts is None:
             continue
+        patch: _Patch = getattr(experts, _PATCH_ATTR)
         if patch.local_slice is not None:
             _unshard(experts, patch.group)
         del experts.forward
@@ -745,9 +749,15 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     return model
 
 
+def _patched_experts(block: nn.Module, spec) -> nn.Module | None:
+    """The experts module of block that patch_model patched, or None: block's experts attribute itself, or the
+    module inside what was wrapped around it since (PEFT's ParamWrapper holds it as its base layer)."""
+    return next((m for m in getattr(block, spec.experts).modules() if hasattr(m, _PATCH_ATTR)), None)
+
+
 def is_patched(model: nn.Module) -> bool:
-    """Whether any MoE block of `model` currently runs through patch_model."""
-    return any(hasattr(getattr(block, spec.experts), _PATCH_ATTR) for _, block, spec in _moe_blocks(model))
+    """Whether any MoE block of `model` currently runs through patch_model (its experts wrapped since or not)."""
+    return any(_patched_experts(block, spec) is not None for _, block, spec in _moe_blocks(model))
 
 
 try:  # experts_implementation="megamoe" as soon as this module is imported, where transformers >= 5 is
