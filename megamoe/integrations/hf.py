@@ -476,7 +476,8 @@ def register(config: MoEConfig | None = None) -> None:
     except ImportError as error:
         raise ImportError(
             "experts_implementation='megamoe' needs transformers >= 5 "
-            "(transformers.integrations.moe.ExpertsInterface); patch_model works without it"
+            "(transformers.integrations.moe.ExpertsInterface), as does patch_model (the fused 3-D expert weights it runs "
+            "are transformers 5's layout)"
         ) from error
     _interface_config = config
     ExpertsInterface.register(EXPERTS_IMPLEMENTATION, megamoe_experts_forward)
@@ -762,7 +763,7 @@ def is_patched(model: nn.Module) -> bool:
 
 try:  # experts_implementation="megamoe" as soon as this module is imported, where transformers >= 5 is
     register()
-except ImportError:  # no transformers (or < 5): patch_model still works; register() says what is missing
+except ImportError:  # no transformers (or < 5): megamoe still imports; register() says what is missing
     pass
 except Exception as error:  # noqa: BLE001 - a broken transformers install must not break `import megamoe`
     warnings.warn(f"megamoe.integrations.hf: experts_implementation='megamoe' not registered: {error!r}", stacklevel=2)
