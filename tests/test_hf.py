@@ -266,6 +266,17 @@ def test_unpatch_through_a_wrapper_added_after_patching(family, monkeypatch):
     assert calls == [], f"megamoe.experts still called after unpatch_model: {calls}"
 
 
+def test_patching_experts_wrapped_before_is_a_value_error_saying_so():
+    """Experts already wrapped (as PEFT's ParamWrapper wraps them): a ValueError naming the wrapper and the order
+    that works (it said the wrapper lacked the fused layout and silu), the model left unchanged."""
+    model = _model("qwen3_moe")
+    for block in (m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate")):
+        block.experts = _Scaled(block.experts, 0.5)
+    with pytest.raises(ValueError, match=r"\(Qwen3MoeExperts\) are wrapped by _Scaled .*call patch_model before"):
+        hf.patch_model(model)
+    assert not hf.is_patched(model)
+
+
 def test_unsupported_activation_leaves_model_untouched():
     config = _config("mixtral")
     config.hidden_act = "gelu"

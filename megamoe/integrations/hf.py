@@ -677,8 +677,8 @@ def patch_model(model: nn.Module, *, group=None, config: MoEConfig | None = None
         after patching.
     config: the megamoe.MoEConfig passed to every megamoe.experts call (None: the default).
     Raises TypeError if group is not a ProcessGroup (or None), ValueError if this rank is not in group, if a
-    block's number of experts is not divisible by the group size, if the model has no supported block or is
-    already patched, and UnsupportedExpertsError (a ValueError) if a block's experts do not have megamoe's
+    block's number of experts is not divisible by the group size, if the model has no supported block, is
+    already patched or has its experts wrapped already (PEFT: patch first), and UnsupportedExpertsError (a ValueError) if a block's experts do not have megamoe's
     layout (bias, transposed or interleaved weights, an activation other than silu). On any of these errors
     the model is left unchanged.
 
@@ -702,7 +702,17 @@ def patch_model(model: nn.Module, *, group=None, config: MoEConfig | None = None
         raise ValueError(f"{type(model).__name__} is already patched by megamoe; call unpatch_model first")
     # Check every block before changing any, so a failure leaves the model untouched.
     for name, block, spec in blocks:
-        check_experts(getattr(block, spec.experts), f"{name}.{spec.experts} ({spec.family})")
+        experts = getattr(block, spec.experts)
+        wrapped = None if unsupported_reason(experts) is None else next(
+            (m for m in experts.modules() if m is not experts and unsupported_reason(m) is None), None)
+        if wrapped is not None:
+            raise ValueError(
+                f"{name}.{spec.experts} ({spec.family}): the experts ({type(wrapped).__name__}) are wrapped by "
+                f"{type(experts).__name__} (e.g. PEFT's LoRA on the expert weights), which patch_model cannot run "
+                "around: call patch_model before wrapping them, or use experts_implementation='megamoe', which "
+                "runs inside such wrappers"
+            )
+        check_experts(experts, f"{name}.{spec.experts} ({spec.family})")
         if spec.shared is not None:
             _check_shared(f"{name}.{spec.shared} ({spec.family})", getattr(block, spec.shared))
         num_experts = getattr(block, spec.experts).gate_up_proj.shape[0]
