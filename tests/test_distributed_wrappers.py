@@ -502,6 +502,42 @@ def test_dcp_checkpoint_of_expert_parallel_layer_loads_into_one_process(init_and
         assert torch.equal(p, want), f"{name}: not the ranks' saved values"
 
 
+def _load_dcp_worker(rank: int, world: int, port: int, path: str, out_dir: str) -> None:
+    """Per rank: MoELayer(group=WORLD) at this world's size (E_local = E / world), loaded from the DCP checkpoint at
+    path; saves its parameters (or the error)."""
+    import torch.distributed.checkpoint as dcp
+
+    init_gloo(rank, world, port)
+    try:
+        torch.manual_seed(1)
+        layer = MoELayer(H, I, EXPERTS_PER_RANK * 2, K, shared_intermediate_size=I_SHARED, group=dist.group.WORLD)
+        state = layer.state_dict()
+        dcp.load(state, checkpoint_id=path)
+        layer.load_state_dict(state)
+        results = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    except Exception:  # noqa: BLE001 - reported by the test
+        results = {"error": traceback.format_exc()}
+    dist.destroy_process_group()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_dcp_checkpoint_of_two_ranks_loads_at_four(init_and_dcp, tmp_path):
+    """DCP reshards across expert-parallel sizes: the 2-rank checkpoint loads into a 4-rank layer (one expert a
+    rank), each rank's expert the saved one of its global index, the replicas as saved."""
+    for rank, res in enumerate(init_and_dcp):
+        if "error" in res:
+            pytest.fail(f"rank {rank}: {res['error']}")
+    loaded = run_gloo_workers(_load_dcp_worker, 4, (init_and_dcp[0]["dcp_path"], str(tmp_path)), tmp_path,
+                              SPAWN_TIMEOUT_S, "load at 4 ranks")
+    saved = [res["saved"] for res in init_and_dcp]
+    for rank, res in enumerate(loaded):
+        if "error" in res:
+            pytest.fail(f"rank {rank}: {res['error']}")
+        for name, p in res.items():
+            want = torch.cat([s[name] for s in saved])[rank : rank + 1] if name in ("w_gate_up", "w_down") else saved[0][name]
+            assert torch.equal(p, want), f"rank {rank}: {name} is not the saved value of its experts"
+
+
 # ------------------------------------------------------------------- FSDP2 mixed precision, experts ignored
 
 
