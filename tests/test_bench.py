@@ -278,6 +278,24 @@ def test_torchrun_two_ranks_gloo(tmp_path):
     _check_records(_bench(tmp_path, launcher), ep=2)
 
 
+def test_bench_sh_runs_in_the_callers_folder(tmp_path):
+    """./scripts/bench.sh --json out.json run from another folder writes out.json there, not in the repository
+    (setup.sh changes to the repository root). The real scripts, with a stand-in .venv whose python prints
+    the folder it runs in instead of setting up or timing anything."""
+    scripts, venv_bin, caller = tmp_path / "repo" / "scripts", tmp_path / "repo" / ".venv" / "bin", tmp_path / "caller"
+    for folder in (scripts, venv_bin, caller):
+        folder.mkdir(parents=True)
+    for name in ("bench.sh", "setup.sh"):
+        (scripts / name).write_text((REPO / "scripts" / name).read_text())
+    (venv_bin / "activate").write_text(f'PATH="{venv_bin}:$PATH"\n')  # as a real one: its absolute path
+    (venv_bin / "python").write_text('#!/usr/bin/env bash\n[ "$2" = megamoe ] && echo "$PWD"\nexit 0\n')
+    (venv_bin / "python").chmod(0o755)
+    done = subprocess.run(["bash", str(scripts / "bench.sh"), "--json", "out.json"], cwd=caller,
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(caller), f"bench ran in {done.stdout.strip()}, not the caller's {caller}"
+
+
 @pytest.mark.parametrize(
     "option, known", [("--workload", "cpu-small"), ("--backend", "torch"), ("--peers", "hf-grouped_mm")]
 )
