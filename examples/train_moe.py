@@ -58,7 +58,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--corpus", type=pathlib.Path, default=DEFAULT_CORPUS)
     parser.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("runs/train_moe"))
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bar")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    # Checked here, not where they would fail: after training (--steps 0) or deep inside the model.
+    for name in ("steps", "batch_size", "seq_len", "layers", "experts", "top_k", "expert_intermediate"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    if args.top_k > args.experts:
+        parser.error(f"--top-k {args.top_k}: more than --experts {args.experts}")
+    try:
+        corpus_bytes = args.corpus.stat().st_size
+    except OSError as e:
+        parser.error(f"--corpus {args.corpus}: cannot read ({e.strerror})")
+    if args.seq_len > corpus_bytes - 2:  # a window is seq_len + 1 bytes at a random start
+        parser.error(f"--seq-len {args.seq_len}: longer than the corpus allows ({args.corpus} has {corpus_bytes} "
+                     f"bytes: at most {corpus_bytes - 2})")
+    return args
 
 
 def setup_distributed(args):

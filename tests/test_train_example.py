@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import pathlib
 import subprocess
 import sys
@@ -51,3 +52,34 @@ def test_torchrun_data_and_expert_parallel(tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model")
     gate_up = model.model.layers[0].mlp.experts.gate_up_proj
     assert gate_up.shape[0] == model.config.num_experts, f"saved gate_up_proj has shape {tuple(gate_up.shape)}"
+
+
+def _parse_args(argv: list[str]):
+    spec = importlib.util.spec_from_file_location("train_moe", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.parse_args(argv)
+
+
+BAD_OPTIONS = [
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
+    (["--layers", "0"], "--layers must be >= 1, got 0"),
+    (["--experts", "0"], "--experts must be >= 1, got 0"),
+    (["--top-k", "0"], "--top-k must be >= 1, got 0"),
+    (["--expert-intermediate", "0"], "--expert-intermediate must be >= 1, got 0"),
+    (["--warmup", "-1"], "--warmup must be >= 0, got -1"),
+    (["--top-k", "9"], "--top-k 9: more than --experts 8"),
+    (["--seq-len", "1000000"], "--seq-len 1000000: longer than the corpus allows"),
+    (["--corpus", "no-such-corpus.txt"], "--corpus no-such-corpus.txt: cannot read"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_OPTIONS, ids=[" ".join(argv) for argv, _ in BAD_OPTIONS])
+def test_bad_options_are_usage_errors(argv, message, capsys):
+    """Options the run cannot use are rejected up front, naming the option (not an IndexError after training or
+    a torch error from deep inside the model)."""
+    with pytest.raises(SystemExit) as exit_info:
+        _parse_args(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
