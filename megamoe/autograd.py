@@ -804,6 +804,10 @@ def experts(
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a megamoe.MoEConfig or None, got {type(config).__name__}")
         validate(x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, world_size)
+        if group is not None:  # a DDP forward that did not leave the experts alone (megamoe.parallel) stops here
+            from megamoe.parallel import check_active_ddp_leaves_experts_alone
+
+            check_active_ddp_leaves_experts_alone()
         backend_name = resolve_backend(config, x, group)
         if backend_name == "reference" and world_size > 1:
             raise ValueError("MoEConfig.backend='reference' computes all experts in one process; it takes no group")

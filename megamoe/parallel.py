@@ -180,6 +180,45 @@ def _check_not_data_parallel(module: nn.Module, found: dict) -> None:
             )
 
 
+def check_ddp_leaves_experts_alone(module: nn.Module) -> None:
+    """ValueError naming the first expert-parallel parameter that a DistributedDataParallel at or under `module`
+    manages (neither of the names ddp_ignore_experts gives it is in the wrapper's ignore list): at construction DDP
+    broadcast rank 0's copy of it over every other rank's, so those ranks' own experts are gone, and its backward
+    averages different experts' gradients. A wrapper found in order is checked once (remembered on it)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    for ddp in module.modules():
+        if not isinstance(ddp, DistributedDataParallel) or getattr(ddp, "_megamoe_experts_left_alone", False):
+            continue
+        found = _expert_groups(ddp.module)
+        ignored = ddp.parameters_to_ignore
+        for module_name, sub in ddp.module.named_modules():
+            prefix = f"{module_name}." if module_name else ""
+            for name, p in sub.named_parameters(recurse=False):
+                # The construction-time broadcast reads the first spelling, the gradient reducer the second.
+                if id(p) in found and not {prefix + name, f"{module_name}.{name}"} <= ignored:
+                    raise ValueError(
+                        f"expert-parallel parameter {prefix + name!r} is managed by DistributedDataParallel as a "
+                        "replica, but every rank of its expert-parallel group holds other experts: at construction "
+                        "DDP copied rank 0's experts over every other rank's, and its backward would average "
+                        "different experts' gradients. Call megamoe.parallel.ddp_ignore_experts(model) before "
+                        "wrapping, on a model built (or loaded) again"
+                    )
+        ddp._megamoe_experts_left_alone = True
+
+
+def check_active_ddp_leaves_experts_alone() -> None:
+    """check_ddp_leaves_experts_alone for the DistributedDataParallel whose forward is running, if any (torch sets
+    it for the duration of DDP's forward; not while compiling, where reduce_expert_grads checks instead)."""
+    if torch.compiler.is_compiling():
+        return
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = getattr(DistributedDataParallel, "_active_ddp_module", None)
+    if ddp is not None:
+        check_ddp_leaves_experts_alone(ddp)
+
+
 def _check_dp_group(dp_group, ep_groups) -> None:
     """ValueError unless dp_group and every EP group have no rank in common but this one: the ranks of dp_group
     must hold replicas of this rank's experts, and every other rank of an EP group holds other experts."""
@@ -213,11 +252,13 @@ def reduce_expert_grads(module: nn.Module, dp_group=None) -> None:
     Raises ValueError, before any gradient is touched, if dp_group shares a rank other than this one with
     the EP group of any of these parameters (e.g. the EP group itself, or the world in the 2-D layout):
     that rank holds different experts, whose gradients the sum would mix into these; and if FSDP2 manages one of
-    these parameters (a DTensor: fully_shard was not given it in ignored_params), which mixes the ranks' experts.
+    these parameters (a DTensor: fully_shard was not given it in ignored_params), or a DistributedDataParallel at or
+    under `module` does (ddp_ignore_experts was not called before wrapping), either of which mixes the ranks' experts.
     """
     check_group("dp_group", dp_group)
     groups = _expert_groups(module)
     _check_not_data_parallel(module, groups)
+    check_ddp_leaves_experts_alone(module)
     found = groups.values()
     if dp_group is not None:
         _check_dp_group(dp_group, {id(group): group for _, group in found}.values())
@@ -250,7 +291,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
     on every rank; DTensors, e.g. under FSDP2: over their mesh). Every gradient is then scaled by
     min(1, max_norm / (norm + 1e-6)), as torch does. A collective over every EP group: every rank must call it,
     after reduce_expert_grads. norm_type: a p-norm's p > 0, or inf (float("inf") or "inf"). Raises ValueError as
-    reduce_expert_grads does if FSDP2 manages an expert-parallel parameter.
+    reduce_expert_grads does if FSDP2 or DDP manages an expert-parallel parameter.
     """
     if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm >= 0:
         raise ValueError(f"max_norm must be a number >= 0, got {max_norm!r}")
@@ -263,6 +304,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
     norm_type = float(norm_type)
     found = _expert_groups(module)
     _check_not_data_parallel(module, found)
+    check_ddp_leaves_experts_alone(module)
     by_group: dict[int, tuple[object, list[nn.Parameter]]] = {}
     replicas, by_mesh = [], {}
     for p in module.parameters():

@@ -36,7 +36,7 @@ AUX, LR = 0.1, 0.5
 TOL = 1e-12  # fp64: only the order of the sums differs from the single process
 SPAWN_TIMEOUT_S = 120
 LAYOUTS = {"1d-W2": dict(world=2, dp=1), "2d-dp2xep2": dict(world=4, dp=2)}
-# "-clip": then clip_grad_norm_ (the single process: torch's); the last three: mistakes the checks must catch
+# "-clip": then clip_grad_norm_ (the single process: torch's); the last three: mistakes, the first of them refused
 RECIPES = ("ddp", "fsdp2", "ddp-clip", "fsdp2-clip", "ddp-naive", "ddp-no-reduce", "ddp-torch-clip")
 MAX_NORM = 0.05  # well below the gradient's norm (checked), so clipping changes every parameter
 
@@ -107,7 +107,8 @@ def _step(recipe: str, problem: dict, rank: int, world: int, mesh) -> dict[str, 
         ddp_ignore_experts(root)
         model = DistributedDataParallel(root)  # the default group: the whole world
     elif recipe == "ddp-naive":  # the mistake the recipe avoids: DDP treats the experts as replicas
-        model = DistributedDataParallel(layer)
+        return _ddp_naive_rejections(DistributedDataParallel(layer if dp_group is None else torch.nn.Sequential(layer)),
+                                     problem["x"][rank * T:(rank + 1) * T])
     elif recipe in ("fsdp2", "fsdp2-clip"):
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -121,7 +122,7 @@ def _step(recipe: str, problem: dict, rank: int, world: int, mesh) -> dict[str, 
         warnings.filterwarnings("ignore", message=".*returned a view tensor")
         out = model(problem["x"][tok])
     _loss(out, layer, problem["d_out"][tok]).backward()
-    if recipe != "ddp-no-reduce" and recipe != "ddp-naive":
+    if recipe != "ddp-no-reduce":
         reduce_expert_grads(layer, dp_group=dp_group)
     norm = None
     if recipe.endswith("-clip"):
@@ -133,6 +134,21 @@ def _step(recipe: str, problem: dict, rank: int, world: int, mesh) -> dict[str, 
     torch.optim.SGD(groups, lr=LR, foreach=True).step()
     return {"norm": norm, **{n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                              for n, p in layer.named_parameters()}}
+
+
+def _ddp_naive_rejections(model, x: torch.Tensor) -> dict[str, str | None]:
+    """What reduce_expert_grads, clip_grad_norm_ and the forward raise (or None) on a DDP wrapper that was not told to
+    ignore the experts."""
+    found = {}
+    for name, call in (("reduce_expert_grads", lambda: reduce_expert_grads(model)),
+                       ("clip_grad_norm_", lambda: clip_grad_norm_(model, MAX_NORM)),
+                       ("forward", lambda: model(x))):
+        try:
+            call()
+            found[name] = None
+        except ValueError as e:
+            found[name] = str(e)
+    return found
 
 
 def _overlapping_dp_groups(problem: dict, mesh) -> dict[str, tuple[str | None, bool]]:
@@ -221,10 +237,23 @@ def test_one_step_matches_single_process(run, recipe):
                 assert_close_tight(f"{recipe} rank {rank}: {name} after one step", got[name], value, TOL)
 
 
-@pytest.mark.parametrize("recipe", ["ddp-naive", "ddp-no-reduce", "ddp-torch-clip"])
+def test_ddp_managing_the_experts_is_a_value_error(run):
+    """DDP over every parameter (ddp_ignore_experts not called) broadcast rank 0's experts over the others' at
+    construction and would average different experts' gradients: the forward, reduce_expert_grads and
+    clip_grad_norm_ refuse it, naming the parameter and the fix. Before, the step ran and trained the wrong experts."""
+    layout, _, results = run
+    prefix = "" if layout["dp"] == 1 else "0."  # the layer wrapped directly, or inside a Sequential
+    for rank in range(layout["world"]):
+        res = _params(results, rank, "ddp-naive")
+        for name, error in res.items():
+            assert error is not None, f"rank {rank}: {name} accepted experts managed by DDP"
+            assert error.startswith(f"expert-parallel parameter '{prefix}w_gate_up' is managed by "
+                                    "DistributedDataParallel") and "ddp_ignore_experts" in error, f"{name}: {error}"
+
+
+@pytest.mark.parametrize("recipe", ["ddp-no-reduce", "ddp-torch-clip"])
 def test_mistakes_do_not_match(run, recipe):
-    """Negative controls, so the comparison above can fail. ddp-naive: DDP over every parameter broadcasts
-    rank 0's experts at construction and averages different experts' gradients. ddp-no-reduce: experts
+    """Negative controls, so the comparison above can fail. ddp-no-reduce: experts
     ignored by DDP but reduce_expert_grads not called, so their gradients are sums over the EP group's
     tokens instead of the mean objective's (and miss the other dp replicas' tokens in the 2-D layout).
     ddp-torch-clip: torch's clip_grad_norm_ on each rank sees that rank's experts only, so the ranks scale by
