@@ -53,8 +53,7 @@ from compile_checks import (  # noqa: E402
 # A qwen3-30b-a3b-like problem: the descriptors' block shapes and layouts are what matters, not the sizes.
 R, H, I, E, T = 2048, 2048, 768, 4, 512
 CASES = {f"{name}-{'gu' if gu else 'h'}-{'gather' if gather else 'tma'}": (name, gu, gather)
-         for name, tile in G.TILES.items() if not tile.handoff for gu in (True, False) for gather in (False, True)
-         if gather or not tile.wide}
+         for name, tile in G.TILES.items() if not tile.handoff for gu in (True, False) for gather in (False, True)}
 HANDOFF_CASES = {f"{name}-{'gu' if gu else 'h'}": (name, gu) for name, tile in G.TILES.items() if tile.handoff
                  for gu in (True, False)}
 # Float instructions of the epilogue (fp32 -> 16-bit rounding, SwiGLU), counted in both kernels.
@@ -75,8 +74,6 @@ def _compile_gluon(tile, store_gate_up: bool, gather: bool, sizes_aligned: bool 
     h = torch.empty(R, I, dtype=dtype)
     gate_up = torch.empty(R, 2 * I, dtype=dtype) if store_gate_up else None
     descs = dict(zip(("x_desc", "w_desc", "h_desc", "gu_desc"), G.descriptors(x, w, h, gate_up, tile)))
-    if not tile.handoff:
-        descs |= zip(("w_tail_desc", "h_tail_desc", "gu_tail_desc"), G.tail_descriptors(w, h, gate_up, tile))
     fn = G.gate_up_fwd_handoff_kernel if tile.handoff else G.gate_up_fwd_ws_kernel
     consts = G.constexprs(tile, 1, store_gate_up, gather)
     x_type = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
@@ -113,11 +110,6 @@ def _constant_true_scale_d(ptx: str) -> bool:
     return bool(preds) and all(definitions[p] and set(definitions[p]) == {("mov.pred", "-1")} for p in preds)
 
 
-def _wgmma_ns(tile) -> tuple[int, ...]:
-    """The N of the tile's wgmma instructions: block_n, or a wide tile's 128 and block_n - 128."""
-    return (tile.head_n, tile.block_n - tile.head_n) if tile.wide else (tile.block_n,)
-
-
 _CACHE: dict = {}
 
 
@@ -130,7 +122,7 @@ def _report(case: str) -> dict:
         ptx, sass = r["ptx"], r["sass"]
         _CACHE[case] = dict(
             r, tile=tile, store_gate_up=store_gate_up, gather=gather,
-            wgmma=sum(count(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k16\.f32\.bf16\.bf16", ptx) for n in _wgmma_ns(tile)),
+            wgmma=count(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile.block_n}k16\.f32\.bf16\.bf16", ptx),
             scale_d_true=_constant_true_scale_d(ptx),
             tma_store_3d=count(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta\.bulk_group", ptx),
             tma_store_wait=sorted(set(int(n) for n in re.findall(r"cp\.async\.bulk\.wait_group\.read\s+(\d+)", ptx))),
@@ -138,7 +130,7 @@ def _report(case: str) -> dict:
             cp_async_arrive_noinc=count(r"cp\.async\.mbarrier\.arrive\.noinc\.shared\.b64", ptx),
             mbar_init_counts=re.findall(r"mbarrier\.init\.shared::cta\.b64 \[%r\d+\], (\d+);", ptx),
             epilogue_ops=_op_counts(ptx),
-            hgmma=sum(count(rf"HGMMA\.64x{n}x16\.F32\.BF16", sass) for n in _wgmma_ns(tile)),
+            hgmma=count(rf"HGMMA\.64x{tile.block_n}x16\.F32\.BF16", sass),
         )
     return _CACHE[case]
 
@@ -154,16 +146,13 @@ def test_gluon_gate_up_sm90a(case):
           f"(+{r['cp_async_arrive_noinc']} arrive.noinc), TMA stores {r['tma_store_3d']} "
           f"(wait_group.read {r['tma_store_wait']}), mbarrier init {r['mbar_init_counts']} / try_wait {r['mbar_wait']} / "
           f"expect_tx {r['mbar_expect']} / arrive {r['mbar_arrive']}; SASS: {r['hgmma']} HGMMA, local {r['local']}")
-    # consumers x (gate, up) x k16 steps x the tile's accumulators per matrix, one m64 row block each
-    per_k_step = 2 * 2 * (G.BLOCK_K // 16) * len(_wgmma_ns(tile))
+    per_k_step = 2 * 2 * (G.BLOCK_K // 16)  # consumers x (gate, up) x k16 steps, one m64 row block each
     assert r["wgmma"] == r["wgmma_any"] == per_k_step, f"{case}: wgmma {r['wgmma']}/{r['wgmma_any']}"
     assert r["hgmma"] == per_k_step, f"{case}: {r['hgmma']} HGMMA in the SASS"
     assert r["scale_d_true"], f"{case}: a wgmma's scale-d is not a constant true (accumulators not zero-initialised)"
-    assert 2 * len(_wgmma_ns(tile)) in r["wait_groups"], (
-        f"{case}: the K step's wgmma groups are not kept in flight ({r['wait_groups']})")
-    # Operands: weights by 3-D TMA (gate and up tiles, each in two copies on a wide tile); x rows by 2-D TMA or by
-    # 16-byte cp.async + a .noinc arrive.
-    assert r["tma_load_3d"] == 2 * len(_wgmma_ns(tile)), f"{case}: {r['tma_load_3d']} 3-D TMA loads"
+    assert 2 in r["wait_groups"], f"{case}: the K step's wgmma groups are not kept in flight ({r['wait_groups']})"
+    # Operands: weights by 3-D TMA (gate and up tiles); x rows by 2-D TMA or by 16-byte cp.async + a .noinc arrive.
+    assert r["tma_load_3d"] == 2, f"{case}: {r['tma_load_3d']} 3-D TMA loads"
     if r["gather"]:
         copies = G.BLOCK_M * G.BLOCK_K * 2 // 16 // (G.GATHER_WARPS * 32)
         assert r["tma_load_2d"] == 0 and r["cp_async_16"] == r["cp_async"] == copies, (
@@ -174,7 +163,7 @@ def test_gluon_gate_up_sm90a(case):
         assert r["tma_load_2d"] == 1 and r["cp_async"] == 0 and r["cp_async_arrive_noinc"] == 0
         ready_count = 1
     # Outputs: per consumer one 3-D TMA store per stored tensor; buffers reused after wait_group.read OUT_BUFS - 1.
-    stores = (3 if r["store_gate_up"] else 1) * len(_wgmma_ns(tile))
+    stores = 3 if r["store_gate_up"] else 1
     assert r["tma_store_3d"] == 2 * stores, f"{case}: {r['tma_store_3d']} TMA stores"
     assert tile.out_bufs - 1 in r["tma_store_wait"] and 0 in r["tma_store_wait"], r["tma_store_wait"]
     # mbarriers: ready and empty per stage with their counts; waits, the producer's expect, the releases.

@@ -95,7 +95,7 @@ from megamoe.backends.triton.kernels._common import (
     check, check_matrix, check_rows, check_weight, load_range, persistent_grid, swiglu,
 )
 from megamoe.backends.triton.kernels.gluon_common import (
-    cp_async_load, nvmma_layout, smem_reinterpret, tile_origin, tma_load, tma_store,
+    cp_async_load, nvmma_layout, tile_origin, tma_load, tma_store,
 )
 from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
 
@@ -152,18 +152,15 @@ def produce_tile(x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_b
 
 
 @gluon.jit
-def _producer_gather(x_ptr, row_src_ptr, w_desc, w_tail_desc, a_bufs, gate_bufs, up_bufs, gate_tail_bufs, up_tail_bufs,
-                     ready_bars, empty_bars, block_expert_ptr, block_range_ptr, H, I, top_k, SPLIT: gl.constexpr,
-                     GROUP_M: gl.constexpr, WIDE: gl.constexpr):
+def _producer_gather(x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars,
+                     block_expert_ptr, block_range_ptr, H, I, top_k, SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
     """One warpgroup: the weight tiles by TMA (one thread) and the gathered A tile by cp.async (every thread,
-    8 16-byte copies per K step), x_rows[r] = x[row_src[r] // top_k] or zeros where row_src[r] = -1. WIDE: each
-    of the gate and up tiles in two copies, its first 128 rows (w_desc) and the rest (w_tail_desc)."""
+    8 16-byte copies per K step), x_rows[r] = x[row_src[r] // top_k] or zeros where row_src[r] = -1."""
     STAGES: gl.constexpr = a_bufs.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
-    HEAD_N: gl.constexpr = gate_bufs.shape[2]
-    BLOCK_N: gl.constexpr = HEAD_N + gate_tail_bufs.shape[2] if WIDE else HEAD_N
-    NBYTES: gl.constexpr = 2 * (w_desc.block_type.nbytes + w_tail_desc.block_type.nbytes) if WIDE else 2 * w_desc.block_type.nbytes
+    BLOCK_N: gl.constexpr = gate_bufs.shape[2]
+    NBYTES: gl.constexpr = 2 * w_desc.block_type.nbytes
     VEC: gl.constexpr = 128 // w_desc.dtype.primitive_bitwidth  # elements per 16-byte copy
     COL_THREADS: gl.constexpr = BLOCK_K // VEC
     copy_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, VEC], threads_per_warp=[32 // COL_THREADS, COL_THREADS],
@@ -193,9 +190,6 @@ def _producer_gather(x_ptr, row_src_ptr, w_desc, w_tail_desc, a_bufs, gate_bufs,
             k = ki * BLOCK_K
             tma_load(w_desc, [expert, col, k], bar, gate_bufs.index(s))
             tma_load(w_desc, [expert, I + col, k], bar, up_bufs.index(s))
-            if WIDE:
-                tma_load(w_tail_desc, [expert, col + HEAD_N, k], bar, gate_tail_bufs.index(s))
-                tma_load(w_tail_desc, [expert, I + col + HEAD_N, k], bar, up_tail_bufs.index(s))
             cols = gl.expand_dims(k + step_cols, 0)
             cp_async_load(a_bufs.index(s), row_ptrs + cols, mask=has_src & (cols < H))
             # This thread's copies (all it issued so far) complete -> one arrive; .noinc: the barrier's count
@@ -239,53 +233,11 @@ def consumer_main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_
 
 
 @gluon.jit
-def consumer_main_loop_wide(a_bufs, gate_bufs, up_bufs, gate_tail_bufs, up_tail_bufs, ready_bars, empty_bars, c,
-                            k_steps, WG: gl.constexpr, GATHER: gl.constexpr):
-    """consumer_main_loop over a wide tile, whose gate (and up) columns no power-of-two accumulator holds: the
-    first 128 (gate_bufs, up_bufs) and the rest (the tail buffers) in accumulators of their own, the step's four
-    wgmma groups kept in flight. Returns the fp32 accumulators (gate, up, gate tail, up tail) and the next slot
-    counter."""
-    STAGES: gl.constexpr = a_bufs.shape[0]
-    BLOCK_M: gl.constexpr = a_bufs.shape[1]
-    BLOCK_K: gl.constexpr = a_bufs.shape[2]
-    HEAD_N: gl.constexpr = gate_bufs.shape[2]
-    TAIL_N: gl.constexpr = gate_tail_bufs.shape[2]
-    CONSUMER_ROWS: gl.constexpr = BLOCK_M // 2
-    head_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                          instr_shape=[16, HEAD_N, 16])
-    tail_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                          instr_shape=[16, TAIL_N, 16])
-    acc_g = gl.zeros([CONSUMER_ROWS, HEAD_N], gl.float32, head_layout)
-    acc_u = gl.zeros([CONSUMER_ROWS, HEAD_N], gl.float32, head_layout)
-    acc_gt = gl.zeros([CONSUMER_ROWS, TAIL_N], gl.float32, tail_layout)
-    acc_ut = gl.zeros([CONSUMER_ROWS, TAIL_N], gl.float32, tail_layout)
-    for ki in range(k_steps):
-        s = c % STAGES
-        mbarrier.wait(ready_bars.index(s), (c // STAGES) & 1)
-        if GATHER:
-            fence_async_shared()  # as consumer_main_loop
-        a = a_bufs.index(s).slice(WG * CONSUMER_ROWS, CONSUMER_ROWS)
-        acc_g = warpgroup_mma(a, gate_bufs.index(s).reshape([HEAD_N, BLOCK_K]).permute((1, 0)), acc_g, is_async=True)
-        acc_u = warpgroup_mma(a, up_bufs.index(s).reshape([HEAD_N, BLOCK_K]).permute((1, 0)), acc_u, is_async=True)
-        acc_gt = warpgroup_mma(a, gate_tail_bufs.index(s).reshape([TAIL_N, BLOCK_K]).permute((1, 0)), acc_gt,
-                               is_async=True)
-        acc_ut = warpgroup_mma(a, up_tail_bufs.index(s).reshape([TAIL_N, BLOCK_K]).permute((1, 0)), acc_ut,
-                               is_async=True)
-        acc_g, acc_u, acc_gt, acc_ut = warpgroup_mma_wait(num_outstanding=4, deps=(acc_g, acc_u, acc_gt, acc_ut))
-        mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=ki > 0)
-        c += 1
-    acc_g, acc_u, acc_gt, acc_ut = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u, acc_gt, acc_ut))
-    mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES))
-    return acc_g, acc_u, acc_gt, acc_ut, c
-
-
-@gluon.jit
 def _stage_store(desc, row, plane, col, value, out_bufs, n_stored):
-    """TMA store of value [64, N] (N: desc's box, at most the buffers' width) at [row, plane, col] through staging
-    buffer n_stored % OUT_BUFS, seen in desc's box and layout; waits only for the store that last used that
-    buffer. Returns the consumer's store count."""
+    """TMA store of value [64, BLOCK_N] at [row, plane, col] through staging buffer n_stored % OUT_BUFS; waits
+    only for the store that last used that buffer. Returns the consumer's store count."""
     OUT_BUFS: gl.constexpr = out_bufs.shape[0]
-    buf = smem_reinterpret(out_bufs.index(n_stored % OUT_BUFS), desc.dtype, desc.block_type.shape, desc.layout)
+    buf = out_bufs.index(n_stored % OUT_BUFS)
     tma.store_wait(pendings=OUT_BUFS - 1)  # the store OUT_BUFS stores back has read this buffer
     buf.reshape(value.shape).store(value)
     fence_async_shared()  # the generic-proxy writes are visible to the TMA engine
@@ -294,15 +246,14 @@ def _stage_store(desc, row, plane, col, value, out_bufs, n_stored):
 
 
 @gluon.jit
-def _consumer(h_desc, gu_desc, h_tail_desc, gu_tail_desc, a_bufs, gate_bufs, up_bufs, gate_tail_bufs, up_tail_bufs,
-              out_bufs, ready_bars, empty_bars, block_range_ptr, H, I, WG: gl.constexpr, STORE_GATE_UP: gl.constexpr,
-              GATHER: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr, WIDE: gl.constexpr):
+def _consumer(h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs, ready_bars, empty_bars, block_range_ptr, H, I,
+              WG: gl.constexpr, STORE_GATE_UP: gl.constexpr, GATHER: gl.constexpr, SPLIT: gl.constexpr,
+              GROUP_M: gl.constexpr):
     """One warpgroup: rows [64 WG, 64 WG + 64) of every tile of this CTA: the gate and up wgmma over the ring's
     slots, then the epilogue (g, u rounded, h = swiglu(g, u), TMA stores)."""
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
-    HEAD_N: gl.constexpr = gate_bufs.shape[2]
-    BLOCK_N: gl.constexpr = HEAD_N + gate_tail_bufs.shape[2] if WIDE else HEAD_N
+    BLOCK_N: gl.constexpr = gate_bufs.shape[2]
     first_m, end_m = load_range(block_range_ptr, SPLIT)
     num_m = end_m - first_m
     num_n = gl.cdiv(I, BLOCK_N)
@@ -311,17 +262,8 @@ def _consumer(h_desc, gu_desc, h_tail_desc, gu_tail_desc, a_bufs, gate_bufs, up_
     n_stored = 0
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         row, col, _ = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
-        if WIDE:
-            acc_g, acc_u, acc_gt, acc_ut, c = consumer_main_loop_wide(
-                a_bufs, gate_bufs, up_bufs, gate_tail_bufs, up_tail_bufs, ready_bars, empty_bars, c, k_steps, WG, GATHER)
-            n_stored = consumer_epilogue(h_desc, gu_desc, acc_g, acc_u, row, col, out_bufs, n_stored, WG, STORE_GATE_UP)
-            n_stored = consumer_epilogue(h_tail_desc, gu_tail_desc, acc_gt, acc_ut, row, col + HEAD_N, out_bufs,
-                                         n_stored, WG, STORE_GATE_UP)
-        else:
-            acc_g, acc_u, c = consumer_main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG,
-                                                 GATHER)
-            n_stored = consumer_epilogue(h_desc, gu_desc, acc_g, acc_u, row, col, out_bufs, n_stored, WG,
-                                         STORE_GATE_UP)
+        acc_g, acc_u, c = consumer_main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG, GATHER)
+        n_stored = consumer_epilogue(h_desc, gu_desc, acc_g, acc_u, row, col, out_bufs, n_stored, WG, STORE_GATE_UP)
     tma.store_wait(pendings=0)
 
 
@@ -465,11 +407,11 @@ def gate_up_fwd_handoff_kernel(x_desc, w_desc, h_desc, gu_desc, block_expert_ptr
 
 
 @gluon.jit
-def gate_up_fwd_ws_kernel(x_desc, w_desc, w_tail_desc, h_desc, gu_desc, h_tail_desc, gu_tail_desc, x_ptr, row_src_ptr,
-                          block_expert_ptr, block_range_ptr, H, I, top_k,
+def gate_up_fwd_ws_kernel(x_desc, w_desc, h_desc, gu_desc, x_ptr, row_src_ptr, block_expert_ptr, block_range_ptr,
+                          H, I, top_k,
                           STORE_GATE_UP: gl.constexpr, GATHER: gl.constexpr, SPLIT: gl.constexpr,
                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, OUT_BUFS: gl.constexpr,
-                          PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, WIDE: gl.constexpr):
+                          PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """h (and gate_up) of the row blocks in block_range (int32 [first, end] schedule blocks), tma_gemm's
     gate_up_fwd_tma_kernel semantics. x_desc: x_rows [R, H] (GATHER: x [T, H], its layout only; x_ptr, row_src_ptr
     and top_k gather), block [128, 64]; w_desc: [E, 2I, H] block [1, BLOCK_N, 64]; h_desc: h as [R, 1, I],
@@ -479,12 +421,6 @@ def gate_up_fwd_ws_kernel(x_desc, w_desc, w_tail_desc, h_desc, gu_desc, h_tail_d
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     gate_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     up_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    if WIDE:
-        gate_tail_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_tail_desc.block_type.shape, w_tail_desc.layout)
-        up_tail_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_tail_desc.block_type.shape, w_tail_desc.layout)
-    else:  # unread
-        gate_tail_bufs = gate_bufs
-        up_tail_bufs = up_bufs
     out_bufs0 = gl.allocate_shared_memory(dtype, [OUT_BUFS] + h_desc.block_type.shape, h_desc.layout)
     out_bufs1 = gl.allocate_shared_memory(dtype, [OUT_BUFS] + h_desc.block_type.shape, h_desc.layout)
     ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -496,25 +432,19 @@ def gate_up_fwd_ws_kernel(x_desc, w_desc, w_tail_desc, h_desc, gu_desc, h_tail_d
     fence_async_shared()  # the initialised barriers are visible to the async proxy (TMA) before use
     if GATHER:
         gl.warp_specialize([
-            (_consumer, (h_desc, gu_desc, h_tail_desc, gu_tail_desc, a_bufs, gate_bufs, up_bufs, gate_tail_bufs,
-                         up_tail_bufs, out_bufs0, ready_bars, empty_bars, block_range_ptr, H, I, 0, STORE_GATE_UP, GATHER,
-                         SPLIT, GROUP_M, WIDE)),
-            (_consumer, (h_desc, gu_desc, h_tail_desc, gu_tail_desc, a_bufs, gate_bufs, up_bufs, gate_tail_bufs,
-                         up_tail_bufs, out_bufs1, ready_bars, empty_bars, block_range_ptr, H, I, 1, STORE_GATE_UP, GATHER,
-                         SPLIT, GROUP_M, WIDE)),
-            (_producer_gather, (x_ptr, row_src_ptr, w_desc, w_tail_desc, a_bufs, gate_bufs, up_bufs, gate_tail_bufs,
-                                up_tail_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr, H, I, top_k,
-                                SPLIT, GROUP_M, WIDE)),
+            (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs0, ready_bars, empty_bars, block_range_ptr,
+                         H, I, 0, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
+            (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs1, ready_bars, empty_bars, block_range_ptr,
+                         H, I, 1, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
+            (_producer_gather, (x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars,
+                                block_expert_ptr, block_range_ptr, H, I, top_k, SPLIT, GROUP_M)),
         ], [4, _GATHER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
-        gl.static_assert(not WIDE, "the wide tile gathers x")
         gl.warp_specialize([
-            (_consumer, (h_desc, gu_desc, h_tail_desc, gu_tail_desc, a_bufs, gate_bufs, up_bufs, gate_tail_bufs,
-                         up_tail_bufs, out_bufs0, ready_bars, empty_bars, block_range_ptr, H, I, 0, STORE_GATE_UP, GATHER,
-                         SPLIT, GROUP_M, WIDE)),
-            (_consumer, (h_desc, gu_desc, h_tail_desc, gu_tail_desc, a_bufs, gate_bufs, up_bufs, gate_tail_bufs,
-                         up_tail_bufs, out_bufs1, ready_bars, empty_bars, block_range_ptr, H, I, 1, STORE_GATE_UP, GATHER,
-                         SPLIT, GROUP_M, WIDE)),
+            (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs0, ready_bars, empty_bars, block_range_ptr,
+                         H, I, 0, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
+            (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs1, ready_bars, empty_bars, block_range_ptr,
+                         H, I, 1, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
             (_producer_tma, (x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, block_expert_ptr,
                              block_range_ptr, H, I, SPLIT, GROUP_M)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -538,22 +468,12 @@ class GateUpTile:
     handoff: bool = False  # gate_up_fwd_handoff_kernel: the epilogue on warps of its own (out_bufs unused)
     epilogue_rows: int = 8  # its rows per SwiGLU step
 
-    @property
-    def head_n(self) -> int:
-        """Columns of the first weight copy, accumulator and store box of a tile: all of them, or 128 of a wide tile
-        (block_n not a power of two: 192), whose other block_n - 128 go in a copy, accumulator and box of their own."""
-        return min(self.block_n, 128)
-
-    @property
-    def wide(self) -> bool:
-        return self.block_n != self.head_n
-
     def smem_bytes(self, elem: int = 2) -> int:
         """Operand ring + both consumers' staging buffers, or the hand-off buffers (without the barriers)."""
         ring = self.stages * (BLOCK_M + 2 * self.block_n) * BLOCK_K * elem
         if self.handoff:
             return ring + 2 * BLOCK_M * self.block_n * elem
-        return ring + 2 * self.out_bufs * CONSUMER_ROWS * self.head_n * elem
+        return ring + 2 * self.out_bufs * CONSUMER_ROWS * self.block_n * elem
 
 
 # The tiles the benchmark compares (name: tile); each fits 227 KB of shared memory. Registers: Triton starts
@@ -564,9 +484,6 @@ TILES = {
     "s3b2": GateUpTile(stages=3, out_bufs=2),  # gate_up stores: 3 stages, g and u and h through 2 buffers
     "s4b1": GateUpTile(stages=4, out_bufs=1),  # h alone: 4 stages, 1 buffer (its store has a main loop to drain)
     "n64-s5b3": GateUpTile(block_n=64, stages=5, out_bufs=3),  # the narrow tile, for the register argument
-    # The wide tile (gathering only): 192 gate + 192 up columns as 128 + 64 accumulators each, a third fewer gathered
-    # rows per flop; 3 stages of 64 KB and one [64, 128] staging buffer per consumer (224 KB).
-    "n192-s3b1": GateUpTile(block_n=192, stages=3, out_bufs=1),
     # The epilogue handed off (x rows only; the table's tile where x is not gathered): 3 stages + the [128, 128]
     # g and u buffers (208 KB).
     "s3-handoff": GateUpTile(stages=3, handoff=True),
@@ -585,55 +502,30 @@ def constexprs(tile: GateUpTile, split: int, store_gate_up: bool, gather: bool) 
         return dict(STORE_GATE_UP=store_gate_up, SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages,
                     PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs, EPILOGUE_ROWS=tile.epilogue_rows)
     return dict(STORE_GATE_UP=store_gate_up, GATHER=gather, SPLIT=split, GROUP_M=tile.group_m, STAGES=tile.stages,
-                OUT_BUFS=tile.out_bufs, PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs,
-                WIDE=tile.wide)
+                OUT_BUFS=tile.out_bufs, PRODUCER_REGS=tile.producer_regs, CONSUMER_REGS=tile.consumer_regs)
 
 
-def _weight_and_output_descriptors(w_gate_up_E2IH: torch.Tensor, h_RI: torch.Tensor, gate_up_R2I: torch.Tensor | None,
-                                   block_n: int, out_rows: int) -> tuple:
-    """(w_desc, h_desc, gu_desc) of block_n-column boxes; without gate_up, gu_desc is h's."""
+def descriptors(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, h_RI: torch.Tensor, gate_up_R2I: torch.Tensor | None,
+                tile: GateUpTile) -> tuple:
+    """Host-side TMA descriptors (x_desc, w_desc, h_desc, gu_desc); without gate_up, gu_desc is h's."""
     rows, inter = h_RI.shape
-    w_block = [1, block_n, BLOCK_K]
-    out_block = [out_rows, 1, block_n]
+    a_block = [BLOCK_M, BLOCK_K]
+    w_block = [1, tile.block_n, BLOCK_K]
+    out_block = [BLOCK_M if tile.handoff else CONSUMER_ROWS, 1, tile.block_n]
     out_layout = nvmma_layout(out_block, h_RI.dtype)
     h_desc = TensorDescriptor(h_RI, [rows, 1, inter], [inter, inter, 1], out_block, out_layout)
     gu_desc = h_desc
     if gate_up_R2I is not None:
         gu_desc = TensorDescriptor(gate_up_R2I, [rows, 2, inter], [2 * inter, inter, 1], out_block, out_layout)
-    return TensorDescriptor.from_tensor(w_gate_up_E2IH, w_block, nvmma_layout(w_block, h_RI.dtype)), h_desc, gu_desc
-
-
-def descriptors(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, h_RI: torch.Tensor, gate_up_R2I: torch.Tensor | None,
-                tile: GateUpTile) -> tuple:
-    """Host-side TMA descriptors (x_desc, w_desc, h_desc, gu_desc) of the tile's first head_n columns; without
-    gate_up, gu_desc is h's."""
-    a_block = [BLOCK_M, BLOCK_K]
-    w_desc, h_desc, gu_desc = _weight_and_output_descriptors(w_gate_up_E2IH, h_RI, gate_up_R2I, tile.head_n,
-                                                             BLOCK_M if tile.handoff else CONSUMER_ROWS)
-    return TensorDescriptor.from_tensor(x_RH, a_block, nvmma_layout(a_block, x_RH.dtype)), w_desc, h_desc, gu_desc
-
-
-def tail_descriptors(w_gate_up_E2IH: torch.Tensor, h_RI: torch.Tensor, gate_up_R2I: torch.Tensor | None,
-                     tile: GateUpTile) -> tuple:
-    """gate_up_fwd_ws_kernel's (w_tail_desc, h_tail_desc, gu_tail_desc): a wide tile's last block_n - 128 columns
-    (unread for any other tile: then descriptors of its head_n columns)."""
-    return _weight_and_output_descriptors(w_gate_up_E2IH, h_RI, gate_up_R2I, tile.block_n - tile.head_n or tile.head_n,
-                                          CONSUMER_ROWS)
-
-
-def _ws_kernel_descriptors(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, tile: GateUpTile) -> tuple:
-    """gate_up_fwd_ws_kernel's descriptor arguments, in order."""
-    x_desc, w_desc, h_desc, gu_desc = descriptors(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, tile)
-    w_tail_desc, h_tail_desc, gu_tail_desc = tail_descriptors(w_gate_up_E2IH, h_RI, gate_up_R2I, tile)
-    return x_desc, w_desc, w_tail_desc, h_desc, gu_desc, h_tail_desc, gu_tail_desc
+    return (TensorDescriptor.from_tensor(x_RH, a_block, nvmma_layout(a_block, x_RH.dtype)),
+            TensorDescriptor.from_tensor(w_gate_up_E2IH, w_block, nvmma_layout(w_block, x_RH.dtype)), h_desc, gu_desc)
 
 
 def tile_of(config: TileConfig) -> GateUpTile:
     """The tile a tile-table entry launches: 4 stages beside one staging buffer per consumer, or 3 beside two
-    (the shared memory holds one or the other), a wide tile's 3 beside one, or the hand-off kernel's."""
-    out_bufs = 1 if config.num_stages >= 4 or config.block_n > 128 else 2
-    return GateUpTile(block_n=config.block_n, stages=config.num_stages, out_bufs=out_bufs, group_m=config.group_m,
-                      handoff=config.handoff)
+    (the shared memory holds one or the other), or the hand-off kernel's."""
+    return GateUpTile(block_n=config.block_n, stages=config.num_stages, out_bufs=1 if config.num_stages >= 4 else 2,
+                      group_m=config.group_m, handoff=config.handoff)
 
 
 def launch_gate_up_fwd(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, block_expert, block_range, split, config: TileConfig,
@@ -647,18 +539,15 @@ def launch_gate_up_fwd(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, block_expert, bl
     tile = tile_of(config)
     check(tma_addressable(x_RH, w_gate_up_E2IH, h_RI, *([gate_up_R2I] if store_gate_up else [])),
           "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8)")
-    check(not tile.wide or gather is not None, f"the wide tile gathers x, got {config} on x rows")
     row_src, top_k = gather if gather is not None else (block_expert, 1)  # unread without gather
-    gate_up = gate_up_R2I if store_gate_up else None
+    descs = descriptors(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I if store_gate_up else None, tile)
     grid = persistent_grid(x_RH.device, h_RI.shape[0] // BLOCK_M * triton.cdiv(h_RI.shape[1], tile.block_n))
     if tile.handoff:
-        gate_up_fwd_handoff_kernel[grid](*descriptors(x_RH, w_gate_up_E2IH, h_RI, gate_up, tile), block_expert,
-                                         block_range, x_RH.shape[1], h_RI.shape[1],
+        gate_up_fwd_handoff_kernel[grid](*descs, block_expert, block_range, x_RH.shape[1], h_RI.shape[1],
                                          **constexprs(tile, split, store_gate_up, False), num_warps=4)
     else:
-        gate_up_fwd_ws_kernel[grid](*_ws_kernel_descriptors(x_RH, w_gate_up_E2IH, h_RI, gate_up, tile), x_RH, row_src,
-                                    block_expert, block_range, x_RH.shape[1], h_RI.shape[1], top_k,
-                                    **constexprs(tile, split, store_gate_up, gather is not None), num_warps=4)
+        gate_up_fwd_ws_kernel[grid](*descs, x_RH, row_src, block_expert, block_range, x_RH.shape[1], h_RI.shape[1],
+                                    top_k, **constexprs(tile, split, store_gate_up, gather is not None), num_warps=4)
 
 
 def gate_up_fwd_gluon(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_expert: torch.Tensor,
@@ -696,16 +585,13 @@ def gate_up_fwd_gluon(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_ex
             check_matrix(gate_up, rows, 2 * inter, "gate_up")
     check(tma_addressable(x_RH, w_gate_up_E2IH, h, *([gate_up] if store_gate_up else [])),
           "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8)")
-    stored = gate_up if store_gate_up else None
+    descs = descriptors(x_RH, w_gate_up_E2IH, h, gate_up if store_gate_up else None, tile)
     grid = persistent_grid(x_RH.device, rows // BLOCK_M * triton.cdiv(inter, tile.block_n))
     if tile.handoff:
         check(gather is None, "the hand-off tile reads x rows by TMA (it has no gathering producer)")
-        gate_up_fwd_handoff_kernel[grid](*descriptors(x_RH, w_gate_up_E2IH, h, stored, tile), block_expert,
-                                         block_range, hidden, inter, **constexprs(tile, split, store_gate_up, False),
-                                         num_warps=4)
+        gate_up_fwd_handoff_kernel[grid](*descs, block_expert, block_range, hidden, inter,
+                                         **constexprs(tile, split, store_gate_up, False), num_warps=4)
     else:
-        check(not tile.wide or gather is not None, "the wide tile gathers x (it has no x-rows producer)")
-        gate_up_fwd_ws_kernel[grid](*_ws_kernel_descriptors(x_RH, w_gate_up_E2IH, h, stored, tile), x_RH, row_src,
-                                    block_expert, block_range, hidden, inter, top_k,
+        gate_up_fwd_ws_kernel[grid](*descs, x_RH, row_src, block_expert, block_range, hidden, inter, top_k,
                                     **constexprs(tile, split, store_gate_up, gather is not None), num_warps=4)
     return h, (gate_up if store_gate_up else None)
