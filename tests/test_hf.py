@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import io
 import os
+import re
+import traceback
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ transformers = pytest.importorskip(
 
 import megamoe  # noqa: E402
 from megamoe.integrations import hf  # noqa: E402
+from conftest import assert_equal, init_gloo, leave_gloo, run_gloo_workers  # noqa: E402
 
 VOCAB, SEQ, BATCH = 101, 24, 2
 COMMON = dict(
@@ -434,3 +437,88 @@ def test_expert_parallel_two_ranks(family, tmp_path):
     mp.spawn(_expert_parallel_worker, args=(world, str(tmp_path / "init"), family, result), nprocs=world)
     for rank in range(world):
         assert (tmp_path / f"result.{rank}").read_text() == "ok", f"rank {rank} did not finish"
+
+
+def _mark_experts(model, rank: int = 0) -> None:
+    """Add e + 1 to every weight of global expert e (in place), so that each expert differs from its initial
+    value and from the others. Rank r of a model patched with a group holds experts [r*E_l, (r+1)*E_l) and marks
+    them with their global indices, bit for bit as the one-process model (rank 0, all E experts) marks its rows."""
+    for module in model.modules():
+        if isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter):
+            first = rank * module.gate_up_proj.shape[0]
+            with torch.no_grad():
+                for weight in (module.gate_up_proj, module.down_proj):
+                    weight.add_(torch.arange(first + 1, first + 1 + weight.shape[0]).view(-1, 1, 1))
+
+
+def _save_pretrained_worker(rank: int, world: int, port: int, out_dir: str, family: str) -> None:
+    """Per rank: save_pretrained of the model patched with the world group (every rank calls it, rank 0 writes)
+    into out_dir/patched, with a state dict of this rank's experts only into out_dir/keep_vars (refused), and once
+    unpatched into out_dir/unpatched; what the model is after saving."""
+    import torch.distributed as dist
+
+    init_gloo(rank, world, port)
+    results: dict = {}
+    try:
+        model = hf.patch_model(_model(family), group=dist.group.WORLD)
+        _mark_experts(model, rank)
+        before = {name: param.detach().clone() for name, param in model.named_parameters()}
+        try:
+            model.save_pretrained(os.path.join(out_dir, "keep_vars"), state_dict=model.state_dict(keep_vars=True))
+            results["keep_vars"] = "no error"
+        except ValueError as error:
+            results["keep_vars"] = str(error)
+        model.save_pretrained(os.path.join(out_dir, "patched"))
+        results["patched after saving"] = hf.is_patched(model)
+        results["parameters after saving"] = {name: torch.equal(param, before[name])
+                                              for name, param in model.named_parameters()}
+        results["state_dict types"] = {key: type(value).__name__ for key, value in model.state_dict().items()}
+        hf.unpatch_model(model)
+        results["save_pretrained bound after unpatch_model"] = "save_pretrained" in vars(model)
+        model.save_pretrained(os.path.join(out_dir, "unpatched"))
+    except Exception:  # noqa: BLE001 - reported by the parent
+        results["error"] = traceback.format_exc()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    leave_gloo(rank, world)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "deepseek_v3"])
+def test_save_pretrained_of_expert_parallel_model_is_a_one_process_checkpoint(family, tmp_path):
+    """save_pretrained of a model patched with a group, called on every rank, writes the files a one-process
+    unpatched model of the same weights writes, byte for byte, which plain transformers loads with every expert
+    (it failed inside safetensors, which takes no DTensors). The model stays patched, its state_dict DTensors
+    for DCP. A state dict of this rank's experts only is a ValueError and nothing is written (before, rank 0 wrote
+    its own E/2 experts as the checkpoint's)."""
+    results = run_gloo_workers(_save_pretrained_worker, 2, (str(tmp_path), family), tmp_path, 120,
+                               f"save_pretrained ({family})")
+    expected = _model(family)
+    _mark_experts(expected)
+    num_experts = next(m for m in expected.modules() if hasattr(m, "gate_up_proj")).gate_up_proj.shape[0]
+    refused = (rf"save_pretrained: state_dict\['model\.layers\.\d+\.mlp\.experts\.gate_up_proj'\] must hold all "
+               rf"{num_experts} experts, .* got a Parameter of shape \({num_experts // 2}, ")
+    experts = ("experts.gate_up_proj", "experts.down_proj")
+    for rank, result in enumerate(results):
+        assert "error" not in result, f"rank {rank}:\n{result['error']}"
+        assert re.match(refused, result["keep_vars"]), f"rank {rank}, keep_vars state dict: {result['keep_vars']}"
+        assert result["patched after saving"], f"rank {rank}: unpatched by save_pretrained"
+        assert all(result["parameters after saving"].values()), f"rank {rank}: {result['parameters after saving']}"
+        for key, kind in result["state_dict types"].items():
+            assert (kind == "DTensor") == key.endswith(experts), f"rank {rank}: state_dict()[{key!r}] is a {kind}"
+        assert not result["save_pretrained bound after unpatch_model"], f"rank {rank}"
+    assert not (tmp_path / "keep_vars").exists(), "save_pretrained wrote files before refusing the state dict"
+
+    expected.save_pretrained(tmp_path / "one-process")
+    files = sorted(os.listdir(tmp_path / "one-process"))
+    assert "model.safetensors" in files, files
+    for saved in ("patched", "unpatched"):
+        assert sorted(os.listdir(tmp_path / saved)) == files, f"{saved}: files differ from the one-process model's"
+        for file in files:
+            same = (tmp_path / saved / file).read_bytes() == (tmp_path / "one-process" / file).read_bytes()
+            assert same, f"{saved}/{file} differs from the one-process model's"
+
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "patched", dtype=torch.float32)
+    assert not hf.is_patched(reloaded)
+    state, want = reloaded.state_dict(), expected.state_dict()
+    assert state.keys() == want.keys(), f"keys differ: {state.keys() ^ want.keys()}"
+    for key, tensor in want.items():
+        assert_equal(key, state[key], tensor)

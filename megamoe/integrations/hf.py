@@ -90,10 +90,19 @@ model keeps its own nn.Linear parameters, the ones the optimizer updates and sav
 
 Expert parallelism with patch_model(group=...): rank r keeps only global experts [r*E_l, (r+1)*E_l)
 (E_l = E / W): patching replaces `gate_up_proj`/`down_proj` by new parameters holding that slice (a copy,
-so the full tensors can be freed). Build the optimizer after patching, exclude these parameters from
-data-parallel gradient averaging (they are not replicas; see examples/train_moe.py), and call
-unpatch_model (a collective: it all-gathers the full expert weights) before saving. The router and the
-shared experts stay replicated.
+so the full tensors can be freed). Build the optimizer after patching and exclude these parameters from
+data-parallel gradient averaging (they are not replicas; see examples/train_moe.py). The router and the
+shared experts stay replicated. Saving:
+- model.state_dict() holds each experts weight as a DTensor of all E experts, sharded over the group
+  (megamoe.expert_state), so torch.distributed.checkpoint saves every rank's experts and loads them back,
+  also into another group size;
+- model.save_pretrained(path) writes the checkpoint that the same model in one process writes, loadable by
+  plain transformers. Call it on every rank: it is a collective (it all-gathers the expert weights, so each
+  rank holds them whole for the call, and called on rank 0 alone it waits for the others); transformers writes
+  on global rank 0. safetensors takes no DTensors, so patch_model binds a save_pretrained that gathers them
+  first (as transformers gathers its own tensor-parallel DTensors); a state_dict passed to it must hold the
+  experts as model.state_dict() gives them, or whole (ValueError otherwise, before anything is written);
+- unpatch_model (a collective) gathers the experts back into the model for good, e.g. to go on in one process.
 """
 
 from __future__ import annotations
@@ -577,12 +586,12 @@ def _block_forward_with_shared(block: nn.Module, hidden_states):
     return out_TH.reshape(shape)
 
 
-def _bind(module: nn.Module, function) -> None:
-    # An instance attribute shadows the class's forward for this module only; deleting it restores it. A
-    # functools.partial of a module-level function, not a bound method: pickle (torch.save(model)) saves a
-    # bound method as getattr(module, function name), which fails on load; a partial pickles the function by
-    # reference and the module with the rest of the model (copy.deepcopy binds it to the copy likewise).
-    module.forward = functools.partial(function, module)
+def _bind(module: nn.Module, method: str, function) -> None:
+    # An instance attribute shadows the class's method (forward, save_pretrained) for this module only; deleting
+    # it restores it. A functools.partial of a module-level function, not a bound method: pickle (torch.save(model))
+    # saves a bound method as getattr(module, function name), which fails on load; a partial pickles the function
+    # by reference and the module with the rest of the model (copy.deepcopy binds it to the copy likewise).
+    setattr(module, method, functools.partial(function, module))
 
 
 def _moe_blocks(model: nn.Module):
@@ -630,6 +639,59 @@ def _load_sharded_experts(experts: nn.Module, state_dict, prefix, *args) -> None
         load_expert_shards(state_dict, prefix, _EXPERT_WEIGHTS, patch.group, patch.local_slice[1])
 
 
+def _full_expert_state(model: nn.Module, state_dict: dict) -> dict:
+    """A copy of state_dict (model's own, or one handed to save_pretrained) in which the expert weights of every
+    experts module patched with a group are whole, [E, ...]: a DTensor (what model.state_dict() holds) gathered
+    with full_tensor(), a collective over the module's group; a plain tensor of that shape kept as it is. The
+    other entries are the same objects. Raises ValueError, before any collective, naming the first expert entry
+    of another shape (e.g. this rank's slice, from state_dict(keep_vars=True))."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    keys = []
+    for name, experts in model.named_modules():
+        patch = _sharded(experts)
+        if patch is None:
+            continue
+        world = dist.get_world_size(patch.group)
+        for weight in _EXPERT_WEIGHTS:
+            key = f"{name}.{weight}"
+            value = state_dict.get(key)
+            if value is None:
+                continue
+            local_shape = tuple(getattr(experts, weight).shape)
+            full_shape = (local_shape[0] * world, *local_shape[1:])
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != full_shape:
+                given = type(value).__name__
+                if isinstance(value, torch.Tensor):
+                    given += f" of shape {tuple(value.shape)}"
+                raise ValueError(
+                    f"save_pretrained: state_dict[{key!r}] must hold all {full_shape[0]} experts, shape {full_shape} "
+                    f"(a DTensor, as model.state_dict() gives it, or a plain tensor); got a {given}. This rank holds "
+                    f"experts {patch.local_slice[0]}..{patch.local_slice[0] + patch.local_slice[1] - 1} only "
+                    f"({local_shape}, what state_dict(keep_vars=True) gives): pass model.state_dict() or no state_dict"
+                )
+            keys.append(key)
+    full = dict(state_dict)
+    for key in keys:
+        if isinstance(full[key], DTensor):
+            full[key] = full[key].full_tensor()
+    return full
+
+
+def _save_pretrained_full(model: nn.Module, save_directory, is_main_process: bool = True, state_dict=None, *args,
+                          **kwargs):
+    """save_pretrained of a model patched with a group (patch_model binds it in place of transformers' method):
+    transformers' own save_pretrained, given a state dict in which every experts weight is whole, [E, ...], so it
+    writes the checkpoint a one-process model of the same weights writes (safetensors takes no DTensors, and
+    transformers gathers only the DTensors of its own DistributedConfig). A collective over the expert-parallel
+    group: every rank calls it, as with transformers' tensor parallelism; transformers writes on global rank 0
+    when is_main_process. state_dict: None (model.state_dict()) or a state dict whose expert entries are
+    DTensors or full tensors (ValueError otherwise, before anything is written)."""
+    state_dict = _full_expert_state(model, model.state_dict() if state_dict is None else state_dict)
+    return type(model).save_pretrained(model, save_directory, is_main_process, state_dict, *args, **kwargs)
+
+
 def _unshard(experts: nn.Module, group) -> None:
     import torch.distributed as dist
 
@@ -674,7 +736,8 @@ def patch_model(model: nn.Module, *, group=None, config: MoEConfig | None = None
         of each family, and the one repack of DeepSeek-V3's shared expert).
     group: expert-parallel process group, or None. Given, each rank keeps only its slice of every
         experts module's parameters (rank r: global experts [r*E_l, (r+1)*E_l)); build the optimizer
-        after patching.
+        after patching. model.save_pretrained then gathers the experts (every rank calls it) and writes a
+        plain transformers checkpoint of all of them; model.state_dict() holds them as DTensors for DCP.
     config: the megamoe.MoEConfig passed to every megamoe.experts call (None: the default).
     Raises TypeError if group is not a ProcessGroup (or None), ValueError if this rank is not in group, if a
     block's number of experts is not divisible by the group size, if the model has no supported block, is
@@ -734,17 +797,19 @@ def patch_model(model: nn.Module, *, group=None, config: MoEConfig | None = None
             experts.register_load_state_dict_pre_hook(_load_sharded_experts)
             setattr(experts, _STATE_HOOKS_ATTR, True)
         setattr(experts, _CHECKED_ATTR, True)
-        _bind(experts, megamoe_experts_forward)
+        _bind(experts, "forward", megamoe_experts_forward)
         if spec.shared is not None:
             setattr(block, _PATCH_ATTR, patch)
-            _bind(block, _block_forward_with_shared)
+            _bind(block, "forward", _block_forward_with_shared)
+    if group is not None and callable(getattr(type(model), "save_pretrained", None)):
+        # Its state_dict holds the experts as DTensors, for DCP; safetensors takes none: save_pretrained gathers them.
+        _bind(model, "save_pretrained", _save_pretrained_full)
     return model
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:
-    """Undo patch_model (in place; returns `model`): the original forwards, and with expert parallelism
-    the full expert weights (a collective over the group: every rank must call it). Afterwards
-    save_pretrained writes a checkpoint that plain transformers loads."""
+    """Undo patch_model (in place; returns `model`): the original forwards and save_pretrained, and with
+    expert parallelism the full expert weights (a collective over the group: every rank must call it)."""
     for _, block, spec in _moe_blocks(model):
         experts = _patched_experts(block, spec)
         if experts is None:
@@ -757,6 +822,9 @@ def unpatch_model(model: nn.Module) -> nn.Module:
         if hasattr(block, _PATCH_ATTR):
             del block.forward
             delattr(block, _PATCH_ATTR)
+    bound = vars(model).get("save_pretrained")
+    if isinstance(bound, functools.partial) and bound.func is _save_pretrained_full:
+        del model.save_pretrained
     return model
 
 
