@@ -215,7 +215,8 @@ def check_active_ddp_leaves_experts_alone() -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = getattr(DistributedDataParallel, "_active_ddp_module", None)
-    if ddp is not None:
+    # Checked once per wrapper: every later forward costs these two lookups, not a walk over the model.
+    if ddp is not None and not getattr(ddp, "_megamoe_experts_left_alone", False):
         check_ddp_leaves_experts_alone(ddp)
 
 
