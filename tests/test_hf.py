@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import os
 import re
@@ -201,6 +202,17 @@ class _Scaled(torch.nn.Module):
         return self.inner(*args) * self.scale
 
 
+def _set_forward(module: torch.nn.Module, fired: list, scale: float = 1.0) -> None:
+    """Replace module.forward on the instance as accelerate's add_hook_to_module does (its output times scale)."""
+    module._old_forward = module.forward
+
+    def new_forward(module, *args):
+        fired.append(1)
+        return module._old_forward(*args) * scale
+
+    module.forward = functools.update_wrapper(functools.partial(new_forward, module), module._old_forward)
+
+
 def _change(model, change: str, fired: list):
     """Apply one post-patching change to every DeepSeek-V3 MoE block of `model`."""
     for block in (m for m in model.modules() if type(m).__name__ == "DeepseekV3MoE"):
@@ -215,6 +227,8 @@ def _change(model, change: str, fired: list):
             linear = torch.nn.Linear(shared.gate_proj.in_features, shared.gate_proj.out_features, bias=False)
             torch.nn.init.normal_(linear.weight, generator=torch.Generator().manual_seed(5))
             shared.gate_proj = linear
+        elif change == "forward set on gate_proj":  # as accelerate's hooks replace module.forward
+            _set_forward(shared.gate_proj, fired, 3.0)
         elif change == "wrapped gate_proj":
             shared.gate_proj = _Scaled(shared.gate_proj, 3.0)
         elif change == "wrapped experts":  # as PEFT's ParamWrapper wraps the experts module
@@ -224,7 +238,7 @@ def _change(model, change: str, fired: list):
 
 
 @pytest.mark.parametrize("change", ["hook on shared_experts", "pre-hook on experts", "new gate_proj weight",
-                                    "wrapped gate_proj", "wrapped experts"])
+                                    "forward set on gate_proj", "wrapped gate_proj", "wrapped experts"])
 def test_deepseek_v3_changes_after_patching_are_honoured(change, monkeypatch):
     """Hooks and wrappers put on DeepSeek-V3's experts or shared expert after patch_model take effect, as in
     the unpatched model with the same change (the fused call is used only while it computes the same)."""
@@ -267,6 +281,36 @@ def test_unpatch_through_a_wrapper_added_after_patching(family, monkeypatch):
     with torch.no_grad():
         assert torch.equal(patched(input_ids=ids).logits, original(input_ids=ids).logits), "logits after unpatch"
     assert calls == [], f"megamoe.experts still called after unpatch_model: {calls}"
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_forward_set_on_the_instance_is_refused_not_dropped(family):
+    """A forward set on the experts' (or DeepSeek-V3's block's) instance, as accelerate's hooks set it: patch_model
+    refuses it, the model unchanged, and unpatch_model refuses one set after patching (patch_model replaced it,
+    megamoe ran without it, and unpatch_model deleted it, also when set after patching)."""
+    ids = _batch()
+    for module_name in ("experts", "block") if family == "deepseek_v3" else ("experts",):
+        model = _model(family).eval()
+        blocks = [b for b in model.modules() if type(b).__name__ in hf.BLOCK_SPECS]
+        modules = blocks if module_name == "block" else [b.experts for b in blocks]
+        fired = []
+        for module in modules:
+            _set_forward(module, fired)
+        with pytest.raises(ValueError, match=r"mlp(\.experts)? \(.*\): its forward was replaced on the instance, by "
+                                             r"_set_forward\.<locals>\.new_forward .*remove_hook_from_module"):
+            hf.patch_model(model)
+        assert not hf.is_patched(model), module_name
+        for module in modules:
+            del module.forward
+        hf.patch_model(model)
+        for module in modules:
+            _set_forward(module, fired)
+        with torch.no_grad():
+            model(input_ids=ids)
+        assert len(fired) == len(modules), f"{module_name}: forward set after patching ran {len(fired)} times"
+        with pytest.raises(ValueError, match=r"its forward was replaced on the instance after patch_model"):
+            hf.unpatch_model(model)
+        assert hf.is_patched(model) and all("forward" in vars(m) for m in modules), module_name
 
 
 def test_patching_experts_wrapped_before_is_a_value_error_saying_so():

@@ -553,16 +553,31 @@ def _has_hooks(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
+def _is_bound(module: nn.Module, function) -> bool:
+    """Whether module's instance forward is `function` as _bind bound it (not replaced on the instance since)."""
+    forward = vars(module).get("forward")
+    return isinstance(forward, functools.partial) and forward.func is function
+
+
+def _instance_forward(module: nn.Module) -> str:
+    """The name of the function set as module.forward on the instance (accelerate's hooks set a partial of theirs)."""
+    function = getattr(vars(module)["forward"], "func", vars(module)["forward"])
+    return getattr(function, "__qualname__", type(function).__name__)
+
+
 def _can_fuse(block: nn.Module, patch: _Patch) -> bool:
     """Whether the fused forward computes what the block's own forward would: the experts module is still the
     one patched (not replaced or wrapped, e.g. by PEFT's ParamWrapper), the shared expert is still three plain
     nn.Linear and silu (not LoRA layers or other subclasses, whose forward the fused path would skip), and no
-    forward hook waits on any of them (the fused path calls none of these modules). Attribute lookups only."""
+    forward hook waits on any of them, nor a forward set on the instance (accelerate's hooks replace
+    module.forward): the fused path calls none of these modules. Attribute lookups only."""
     experts, shared = getattr(block, patch.spec.experts), getattr(block, patch.spec.shared)
     if getattr(experts, _PATCH_ATTR, None) is not patch or _shared_problem("", shared) is not None:
         return False
     projections = [getattr(shared, proj) for proj in ("gate_proj", "up_proj", "down_proj")]
     if any(type(linear) is not nn.Linear for linear in projections):
+        return False
+    if not _is_bound(experts, megamoe_experts_forward) or any("forward" in vars(m) for m in (shared, *projections)):
         return False
     return not any(_has_hooks(module) for module in (experts, shared, *projections))
 
@@ -741,9 +756,10 @@ def patch_model(model: nn.Module, *, group=None, config: MoEConfig | None = None
     config: the megamoe.MoEConfig passed to every megamoe.experts call (None: the default).
     Raises TypeError if group is not a ProcessGroup (or None), ValueError if this rank is not in group, if a
     block's number of experts is not divisible by the group size, if the model has no supported block, is
-    already patched or has its experts wrapped already (PEFT: patch first), and UnsupportedExpertsError (a ValueError) if a block's experts do not have megamoe's
-    layout (bias, transposed or interleaved weights, an activation other than silu). On any of these errors
-    the model is left unchanged.
+    already patched or has its experts wrapped already (PEFT: patch first) or their forward (DeepSeek-V3: the
+    block's) set on the instance (accelerate's hooks), and UnsupportedExpertsError (a ValueError) if a block's
+    experts do not have megamoe's layout (bias, transposed or interleaved weights, an activation other than
+    silu). On any of these errors the model is left unchanged.
 
     DeepSeek-V3: a module wrapped around or hooked onto `experts` or `shared_experts` (or its projections)
     after patching is honoured: the block then runs its own forward, the two modules called one after the
@@ -776,6 +792,14 @@ def patch_model(model: nn.Module, *, group=None, config: MoEConfig | None = None
                 "runs inside such wrappers"
             )
         check_experts(experts, f"{name}.{spec.experts} ({spec.family})")
+        for module_name, module in [(f"{name}.{spec.experts}", experts)] + ([(name, block)] if spec.shared else []):
+            if "forward" in vars(module):
+                raise ValueError(
+                    f"{module_name} ({spec.family}): its forward was replaced on the instance, by "
+                    f"{_instance_forward(module)} (accelerate's hooks, e.g. of device_map offloading, do that), which "
+                    "patch_model would discard: remove it before patch_model (accelerate: remove_hook_from_module), "
+                    "or use experts_implementation='megamoe', which runs inside it"
+                )
         if spec.shared is not None:
             _check_shared(f"{name}.{spec.shared} ({spec.family})", getattr(block, spec.shared))
         num_experts = getattr(block, spec.experts).gate_up_proj.shape[0]
@@ -809,9 +833,25 @@ def patch_model(model: nn.Module, *, group=None, config: MoEConfig | None = None
 
 def unpatch_model(model: nn.Module) -> nn.Module:
     """Undo patch_model (in place; returns `model`): the original forwards and save_pretrained, and with
-    expert parallelism the full expert weights (a collective over the group: every rank must call it)."""
-    for _, block, spec in _moe_blocks(model):
-        experts = _patched_experts(block, spec)
+    expert parallelism the full expert weights (a collective over the group: every rank must call it).
+    Raises ValueError, before changing anything, if a forward that patch_model bound was replaced on the
+    instance since (e.g. by accelerate's hooks, around megamoe's): deleting it would drop that too."""
+    patched = [(name, block, _patched_experts(block, spec)) for name, block, spec in _moe_blocks(model)]
+    for name, block, experts in patched:
+        if experts is None:
+            continue
+        forwards = [(experts, megamoe_experts_forward)]
+        if hasattr(block, _PATCH_ATTR):
+            forwards.append((block, _block_forward_with_shared))
+        for module, function in forwards:
+            if "forward" in vars(module) and not _is_bound(module, function):
+                module_name = next(n for n, m in block.named_modules(prefix=name) if m is module)
+                raise ValueError(
+                    f"{module_name}: its forward was replaced on the instance after patch_model, by "
+                    f"{_instance_forward(module)} (accelerate's hooks do that), which unpatch_model would drop with "
+                    "megamoe's: remove it first (accelerate: remove_hook_from_module), then call unpatch_model"
+                )
+    for _, block, experts in patched:
         if experts is None:
             continue
         patch: _Patch = getattr(experts, _PATCH_ATTR)
