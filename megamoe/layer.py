@@ -172,9 +172,14 @@ class MoELayer(nn.Module):
         return state
 
     def route(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Router: returns (topk_ids [T, k] int64, topk_weights [T, k] fp32, probs [T, E] fp32). The router runs in
-        its own dtype (e.g. kept in fp32 with `layer.router.float()` in a bf16 layer): x is cast to it."""
-        logits = self.router(x_TH.to(self.router.weight.dtype)).float()
+        """Router: returns (topk_ids [T, k] int64, topk_weights [T, k] fp32, probs [T, E] fp32; fp64 for an x and
+        router in float64). The router runs in its own dtype (e.g. kept in fp32 with `layer.router.float()` in a
+        bf16 layer): x is cast to it."""
+        logits = self.router(x_TH.to(self.router.weight.dtype))
+        # Scores in fp32, but not below a float64 layer's precision: rounded to fp32, its weights and aux loss would
+        # lose it (and torch.autograd.gradcheck of the layer would fail). megamoe.experts takes float64 topk_weights
+        # beside a float64 x.
+        logits = logits.to(torch.float64 if x_TH.dtype == logits.dtype == torch.float64 else torch.float32)
         scores = torch.softmax(logits, dim=-1) if self.score_func == "softmax" else torch.sigmoid(logits)
         topk_weights, topk_ids = torch.topk(scores, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -238,7 +243,7 @@ class MoELayer(nn.Module):
         # Integer scatter-add: exact and order-independent, no host sync.
         counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
         counts.scatter_add_(0, topk_ids.reshape(-1), torch.ones_like(topk_ids.reshape(-1), dtype=torch.int32))
-        fraction = counts.float() / max(topk_ids.numel(), 1)
+        fraction = counts.to(probs.dtype) / max(topk_ids.numel(), 1)
         # sum / max(T, 1) rather than mean: an empty batch gives 0 (0 * 0), not 0 * NaN.
         mean_probs = probs.sum(dim=0) / max(x_TH.shape[0], 1)
         aux_loss = self.num_experts * (fraction * mean_probs).sum()

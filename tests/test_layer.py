@@ -48,9 +48,11 @@ def hand_route(layer: MoELayer, x_TH: torch.Tensor):
 
 
 def route_math(layer: MoELayer, x_TH: torch.Tensor):
-    """The router written independently of MoELayer.route (differentiable): fp32 scores, top-k by a stable
-    descending sort, optional renormalisation of the k weights."""
-    logits = (x_TH @ layer.router.weight.t()).float()
+    """The router written independently of MoELayer.route (differentiable): fp32 scores (fp64 in a float64 layer),
+    top-k by a stable descending sort, optional renormalisation of the k weights."""
+    logits = x_TH @ layer.router.weight.t()
+    if logits.dtype != torch.float64:
+        logits = logits.float()
     scores = torch.softmax(logits, -1) if layer.score_func == "softmax" else torch.sigmoid(logits)
     ids = torch.argsort(scores, dim=-1, descending=True, stable=True)[:, : layer.top_k]
     weights = scores.gather(1, ids)
@@ -117,11 +119,11 @@ def test_routing_by_hand(rng, score_func, norm, shared):
     ids, weights, probs = layer.route(x)
     hand_ids, hand_weights, hand_probs = hand_route(layer, x)
     assert_equal("topk_ids", ids.long(), hand_ids)
-    assert weights.dtype == torch.float32 and probs.dtype == torch.float32
-    assert_close_tight("topk_weights", weights, hand_weights, 1e-6)
-    assert_close_tight("probs", probs, hand_probs, 1e-6)
+    assert weights.dtype == torch.float64 and probs.dtype == torch.float64  # a float64 layer keeps its precision
+    assert_close_tight("topk_weights", weights, hand_weights, 1e-12)
+    assert_close_tight("probs", probs, hand_probs, 1e-12)
     if norm:
-        assert_close_tight("sum of topk_weights", weights.sum(-1), torch.ones(11, dtype=torch.float64), 1e-6)
+        assert_close_tight("sum of topk_weights", weights.sum(-1), torch.ones(11, dtype=torch.float64), 1e-12)
 
 
 @SHAPES
@@ -148,12 +150,27 @@ def test_tokens_per_expert_and_aux_loss(rng, x_shape, score_func):
     probs = scores / scores.sum(-1, keepdim=True)
     hand = sum(E * counts[e] / (num_tokens * K) * probs[:, e].mean() for e in range(E))
     assert layer.aux_loss.dim() == 0
-    assert_close_tight("aux_loss", layer.aux_loss.detach(), hand.detach(), 1e-6)
+    assert_close_tight("aux_loss", layer.aux_loss.detach(), hand.detach(), 1e-12)
 
     (d_router,) = torch.autograd.grad(layer.aux_loss, layer.router.weight)
     (hand_d_router,) = torch.autograd.grad(hand, weight)
     assert d_router.abs().sum() > 0, "aux_loss has no gradient w.r.t. router.weight"
-    assert_close_tight("d aux_loss / d router.weight", d_router, hand_d_router, 1e-5)
+    assert_close_tight("d aux_loss / d router.weight", d_router, hand_d_router, 1e-12)
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_float64_layer_passes_gradcheck(rng, backend, score_func):
+    """A float64 layer routes in float64 (not through fp32 scores), so torch.autograd.gradcheck of the whole layer,
+    aux loss included, holds: with respect to x and the router weight (the experts' are linear in the routing)."""
+    layer = make_layer(rng, shared=4, score_func=score_func, config=MoEConfig(backend=backend))
+    x = torch.randn(5, H, generator=rng, dtype=torch.float64, requires_grad=True)
+
+    def run(x, router_weight):
+        out = torch.func.functional_call(layer, {"router.weight": router_weight}, (x,))
+        return out, layer.aux_loss
+
+    assert torch.autograd.gradcheck(run, (x, layer.router.weight.detach().clone().requires_grad_()))
 
 
 def test_batched_and_flat_inputs_agree(rng):
