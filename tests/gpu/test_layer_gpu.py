@@ -1,10 +1,15 @@
 """MoELayer on one Hopper GPU: the fused path with no setting, torch.compile(fullgraph=True), autocast."""
 
+import importlib
+import pkgutil
+
 import pytest
 import torch
+from triton.runtime.jit import JITFunction
 
 import megamoe
 from megamoe.autograd import resolve_backend
+from megamoe.backends.triton import kernels
 
 pytestmark = [
     pytest.mark.gpu,
@@ -83,3 +88,34 @@ def test_autocast_fp32_weights():
     assert out.dtype == torch.bfloat16
     out.float().square().sum().backward()
     assert layer.w_down.grad.dtype == torch.float32 and torch.isfinite(layer.w_down.grad).all()
+
+
+def _compiled_binaries() -> int:
+    """How many binaries megamoe's Triton and Gluon kernels have compiled in this process, over every device."""
+    count = 0
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"{kernels.__name__}.{info.name}")
+        for value in vars(module).values():
+            if isinstance(value, JITFunction):
+                count += sum(len(kernel_cache) for kernel_cache, *_ in value.device_caches.values())
+    return count
+
+
+@pytest.mark.parametrize("shared", [0, 128], ids=["no-shared", "shared"])
+def test_a_new_token_count_compiles_nothing(shared):
+    """Training whose token count changes from step to step (packed sequences, a short last batch) compiles each
+    kernel once per specialisation Triton makes of its integer arguments (divisible by 16 or not), never once per
+    count: every size that follows T is a runtime argument."""
+    layer = _layer(shared)
+
+    def step(tokens):
+        x = torch.randn(tokens, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        layer(x).float().square().sum().backward()
+
+    for tokens in (1, 7, 16, 64, 100, 333, 1024, 1031):  # small and large, divisible by 16 and not
+        step(tokens)
+    compiled = _compiled_binaries()
+    assert compiled > 0, "the fused path ran no megamoe kernel"
+    for tokens in (2, 48, 95, 513, 777, 2000, 2048, 3001):
+        step(tokens)
+    assert _compiled_binaries() == compiled
