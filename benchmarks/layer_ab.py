@@ -3,7 +3,8 @@ in one process, the variants alternating (megamoe.bench.measure.round_order) ove
 median per variant (and each round's), and the peak memory above the inputs (weights and token sets) over its
 iterations: allocated, and reserved by the caching allocator from an emptied cache (steady state after the untimed
 warmup). Before the timing, every variant's output (and, fwd+bwd, gradients) on one token set is compared bit for bit
-with the first variant's (bitwise_equal_to_first).
+with the first variant's (bitwise_equal_to_first), and the first variant's are recorded as sha256 digests (digests), to
+compare runs in different processes (e.g. under two Triton releases; each record names its Triton).
 
 Usage: python benchmarks/layer_ab.py WORKLOAD[,WORKLOAD...] VARIANT,VARIANT[,...] OUT.json [--pass fwd+bwd,fwd]
        [--rounds N] [--routing balanced,skewed]   (an sm_90 GPU)
@@ -22,7 +23,7 @@ Variants (each a change to the tile choice that every run reads through the publ
   group_m:N every GEMM's tiles swept N row blocks per column block (the table: 8)
   GEMM.group_m:N  the same for one GEMM of the table (e.g. down_dgrad.group_m:4)
 """
-import argparse, dataclasses, functools, json, statistics, torch, megamoe
+import argparse, dataclasses, functools, hashlib, json, statistics, torch, triton, megamoe
 from megamoe.backends.triton import configs
 from megamoe.backends.triton import experts as te
 from megamoe.backends.triton import kernels
@@ -106,6 +107,11 @@ parser.add_argument("--routing", default="balanced,skewed")
 args = parser.parse_args()
 
 
+def digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes (16 hex digits)."""
+    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:16]
+
+
 def step(pass_name, weights, tokens, cfg):
     if pass_name == "fwd":
         forward_TH(megamoe.experts, weights, tokens, config=cfg).detach()
@@ -135,6 +141,7 @@ for name in args.workloads.split(","):
             results[v] = {"out": r["out"]} if pass_name == "fwd" else r
         equal = {v: all(torch.equal(results[v][key], results[variants[0]][key]) for key in results[v])
                  for v in variants}
+        digests = {key: digest(value) for key, value in results[variants[0]].items()}
         del results
         select("default")
         torch.cuda.synchronize()
@@ -163,7 +170,7 @@ for name in args.workloads.split(","):
             rec = dict(workload=name, routing=routing, pass_name=pass_name, variant=v, ms=ms,
                        tflops=layer_flops(w, T, pass_name) / ms / 1e9, peak_above_inputs_gib=peak[v] / 2**30,
                        reserved_above_inputs_gib=reserved[v] / 2**30, experts=E, round_medians_ms=round_medians[v],
-                       bitwise_equal_to_first=equal[v])
+                       bitwise_equal_to_first=equal[v], digests=digests, triton=triton.__version__)
             out.append(rec); print(json.dumps(rec), flush=True)
     del weights; torch.cuda.empty_cache()
 json.dump(out, open(args.json_path, "w"), indent=1)

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# The kernels' ahead-of-time compile tests (sm_90a and sm_100a, no GPU needed) against the newest Triton the
-# project tracks, in a virtual environment of its own (.venv-triton-next), so that an API change between
-# Triton releases (Triton 3.8 renamed the Gluon copies, 3.9 removed the old names) shows up here before a
-# user's upgrade meets it. The main suite (scripts/test.sh) runs the pinned Triton. Needs the package index.
+# The kernels' ahead-of-time compile tests (sm_90a and sm_100a, no GPU needed) against the other Triton releases
+# the project tracks, each in a virtual environment of its own (.venv-triton-X.Y.Z): 3.7.1, the one torch 2.13.0
+# installs (what a user of the current torch runs), and 3.9.0, the newest, so that an API change between releases
+# (Triton 3.8 renamed the Gluon copies, 3.9 removed the old names) shows up here before a user's upgrade meets it.
+# The main suite (scripts/test.sh) runs the pinned Triton. Needs the package index. Arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-TRITON_NEXT=3.9.0
-if [ ! -x .venv-triton-next/bin/python ]; then
-    python3 -m venv .venv-triton-next
-fi
-.venv-triton-next/bin/python -m pip install -q "torch==2.13.0" "triton==${TRITON_NEXT}" "numpy<2.4" pytest pytest-timeout
-PYTHONPATH="$PWD" exec .venv-triton-next/bin/python -m pytest -q tests/test_triton_compile.py tests/test_gluon_*_compile.py "$@"
+for version in 3.7.1 3.9.0; do
+    venv=".venv-triton-${version}"
+    if [ ! -x "${venv}/bin/python" ]; then
+        python3 -m venv "${venv}"
+    fi
+    "${venv}/bin/python" -m pip install -q "torch==2.13.0" "triton==${version}" "numpy<2.4" pytest pytest-timeout
+    echo "compile tests under Triton ${version}"
+    PYTHONPATH="$PWD" "${venv}/bin/python" -m pytest -q tests/test_triton_compile.py tests/test_gluon_*_compile.py "$@"
+done

@@ -21,6 +21,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 from megamoe.backends.triton.kernels.gluon_common import SMEM_PER_CTA
 
+TRITON = tuple(int(n) for n in re.findall(r"\d+", triton.__version__)[:2])  # (major, minor): some budgets differ by release
 SMEM_LIMIT = SMEM_PER_CTA  # bytes of shared memory one CTA may use on sm_90
 
 
@@ -121,11 +122,12 @@ def wgmma_operand_types(ptx: str) -> set:
     return set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.(\w+)\.(\w+)", ptx))
 
 
-def assert_no_spills_or_serialisation(name: str, report: dict, local: int = 0) -> None:
-    """No spills, no stack frame, no local memory in the SASS (at most `local` instructions, where a test names a
-    known exception), no wgmma serialised by ptxas (C7510)."""
+def assert_no_spills_or_serialisation(name: str, report: dict, local: int = 0, spills: int = 0, stack: int = 0) -> None:
+    """No spills, no stack frame, no local memory in the SASS, no wgmma serialised by ptxas (C7510); where a test
+    names a known exception, at most `spills` bytes spilled each way, a `stack`-byte frame and `local` instructions."""
     px = report["ptxas"]
-    assert px["spill_stores"] == 0 and px["spill_loads"] == 0 and px["stack"] == 0, f"{name} spills:\n{px['log']}"
+    assert px["spill_stores"] <= spills and px["spill_loads"] <= spills and px["stack"] <= stack, (
+        f"{name} spills:\n{px['log']}")
     assert report["local"] <= local, f"{name}: {report['local']} local-memory loads/stores in the SASS"
     assert "C7510" not in px["log"] and "serialized" not in px["log"], f"{name}: wgmma serialised:\n{px['log']}"
 
