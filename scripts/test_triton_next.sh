@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The kernels' ahead-of-time compile tests (sm_90a and sm_100a, no GPU needed) against the other Triton releases
-# the project tracks, each in a virtual environment of its own (.venv-triton-X.Y.Z): 3.7.1, the one torch 2.13.0
-# installs (what a user of the current torch runs), and 3.9.0, the newest, so that an API change between releases
-# (Triton 3.8 renamed the Gluon copies, 3.9 removed the old names) shows up here before a user's upgrade meets it.
+# the project tracks, each in a virtual environment of its own (.venv-triton-X.Y.Z): 3.7.1 (what torch 2.12 and 2.13
+# install) and 3.8.0 (torch 2.14's), what users of those torch releases run, and 3.9.0, the newest, so that an API
+# change between releases (Triton 3.8 renamed the Gluon copies, 3.9 removed the old names) shows up here before a
+# user's upgrade meets it.
 # The main suite (scripts/test.sh) runs the pinned Triton. Needs the package index. Arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-for version in 3.7.1 3.9.0; do
+for version in 3.7.1 3.8.0 3.9.0; do
     venv=".venv-triton-${version}"
     if [ ! -x "${venv}/bin/python" ]; then
         python3 -m venv "${venv}"

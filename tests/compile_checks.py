@@ -22,6 +22,15 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from megamoe.backends.triton.kernels.gluon_common import SMEM_PER_CTA
 
 TRITON = tuple(int(n) for n in re.findall(r"\d+", triton.__version__)[:2])  # (major, minor): some budgets differ by release
+# Spills that one Triton release's code generation adds to a kernel the tests otherwise hold to none (or to a smaller
+# bound), as compiled here under each release CI uses, keyed by the kernel's name in its test. On an H200 the layer
+# ran under 3.7.1 and 3.8.0 at Triton 3.6.0's speed (README, "Two commands"). Values: assert_no_spills_or_serialisation's
+# bounds (spill bytes each way, stack-frame bytes, local-memory instructions in the SASS).
+KNOWN_SPILLS = {
+    (3, 7): {"s4b1-gu fp16": dict(spills=4, stack=8, local=2)},
+    (3, 8): {"tma down_dgrad": dict(spills=4), "down_dgrad router-h_w": dict(spills=192, stack=128, local=96),
+             "gate_up_fwd_pull_handoff": dict(spills=16, stack=16, local=8)},
+}.get(TRITON, {})
 SMEM_LIMIT = SMEM_PER_CTA  # bytes of shared memory one CTA may use on sm_90
 
 

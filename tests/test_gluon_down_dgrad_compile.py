@@ -67,7 +67,7 @@ from megamoe.backends.triton.configs import _SM90_TMA, triton_tile  # noqa: E402
 from megamoe.backends.triton.kernels import gluon_down_dgrad as G  # noqa: E402
 from megamoe.backends.triton.kernels import tma_gemm  # noqa: E402
 from compile_checks import (  # noqa: E402
-    SMEM_LIMIT, assert_no_spills_or_serialisation, assert_register_split, compile_gluon, compile_triton, count,
+    KNOWN_SPILLS, SMEM_LIMIT, assert_no_spills_or_serialisation, assert_register_split, compile_gluon, compile_triton, count,
     divisible_by_16, kernel_signature, pointers, tensordesc, warp_specialized_report,
     wgmma_operand_types,
 )
@@ -184,10 +184,10 @@ def test_gluon_down_dgrad_sm90a(name):
     # Nothing serialised, and no local memory in plain down_dgrad. The router variants keep a few scalars in local
     # memory: with Triton 3.6's ptxas, 16 bytes with h_w (set-up values and one counter loaded and stored once a
     # tile: 8 instructions), none without; with Triton 3.9's, no spill but the thread index, stored once at entry and
-    # reloaded where the d_w_part stores' row offsets need it (8 instructions; 18 with h_w).
+    # reloaded where the d_w_part stores' row offsets need it (8 instructions; 18 with h_w); Triton 3.8's spills with
+    # h_w are in compile_checks.KNOWN_SPILLS.
     if r["router"]:
-        assert px["spill_stores"] <= 16 and px["stack"] <= 16 and r["local"] <= 18, f"{name} spills:\n{px['log']}"
-        assert "C7510" not in px["log"] and "serialized" not in px["log"], f"{name}: wgmma serialised"
+        assert_no_spills_or_serialisation(name, r, **KNOWN_SPILLS.get(f"down_dgrad {name}", dict(spills=16, stack=16, local=18)))
     else:
         assert_no_spills_or_serialisation(name, r)
     want = cfg.smem_bytes(router=r["router"])

@@ -36,7 +36,7 @@ from triton.runtime.jit import mangle_type  # noqa: E402
 from megamoe.backends.triton import configs  # noqa: E402
 from megamoe.backends.triton.kernels import gluon_ep, gluon_gate_up, gluon_rows  # noqa: E402
 from compile_checks import (  # noqa: E402
-    SMEM_LIMIT, MBarrier, assert_no_spills_or_serialisation, assert_register_split, compile_gluon, count, divisible_by_16,
+    KNOWN_SPILLS, SMEM_LIMIT, MBarrier, assert_no_spills_or_serialisation, assert_register_split, compile_gluon, count, divisible_by_16,
     int32_arg, kernel_signature, pointers, warp_specialized_report,
 )
 
@@ -113,7 +113,7 @@ def _assert_pulling_gemm(name: str, tile, r: dict, stores: int):
     assert count(r"fence\.proxy\.async\.global", ptx) == 1
     assert meta.num_warps == 12
     assert_register_split(name, r, tile.producer_regs, tile.consumer_regs)
-    assert_no_spills_or_serialisation(name, r)
+    assert_no_spills_or_serialisation(name, r, **KNOWN_SPILLS.get(name, {}))
     assert tile.smem_bytes() <= meta.shared <= SMEM_LIMIT
 
 
