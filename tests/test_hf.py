@@ -229,6 +229,8 @@ def _change(model, change: str, fired: list):
             shared.gate_proj = linear
         elif change == "forward set on gate_proj":  # as accelerate's hooks replace module.forward
             _set_forward(shared.gate_proj, fired, 3.0)
+        elif change == "hook on act_fn":
+            shared.act_fn.register_forward_hook(lambda module, args, out: fired.append(1) or out * 2)
         elif change == "wrapped gate_proj":
             shared.gate_proj = _Scaled(shared.gate_proj, 3.0)
         elif change == "wrapped experts":  # as PEFT's ParamWrapper wraps the experts module
@@ -238,7 +240,7 @@ def _change(model, change: str, fired: list):
 
 
 @pytest.mark.parametrize("change", ["hook on shared_experts", "pre-hook on experts", "new gate_proj weight",
-                                    "forward set on gate_proj", "wrapped gate_proj", "wrapped experts"])
+                                    "forward set on gate_proj", "hook on act_fn", "wrapped gate_proj", "wrapped experts"])
 def test_deepseek_v3_changes_after_patching_are_honoured(change, monkeypatch):
     """Hooks and wrappers put on DeepSeek-V3's experts or shared expert after patch_model take effect, as in
     the unpatched model with the same change (the fused call is used only while it computes the same)."""

@@ -569,17 +569,18 @@ def _can_fuse(block: nn.Module, patch: _Patch) -> bool:
     """Whether the fused forward computes what the block's own forward would: the experts module is still the
     one patched (not replaced or wrapped, e.g. by PEFT's ParamWrapper), the shared expert is still three plain
     nn.Linear and silu (not LoRA layers or other subclasses, whose forward the fused path would skip), and no
-    forward hook waits on any of them, nor a forward set on the instance (accelerate's hooks replace
-    module.forward): the fused path calls none of these modules. Attribute lookups only."""
+    forward hook waits on any of them or on the activation module, nor a forward set on the instance
+    (accelerate's hooks replace module.forward): the fused path calls none of these modules. Attribute lookups only."""
     experts, shared = getattr(block, patch.spec.experts), getattr(block, patch.spec.shared)
     if getattr(experts, _PATCH_ATTR, None) is not patch or _shared_problem("", shared) is not None:
         return False
     projections = [getattr(shared, proj) for proj in ("gate_proj", "up_proj", "down_proj")]
     if any(type(linear) is not nn.Linear for linear in projections):
         return False
-    if not _is_bound(experts, megamoe_experts_forward) or any("forward" in vars(m) for m in (shared, *projections)):
+    skipped = [shared, *projections] + ([shared.act_fn] if isinstance(shared.act_fn, nn.Module) else [])
+    if not _is_bound(experts, megamoe_experts_forward) or any("forward" in vars(m) for m in skipped):
         return False
-    return not any(_has_hooks(module) for module in (experts, shared, *projections))
+    return not any(_has_hooks(module) for module in (experts, *skipped))
 
 
 def _block_forward_with_shared(block: nn.Module, hidden_states):
