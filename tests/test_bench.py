@@ -229,6 +229,29 @@ def test_a_backend_that_fails_its_gate_is_recorded_not_timed(monkeypatch, capsys
         assert timed["status"] == "ok" and timed["ms"] > 0
 
 
+def test_a_name_given_twice_runs_once(monkeypatch, capsys, tmp_path):
+    """--workload cpu-small,cpu-small (or a backend twice) times it once: two runs of one workload would share
+    their rows' keys, and each row's speed-up would be taken against the other run's baseline (the baseline
+    itself then shown at 2x or 0.5x of itself)."""
+    timed = iter(range(1, 100))
+    monkeypatch.setattr(run, "gate_backends", lambda w, backends, *args: dict.fromkeys(backends, ("ok", "")))
+    monkeypatch.setattr(run, "time_pass", lambda *args, **kwargs: {
+        "ms": float(next(timed)), "peak_mem_bytes": None, "peak_mem_above_inputs_bytes": None, "workspace_bytes": None,
+    })
+    path = tmp_path / "r.json"
+    code = run.run_bench(workloads=["cpu-small", "cpu-small"], backends=["torch", "torch", "torchtitan"],
+                         routing="balanced", tokens=16, iters=1, warmup=0, dtype=None, experts_per_gpu=None,
+                         json_path=str(path))
+    out = capsys.readouterr().out
+    assert code == 0, out
+    records = json.loads(path.read_text())
+    assert [(r["backend"], r["pass"]) for r in records] == [
+        (b, p) for b in ("torchtitan", "torch") for p in ("fwd", "fwd+bwd")
+    ]
+    titan_lines = [line for line in out.splitlines() if " torchtitan " in line]
+    assert len(titan_lines) == 2 and all(line.endswith("1.00x") for line in titan_lines), out
+
+
 def test_peak_memory_includes_the_ep_workspace():
     """The symmetric-memory workspace lies outside the caching allocator: both peaks add it, and it is also
     reported alone (None where no workspace can exist: no group, or no Triton)."""

@@ -175,15 +175,17 @@ def run_bench(
     peers: names of megamoe.bench.baselines.PEERS to time too; one that cannot run here is a note.
     rounds: alternating rounds per (workload, routing) in which every backend and pass (and on GPUs the MFU
     ceiling's matmul) takes one turn of iters timed iterations (default: 3 on a GPU, 1 on CPU).
-    Returns 1 if a backend failed its gate."""
+    A workload or backend named twice runs once. Returns 1 if a backend failed its gate."""
     unknown = [p for p in peers or () if p not in PEERS]
     if unknown:
         raise ValueError(f"peers: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(PEERS)}")
     group, device = init_distributed()
     world_size, rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
     on_gpu = device.type == "cuda"
-    workloads = workloads or list(GPU_WORKLOADS if on_gpu else CPU_WORKLOADS)
-    backends = [BASELINE] + [b for b in (backends or default_backends(device, group)) if b != BASELINE]
+    # A name given twice runs once: two runs of one workload would share their rows' keys, and each row's speed-up
+    # would be taken against the other run's baseline.
+    workloads = list(dict.fromkeys(workloads or (GPU_WORKLOADS if on_gpu else CPU_WORKLOADS)))
+    backends = [BASELINE] + [b for b in dict.fromkeys(backends or default_backends(device, group)) if b != BASELINE]
     rows, notes = [], []
     for peer in dict.fromkeys(peers or ()):
         reason = unavailable_reason(peer, device, group)
