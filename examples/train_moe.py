@@ -26,6 +26,7 @@ import math
 import os
 import pathlib
 import sys
+import tempfile
 import time
 
 import torch
@@ -50,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--expert-intermediate", type=int, default=64)
     parser.add_argument("--backend", default="auto", help="megamoe.MoEConfig.backend")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--amp", action="store_true", help="bf16 autocast (the default on CUDA)")
     parser.add_argument("--expert-parallel", action="store_true", help="shard experts over all ranks")
     parser.add_argument("--check-determinism", action="store_true", help="train twice; compare losses bitwise")
@@ -63,6 +64,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("steps", "batch_size", "seq_len", "layers", "experts", "top_k", "expert_intermediate"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    head_dim = args.hidden // 4  # build_model: 4 attention heads
+    if head_dim < 2 or head_dim % 2:
+        parser.error(f"--hidden {args.hidden}: its 4 attention heads get hidden // 4 = {head_dim} dims each, and "
+                     "rotary embeddings need an even number >= 2; use a multiple of 8")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch finds no CUDA GPU here; use auto or cpu")
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.top_k > args.experts:
@@ -74,6 +81,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.seq_len > corpus_bytes - 2:  # a window is seq_len + 1 bytes at a random start
         parser.error(f"--seq-len {args.seq_len}: longer than the corpus allows ({args.corpus} has {corpus_bytes} "
                      f"bytes: at most {corpus_bytes - 2})")
+    try:  # the outputs are written after training: a folder that cannot take them fails now, not then
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=args.out_dir).close()
+    except OSError as e:
+        parser.error(f"--out-dir {args.out_dir}: cannot write there ({e.strerror})")
     return args
 
 
@@ -175,7 +187,6 @@ def write_outputs(out_dir: pathlib.Path, losses, rates) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "loss.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["step", "loss", "tokens_per_s"])

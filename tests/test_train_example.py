@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("transformers", reason="transformers is not installed (it is in megamoe's 'test' extra)")
 pytest.importorskip("matplotlib", reason="matplotlib is not installed (it is in megamoe's 'test' extra)")
@@ -73,7 +74,27 @@ BAD_OPTIONS = [
     (["--top-k", "9"], "--top-k 9: more than --experts 8"),
     (["--seq-len", "1000000"], "--seq-len 1000000: longer than the corpus allows"),
     (["--corpus", "no-such-corpus.txt"], "--corpus no-such-corpus.txt: cannot read"),
+    (["--hidden", "0"], "--hidden 0: its 4 attention heads get hidden // 4 = 0 dims each"),
+    (["--hidden", "36"], "--hidden 36: its 4 attention heads get hidden // 4 = 9 dims each"),
+    (["--device", "gpu"], "argument --device: invalid choice: 'gpu'"),
 ]
+
+
+def test_an_out_dir_that_cannot_be_made_fails_before_training(tmp_path, capsys):
+    """The outputs are written after training: a folder that cannot hold them is a usage error up front."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        _parse_args(["--out-dir", str(blocker / "out")])
+    assert exit_info.value.code == 2 and f"--out-dir {blocker / 'out'}: cannot write there" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
+def test_device_cuda_without_a_gpu_is_a_usage_error(capsys):
+    """Not an AttributeError from torch.cuda.set_device in setup_distributed."""
+    with pytest.raises(SystemExit) as exit_info:
+        _parse_args(["--device", "cuda"])
+    assert exit_info.value.code == 2 and "--device cuda: torch finds no CUDA GPU here" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", BAD_OPTIONS, ids=[" ".join(argv) for argv, _ in BAD_OPTIONS])
