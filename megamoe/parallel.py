@@ -353,11 +353,13 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
 
 def shard_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Make optimizer.state_dict() hold the state of module's expert-parallel parameters as module.state_dict() holds
-    the parameters: each state tensor of a parameter's shape (AdamW's exp_avg and exp_avg_sq, SGD's momentum_buffer,
-    ...) as a DTensor [E, ...] sharded over the parameter's EP group, so that torch.distributed.checkpoint saves
-    every rank's; optimizer.load_state_dict takes them back (and, as load_state_dict does, a one-process state of all
-    experts: each rank keeps its rows). Registers a state_dict post-hook and a load_state_dict pre-hook on optimizer
-    (call once, after building it); returns optimizer. Other parameters' state is left as it is."""
+    the parameters: each state tensor with one entry per local expert along dim 0 (as many dims as the parameter,
+    dim 0 of size E_local: AdamW's exp_avg and exp_avg_sq, SGD's momentum_buffer, ..., and Adafactor's factored
+    row_var [E_local, 2I, 1] and col_var [E_local, 1, H]) as a DTensor [E, ...] sharded over the parameter's EP group,
+    so that torch.distributed.checkpoint saves every rank's; optimizer.load_state_dict takes them back (and, as
+    load_state_dict does, a one-process state of all experts: each rank keeps its rows). Registers a state_dict
+    post-hook and a load_state_dict pre-hook on optimizer (call once, after building it); returns optimizer. Other
+    parameters' state, and scalars (a step count), are left as they are."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     groups = {key: group for key, (_, group) in _expert_groups(module).items()}
@@ -379,11 +381,18 @@ def _expert_entries(groups: dict, optimizer: torch.optim.Optimizer, state_dict: 
             yield key, p, groups[id(p)], dict(entry)
 
 
+def _per_expert(value, p: torch.Tensor) -> bool:
+    """Whether an optimizer state entry of expert parameter p may hold one entry per expert along dim 0: a tensor with
+    as many dims as p. Not only p's shape: Adafactor factors its second moment of p [E_local, R, C] into row_var
+    [E_local, R, 1] and col_var [E_local, 1, C], per expert too (left per rank, DCP would keep one rank's)."""
+    return isinstance(value, torch.Tensor) and value.dim() == p.dim() > 0
+
+
 def _shard_optimizer_state(groups: dict, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
     # state_dict["state"] is state_dict()'s own dict, but its entries are the optimizer's live ones: replaced, not
     # changed.
     for key, p, group, entry in _expert_entries(groups, optimizer, state_dict, state_dict["state"]):
-        names = tuple(k for k, v in entry.items() if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == p.shape)
+        names = tuple(k for k, v in entry.items() if _per_expert(v, p) and v.shape[0] == p.shape[0])
         shard_expert_state(entry, "", names, group)
         state_dict["state"][key] = entry
 
@@ -391,8 +400,7 @@ def _shard_optimizer_state(groups: dict, optimizer: torch.optim.Optimizer, state
 def _load_optimizer_shards(groups: dict, optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
     state = dict(state_dict["state"])  # the caller's nested dicts stay as they are
     for key, p, group, entry in _expert_entries(groups, optimizer, state_dict, state):
-        names = tuple(k for k, v in entry.items()
-                      if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[1:] == p.shape[1:])
+        names = tuple(k for k, v in entry.items() if _per_expert(v, p))
         load_expert_shards(entry, "", names, group, p.shape[0])
         state[key] = entry
     return {**state_dict, "state": state}

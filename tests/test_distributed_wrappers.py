@@ -412,6 +412,10 @@ def _init_and_dcp_worker(rank: int, world: int, port: int, out_dir: str) -> None
         for how in ("sharded", "plain"):  # the optimizer's state through DCP, and the negative control
             results[f"optim-{how}"] = _optimizer_round_trip(rank, fresh, os.path.join(out_dir, f"optim-{how}"),
                                                             shard=how == "sharded")
+        # Adafactor's factored second moments of an expert weight are not of its shape, but per expert too
+        results["optim-sharded-adafactor"] = _optimizer_round_trip(
+            rank, fresh, os.path.join(out_dir, "optim-sharded-adafactor"), shard=True,
+            optimizer_class=torch.optim.Adafactor)
 
         wrong = dict(state)
         wrong["w_down"] = wrong["w_down"].redistribute(placements=[Shard(1)])
@@ -426,16 +430,17 @@ def _init_and_dcp_worker(rank: int, world: int, port: int, out_dir: str) -> None
     leave_gloo(rank, world)
 
 
-def _optimizer_round_trip(rank: int, fresh, path: str, shard: bool) -> dict[str, bool]:
-    """One AdamW step on rank-specific expert gradients, its state saved with DCP through torch's get_optimizer_state_dict
-    and loaded into a fresh layer's optimizer with set_optimizer_state_dict: per parameter, whether every state
-    tensor came back. shard: after parallel.shard_optimizer_state on both optimizers (else plain, which loses
-    experts' state)."""
+def _optimizer_round_trip(rank: int, fresh, path: str, shard: bool,
+                          optimizer_class=torch.optim.AdamW) -> dict[str, bool]:
+    """One optimizer_class step on rank-specific expert gradients, its state saved with DCP through torch's
+    get_optimizer_state_dict and loaded into a fresh layer's optimizer with set_optimizer_state_dict: per parameter,
+    whether every state tensor came back. shard: after parallel.shard_optimizer_state on both optimizers (else plain,
+    which loses experts' state)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     def optimizer(layer):
-        opt = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+        opt = optimizer_class(layer.parameters(), lr=1e-3)
         return shard_optimizer_state(layer, opt) if shard else opt
 
     layer = fresh()
@@ -503,11 +508,15 @@ def test_checkpoints_keep_every_ranks_experts(init_and_dcp):
 
 def test_optimizer_state_checkpoints_keep_every_ranks_experts(init_and_dcp):
     """After parallel.shard_optimizer_state, AdamW's state of every rank's experts survives a DCP round trip through
-    torch's get/set_optimizer_state_dict; without it (the negative control) some rank gets another rank's."""
+    torch's get/set_optimizer_state_dict; without it (the negative control) some rank gets another rank's. So does
+    Adafactor's, whose factored moments (row_var [E_l, 2I, 1], col_var [E_l, 1, H]) are not of the weight's shape:
+    they were left per rank, and every rank loaded one rank's."""
     for rank, res in enumerate(init_and_dcp):
         if "error" in res:
             pytest.fail(f"rank {rank}: {res['error']}")
         assert all(res["optim-sharded"].values()), f"rank {rank}: not restored {res['optim-sharded']}"
+        assert all(res["optim-sharded-adafactor"].values()), (
+            f"rank {rank}: Adafactor's state not restored {res['optim-sharded-adafactor']}")
     assert not all(all(res["optim-plain"].values()) for res in init_and_dcp), "the plain optimizer round trip was exact"
 
 
