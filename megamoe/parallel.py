@@ -326,8 +326,12 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
         # Summed in fp32 at least (a bf16 model's norms are bf16).
         local = local.to(device=params[0].device, dtype=torch.promote_types(local.dtype, torch.float32))
         if norm_type == float("inf"):
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-            norms.append(local)
+            # A NaN does not survive a MAX reduction (gloo keeps the operand its comparison favours: a rank's NaN came
+            # back as the others' finite maximum, and error_if_nonfinite missed it), so a flag of it travels beside.
+            nan = local.isnan()
+            both = torch.stack([local.masked_fill(nan, 0), nan.to(local.dtype)])
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+            norms.append(both[0].masked_fill(both[1] > 0, float("nan")))
         else:
             local = local.pow(norm_type)
             dist.all_reduce(local, group=group)

@@ -14,6 +14,7 @@ experts, run once per rank's tokens (aux_loss is per rank), the N losses average
 
 from __future__ import annotations
 
+import math
 import os
 import traceback
 import warnings
@@ -403,6 +404,9 @@ def _init_and_dcp_worker(rank: int, world: int, port: int, out_dir: str) -> None
             p.grad = torch.full_like(p, 1.0 + (rank if p.dim() == 3 else 0))
         largest = clip_grad_norm_(layer, 1e9, "inf")  # the string, as torch takes it; nothing clipped
         results["inf_norm"] = (float(largest), float(world))
+        if rank == world - 1:  # a NaN in the last rank's experts alone
+            layer.w_down.grad[0, 0, 0] = float("nan")
+        results["inf_norm_nan"] = float(clip_grad_norm_(layer, 1e9, "inf"))
         layer.zero_grad(set_to_none=True)
 
         copied = copy.deepcopy(layer)
@@ -504,6 +508,16 @@ def test_checkpoints_keep_every_ranks_experts(init_and_dcp):
         assert error is not None and "state_dict['w_down'] must be a DTensor" in error, (
             f"rank {rank}: a DTensor sharded on dim 1 was accepted: {error}")
     assert not all(all(res["plain"].values()) for res in init_and_dcp), "the plain round trip was exact"
+
+
+def test_inf_norm_of_a_nan_in_one_ranks_experts_is_nan_on_every_rank(init_and_dcp):
+    """clip_grad_norm_(..., "inf") with a NaN in the last rank's experts only: NaN on every rank, as torch's norm of the
+    whole model's gradient is (so error_if_nonfinite raises everywhere). Before: gloo's MAX reduction dropped the NaN
+    for the first rank's finite maximum, and every rank went on with a finite norm."""
+    for rank, res in enumerate(init_and_dcp):
+        if "error" in res:
+            pytest.fail(f"rank {rank}: {res['error']}")
+        assert math.isnan(res["inf_norm_nan"]), f"rank {rank}: inf norm {res['inf_norm_nan']}, want nan"
 
 
 def test_optimizer_state_checkpoints_keep_every_ranks_experts(init_and_dcp):
