@@ -90,6 +90,13 @@ __all__ = ["clip_grad_norm_", "ddp_ignore_experts", "expert_parameters", "non_ex
            "reduce_expert_grads", "shard_optimizer_state"]
 
 
+def _check_module(name: str, module) -> None:
+    """TypeError naming `name` unless module is a torch.nn.Module (e.g. not model.parameters(), nor an optimizer)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{name} must be a torch.nn.Module (the model holding the experts), "
+                        f"got {type(module).__name__}")
+
+
 def _expert_groups(module: nn.Module) -> dict[int, tuple[nn.Parameter, object]]:
     """id(parameter) -> (parameter, EP group) for every expert-parallel parameter under module."""
     found = {}
@@ -118,6 +125,7 @@ def expert_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
     replicas like any other parameter and are not returned. Pass the names to DDP's
     `_set_params_and_buffers_to_ignore_for_model` and the values to fully_shard's `ignored_params`.
     """
+    _check_module("module", module)
     found = _expert_groups(module)
     return {name: p for name, p in module.named_parameters() if id(p) in found}
 
@@ -129,6 +137,7 @@ def non_expert_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
     default on CUDA) cannot mix the two in one parameter group ("got mixed torch.Tensor and DTensor"):
     give the optimizer one group of each.
     """
+    _check_module("module", module)
     found = _expert_groups(module)
     return {name: p for name, p in module.named_parameters() if id(p) not in found}
 
@@ -148,6 +157,7 @@ def ddp_ignore_experts(model: nn.Module) -> list[str]:
     """
     from torch.nn.parallel import DistributedDataParallel
 
+    _check_module("model", model)
     found = _expert_groups(model)
     names = list(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
     for module_name, module in model.named_modules():
@@ -256,6 +266,7 @@ def reduce_expert_grads(module: nn.Module, dp_group=None) -> None:
     these parameters (a DTensor: fully_shard was not given it in ignored_params), or a DistributedDataParallel at or
     under `module` does (ddp_ignore_experts was not called before wrapping), either of which mixes the ranks' experts.
     """
+    _check_module("module", module)
     check_group("dp_group", dp_group)
     groups = _expert_groups(module)
     _check_not_data_parallel(module, groups)
@@ -294,6 +305,7 @@ def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0,
     after reduce_expert_grads. norm_type: a p-norm's p > 0, or inf (float("inf") or "inf"). Raises ValueError as
     reduce_expert_grads does if FSDP2 or DDP manages an expert-parallel parameter.
     """
+    _check_module("module", module)
     if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm >= 0:
         raise ValueError(f"max_norm must be a number >= 0, got {max_norm!r}")
     if norm_type == "inf":  # as torch.nn.utils.clip_grad_norm_ takes it
@@ -364,6 +376,7 @@ def shard_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -
     load_state_dict does, a one-process state of all experts: each rank keeps its rows). Registers a state_dict
     post-hook and a load_state_dict pre-hook on optimizer (call once, after building it); returns optimizer. Other
     parameters' state, and scalars (a step count), are left as they are."""
+    _check_module("module", module)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     groups = {key: group for key, (_, group) in _expert_groups(module).items()}

@@ -418,6 +418,30 @@ def test_group_of_a_non_member(rng):
             f"{where}: {message}")
 
 
+@pytest.mark.parametrize("given", [None, "parameters", "optimizer"])
+def test_parallel_helpers_take_a_module(given):
+    """megamoe.parallel's helpers given something other than the model (None, model.parameters(), the optimizer, as
+    when the arguments are swapped): a TypeError naming the argument and what was given. Before: AttributeError
+    "'NoneType' object has no attribute 'modules'" from inside the helper."""
+    layer = MoELayer(H, I, E, K)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    value = {"None": None, "parameters": layer.parameters(), "optimizer": optimizer}[str(given)]
+    calls = {
+        "expert_parameters": ("module", lambda: megamoe.parallel.expert_parameters(value)),
+        "non_expert_parameters": ("module", lambda: megamoe.parallel.non_expert_parameters(value)),
+        "ddp_ignore_experts": ("model", lambda: megamoe.parallel.ddp_ignore_experts(value)),
+        "reduce_expert_grads": ("module", lambda: megamoe.parallel.reduce_expert_grads(value)),
+        "clip_grad_norm_": ("module", lambda: megamoe.parallel.clip_grad_norm_(value, 1.0)),
+        "shard_optimizer_state": ("module", lambda: megamoe.parallel.shard_optimizer_state(value, optimizer)),
+    }
+    for where, (name, fn) in calls.items():
+        with pytest.raises(TypeError) as info:
+            fn()
+        message = str(info.value)
+        assert message.startswith(f"{name} must be a torch.nn.Module") and type(value).__name__ in message, (
+            f"{where}: {message}")
+
+
 @pytest.mark.parametrize("block_m", [-1, 0, 3, 48, 2048, 16.0, True], ids=repr)
 def test_build_schedule_bad_block_m(block_m):
     """build_schedule's block_m follows MoEConfig.block_m's rule (None or a power of two in [1, 1024])."""
