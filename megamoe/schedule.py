@@ -95,7 +95,9 @@ def receive_rows(
     Capacity c: c*T*k rows (c times the balanced load), plus one block of padding per local expert.
     """
     pairs = world_size * num_tokens * top_k
-    nonempty = min(num_local_experts, pairs)
+    # sym_min, not min: under torch.compile's dynamic shapes min would guard on W*T*k < E_local (a recompile when T crosses
+    # that bound; a T marked dynamic specialised to a constant, an error).
+    nonempty = torch.sym_min(num_local_experts, pairs)
     worst_blocks = (pairs + nonempty * (block_m - 1)) // block_m
     wanted = None if capacity_factor is None else capacity_factor * num_tokens * top_k
     # A capacity at least the worst case is the worst case (this also keeps a huge finite factor, whose

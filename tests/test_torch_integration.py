@@ -89,6 +89,30 @@ def test_compile_with_symbolic_expert_count(dynamic):
             assert torch.equal(a, b)
 
 
+def test_compile_marked_dynamic_token_count_is_one_graph():
+    """torch._dynamo.mark_dynamic on the token count, first called with T * k < E: one graph for every T >= 2 (T * k
+    below and above E), eager's bits. The worst-case receive rows took min(E_local, T * k), a guard on T: T = 2 was
+    then a constant, so the first call failed ("You marked L['x'].size()[0] as dynamic but your code specialized it
+    to be a constant (2)"), and without mark_dynamic T * k >= E recompiled."""
+    torch._dynamo.reset()
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def f(x, ids, w, wgu, wd):
+        return megamoe.experts(x, ids, w, wgu, wd, config=CONFIG)
+
+    compiled = torch.compile(f, backend=counter, fullgraph=True)
+    gen = torch.Generator().manual_seed(4)
+    for tokens in (2, 5, 9):  # 2 * K = 4 < E = 6 <= 5 * K
+        x, ids, w, wgu, wd, _, _ = _inputs(gen, tokens=tokens)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch._dynamo.mark_dynamic(ids, 0)
+        torch._dynamo.mark_dynamic(w, 0)
+        assert torch.equal(compiled(x, ids, w, wgu, wd), f(x, ids, w, wgu, wd)), tokens
+    assert counter.frame_count == 1
+
+
 def test_layer_runs_on_meta():
     layer = megamoe.MoELayer(H, I, E, K, shared_intermediate_size=8, config=CONFIG, device="meta")
     x = torch.randn(2, 3, H, device="meta")
