@@ -27,7 +27,7 @@ TRITON = tuple(int(n) for n in re.findall(r"\d+", triton.__version__)[:2])  # (m
 # ran under 3.7.1 and 3.8.0 at Triton 3.6.0's speed (README, "Two commands"). Values: assert_no_spills_or_serialisation's
 # bounds (spill bytes each way, stack-frame bytes, local-memory instructions in the SASS).
 KNOWN_SPILLS = {
-    (3, 7): {"s4b1-gu fp16": dict(spills=4, stack=8, local=2)},
+    (3, 7): {"s4b1-gu fp16": dict(spills=4, stack=8, local=2), "ep_bwd sm100": dict(spills=308)},
     (3, 8): {"tma down_dgrad": dict(spills=4), "down_dgrad router-h_w": dict(spills=192, stack=128, local=96),
              "gate_up_fwd_pull_handoff": dict(spills=16, stack=16, local=8)},
 }.get(TRITON, {})
