@@ -6,6 +6,7 @@ import copy
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megamoe.autograd import AUTOCAST_CASTS, AUTOCAST_DEVICE_TYPES, announce_rejection, experts
@@ -180,11 +181,19 @@ class MoELayer(nn.Module):
         # lose it (and torch.autograd.gradcheck of the layer would fail). megamoe.experts takes float64 topk_weights
         # beside a float64 x.
         logits = logits.to(torch.float64 if x_TH.dtype == logits.dtype == torch.float64 else torch.float32)
-        scores = torch.softmax(logits, dim=-1) if self.score_func == "softmax" else torch.sigmoid(logits)
-        topk_weights, topk_ids = torch.topk(scores, self.top_k, dim=-1)
-        if self.norm_topk_prob:
+        softmax = self.score_func == "softmax"
+        scores = torch.softmax(logits, dim=-1) if softmax else torch.sigmoid(logits)
+        # The top k of the logits: the experts of the top k scores (both score functions increase), but scores
+        # saturate where logits do not (fp32 sigmoid is exactly 1.0 above a logit of about 17 and 0.0 below about
+        # -104), and top-k among such ties picked arbitrary experts (those of the smallest logits, on the CPU).
+        topk_logits, topk_ids = torch.topk(logits, self.top_k, dim=-1)
+        topk_weights = scores.gather(-1, topk_ids)
+        if self.norm_topk_prob and softmax:  # the k largest softmax scores sum to at least 1/E: no 0/0
             topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-        probs = scores if self.score_func == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
+        elif self.norm_topk_prob:
+            # sigmoid(l_j) / sum_i sigmoid(l_i), from log-sigmoids: the quotient of underflowed sigmoids is 0/0.
+            topk_weights = torch.softmax(F.logsigmoid(topk_logits), dim=-1)
+        probs = scores if softmax else torch.softmax(F.logsigmoid(logits), dim=-1)
         return topk_ids, topk_weights, probs
 
     def _input_error(self, x) -> Exception | None:

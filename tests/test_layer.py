@@ -37,7 +37,8 @@ def hand_route(layer: MoELayer, x_TH: torch.Tensor):
             scores = [v / sum(ex) for v in ex]
         else:
             scores = [1 / (1 + math.exp(-v)) for v in row]
-        order = sorted(range(len(scores)), key=lambda e: -scores[e])[: layer.top_k]
+        # By logit: the order of the scores (both score functions increase), also where scores saturate to ties.
+        order = sorted(range(len(row)), key=lambda e: -row[e])[: layer.top_k]
         w = [scores[e] for e in order]
         if layer.norm_topk_prob:
             w = [v / sum(w) for v in w]
@@ -124,6 +125,31 @@ def test_routing_by_hand(rng, score_func, norm, shared):
     assert_close_tight("probs", probs, hand_probs, 1e-12)
     if norm:
         assert_close_tight("sum of topk_weights", weights.sum(-1), torch.ones(11, dtype=torch.float64), 1e-12)
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_routing_where_fp32_scores_saturate(score_func):
+    """Logits far from 0, where fp32 scores saturate into ties (sigmoid: 1.0 above a logit of about 17, 0.0 below
+    about -104; softmax: 0.0 more than about 104 below the largest): the top k are still the experts of the k
+    largest logits, and the renormalised weights, the aux loss's probabilities, the aux loss and the output stay
+    finite, as the fp64 math by hand. Before, top-k among the ties took the experts of the smallest logits, and a
+    sigmoid router whose logits all underflowed divided 0 by 0 (NaN weights, output and aux_loss)."""
+    layer = MoELayer(H, I, 4, 2, score_func=score_func, dtype=torch.float32)
+    with torch.no_grad():
+        layer.router.weight.zero_()
+        layer.router.weight[:, 0] = torch.tensor([-10.0, -20.0, -20.25, -20.5])  # logits exact in fp32
+    x = torch.zeros(3, H)
+    x[:, 0] = torch.tensor([20.0, -20.0, 0.5])  # logits -200 to -410, 200 to 410, and ordinary ones
+    ids, weights, probs = layer.route(x)
+    hand_ids, hand_weights, hand_probs = hand_route(layer, x)
+    assert_equal("topk_ids", ids, hand_ids)
+    assert_close_tight("topk_weights", weights.double(), hand_weights, 1e-6)
+    assert_close_tight("probs", probs.double(), hand_probs, 1e-6)
+    out = layer(x)
+    assert torch.isfinite(out).all(), f"out: non-finite {out}"
+    counts = torch.bincount(hand_ids.reshape(-1), minlength=4).double()
+    hand_aux = 4 * (counts / hand_ids.numel() * hand_probs.mean(0)).sum()
+    assert_close_tight("aux_loss", layer.aux_loss.detach().double(), hand_aux, 1e-6)
 
 
 @SHAPES
