@@ -12,7 +12,7 @@ from torch import nn
 from megamoe.autograd import AUTOCAST_CASTS, AUTOCAST_DEVICE_TYPES, announce_rejection, experts
 from megamoe.config import MoEConfig, check_group, check_positive_int
 from megamoe.expert_state import load_expert_shards, shard_expert_state
-from megamoe.schedule import FLOAT_DTYPES
+from megamoe.schedule import FLOAT_DTYPES, not_dense
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -202,6 +202,8 @@ class MoELayer(nn.Module):
         in one of them; or the dtype of every parameter but the experts, _experts_follow)."""
         if not isinstance(x, torch.Tensor):
             return TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if (error := not_dense("x", x)) is not None:
+            return error
         if x.dim() == 0 or x.shape[-1] != self.hidden_size:
             return ValueError(f"x must be [..., H={self.hidden_size}], got shape {tuple(x.shape)}")
         weight = self.w_gate_up

@@ -117,13 +117,27 @@ def _group_info(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+def not_dense(name: str, value: torch.Tensor) -> TypeError | None:
+    """The TypeError for a tensor that is not dense, or None. Sparse layouts (COO/CSR): .contiguous() and the
+    kernels' ops fail on them. Nested tensors (also those of layout torch.strided): their shape is ragged, and
+    torch fails on it with its own internal errors ("NestedTensorImpl doesn't support sizes")."""
+    if value.is_nested:
+        return TypeError(
+            f"{name} must be a dense (torch.strided) tensor, got a nested tensor of layout {value.layout}; pass the "
+            "tokens of a ragged batch as one dense tensor (a jagged nested tensor's values())"
+        )
+    if value.layout != torch.strided:
+        return TypeError(f"{name} must be a dense (torch.strided) tensor, got layout {value.layout}")
+    return None
+
+
 def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, *, check_range: bool = True) -> None:
     """Validate routing: type and shape, then (check_range) the ids' range — on the CPU directly, on
     accelerators with a device assert (no host sync)."""
     if not isinstance(topk_ids, torch.Tensor):
         raise TypeError(f"topk_ids must be a torch.Tensor, got {type(topk_ids).__name__}")
-    if topk_ids.layout != torch.strided:
-        raise TypeError(f"topk_ids must be a dense (torch.strided) tensor, got layout {topk_ids.layout}")
+    if (error := not_dense("topk_ids", topk_ids)) is not None:
+        raise error
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be [T, k], got shape {tuple(topk_ids.shape)}")
     if topk_ids.dtype not in (torch.int32, torch.int64):
@@ -147,8 +161,8 @@ def check_topk_ids(topk_ids: torch.Tensor, num_experts: int, *, check_range: boo
 def _check_tensor(name: str, value, dim: int) -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if value.layout != torch.strided:  # e.g. sparse COO/CSR: .contiguous() and the kernels' ops fail on them
-        raise TypeError(f"{name} must be a dense (torch.strided) tensor, got layout {value.layout}")
+    if (error := not_dense(name, value)) is not None:
+        raise error
     if value.dim() != dim:
         raise ValueError(f"{name} must have {dim} dimensions, got shape {tuple(value.shape)}")
 

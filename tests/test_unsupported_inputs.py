@@ -92,6 +92,45 @@ def test_sparse_input_is_a_type_error_naming_it(backend, name):
         megamoe.experts(*args.values(), config=MoEConfig(backend=backend))
 
 
+def _nested(x: torch.Tensor, layout=torch.strided) -> torch.Tensor:
+    """x's rows as a ragged batch of two sequences [2, j, H]."""
+    return torch.nested.nested_tensor([x[:2], x[2:]], layout=layout)
+
+
+# torch's warning on creating a nested tensor of layout torch.strided.
+NESTED_PROTOTYPE = pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+
+
+@NESTED_PROTOTYPE
+@pytest.mark.parametrize("backend", ["auto", "torch", "reference"])
+def test_nested_x_is_a_type_error_naming_it(backend):
+    """A nested tensor of layout torch.strided passes the layout check; torch then failed on its ragged shape with
+    "Internal error: NestedTensorImpl doesn't support sizes. Please file an issue."."""
+    x, ids, w, wgu, wd = _problem()
+    with pytest.raises(TypeError, match=r"x must be a dense \(torch.strided\) tensor, got a nested tensor"):
+        megamoe.experts(_nested(x), ids, w, wgu, wd, config=MoEConfig(backend=backend))
+
+
+LAYER_X_NOT_DENSE = {
+    "sparse_coo": (lambda x: x.to_sparse(), "got layout torch.sparse_coo"),
+    "sparse_csr": (lambda x: x.to_sparse_csr(), "got layout torch.sparse_csr"),
+    "nested": (_nested, "got a nested tensor of layout torch.strided"),
+    "jagged": (lambda x: _nested(x, torch.jagged), "got a nested tensor of layout torch.jagged"),
+}
+
+
+@NESTED_PROTOTYPE
+@pytest.mark.parametrize("kind", list(LAYER_X_NOT_DENSE))
+def test_layer_x_not_dense_is_a_type_error(kind):
+    """MoELayer's x sparse or nested (a ragged batch): a TypeError saying what it takes, as megamoe.experts gives,
+    not torch's from inside the router ("reshape is not implemented for sparse tensors", "cannot view shape
+    (2, j1, 8)", "NestedTensorImpl doesn't support sizes")."""
+    make, words = LAYER_X_NOT_DENSE[kind]
+    layer = MoELayer(8, 4, 3, 2)
+    with pytest.raises(TypeError, match=rf"x must be a dense \(torch.strided\) tensor, {words}"):
+        layer(make(torch.randn(5, 8)))
+
+
 def test_build_schedule_sparse_ids_is_a_type_error():
     with pytest.raises(TypeError, match=r"topk_ids must be a dense"):
         megamoe.build_schedule(torch.zeros(4, 2, dtype=torch.long).to_sparse(), 4)
