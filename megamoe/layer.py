@@ -17,6 +17,15 @@ from megamoe.schedule import FLOAT_DTYPES, not_dense
 SCORE_FUNCS = ("softmax", "sigmoid")
 
 
+def _zero_counts(layer: MoELayer, incompatible_keys) -> None:
+    """After load_state_dict: tokens_per_expert as a layer that has not run a forward has it, zeros on the weights'
+    device. Non-persistent, the buffer is otherwise left as it was: on meta after torch's fast-load recipe (meta
+    init, then load_state_dict(assign=True)), where the layer's .to() then fails ("Cannot copy out of meta
+    tensor"), and uninitialised after to_empty + load_state_dict. A post-hook, not _load_from_state_dict: that runs
+    before the submodules load, among them a parametrized w_gate_up's original."""
+    layer.tokens_per_expert = torch.zeros(layer.num_experts, dtype=torch.int32, device=layer.w_gate_up.device)
+
+
 class MoELayer(nn.Module):
     """A Mixture-of-Experts feed-forward layer with SwiGLU experts, expert-parallel over `group`.
 
@@ -39,11 +48,12 @@ class MoELayer(nn.Module):
     with the experts in ignored_params; the experts are then cast to x's dtype for the call.
 
     After each forward (no host synchronisation): `tokens_per_expert` [E] int32 — this rank's (token, slot)
-    pairs routed to each global expert; `aux_loss` — the Switch-Transformer load-balancing loss
-    E * sum_e f_e * P_e over this rank's tokens (f_e: fraction of pairs sent to e; P_e: mean router
-    probability of e), differentiable with respect to the router; add `coef * layer.aux_loss` to your loss. Under
-    reentrant activation checkpointing (use_reentrant=True) the forward runs without grad and aux_loss has no
-    gradient: checkpoint non-reentrantly (checkpoint_wrapper's default).
+    pairs routed to each global expert (zeros before the first forward, and again after load_state_dict);
+    `aux_loss` — the Switch-Transformer load-balancing loss E * sum_e f_e * P_e over this rank's tokens (f_e:
+    fraction of pairs sent to e; P_e: mean router probability of e), differentiable with respect to the router;
+    add `coef * layer.aux_loss` to your loss. Under reentrant activation checkpointing (use_reentrant=True) the
+    forward runs without grad and aux_loss has no gradient: checkpoint non-reentrantly (checkpoint_wrapper's
+    default).
     """
 
     def __init__(
@@ -110,6 +120,7 @@ class MoELayer(nn.Module):
             "tokens_per_expert", torch.zeros(num_experts, dtype=torch.int32, device=device), persistent=False
         )
         self.aux_loss: torch.Tensor | None = None
+        self.register_load_state_dict_post_hook(_zero_counts)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

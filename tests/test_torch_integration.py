@@ -140,6 +140,29 @@ def test_meta_init_then_reset_matches_direct_init():
         assert megamoe.MoELayer(H, I, E, K).router.weight.device.type == "meta"
 
 
+@pytest.mark.parametrize("recipe", ["assign", "to_empty"])
+def test_meta_init_then_load_state_dict(recipe):
+    """torch's fast-load recipes: built on meta, then load_state_dict(assign=True) (and .to()), or to_empty +
+    load_state_dict. The source's outputs, and tokens_per_expert zeros on the weights' device: the non-persistent
+    buffer was left on meta (.to() failed: "Cannot copy out of meta tensor") or uninitialised."""
+    kwargs = dict(shared_intermediate_size=8, config=CONFIG)
+    torch.manual_seed(0)
+    source = megamoe.MoELayer(H, I, E, K, **kwargs)
+    with torch.device("meta"):
+        layer = megamoe.MoELayer(H, I, E, K, **kwargs)
+    if recipe == "assign":
+        layer.load_state_dict(source.state_dict(), assign=True)
+        layer.to("cpu")
+    else:
+        layer.to_empty(device="cpu")
+        layer.tokens_per_expert.fill_(-1)  # what uninitialised memory may hold
+        layer.load_state_dict(source.state_dict())
+    assert torch.equal(layer.tokens_per_expert, torch.zeros(E, dtype=torch.int32))
+    x = torch.randn(T, H)
+    assert torch.equal(layer(x), source(x))
+    assert torch.equal(layer.tokens_per_expert, source.tokens_per_expert)
+
+
 def test_deepcopy_after_training_forward():
     torch.manual_seed(0)
     layer = megamoe.MoELayer(H, I, E, K, shared_intermediate_size=8, config=CONFIG)
