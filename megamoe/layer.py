@@ -172,7 +172,9 @@ class MoELayer(nn.Module):
             memo.setdefault(id(self.group), self.group)
         copied = type(self).__new__(type(self))
         memo[id(self)] = copied
-        copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        # MoELayer's __getstate__, not the instance's: torch.nn.utils.parametrize gives the class it makes for a
+        # parametrized layer one that raises, to forbid pickling, and leaves deepcopy to __deepcopy__.
+        copied.__setstate__(copy.deepcopy(MoELayer.__getstate__(self), memo))
         return copied
 
     def __getstate__(self):

@@ -176,6 +176,37 @@ def test_deepcopy_after_training_forward():
     assert torch.equal(copied.aux_loss, layer.aux_loss)
 
 
+class _Doubled(torch.nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return 2 * w
+
+
+@pytest.mark.parametrize("how", ["module", "weight_norm"])
+def test_deepcopy_of_parametrized_layer(how):
+    """copy.deepcopy of a layer with a parametrized w_gate_up (as of an nn.Linear with one): torch.nn.utils.parametrize
+    makes __getstate__ raise, which MoELayer.__deepcopy__ called ("Serialization of parametrized modules is only
+    supported through state_dict()"). The copy computes the same output, and its gradients reach its own original."""
+    from torch.nn.utils import parametrizations, parametrize
+
+    torch.manual_seed(0)
+    layer = megamoe.MoELayer(H, I, E, K, shared_intermediate_size=8, config=CONFIG)
+    if how == "module":
+        parametrize.register_parametrization(layer, "w_gate_up", _Doubled())
+    else:
+        parametrizations.weight_norm(layer, "w_gate_up")
+    copied = copy.deepcopy(layer)
+    x = torch.randn(T, H)
+    assert torch.equal(copied(x), layer(x))
+    originals = [dict(m.parametrizations.w_gate_up.named_parameters()) for m in (layer, copied)]
+    assert originals[0].keys() == originals[1].keys()
+    for name, original in originals[1].items():
+        assert original is not originals[0][name], name
+    copied(x).square().sum().backward()
+    for name, original in originals[1].items():
+        assert original.grad is not None and original.grad.abs().sum() > 0, name
+        assert originals[0][name].grad is None, name
+
+
 def _block(layer: megamoe.MoELayer, x: torch.Tensor) -> torch.Tensor:
     return x + layer(torch.nn.functional.layer_norm(x, (H,)))
 
