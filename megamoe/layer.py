@@ -189,7 +189,13 @@ class MoELayer(nn.Module):
         """Router: returns (topk_ids [T, k] int64, topk_weights [T, k] fp32, probs [T, E] fp32; fp64 for an x and
         router in float64). The router runs in its own dtype (e.g. kept in fp32 with `layer.router.float()` in a
         bf16 layer): x is cast to it."""
-        logits = self.router(x_TH.to(self.router.weight.dtype))
+        return self._route(x_TH, self.router.weight.dtype)
+
+    def _route(self, x_TH: torch.Tensor, router_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """route, given the router weight's dtype (forward has read the weight). The router is called, rather than
+        F.linear on that weight, so that its hooks and wrappers (e.g. an adapter in its place) run: it reads its
+        weight once more."""
+        logits = self.router(x_TH.to(router_dtype))
         # Scores in fp32, but not below a float64 layer's precision: rounded to fp32, its weights and aux loss would
         # lose it (and torch.autograd.gradcheck of the layer would fail). megamoe.experts takes float64 topk_weights
         # beside a float64 x.
@@ -209,7 +215,16 @@ class MoELayer(nn.Module):
         probs = scores if softmax else torch.softmax(F.logsigmoid(logits), dim=-1)
         return topk_ids, topk_weights, probs
 
-    def _input_error(self, x) -> Exception | None:
+    def _weights(self) -> dict[str, torch.Tensor | None]:
+        """The layer's weights by name (the shared expert's None without one), each read once: forward reads them
+        here and passes them on, since a parametrized weight (torch.nn.utils.parametrize) is computed at every
+        read."""
+        return {
+            "router.weight": self.router.weight, "w_gate_up": self.w_gate_up, "w_down": self.w_down,
+            "shared_gate_up": self.shared_gate_up, "shared_down": self.shared_down,
+        }
+
+    def _input_error(self, x, weights: dict[str, torch.Tensor | None]) -> Exception | None:
         """What is wrong with forward's x, or None: a tensor [..., H] on the parameters' device, in their dtype
         (under autocast, which casts float32/float16/bfloat16 but not float64: any of those three, for a layer
         in one of them; or the dtype of every parameter but the experts, _experts_follow)."""
@@ -219,10 +234,10 @@ class MoELayer(nn.Module):
             return error
         if x.dim() == 0 or x.shape[-1] != self.hidden_size:
             return ValueError(f"x must be [..., H={self.hidden_size}], got shape {tuple(x.shape)}")
-        weight = self.w_gate_up
+        weight = weights["w_gate_up"]
         if x.device != weight.device:
             return ValueError(f"x must be on the layer's device {weight.device}, got {x.device}")
-        if x.dtype == weight.dtype or self._experts_follow(x):
+        if x.dtype == weight.dtype or self._experts_follow(x, weights):
             return None
         # Under autocast another floating dtype is cast for the matmuls, but only float32/float16/bfloat16:
         # autocast leaves float64 as it is, so float64 on one side only would reach the router's matmul mismatched.
@@ -237,7 +252,7 @@ class MoELayer(nn.Module):
             )
         return TypeError(f"x must have the layer's dtype {weight.dtype} (or run under autocast), got {x.dtype}")
 
-    def _experts_follow(self, x: torch.Tensor) -> bool:
+    def _experts_follow(self, x: torch.Tensor, weights: dict[str, torch.Tensor | None]) -> bool:
         """Whether the experts are cast to x's dtype for this call, outside autocast: x and every other parameter of
         the layer (router, shared expert) are in one of float16/bfloat16, the experts in float32. That is FSDP2's
         MixedPrecisionPolicy(param_dtype=...) with the experts in fully_shard's ignored_params (megamoe.parallel's
@@ -246,24 +261,23 @@ class MoELayer(nn.Module):
         bfloat16 layer without a shared expert is a mistake (the TypeError), not a call to run the experts in
         float32. The cast is differentiable: the experts' gradients arrive in their own dtype, as FSDP2's managed
         parameters' do."""
-        experts_dtype = self.w_gate_up.dtype
-        others = [self.router.weight]
-        if self.shared_gate_up is not None:
-            others += [self.shared_gate_up, self.shared_down]
+        experts_dtype = weights["w_gate_up"].dtype
+        others = [w for name, w in weights.items() if name not in self._EXPERT_WEIGHTS and w is not None]
         autocast = x.device.type in AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(x.device.type)
         return (
             not autocast and x.dtype in (torch.float16, torch.bfloat16) and experts_dtype == torch.float32
-            and self.w_down.dtype == experts_dtype and all(p.dtype == x.dtype for p in others)
+            and weights["w_down"].dtype == experts_dtype and all(p.dtype == x.dtype for p in others)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        error = self._input_error(x)
+        weights = self._weights()
+        error = self._input_error(x, weights)
         if error is not None:
             if self.group is not None:  # the peers are on their way to megamoe.experts' agreement exchange
-                announce_rejection(self.group, error, (self.w_gate_up,), self.config)
+                announce_rejection(self.group, error, (weights["w_gate_up"],), self.config)
             raise error
         x_TH = x.reshape(-1, self.hidden_size)
-        topk_ids, topk_weights, probs = self.route(x_TH)
+        topk_ids, topk_weights, probs = self._route(x_TH, weights["router.weight"].dtype)
         # Integer scatter-add: exact and order-independent, no host sync.
         counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
         counts.scatter_add_(0, topk_ids.reshape(-1), torch.ones_like(topk_ids.reshape(-1), dtype=torch.int32))
@@ -271,12 +285,12 @@ class MoELayer(nn.Module):
         # sum / max(T, 1) rather than mean: an empty batch gives 0 (0 * 0), not 0 * NaN.
         mean_probs = probs.sum(dim=0) / max(x_TH.shape[0], 1)
         aux_loss = self.num_experts * (fraction * mean_probs).sum()
-        w_gate_up, w_down = self.w_gate_up, self.w_down
-        if self._experts_follow(x):
+        w_gate_up, w_down = weights["w_gate_up"], weights["w_down"]
+        if self._experts_follow(x, weights):
             w_gate_up, w_down = w_gate_up.to(x.dtype), w_down.to(x.dtype)
         out = experts(
             x_TH, topk_ids, topk_weights, w_gate_up, w_down,
-            shared_gate_up=self.shared_gate_up, shared_down=self.shared_down,
+            shared_gate_up=weights["shared_gate_up"], shared_down=weights["shared_down"],
             group=self.group, config=self.config,
         )
         # Set only once the call went through: a rejected call (e.g. a capacity overflow) changes nothing.

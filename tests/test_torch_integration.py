@@ -207,6 +207,34 @@ def test_deepcopy_of_parametrized_layer(how):
         assert originals[0][name].grad is None, name
 
 
+class _Counted(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return w
+
+
+def test_forward_computes_each_parametrized_weight_once():
+    """A parametrized weight is computed at every read of it: forward reads each once (the input checks, the router
+    and the experts used to read w_gate_up, router.weight and shared_gate_up 3 times, shared_down twice). The
+    router's twice: its dtype, for x's cast, and nn.Linear's own read, through the router's __call__ (its hooks)."""
+    from torch.nn.utils import parametrize
+
+    layer = megamoe.MoELayer(H, I, E, K, shared_intermediate_size=8, config=CONFIG)
+    counters = {}
+    for name in ("router.weight", "w_gate_up", "w_down", "shared_gate_up", "shared_down"):
+        owner, _, attr = name.rpartition(".")
+        parametrize.register_parametrization(layer.get_submodule(owner), attr, counters.setdefault(name, _Counted()))
+    for counter in counters.values():
+        counter.calls = 0  # registering computes it once
+    layer(torch.randn(T, H))
+    calls = {name: counter.calls for name, counter in counters.items()}
+    assert calls == {"router.weight": 2, "w_gate_up": 1, "w_down": 1, "shared_gate_up": 1, "shared_down": 1}, calls
+
+
 def _block(layer: megamoe.MoELayer, x: torch.Tensor) -> torch.Tensor:
     return x + layer(torch.nn.functional.layer_norm(x, (H,)))
 
