@@ -6,6 +6,7 @@ Multi-rank placement through a real process group is in test_ep_gloo.py (it reus
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -245,3 +246,36 @@ def test_meta_shapes(rng, case):
         assert got.device.type == "meta", f"Schedule.{name} left the meta device"
         assert got.shape == want.shape, f"Schedule.{name}: meta shape {tuple(got.shape)} != {tuple(want.shape)}"
         assert got.dtype == torch.int32, f"Schedule.{name}: dtype {got.dtype} != int32"
+
+
+INT32_CASES = [  # T, k, E, block_m, what does not fit int32
+    (2**30, 2, 8, None, "2147483648 (token, slot) pairs"),
+    (2**31 - 1, 1, 2, 2, "2147483648 receive rows"),  # the pairs fit, their padded rows do not
+]
+
+
+@pytest.mark.parametrize("case", INT32_CASES, ids=lambda c: "T{}-k{}-E{}-B{}".format(*c[:4]))
+def test_sizes_beyond_int32_are_a_value_error(case):
+    """More (token, slot) pairs or receive rows than int32 holds: a ValueError from the shapes alone (meta tensors),
+    not flat source indices and rows that wrap (2**31 + 5 is -2147483643 in int32) and pairs placed wrong."""
+    num_tokens, top_k, num_experts, block_m, words = case
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device="meta")
+    with pytest.raises(ValueError, match=rf"topk_ids \[T={num_tokens}, k={top_k}\].*{re.escape(words)}.*2147483647"):
+        build_schedule(ids, num_experts, block_m=block_m)
+
+
+def test_sizes_at_int32_limit_are_accepted():
+    ids = torch.empty(2**31 - 1, 1, dtype=torch.int64, device="meta")
+    assert build_schedule(ids, 1, block_m=1).num_rows == 2**31 - 1
+
+
+def test_experts_beyond_int32_pairs_is_a_value_error():
+    """megamoe.experts raises it before any work (here on meta, where its op runs the fake implementation)."""
+    tokens, hidden, inter, experts = 2**30, 4, 3, 8
+    x = torch.empty(tokens, hidden, device="meta")
+    ids = torch.empty(tokens, 2, dtype=torch.int64, device="meta")
+    weights = torch.empty(tokens, 2, device="meta")
+    w_gate_up = torch.empty(experts, 2 * inter, hidden, device="meta")
+    w_down = torch.empty(experts, hidden, inter, device="meta")
+    with pytest.raises(ValueError, match="2147483648 \\(token, slot\\) pairs"):
+        megamoe.experts(x, ids, weights, w_gate_up, w_down, config=MoEConfig(backend="torch"))
