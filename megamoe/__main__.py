@@ -58,8 +58,9 @@ def _add_bench(commands) -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, help="untimed iterations first (default: 5 on a GPU, 2 on CPU)")
     bench.add_argument(
         "--rounds", type=int,
-        help="alternating rounds: each round times every backend and pass (and the matmul ceiling) once, in a "
-        "balanced order; a record's ms is the median of its rounds' medians (default: 3 on a GPU, 1 on CPU)",
+        help="alternating rounds: each round times every backend and pass (and the matmul ceiling) once, in the "
+        "next round of a balanced order (n turns: balanced over n rounds, 2n for odd n); a record's ms is the "
+        "median of its rounds' medians (default: 3 on a GPU, 1 on CPU)",
     )
     bench.add_argument("--dtype", choices=tuple(DTYPES), help="default: bf16 on a GPU, fp32 on CPU")
     bench.add_argument(

@@ -61,13 +61,19 @@ def test_torchtitan_one_rank_matches_reference(rng, shape, route, shared, dtype)
     check_against_reference(torchtitan_experts, make_problem(rng, *shape, shared_intermediate=shared, route=route), dtype)
 
 
-def test_torchtitan_pads_expert_segments_to_16_rows():
-    """Rows grouped by (rank, expert): each expert's segment starts at a multiple of 16, ranks in order."""
-    counts_WE = torch.tensor([[3, 0, 17], [2, 0, 1]])
-    dest_N, ends_E = baselines._padded_layout(counts_WE, int(counts_WE.sum()))
-    assert ends_E.tolist() == [16, 16, 48] and ends_E.dtype == torch.int32
-    expected = [0, 1, 2, *range(16, 33), 3, 4, 33]
-    assert dest_N.tolist() == expected
+@pytest.mark.parametrize("caller_setting", [(False, False), (True, True)], ids=["off", "warn-only"])
+def test_torchtitan_combine_restores_the_deterministic_setting(rng, caller_setting):
+    """The combine switches torch.use_deterministic_algorithms on for its scatter_add only (as TorchTitan's op does):
+    the caller's setting, warn_only included, is back afterwards, after the backward too."""
+    p = make_problem(rng, 64, 16, 8, 4, 3).cast(torch.float32)
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(caller_setting[0], warn_only=caller_setting[1])
+    try:
+        run_experts(p, torchtitan_experts)
+        now = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    assert now == caller_setting
 
 
 def test_torchtitan_rejects_bad_shapes(rng):

@@ -1,11 +1,15 @@
 """What users run instead of megamoe, timed next to it by `python -m megamoe bench` (same inputs, same gate).
 
-- "torchtitan" (always; the headline baseline): TorchTitan's MoE experts and expert parallelism
-  (torchtitan/models/moe/moe.py: TokenReorderer, GroupedExperts, MoE.forward; moe/utils.py: the
-  indices_padding_wrapper; distributed/expert_parallel.py: ExpertParallel) in plain PyTorch. Departures:
-  the GEMMs run in the inputs' dtype (TorchTitan casts to bf16: the same in a bf16 run, while fp32 CPU runs
-  stay fp32); gate and up are one grouped GEMM over w_gate_up; on one GPU x is gathered straight into the
-  padded rows (TorchTitan gathers, then permutes: one copy more).
+- "torchtitan" (always; the headline baseline): TorchTitan's MoE experts and expert parallelism as TorchTitan
+  runs them since April 2026 (torchtitan/models/common/moe.py: GroupedExperts, RoutedExperts, MoE.forward;
+  token_dispatcher.py: LocalTokenDispatcher, AllToAllTokenDispatcher; ops/scatter_add.py) in plain PyTorch:
+  the pairs sorted by expert, x's rows gathered in that order, torch._grouped_mm on the unpadded segments,
+  the score applied to the outputs in fp32, the sum over a token's pairs by a deterministic scatter_add (and
+  with expert parallelism the two all_to_all_single with the split sizes on the host, the received rows
+  reordered rank-major to expert-major and back). Departures: the GEMMs run in the inputs' dtype (TorchTitan
+  casts to bf16: the same in a bf16 run, while fp32 CPU runs stay fp32); gate and up are one grouped GEMM over
+  w_gate_up where TorchTitan runs two (over w1 and w3, x's rows read twice and two gradients of them summed): the
+  departure makes the baseline faster, not slower.
 - "hf-grouped_mm" (peer, when transformers >= 5 is installed): transformers' own experts implementation
   "grouped_mm" (transformers.integrations.moe), called on our tensors.
 - "liger" (peer, when liger-kernel is installed; CUDA): Liger-Kernel's fused MoE, LigerFusedMoEFunction.
@@ -26,7 +30,6 @@ import torch.nn.functional as F
 
 from megamoe.backends.torch_native import grouped_mm
 
-ALIGN_SIZE_M = 16  # TorchTitan's TOKEN_GROUP_ALIGN_SIZE_M: rows per expert are padded to a multiple of it
 PEER_PACKAGES = {"hf-grouped_mm": ("transformers", "transformers"), "liger": ("liger_kernel", "liger-kernel")}
 PEERS = tuple(PEER_PACKAGES)
 
@@ -61,48 +64,40 @@ def _shared_expert(x_TH, shared_gate_up, shared_down) -> torch.Tensor:
     return _swiglu(x_TH @ shared_gate_up.t()) @ shared_down.t()
 
 
-def _padded_layout(counts_WE: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where each of num_rows rows, grouped by (source rank, expert) with counts_WE[r, e] rows per group,
-    goes in an expert-major buffer whose expert segments are padded to ALIGN_SIZE_M rows; and the
-    segments' ends (int32, the offs of torch._grouped_mm). On the device: no host sync.
+class _DeterministicScatterAdd(torch.autograd.Function):
+    """out.scatter_add(0, index, src) under torch.use_deterministic_algorithms (a fixed order of the additions, no
+    atomics), its backward a gather: TorchTitan's deterministic_scatter_add (torchtitan/ops/scatter_add.py)."""
 
-    This is TorchTitan's generate_permute_indices (expert by expert, then source rank by source rank),
-    except that an expert without rows keeps an empty segment (TorchTitan pads it to ALIGN_SIZE_M rows).
-    """
-    counts_E = counts_WE.sum(0)
-    padded_counts_E = (counts_E + ALIGN_SIZE_M - 1) // ALIGN_SIZE_M * ALIGN_SIZE_M
-    ends_E = padded_counts_E.cumsum(0)
-    # Group (r, e) starts in expert e's segment after the rows that ranks < r sent to e.
-    group_dest_WE = (ends_E - padded_counts_E) + counts_WE.cumsum(0) - counts_WE
-    counts_G = counts_WE.flatten()
-    group_src_G = counts_G.cumsum(0) - counts_G
-    # output_size makes repeat_interleave sync-free.
-    group_N = torch.repeat_interleave(counts_G, output_size=num_rows)
-    offset_G = group_dest_WE.flatten() - group_src_G
-    dest_N = offset_G[group_N] + torch.arange(num_rows, device=counts_WE.device)
-    return dest_N, ends_E.to(torch.int32)
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        was_on = torch.are_deterministic_algorithms_enabled()
+        warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+        torch.use_deterministic_algorithms(True, warn_only=False)
+        try:
+            return out.scatter_add(0, index, src)
+        finally:
+            torch.use_deterministic_algorithms(was_on, warn_only=warn_only)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        return grad_out, None, grad_out.gather(0, index)
 
 
-def _grouped_experts(src_SH, src_of_row_N, counts_WE, w_gate_up_E2IH, w_down_EHI) -> torch.Tensor:
-    """The expert MLPs of rows src_SH[src_of_row_N] (grouped by (source rank, expert), counts_WE rows per
-    group), returned in that order [N, H]: permute into padded expert segments, two torch._grouped_mm
-    with SwiGLU between, un-permute (TorchTitan's _permute / GroupedExperts / _unpermute)."""
-    num_rows, num_local = src_of_row_N.shape[0], w_gate_up_E2IH.shape[0]
-    dest_N, ends_E = _padded_layout(counts_WE, num_rows)
-    # Worst case: every expert's segment needs ALIGN_SIZE_M - 1 padding rows. Padding rows (and the unused
-    # tail) read an appended zero row, as TorchTitan's permuted indices of -1 do.
-    row_src_R = torch.full((num_rows + num_local * (ALIGN_SIZE_M - 1),), src_SH.shape[0], device=src_SH.device)
-    row_src_R.scatter_(0, dest_N, src_of_row_N)
-    x_RH = torch.cat([src_SH, src_SH.new_zeros(1, src_SH.shape[1])])[row_src_R]
+def _grouped_experts(rows_NH, counts_E, w_gate_up_E2IH, w_down_EHI) -> torch.Tensor:
+    """The expert MLPs of rows_NH, grouped by expert (counts_E rows each, no padding): two torch._grouped_mm
+    over the segments' ends with SwiGLU between (TorchTitan's GroupedExperts)."""
+    ends_E = counts_E.cumsum(0).to(torch.int32)
     # grouped_mm is torch._grouped_mm where torch has it for this device and dtype, else a loop over experts.
-    h_RI = _swiglu(grouped_mm(x_RH, w_gate_up_E2IH.transpose(-2, -1), ends_E))
-    y_RH = grouped_mm(h_RI, w_down_EHI.transpose(-2, -1), ends_E)
-    return y_RH[dest_N]  # rows past ends_E[-1] are left unwritten by grouped_mm and never read
+    h_NI = _swiglu(grouped_mm(rows_NH, w_gate_up_E2IH.transpose(-2, -1), ends_E))
+    return grouped_mm(h_NI, w_down_EHI.transpose(-2, -1), ends_E)
 
 
 def _expert_parallel(routed_NH, counts_E, w_gate_up_E2IH, w_down_EHI, group) -> torch.Tensor:
-    """TorchTitan's ExpertParallel around _grouped_experts: routed_NH (this rank's pairs sorted by global
-    expert, counts_E per global expert) to the experts' owners and their outputs back, in routed_NH's order."""
+    """TorchTitan's AllToAllTokenDispatcher around _grouped_experts: routed_NH (this rank's pairs sorted by global
+    expert, counts_E per global expert) to the experts' owners, reordered from rank-major to expert-major, and
+    their outputs back, in routed_NH's order."""
     from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 
     world, num_local = dist.get_world_size(group), w_gate_up_E2IH.shape[0]
@@ -110,17 +105,26 @@ def _expert_parallel(routed_NH, counts_E, w_gate_up_E2IH, w_down_EHI, group) -> 
         # counts_group[r * E_l + e]: rows rank r sends to this rank's local expert e.
         counts_group = torch.ops._c10d_functional.wait_tensor(all_to_all_single(counts_E, None, None, group))
         splits = torch.stack([counts_E.view(world, num_local).sum(1), counts_group.view(world, num_local).sum(1)])
-        # NOTE: host sync — all_to_all_single needs the split sizes on the host; TorchTitan's
-        # ExpertParallel._token_dispatch copies them the same way, once per forward. The backward reuses them.
+        # NOTE: host sync — all_to_all_single needs the split sizes on the host; TorchTitan's dispatcher copies
+        # them the same way, once per forward. The backward reuses them.
         send_splits, recv_splits = splits.tolist()
     # Autograd-aware: the backward is the reverse all-to-all with the same splits.
     received_MH = all_to_all_single_autograd(routed_NH, recv_splits, send_splits, group)
     num_received = sum(recv_splits)
-    rows_out_MH = _grouped_experts(
-        received_MH, torch.arange(num_received, device=routed_NH.device), counts_group.view(world, num_local),
-        w_gate_up_E2IH, w_down_EHI,
-    )
-    return all_to_all_single_autograd(rows_out_MH, send_splits, recv_splits, group)
+    # Rank-major (r, e) segments to expert-major (e, r): output row p reads input row
+    # start_in[seg] + p - start_out[seg] (TorchTitan's _permute; repeat_interleave with output_size: no sync).
+    counts_RE = counts_group.view(world, num_local)
+    starts_in_RE = (counts_group.cumsum(0) - counts_group).view(world, num_local)
+    lengths_G, starts_in_G = counts_RE.t().reshape(-1), starts_in_RE.t().reshape(-1)
+    segment_M = torch.repeat_interleave(torch.arange(lengths_G.shape[0], device=routed_NH.device), lengths_G,
+                                        output_size=num_received)
+    starts_out_G = lengths_G.cumsum(0) - lengths_G
+    permuted_M = (starts_in_G[segment_M] + torch.arange(num_received, device=routed_NH.device)
+                  - starts_out_G[segment_M])
+    rows_out_MH = _grouped_experts(received_MH[permuted_M], counts_RE.sum(0), w_gate_up_E2IH, w_down_EHI)
+    unpermuted_MH = rows_out_MH.new_empty(received_MH.shape)  # TorchTitan's _unpermute
+    unpermuted_MH[permuted_M] = rows_out_MH
+    return all_to_all_single_autograd(unpermuted_MH, send_splits, recv_splits, group)
 
 
 def torchtitan_experts(
@@ -132,24 +136,25 @@ def torchtitan_experts(
     top_k = topk_ids_TK.shape[1]
     world = 1 if group is None else dist.get_world_size(group)
     num_local = w_gate_up_E2IH.shape[0]
-    # TokenReorderer: (token, slot) pairs sorted by global expert id, which also sorts them by owner rank.
+    # The (token, slot) pairs sorted by global expert id (which also sorts them by owner rank).
     ids_N = topk_ids_TK.reshape(-1)
-    # Counted as TorchTitan counts them, with histc (sync-free); torch.bincount would read the ids' maximum back to
-    # the host, a synchronisation TorchTitan does not pay (and one that keeps the path out of CUDA graphs).
+    # Counted with histc (sync-free; TorchTitan's router counts with a one-hot sum, also sync-free); torch.bincount
+    # would read the ids' maximum back to the host, a synchronisation TorchTitan does not pay.
     num_experts = world * num_local
     counts_E = torch.histc(ids_N.float(), bins=num_experts, min=0, max=num_experts).long()
     order_N = torch.argsort(ids_N, stable=True)
     token_N = order_N // top_k
     scores_N = topk_weights_TK.reshape(-1)[order_N]
+    routed_NH = x_TH[token_N]
     if world == 1:
-        routed_out_NH = _grouped_experts(x_TH, token_N, counts_E.view(1, -1), w_gate_up_E2IH, w_down_EHI)
+        routed_out_NH = _grouped_experts(routed_NH, counts_E, w_gate_up_E2IH, w_down_EHI)
     else:
-        routed_out_NH = _expert_parallel(x_TH[token_N], counts_E, w_gate_up_E2IH, w_down_EHI, group)
+        routed_out_NH = _expert_parallel(routed_NH, counts_E, w_gate_up_E2IH, w_down_EHI, group)
     # Score after the experts: a product in the router's dtype (fp32), rounded to the rows' dtype.
     routed_out_NH = (routed_out_NH.to(scores_N.dtype) * scores_N.unsqueeze(1)).to(x_TH.dtype)
-    out_TH = torch.zeros_like(x_TH) if shared_gate_up is None else _shared_expert(x_TH, shared_gate_up, shared_down)
-    # Non-deterministic on CUDA (atomics) and accumulated in x's dtype, as TorchTitan's.
-    return out_TH.scatter_add(0, token_N.unsqueeze(1).expand(-1, x_TH.shape[1]), routed_out_NH)
+    out_TH = _DeterministicScatterAdd.apply(
+        torch.zeros_like(x_TH), token_N.unsqueeze(1).expand(-1, x_TH.shape[1]), routed_out_NH)
+    return out_TH if shared_gate_up is None else out_TH + _shared_expert(x_TH, shared_gate_up, shared_down)
 
 
 def peer_unavailable_reason(name: str, device: torch.device, group) -> str:
