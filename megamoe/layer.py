@@ -227,7 +227,16 @@ class MoELayer(nn.Module):
     def _input_error(self, x, weights: dict[str, torch.Tensor | None]) -> Exception | None:
         """What is wrong with forward's x, or None: a tensor [..., H] on the parameters' device, in their dtype
         (under autocast, which casts float32/float16/bfloat16 but not float64: any of those three, for a layer
-        in one of them; or the dtype of every parameter but the experts, _experts_follow)."""
+        in one of them; or the dtype of every parameter but the experts, _experts_follow). Also the router put in
+        the layer's place, which must have a floating-point weight tensor (its dtype is the routing's)."""
+        router_weight = weights["router.weight"]
+        if not (isinstance(router_weight, torch.Tensor) and router_weight.is_floating_point()):
+            # e.g. torch.ao.quantization.quantize_dynamic's Linear, whose weight is a method returning int8 values
+            return TypeError(
+                f"router must be a module with a floating-point weight tensor (an nn.Linear, parametrized or not), "
+                f"got {type(self.router).__module__}.{type(self.router).__name__} whose weight is "
+                f"{type(router_weight).__name__}"
+            )
         if not isinstance(x, torch.Tensor):
             return TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if (error := not_dense("x", x)) is not None:

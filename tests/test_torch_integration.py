@@ -4,6 +4,7 @@ device, deferred (meta) initialisation, copy.deepcopy."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -340,3 +341,14 @@ def test_layer_under_fake_tensor_mode():
     assert y.shape == x.shape and x.grad.shape == x.shape
     for name, p in layer.named_parameters():
         assert p.grad is not None and p.grad.shape == p.shape, name
+
+
+def test_dynamically_quantized_router_is_a_type_error_naming_it():
+    """torch.ao.quantization.quantize_dynamic(model, {nn.Linear}) swaps the router for a quantized Linear whose weight
+    is a method (int8 values): a TypeError naming the router, not an AttributeError from inside."""
+    layer = megamoe.MoELayer(16, 8, 4, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notice
+        quantized = torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(layer), {torch.nn.Linear})[0]
+    with pytest.raises(TypeError, match=r"router must be a module with a floating-point weight tensor.*got torch\.ao"):
+        quantized(torch.randn(3, 16))
