@@ -220,7 +220,9 @@ class MoELayer(nn.Module):
         here and passes them on, since a parametrized weight (torch.nn.utils.parametrize) is computed at every
         read."""
         return {
-            "router.weight": self.router.weight, "w_gate_up": self.w_gate_up, "w_down": self.w_down,
+            # getattr: a router without a weight (e.g. an nn.Sequential in its place) is _input_error's TypeError,
+            # announced to EP peers, not an AttributeError here that leaves them waiting.
+            "router.weight": getattr(self.router, "weight", None), "w_gate_up": self.w_gate_up, "w_down": self.w_down,
             "shared_gate_up": self.shared_gate_up, "shared_down": self.shared_down,
         }
 
@@ -234,8 +236,8 @@ class MoELayer(nn.Module):
             # e.g. torch.ao.quantization.quantize_dynamic's Linear, whose weight is a method returning int8 values
             return TypeError(
                 f"router must be a module with a floating-point weight tensor (an nn.Linear, parametrized or not), "
-                f"got {type(self.router).__module__}.{type(self.router).__name__} whose weight is "
-                f"{type(router_weight).__name__}"
+                f"got {type(self.router).__module__}.{type(self.router).__name__} "
+                + ("without a weight" if router_weight is None else f"whose weight is {type(router_weight).__name__}")
             )
         if not isinstance(x, torch.Tensor):
             return TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")

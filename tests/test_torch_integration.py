@@ -352,3 +352,13 @@ def test_dynamically_quantized_router_is_a_type_error_naming_it():
         quantized = torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(layer), {torch.nn.Linear})[0]
     with pytest.raises(TypeError, match=r"router must be a module with a floating-point weight tensor.*got torch\.ao"):
         quantized(torch.randn(3, 16))
+
+
+def test_router_without_weight_is_a_type_error_naming_it():
+    """A router module without a weight attribute (here an nn.Sequential around the Linear): the same TypeError, from
+    the input checks that announce a rejection to EP peers, not an AttributeError from reading router.weight first."""
+    layer = megamoe.MoELayer(16, 8, 4, 2)
+    layer.router = torch.nn.Sequential(layer.router)
+    with pytest.raises(TypeError, match=r"router must be a module with a floating-point weight tensor.*Sequential "
+                                        r"without a weight"):
+        layer(torch.randn(3, 16))
