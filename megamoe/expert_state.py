@@ -10,7 +10,9 @@ them as DTensors. state_dict(keep_vars=True) keeps the parameters themselves ([E
 
 Loading accepts, per expert weight:
     a DTensor sharded on dim 0 (Shard(0)) or replicated over the same ranks, global shape [E, ...]: this
-        rank's experts (the state dict of an expert-parallel model, e.g. through DCP);
+        rank's experts (the state dict of an expert-parallel model, e.g. through DCP). A shard must be this rank's
+        own: one rank's state dict (torch.save(model.state_dict()) on rank 0 alone) holds that rank's experts only,
+        and loading it on another rank is a ValueError;
     a plain tensor [E, ...] (a one-process checkpoint of all experts): a copy of this rank's rows of it;
     a plain tensor [E_l, ...]: as it is (this rank's own slice, as saved before these were DTensors).
 """
@@ -48,8 +50,8 @@ def shard_expert_state(state: dict, prefix: str, names: tuple[str, ...], group) 
 def load_expert_shards(state: dict, prefix: str, names: tuple[str, ...], group, num_local: int) -> None:
     """Replace state[prefix + name] by this rank's [num_local, ...] experts of it (in place; the module
     docstring lists what is accepted). Raises ValueError naming the entry for a DTensor that is neither sharded
-    on dim 0 nor replicated over this group's ranks, or whose global shape does not hold num_local experts per
-    rank."""
+    on dim 0 nor replicated over this group's ranks, whose global shape does not hold num_local experts per
+    rank, or that is the shard of another rank of the group (its mesh, pickled with it, says which)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -69,6 +71,16 @@ def load_expert_shards(state: dict, prefix: str, names: tuple[str, ...], group, 
                     f"replicated over the expert-parallel group's ranks {dist.get_process_group_ranks(group)}, or a "
                     f"plain tensor; got a DTensor of shape {tuple(value.shape)} with placements {placements} over "
                     f"ranks {ranks}"
+                )
+            saved_by = value.device_mesh.get_coordinate()  # None where the saver was outside the mesh: an empty shard
+            if placements == (Shard(0),) and saved_by is not None and saved_by != (rank,):
+                raise ValueError(
+                    f"state_dict[{key!r}] is the shard of experts [{saved_by[0] * num_local}, "
+                    f"{(saved_by[0] + 1) * num_local}) that rank {saved_by[0]} of the expert-parallel group saved, but "
+                    f"this is rank {rank}, which holds experts [{first}, {first + num_local}): a state dict of one "
+                    "rank (e.g. torch.save(model.state_dict()) on rank 0 alone) holds that rank's experts only. Load "
+                    "each rank's own state dict, load through torch.distributed.checkpoint, or save the full experts "
+                    "(value.full_tensor() on every rank)"
                 )
             local = value.to_local()
             # A copy of this rank's rows, not a view: a view would keep all E experts alive in what it is loaded

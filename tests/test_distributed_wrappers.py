@@ -367,6 +367,14 @@ def _init_and_dcp_worker(rank: int, world: int, port: int, out_dir: str) -> None
         model = fresh()
         model.load_state_dict(torch.load(path, weights_only=True))
         results["torch.save"] = restored(model)
+        dist.barrier()  # every rank's file is written
+        # Another rank's state dict, as every rank loads it after torch.save on rank 0 alone
+        other = torch.load(os.path.join(out_dir, f"ckpt-rank{(rank + 1) % world}.pt"), weights_only=True)
+        try:
+            fresh().load_state_dict(other)
+            results["other rank's"] = None
+        except ValueError as e:
+            results["other rank's"] = str(e)
 
         full = {n: t.full_tensor() if n in ("w_gate_up", "w_down") else t for n, t in layer.state_dict().items()}
         model = fresh()
@@ -508,6 +516,20 @@ def test_checkpoints_keep_every_ranks_experts(init_and_dcp):
         assert error is not None and "state_dict['w_down'] must be a DTensor" in error, (
             f"rank {rank}: a DTensor sharded on dim 1 was accepted: {error}")
     assert not all(all(res["plain"].values()) for res in init_and_dcp), "the plain round trip was exact"
+
+
+def test_another_ranks_state_dict_is_a_value_error(init_and_dcp):
+    """A state dict saved by one rank (torch.save(model.state_dict()) on rank 0 alone, then loaded everywhere) holds
+    that rank's experts only: loading it on another rank is a ValueError naming the entry and the ranks. Before: each
+    rank silently loaded the saver's experts as its own."""
+    for rank, res in enumerate(init_and_dcp):
+        if "error" in res:
+            pytest.fail(f"rank {rank}: {res['error']}")
+        error = res["other rank's"]
+        saver = (rank + 1) % len(init_and_dcp)
+        assert error is not None, f"rank {rank}: loaded rank {saver}'s experts as its own"
+        assert error.startswith("state_dict['w_gate_up'] is the shard of experts") and (
+            f"that rank {saver} of the expert-parallel group saved, but this is rank {rank}") in error, error
 
 
 def test_inf_norm_of_a_nan_in_one_ranks_experts_is_nan_on_every_rank(init_and_dcp):
