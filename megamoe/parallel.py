@@ -122,8 +122,10 @@ def expert_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
 
     These are the w_gate_up / w_down of every MoELayer built with a group, and the gate_up_proj / down_proj
     of every Hugging Face experts module patched with a group. Expert weights of layers without a group are
-    replicas like any other parameter and are not returned. Pass the names to DDP's
-    `_set_params_and_buffers_to_ignore_for_model` and the values to fully_shard's `ignored_params`.
+    replicas like any other parameter and are not returned. Pass the values to fully_shard's `ignored_params`;
+    for DDP call ddp_ignore_experts(model) rather than passing these names to DDP's own
+    `_set_params_and_buffers_to_ignore_for_model`, whose gradient reducer misses them for a MoELayer wrapped directly
+    (ddp_ignore_experts says why; the forward then raises check_ddp_leaves_experts_alone's ValueError).
     """
     _check_module("module", module)
     found = _expert_groups(module)
