@@ -305,7 +305,12 @@ class MoELayer(nn.Module):
             group=self.group, config=self.config,
         )
         # Set only once the call went through: a rejected call (e.g. a capacity overflow) changes nothing.
-        self.tokens_per_expert, self.aux_loss = counts, aux_loss
+        if torch.compiler.is_exporting():
+            # torch.export carries a buffer's in-place update into the exported module, not a new tensor in its place.
+            self.tokens_per_expert.copy_(counts)
+        else:
+            self.tokens_per_expert = counts
+        self.aux_loss = aux_loss
         return out.view_as(x)
 
     def extra_repr(self) -> str:

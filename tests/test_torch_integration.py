@@ -164,6 +164,23 @@ def test_meta_init_then_load_state_dict(recipe):
     assert torch.equal(layer.tokens_per_expert, source.tokens_per_expert)
 
 
+def test_exported_model_updates_tokens_per_expert():
+    """torch.export's module (non-strict, torch's default) of a model holding MoELayer gives the model's output and
+    updates the layer's tokens_per_expert buffer, as the README says (was: zeros forever below the root module: the
+    forward's new tensor in the buffer's place was not carried into the export)."""
+    torch.manual_seed(0)
+    layer = megamoe.MoELayer(H, I, E, K, shared_intermediate_size=8, config=CONFIG)
+    model = torch.nn.Sequential(torch.nn.Linear(H, H), layer)
+    x = torch.randn(2, 3, H)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*aux_loss was assigned during export")
+        exported = torch.export.export(model, (x,)).module()
+    for x in (x, torch.randn(2, 3, H)):
+        assert torch.equal(exported(x), model(x))
+        assert torch.equal(exported.get_buffer("1.tokens_per_expert"), layer.tokens_per_expert)
+        assert int(layer.tokens_per_expert.sum()) == 2 * 3 * K
+
+
 def test_deepcopy_after_training_forward():
     torch.manual_seed(0)
     layer = megamoe.MoELayer(H, I, E, K, shared_intermediate_size=8, config=CONFIG)
