@@ -16,6 +16,7 @@ from megamoe.config import (
     COMM_DIRECTIONS, DEFAULT_CONFIG, TRITON_MIN_BLOCK_M, MoEConfig, check_group, note_group, on_group_recreated,
 )
 from megamoe.schedule import (
+    AUTOCAST_DEVICE_TYPES,
     FLOAT_DTYPES,
     SCHEDULE_TENSORS,
     Schedule,
@@ -26,7 +27,6 @@ from megamoe.schedule import (
 )
 
 TRITON_DTYPES = FLOAT_DTYPES[:3]  # the fused kernels accumulate in fp32: no float64 path
-AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "hpu", "mps")
 AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)  # what autocast casts for a matmul; not float64
 
 

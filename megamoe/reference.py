@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megamoe.schedule import check_topk_ids, validate
+from megamoe.config import MoEConfig
+from megamoe.schedule import AUTOCAST_DEVICE_TYPES, check_topk_ids, validate
 
 
 def swiglu_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
@@ -37,9 +38,18 @@ def experts(
     Differentiable (autograd) with respect to every floating-point input (T = 0 included: zero gradients).
     Arguments are checked as megamoe.experts checks them (ValueError/TypeError naming the argument; an id
     outside [0, E) too; inputs on the meta device too, which hold no routing to gather by). `config` is accepted
-    for signature parity with megamoe.experts and ignored.
+    for signature parity with megamoe.experts and ignored. Under torch.autocast, as megamoe.experts: the
+    float32/float16/bfloat16 inputs (but topk_weights) cast to the autocast dtype, float64 ones not.
     """
     del config
+    if (isinstance(x, torch.Tensor) and x.device.type in AUTOCAST_DEVICE_TYPES
+            and torch.is_autocast_enabled(x.device.type)):
+        # megamoe.experts casts the inputs as a matmul's would be and calls back here with autocast off (autocast's
+        # own casts would give the expert outputs another dtype than the sum that collects them).
+        from megamoe.autograd import experts as experts_api
+
+        return experts_api(x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up=shared_gate_up,
+                           shared_down=shared_down, config=MoEConfig(backend="reference"))
     validate(x, topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, world_size=1)
     if x.device.type == "meta":
         # The loop below picks each expert's tokens by the routing's values (nonzero), which meta tensors lack:

@@ -123,6 +123,27 @@ def test_low_precision_keeps_dtype_and_tracks_fp64(rng, dtype):
     assert_close_tight("out", out, ref, tol)
 
 
+@pytest.mark.parametrize("shared", [0, 4], ids=["noshared", "shared4"])
+def test_under_autocast_casts_like_megamoe_experts(rng, shared):
+    """Under torch.autocast the reference casts its float32 inputs but topk_weights to the autocast dtype, as
+    megamoe.experts does: the output of bfloat16 copies, bit for bit, and float32 gradients for the float32 inputs
+    (was: RuntimeError "Index put requires the source and destination dtypes match")."""
+    p = make_problem(rng, 8, 16, 8, 4, 2, shared_intermediate=shared).cast(torch.float32)
+    leaves = {n: getattr(p, n).clone().requires_grad_() for n in p.float_names}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = megamoe.reference.experts(
+            leaves["x"], p.topk_ids, leaves["topk_weights"], leaves["w_gate_up"], leaves["w_down"],
+            shared_gate_up=leaves.get("shared_gate_up"), shared_down=leaves.get("shared_down"),
+        )
+    low = {n: getattr(p, n) if n == "topk_weights" else getattr(p, n).bfloat16() for n in p.float_names}
+    want = megamoe.reference.experts(low["x"], p.topk_ids, low["topk_weights"], low["w_gate_up"], low["w_down"],
+                                     shared_gate_up=low.get("shared_gate_up"), shared_down=low.get("shared_down"))
+    assert_equal("out", out, want)
+    grads = torch.autograd.grad(out, list(leaves.values()), p.d_out.bfloat16())
+    for name, grad in zip(leaves, grads):
+        assert grad.dtype == torch.float32 and grad.abs().sum() > 0, name
+
+
 EMPTY_CASES = [("all", 0), ("all", 2), ("x", 0), ("topk_weights", 0), ("w_gate_up", 0), ("w_down", 0),
                ("shared_down", 2)]
 
