@@ -5,7 +5,8 @@
 - experts_implementation="megamoe" under transformers' own EP styles ("all_to_all"; "all_reduce", whose
   experts see a sentinel id for other ranks' experts) and tensor-parallel experts ("moe_tp_experts");
 
-each against the same layout with experts_implementation="eager": loss and every gradient (this rank's shard).
+each against the same layout with experts_implementation="eager": loss and every gradient (this rank's shard);
+hf.check_model accepts every one of these models (their DTensor expert weights reach the forward as local shards).
 The model is distributed the way from_pretrained(..., distributed_config=...) does it
 (prepare_distribute_model + maybe_distribute_model), minus the checkpoint loading, which needs `accelerate`.
 """
@@ -85,6 +86,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         for name, (distributed, experts_implementation, shared_batch) in SCENARIOS.items():
             calls.clear()
             model = build(experts_implementation, distributed)
+            try:  # the DTensor weights of every scenario reach the experts as local shards: accepted up front
+                megamoe.integrations.hf.check_model(model)
+                results[f"{name} check_model"] = "ok"
+            except ValueError as error:
+                results[f"{name} check_model"] = str(error)
             seed = 1 if shared_batch else 1 + rank
             ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(seed))
             out = model(input_ids=ids, labels=ids)
@@ -109,6 +115,7 @@ def test_native_parallelism_two_ranks(tmp_path):
         assert "error" not in results, f"rank {rank}:\n{results['error']}"
         assert "tp_size=1" in results["megamoe-ep with tp"], results["megamoe-ep with tp"]
         for name in SCENARIOS:
+            assert results[f"{name} check_model"] == "ok", f"rank {rank} {name}: {results[f'{name} check_model']}"
             calls = results[name][2]
             if name.startswith("megamoe-ep/"):  # the EP implementation runs megamoe over the group
                 assert calls == [True, True], f"rank {rank} {name}: megamoe.experts calls {calls}"

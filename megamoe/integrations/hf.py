@@ -375,10 +375,19 @@ def check_model(model: nn.Module) -> nn.Module:
     under_fsdp2 = _under_fsdp2(model)
     for name, experts in found:
         # FSDP2 (fully_shard) keeps the weights as sharded DTensors between forwards and hands the forward
-        # plain unsharded tensors, which is what the first forward's own check sees.
-        check_experts(experts, name, allow_dtensor=id(experts) in under_fsdp2)
+        # plain unsharded tensors, transformers' parallel styles hand it the local shards: what the first
+        # forward's own check sees.
+        local_in_forward = id(experts) in under_fsdp2 or _distributed_by_transformers(experts)
+        check_experts(experts, name, allow_dtensor=local_in_forward)
         setattr(experts, _CHECKED_ATTR, True)
     return model
+
+
+def _distributed_by_transformers(experts: nn.Module) -> bool:
+    """Whether transformers' DistributedConfig put a tensor- or expert-parallel style on `experts` ("moe_tp_experts",
+    "ep_dispatch_experts"): it marks the module `_is_hooked` and sets a forward on the instance that runs the
+    experts on the local shards of their DTensor weights."""
+    return getattr(experts, "_is_hooked", False) and "forward" in vars(experts)
 
 
 def _under_fsdp2(model: nn.Module) -> set[int]:
