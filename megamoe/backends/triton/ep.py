@@ -43,11 +43,13 @@ rows and both weight grads whatever is needed (skipping inside it would need ker
 exchanges always run: a peer's d_x, router-weight and weight grads need this rank's rows whatever this
 rank needs. Gradients computed but not needed are returned anyway; megamoe.autograd drops them.
 
-The empty batch (T = 0): the ranks of a group agree on T (megamoe.autograd.check_ranks_agree: a rank
-alone with T = 0 is a ValueError on every rank), so T = 0 here means no rank has a token and R = 0 on
-every rank. Nothing is exchanged or launched, on every rank alike (the symmetric workspace is not even
-looked up: it has no buffers of 0 rows): the routing exchange returns the empty routing, the forward an
-empty out, the backward an empty d_x and d_topk_weights and exact-zero weight gradients.
+The empty batch (T = 0): the ranks of a group agree on T (megamoe.autograd.check_ranks_agree, run on
+every call with T = 0: a rank alone with it fails there, a ValueError on every rank where its peers check
+this call too, else a RuntimeError after comm_timeout_ms while its peers' barriers time out), so T = 0
+here means no rank has a token and R = 0 on every rank. Nothing is exchanged or launched, on every rank
+alike (the symmetric workspace is not even looked up: it has no buffers of 0 rows): the routing exchange
+returns the empty routing, the forward an empty out, the backward an empty d_x and d_topk_weights and
+exact-zero weight gradients.
 
 Why no extra barrier is needed around the pushes: a pairs buffer we push into was last read by its
 owner's collect_pushed of the previous exchange, which precedes, on the owner's stream, a barrier that
