@@ -1,9 +1,10 @@
 """The fused Triton backend (same interface as megamoe.backends.torch_native).
 
 One GPU (schedule.world_size == 1): experts.py gathers token rows expert-contiguous once and runs the
-fused grouped GEMMs on contiguous rows. Expert parallelism: ep.py,
-symmetric-memory dispatch/combine inside one persistent kernel per direction built from the same GEMM
-tiles (kernels/ep_fused.py; the slot sums are the one-GPU kernels), and the routing
+fused grouped GEMMs on contiguous rows. Expert parallelism: ep.py, symmetric-memory dispatch/combine inside
+the GEMM kernels (on Hopper the Gluon core's: kernels/gluon_ep.py pulls the gate/up GEMM's rows,
+kernels/gluon_rows.py pushes the down GEMM's; elsewhere one persistent kernel per direction built from the
+pointer-load core's tiles, kernels/ep_fused.py; the slot sums are the one-GPU kernels), and the routing
 exchange that build_schedule uses (`routing_exchange`).
 """
 
