@@ -891,7 +891,7 @@ def is_patched(model: nn.Module) -> bool:
 
 try:  # experts_implementation="megamoe" as soon as this module is imported, where transformers >= 5 is
     register()
-except ImportError:  # no transformers (or < 5): megamoe still imports; register() says what is missing
+except ImportError:  # no transformers (or < 5): this module still imports; register() says what is missing
     pass
-except Exception as error:  # noqa: BLE001 - a broken transformers install must not break `import megamoe`
+except Exception as error:  # noqa: BLE001 - a broken transformers must not break `import megamoe.integrations.hf`
     warnings.warn(f"megamoe.integrations.hf: experts_implementation='megamoe' not registered: {error!r}", stacklevel=2)
