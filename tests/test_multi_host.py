@@ -4,7 +4,8 @@
 symmetric memory maps over NVLink: megamoe.autograd.group_hosts gathers each rank's host once per group,
 and a group spanning hosts resolves to "torch" under "auto" and is a ValueError under "triton". Both
 processes run here, so rank 1 is made to report another host (autograd._host_id patched); the fused path
-needs a GPU, so where it matters autograd.triton_runs_on is patched to True (resolve_backend only asks).
+needs a GPU, so where it matters autograd.triton_runs_on (and the bench gate's) is patched to True (resolve_backend
+only asks).
 One spawn runs every scenario; the parent checks what each rank saved.
 """
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 import megamoe
 from megamoe import MoEConfig, autograd
+from megamoe.bench import gate, run
 from conftest import assert_equal, init_gloo, run_gloo_workers
 
 WORLD = 2
@@ -72,6 +74,11 @@ def _scenarios(rank: int) -> dict:
         for backend in ("auto", "triton"):
             results[f"resolve-{backend}-{name}"] = _attempt(
                 lambda: autograd.resolve_backend(MoEConfig(backend=backend), x, group))
+    # `python -m megamoe bench` as on Hopper GPUs: triton among the default backends only on one host.
+    gate.triton_runs_on = lambda device: True
+    results["bench-backends"] = {name: run.default_backends(cpu, group) for name, group in (("same", same),
+                                                                                            ("split", split))}
+    results["bench-triton-split"] = gate.unavailable_reason("triton", cpu, split)
 
     # The public path on the split group: "auto" runs torch (bitwise what backend="torch" gives), eager and
     # under torch.compile(fullgraph=True) on a fresh group, whose first call (the host gather) is traced.
@@ -130,6 +137,14 @@ def test_triton_on_a_group_spanning_hosts_is_a_value_error(hosts):
         for words in ("symmetric memory over NVLink", "spans 2 hosts", f"rank 0 has host {real!r}",
                       f"rank 1 has host {OTHER_HOST!r}", "use backend='torch'"):
             assert words in message, f"rank {rank}: the message does not say {words!r}: {message}"
+
+
+def test_bench_times_triton_only_on_one_host(hosts):
+    """A bench under torchrun over several hosts reports triton unavailable there, not FAILED (its gate's
+    ValueError), and leaves it out of its default backends."""
+    for rank in range(WORLD):
+        assert hosts[rank]["bench-backends"] == {"same": ["torch", "triton"], "split": ["torch"]}, hosts[rank]
+        assert "every rank of the group on one host" in hosts[rank]["bench-triton-split"], hosts[rank]
 
 
 def test_experts_on_a_group_spanning_hosts_runs_the_torch_path(hosts):
