@@ -129,6 +129,8 @@ def _plot_from_json(args, bench: argparse.ArgumentParser) -> int:
         records = load_records(args.from_json)
         if args.routing != "both":
             records = [r for r in records if r["routing"] == args.routing]
+            if not records:
+                raise ValueError(f"--routing {args.routing}: no record of that routing in {', '.join(args.from_json)}")
         path = plot_records(records, args.plot)
     except (ValueError, ImportError, OSError) as e:
         bench.error(str(e))

@@ -116,6 +116,13 @@ def test_routing_option_filters_saved_records(tmp_path):
     assert ">fwd, skewed routing<" in text and "balanced" not in text
 
 
+def test_routing_that_no_saved_record_has_is_named(tmp_path, capsys):
+    path = write_json(tmp_path / "run.json", [r for r in make_records(ep=1) if r["routing"] == "balanced"])
+    with pytest.raises(SystemExit):
+        main(["bench", "--from-json", path, "--routing", "skewed", "--plot", str(tmp_path / "x.png")])
+    assert f"--routing skewed: no record of that routing in {path}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
