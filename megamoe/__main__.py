@@ -88,9 +88,11 @@ TIMING_OPTIONS = (
 
 
 def _check_writable(option: str, path: str, bench: argparse.ArgumentParser) -> None:
-    """A usage error naming option unless a file can be written at path: not a folder, in a folder that exists
-    and takes a new file (tried with a temporary file, which is gone at once). A symbolic link is checked where
-    it points."""
+    """A usage error naming option unless a file can be written at path: not empty, not a folder, in a folder that
+    exists and takes a new file (tried with a temporary file, which is gone at once). A symbolic link is checked
+    where it points."""
+    if not path:  # e.g. --json "$UNSET": an error, not a run that silently writes nothing
+        bench.error(f"--{option}: empty path; give a file path")
     folder = Path(path).resolve().parent
     if Path(path).is_dir():
         bench.error(f"--{option} {path}: is a folder; give a file path")
@@ -104,7 +106,7 @@ def _check_writable(option: str, path: str, bench: argparse.ArgumentParser) -> N
 
 def _check_outputs(args, bench: argparse.ArgumentParser) -> None:
     """--json and --plot paths that cannot be written are errors before anything is timed, not after."""
-    if args.plot:
+    if args.plot is not None:
         from megamoe.bench.plot import check_plot_path
 
         _check_writable("plot", args.plot, bench)
@@ -112,14 +114,14 @@ def _check_outputs(args, bench: argparse.ArgumentParser) -> None:
             check_plot_path(args.plot)  # needs matplotlib: an ImportError says how to install it
         except (ValueError, ImportError) as e:
             bench.error(str(e))
-    if args.json:
+    if args.json is not None:
         _check_writable("json", args.json, bench)
 
 
 def _plot_from_json(args, bench: argparse.ArgumentParser) -> int:
     from megamoe.bench.plot import load_records, plot_records
 
-    if not args.plot:
+    if args.plot is None:
         bench.error("--from-json draws saved records: give --plot PATH")
     given = [f"--{name.replace('_', '-')}" for name in TIMING_OPTIONS if getattr(args, name) is not None]
     if given:

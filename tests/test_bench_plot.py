@@ -191,8 +191,11 @@ def test_records_of_two_problem_sizes_in_one_bar_are_an_error(tmp_path):
         (["--json", "{tmp}"], "--json {tmp}: is a folder"),
         (["--plot", "{tmp}"], "--plot {tmp}: is a folder"),
         (["--json", "/proc/r.json"], "--json /proc/r.json: cannot write in folder /proc"),
+        (["--json", ""], "--json: empty path"),
+        (["--plot", ""], "--plot: empty path"),
     ],
-    ids=["plot-format", "plot-folder", "json-folder", "json-is-a-folder", "plot-is-a-folder", "json-folder-read-only"],
+    ids=["plot-format", "plot-folder", "json-folder", "json-is-a-folder", "plot-is-a-folder", "json-folder-read-only",
+         "json-empty", "plot-empty"],
 )
 def test_unwritable_outputs_fail_before_timing(tmp_path, capsys, monkeypatch, args, message):
     """A --plot or --json path that cannot be written is an argparse error at once, not a traceback after the
