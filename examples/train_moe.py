@@ -32,6 +32,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from megamoe.config import BACKENDS
+
 DEFAULT_CORPUS = pathlib.Path(__file__).with_name("data") / "tiny_corpus.txt"
 
 
@@ -50,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--expert-intermediate", type=int, default=64)
-    parser.add_argument("--backend", default="auto", help="megamoe.MoEConfig.backend")
+    parser.add_argument("--backend", default="auto", choices=BACKENDS, help="megamoe.MoEConfig.backend")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--amp", action="store_true", help="bf16 autocast (the default on CUDA)")
     parser.add_argument("--expert-parallel", action="store_true", help="shard experts over all ranks")
@@ -72,6 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--device cuda: torch finds no CUDA GPU here; use auto or cpu")
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    for name in ("lr", "max_grad_norm"):
+        value = getattr(args, name)
+        if value is not None and not value >= 0:  # nan too
+            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {value}")
     if args.top_k > args.experts:
         parser.error(f"--top-k {args.top_k}: more than --experts {args.experts}")
     try:

@@ -77,6 +77,10 @@ BAD_OPTIONS = [
     (["--hidden", "0"], "--hidden 0: its 4 attention heads get hidden // 4 = 0 dims each"),
     (["--hidden", "36"], "--hidden 36: its 4 attention heads get hidden // 4 = 9 dims each"),
     (["--device", "gpu"], "argument --device: invalid choice: 'gpu'"),
+    (["--backend", "fused"], "argument --backend: invalid choice: 'fused'"),
+    (["--lr", "-0.1"], "--lr must be >= 0, got -0.1"),
+    (["--max-grad-norm", "-1"], "--max-grad-norm must be >= 0, got -1.0"),
+    (["--max-grad-norm", "nan"], "--max-grad-norm must be >= 0, got nan"),
 ]
 
 
