@@ -95,6 +95,12 @@ def _aligned_16_bytes(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def _aligned_base(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy of it (same strides) where torch._grouped_mm needs a 16-byte-aligned base, as it does on every
+    device but the CPU, and t's is not (a view at an odd offset of a larger buffer, e.g. weights sliced from one)."""
+    return t.clone() if t.device.type != "cpu" and t.data_ptr() % 16 else t
+
+
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """Segmented matmul over rows: segment e = rows [ends[e-1], ends[e]).
 
@@ -102,7 +108,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Te
     a.T-style weight gradients: a [N, R] (a transposed view) @ b [R, K] -> [E, N, K].
     """
     if _has_grouped_mm(a) and _aligned_16_bytes(a, b):
-        return torch._grouped_mm(a, b, offs=ends)
+        return torch._grouped_mm(_aligned_base(a), _aligned_base(b), offs=ends)
     # NOTE: host sync (offsets to the host); only on devices/dtypes without torch._grouped_mm.
     bounds = [0] + ends.tolist()
     if b.dim() == 3:

@@ -202,3 +202,36 @@ def test_x_at_an_unaligned_base(auto_is_triton, recompute):
 
     for name, a, b in zip(["out", "d_topk_weights", "d_w_gate_up", "d_w_down"], run(x), run(unaligned)):
         assert torch.equal(a, b), name
+
+
+def test_torch_backend_at_unaligned_bases():
+    """backend "torch" on the GPU (torch._grouped_mm, which needs 16-byte-aligned bases off the CPU) with x and both
+    weights 2 bytes off alignment (views at an odd offset of larger buffers): the same bits as on aligned copies,
+    not torch's "expected data_ptr to be aligned to 16 bytes"."""
+    torch.manual_seed(0)
+    T, H, I, E, k = 300, 256, 128, 8, 2
+    dev, dt = "cuda", torch.bfloat16
+
+    def unaligned(t):
+        view = torch.empty(t.numel() + 1, device=dev, dtype=dt)[1:].view(t.shape)
+        view.copy_(t)
+        assert view.data_ptr() % 16
+        return view
+
+    x = torch.randn(T, H, device=dev, dtype=dt)
+    ids = torch.randint(0, E, (T, k), device=dev)
+    weights = torch.rand(T, k, device=dev)
+    wgu = (torch.randn(E, 2 * I, H, device=dev) / H**0.5).to(dt)
+    wd = (torch.randn(E, H, I, device=dev) / I**0.5).to(dt)
+    config = megamoe.MoEConfig(backend="torch")
+
+    def run(x_in, wgu_in, wd_in):  # the views themselves are the leaves: a clone would be aligned
+        leaves = [t.requires_grad_() for t in (x_in, weights.clone(), wgu_in, wd_in)]
+        out = megamoe.experts(leaves[0], ids, *leaves[1:], config=config)
+        out.float().square().sum().backward()
+        return [out, *(t.grad for t in leaves)]
+
+    offset = [unaligned(t) for t in (x, wgu, wd)]  # before x, wgu, wd become leaves that require grad
+    names = ["out", "d_x", "d_topk_weights", "d_w_gate_up", "d_w_down"]
+    for name, a, b in zip(names, run(x, wgu, wd), run(*offset)):
+        assert torch.equal(a, b), name
