@@ -196,7 +196,10 @@ class MoEConfig:
             if value not in COMM_DIRECTIONS:
                 raise ValueError(f"MoEConfig.{name} must be one of {COMM_DIRECTIONS}, got {value!r}")
         if not isinstance(self.recompute, bool):
-            raise TypeError(f"MoEConfig.recompute must be a bool, got {type(self.recompute).__name__} {self.recompute!r}")
+            # Named with its module: NumPy's bool is called "bool" too, and "must be a bool, got bool" says nothing.
+            kind = type(self.recompute)
+            shown = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+            raise TypeError(f"MoEConfig.recompute must be a bool (True or False), got {shown} {self.recompute!r}")
 
     @classmethod
     def from_env(cls, **overrides) -> "MoEConfig":

@@ -213,3 +213,13 @@ def test_from_env_clash_names_the_variables(clean_env, override):
     clean_env.setenv("MEGAMOE_BACKEND", "torch")  # an invalid override alone: its own error, no variable named
     with pytest.raises(ValueError, match=r"block_m.*got 3$"):
         MoEConfig.from_env(block_m=3)
+
+
+def test_recompute_numpy_bool_names_its_type():
+    """recompute is a flag: NumPy's bool is a TypeError naming its type with its module (NumPy calls it "bool" too:
+    the message read "must be a bool, got bool np.True_")."""
+    np = pytest.importorskip("numpy")
+    with pytest.raises(TypeError, match=r"MoEConfig\.recompute must be a bool .*got numpy\.bool"):
+        MoEConfig(recompute=np.True_)
+    with pytest.raises(TypeError, match=r"MoEConfig\.recompute must be a bool .*got int 1$"):
+        MoEConfig(recompute=1)
