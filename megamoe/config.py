@@ -42,13 +42,14 @@ def check_positive_int(name: str, value, *, allow_none: bool = False, allow_zero
         raise ValueError(f"{name} must be {'None or ' if allow_none else ''}{allowed}, got {value!r}")
 
 
-def check_block_m(name: str, value) -> None:
-    """ValueError naming `name` unless value is None or a power of two in [1, MAX_BLOCK_M] (rows per GEMM
-    block: every expert's rows are padded to a multiple of it, and every kernel's row tile must divide it)."""
-    if value is not None and (
-        isinstance(value, bool) or not isinstance(value, int) or not _is_power_of_two(value) or value > MAX_BLOCK_M
-    ):
-        raise ValueError(f"{name} must be None or a power of two in [1, {MAX_BLOCK_M}], got {value!r}")
+def check_block_m(name: str, value, *, allow_none: bool = False) -> None:
+    """ValueError naming `name` unless value is a power of two in [1, MAX_BLOCK_M] (or None with allow_none; rows
+    per GEMM block: every expert's rows are padded to a multiple of it, and every kernel's row tile must divide it)."""
+    if allow_none and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not _is_power_of_two(value) or value > MAX_BLOCK_M:
+        allowed = f"a power of two in [1, {MAX_BLOCK_M}]"
+        raise ValueError(f"{name} must be {'None or ' if allow_none else ''}{allowed}, got {value!r}")
 
 
 def check_group(name: str, group) -> None:
@@ -177,7 +178,7 @@ class MoEConfig:
                     f"MoEConfig.capacity_factor must be None with backend='reference' (which computes every pair: "
                     f"no receive buffer to size, no overflow to raise), got {self.capacity_factor}"
                 )
-        check_block_m("MoEConfig.block_m", self.block_m)
+        check_block_m("MoEConfig.block_m", self.block_m, allow_none=True)
         check_positive_int("MoEConfig.comm_timeout_ms", self.comm_timeout_ms)
         if self.comm_timeout_ms > MAX_COMM_TIMEOUT_MS:
             raise ValueError(

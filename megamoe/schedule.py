@@ -96,7 +96,14 @@ def receive_rows(
 
     Worst case: all W*T*k pairs of the group land on this rank, each non-empty expert padded to B.
     Capacity c: c*T*k rows (c times the balanced load), plus one block of padding per local expert.
+    block_m: the B the schedule is built with (MoEConfig.block_m, or where that is None the backend's: 128 on
+    the triton path, 16 on the torch path); capacity_factor: MoEConfig.capacity_factor (None: dropless).
     """
+    check_block_m("receive_rows: block_m", block_m)
+    if capacity_factor is not None and not (capacity_factor > 0 and math.isfinite(capacity_factor)):
+        raise ValueError(
+            f"receive_rows: capacity_factor must be None or a finite number > 0, got {capacity_factor!r}"
+        )
     pairs = world_size * num_tokens * top_k
     # sym_min, not min: under torch.compile's dynamic shapes min would guard on W*T*k < E_local (a recompile when T crosses
     # that bound; a T marked dynamic specialised to a constant, an error).
@@ -299,7 +306,7 @@ def build_schedule(
     config = DEFAULT_CONFIG if config is None else config
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a megamoe.MoEConfig or None, got {type(config).__name__}")
-    check_block_m("build_schedule: block_m", block_m)
+    check_block_m("build_schedule: block_m", block_m, allow_none=True)
     world_size, rank = _group_info(group)
     # With a group the range is checked on the gathered routing (every rank's ids, below): a bad id of one
     # rank then fails every rank at the same point, instead of one rank raising while its peers block in

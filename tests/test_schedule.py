@@ -279,3 +279,19 @@ def test_experts_beyond_int32_pairs_is_a_value_error():
     w_down = torch.empty(experts, hidden, inter, device="meta")
     with pytest.raises(ValueError, match="2147483648 \\(token, slot\\) pairs"):
         megamoe.experts(x, ids, weights, w_gate_up, w_down, config=MoEConfig(backend="torch"))
+
+
+@pytest.mark.parametrize("block_m,capacity_factor,match", [
+    (None, None, r"receive_rows: block_m must be a power of two in \[1, 1024\], got None"),
+    (0, None, r"receive_rows: block_m .*got 0"),
+    (3, None, r"receive_rows: block_m .*got 3"),
+    (16, float("nan"), r"receive_rows: capacity_factor must be None or a finite number > 0, got nan"),
+    (16, -1.0, r"receive_rows: capacity_factor .*got -1\.0"),
+], ids=["block_m-None", "block_m-0", "block_m-3", "capacity-nan", "capacity-negative"])
+def test_receive_rows_bad_arguments_name_them(block_m, capacity_factor, match):
+    """receive_rows is how a user sizes the receive rows to declare with get_workspace (README). Each bad argument is
+    a ValueError naming it; before, block_m None (MoEConfig's default, which leaves it to the backend) was a TypeError
+    from its arithmetic, 0 a ZeroDivisionError, 3 and a negative capacity gave a number of rows, and a NaN capacity
+    "cannot convert float NaN to integer"."""
+    with pytest.raises(ValueError, match=match):
+        megamoe.schedule.receive_rows(4, 2, 8, 2, block_m, capacity_factor)
