@@ -207,7 +207,7 @@ def test_x_at_an_unaligned_base(auto_is_triton, recompute):
 def test_torch_backend_at_unaligned_bases():
     """backend "torch" on the GPU (torch._grouped_mm, which needs 16-byte-aligned bases off the CPU) with x and both
     weights 2 bytes off alignment (views at an odd offset of larger buffers): the same bits as on aligned copies,
-    not torch's "expected data_ptr to be aligned to 16 bytes"."""
+    not torch's "expected data_ptr to be aligned to 16 bytes". (Written without a GPU to run it on.)"""
     torch.manual_seed(0)
     T, H, I, E, k = 300, 256, 128, 8, 2
     dev, dt = "cuda", torch.bfloat16
