@@ -188,8 +188,11 @@ class MoELayer(nn.Module):
     def route(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Router: returns (topk_ids [T, k] int64, topk_weights [T, k] fp32, probs [T, E] fp32; fp64 for an x and
         router in float64). The router runs in its own dtype (e.g. kept in fp32 with `layer.router.float()` in a
-        bf16 layer): x is cast to it."""
-        return self._route(x_TH, self.router.weight.dtype)
+        bf16 layer): x is cast to it. A router without a floating-point weight tensor is forward's TypeError."""
+        router_weight = getattr(self.router, "weight", None)
+        if (error := self._router_error(router_weight)) is not None:
+            raise error
+        return self._route(x_TH, router_weight.dtype)
 
     def _route(self, x_TH: torch.Tensor, router_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """route, given the router weight's dtype (forward has read the weight). The router is called, rather than
@@ -226,19 +229,25 @@ class MoELayer(nn.Module):
             "shared_gate_up": self.shared_gate_up, "shared_down": self.shared_down,
         }
 
+    def _router_error(self, router_weight) -> TypeError | None:
+        """The TypeError of a router (the module in the layer's router place) without a floating-point weight tensor
+        (its dtype is the routing's), or None; router_weight: its weight attribute, None where it has none."""
+        if isinstance(router_weight, torch.Tensor) and router_weight.is_floating_point():
+            return None
+        # e.g. torch.ao.quantization.quantize_dynamic's Linear, whose weight is a method returning int8 values
+        return TypeError(
+            f"router must be a module with a floating-point weight tensor (an nn.Linear, parametrized or not), "
+            f"got {type(self.router).__module__}.{type(self.router).__name__} "
+            + ("without a weight" if router_weight is None else f"whose weight is {type(router_weight).__name__}")
+        )
+
     def _input_error(self, x, weights: dict[str, torch.Tensor | None]) -> Exception | None:
         """What is wrong with forward's x, or None: a tensor [..., H] on the parameters' device, in their dtype
         (under autocast, which casts float32/float16/bfloat16 but not float64: any of those three, for a layer
         in one of them; or the dtype of every parameter but the experts, _experts_follow). Also the router put in
         the layer's place, which must have a floating-point weight tensor (its dtype is the routing's)."""
-        router_weight = weights["router.weight"]
-        if not (isinstance(router_weight, torch.Tensor) and router_weight.is_floating_point()):
-            # e.g. torch.ao.quantization.quantize_dynamic's Linear, whose weight is a method returning int8 values
-            return TypeError(
-                f"router must be a module with a floating-point weight tensor (an nn.Linear, parametrized or not), "
-                f"got {type(self.router).__module__}.{type(self.router).__name__} "
-                + ("without a weight" if router_weight is None else f"whose weight is {type(router_weight).__name__}")
-            )
+        if (error := self._router_error(weights["router.weight"])) is not None:
+            return error
         if not isinstance(x, torch.Tensor):
             return TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if (error := not_dense("x", x)) is not None:

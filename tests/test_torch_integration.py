@@ -367,8 +367,10 @@ def test_dynamically_quantized_router_is_a_type_error_naming_it():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notice
         quantized = torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(layer), {torch.nn.Linear})[0]
-    with pytest.raises(TypeError, match=r"router must be a module with a floating-point weight tensor.*got torch\.ao"):
-        quantized(torch.randn(3, 16))
+    for call in (quantized, quantized.route):  # route() alone too, as forward checks it
+        with pytest.raises(TypeError, match=r"router must be a module with a floating-point weight tensor.*"
+                                            r"got torch\.ao"):
+            call(torch.randn(3, 16))
 
 
 def test_router_without_weight_is_a_type_error_naming_it():
@@ -376,6 +378,7 @@ def test_router_without_weight_is_a_type_error_naming_it():
     the input checks that announce a rejection to EP peers, not an AttributeError from reading router.weight first."""
     layer = megamoe.MoELayer(16, 8, 4, 2)
     layer.router = torch.nn.Sequential(layer.router)
-    with pytest.raises(TypeError, match=r"router must be a module with a floating-point weight tensor.*Sequential "
-                                        r"without a weight"):
-        layer(torch.randn(3, 16))
+    for call in (layer, layer.route):
+        with pytest.raises(TypeError, match=r"router must be a module with a floating-point weight tensor.*Sequential "
+                                            r"without a weight"):
+            call(torch.randn(3, 16))
