@@ -32,6 +32,17 @@ def _is_power_of_two(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
+def _shown(value) -> str:
+    """value's repr, or for what is not an int (nor None), its type and repr and that it is not one: NumPy's
+    np.int64(32) is no int to these checks, and "must be a power of two in [1, 1024], got np.int64(32)" would not
+    say why it was refused."""
+    if value is None or type(value) is int:
+        return repr(value)
+    kind = type(value)
+    shown = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    return f"{shown} {value!r}, not an int"
+
+
 def check_positive_int(name: str, value, *, allow_none: bool = False, allow_zero: bool = False) -> None:
     """ValueError naming `name` unless value is an int >= 1 (>= 0 with allow_zero; or None with allow_none).
     bool is not accepted as an int, nor are floats with integral values."""
@@ -39,7 +50,7 @@ def check_positive_int(name: str, value, *, allow_none: bool = False, allow_zero
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < (0 if allow_zero else 1):
         allowed = "an int >= 0" if allow_zero else "a positive int"
-        raise ValueError(f"{name} must be {'None or ' if allow_none else ''}{allowed}, got {value!r}")
+        raise ValueError(f"{name} must be {'None or ' if allow_none else ''}{allowed}, got {_shown(value)}")
 
 
 def check_block_m(name: str, value, *, allow_none: bool = False) -> None:
@@ -49,7 +60,7 @@ def check_block_m(name: str, value, *, allow_none: bool = False) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or not _is_power_of_two(value) or value > MAX_BLOCK_M:
         allowed = f"a power of two in [1, {MAX_BLOCK_M}]"
-        raise ValueError(f"{name} must be {'None or ' if allow_none else ''}{allowed}, got {value!r}")
+        raise ValueError(f"{name} must be {'None or ' if allow_none else ''}{allowed}, got {_shown(value)}")
 
 
 def check_group(name: str, group) -> None:

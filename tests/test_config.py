@@ -223,3 +223,12 @@ def test_recompute_numpy_bool_names_its_type():
         MoEConfig(recompute=np.True_)
     with pytest.raises(TypeError, match=r"MoEConfig\.recompute must be a bool .*got int 1$"):
         MoEConfig(recompute=1)
+
+
+@pytest.mark.parametrize("field", ["block_m", "num_comm_sms", "minibatch_tokens", "comm_timeout_ms"])
+def test_int_field_numpy_scalar_says_not_an_int(field):
+    """A NumPy integer is refused as not an int, and the message says so: "must be a power of two in [1, 1024], got
+    np.int64(32)" named a value that is one."""
+    np = pytest.importorskip("numpy")
+    with pytest.raises(ValueError, match=rf"^MoEConfig\.{field} must be .*, got numpy\.int64 np\.int64\(32\), not an int$"):
+        MoEConfig(**{field: np.int64(32)})
