@@ -32,15 +32,19 @@ def _is_power_of_two(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
+def _type_name(value) -> str:
+    """value's type, with its module unless a builtin: NumPy's bool and int64 print as "bool" and "int64" alone."""
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
 def _shown(value) -> str:
     """value's repr, or for what is not an int (nor None), its type and repr and that it is not one: NumPy's
     np.int64(32) is no int to these checks, and "must be a power of two in [1, 1024], got np.int64(32)" would not
     say why it was refused."""
-    if value is None or type(value) is int:
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
         return repr(value)
-    kind = type(value)
-    shown = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
-    return f"{shown} {value!r}, not an int"
+    return f"{_type_name(value)} {value!r}, not an int"
 
 
 def check_positive_int(name: str, value, *, allow_none: bool = False, allow_zero: bool = False) -> None:
@@ -209,9 +213,8 @@ class MoEConfig:
                 raise ValueError(f"MoEConfig.{name} must be one of {COMM_DIRECTIONS}, got {value!r}")
         if not isinstance(self.recompute, bool):
             # Named with its module: NumPy's bool is called "bool" too, and "must be a bool, got bool" says nothing.
-            kind = type(self.recompute)
-            shown = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
-            raise TypeError(f"MoEConfig.recompute must be a bool (True or False), got {shown} {self.recompute!r}")
+            raise TypeError(f"MoEConfig.recompute must be a bool (True or False), got {_type_name(self.recompute)} "
+                            f"{self.recompute!r}")
 
     @classmethod
     def from_env(cls, **overrides) -> "MoEConfig":
