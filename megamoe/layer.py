@@ -262,15 +262,18 @@ class MoELayer(nn.Module):
         # Under autocast another floating dtype is cast for the matmuls, but only float32/float16/bfloat16:
         # autocast leaves float64 as it is, so float64 on one side only would reach the router's matmul mismatched.
         # torch.is_autocast_enabled raises for device types without autocast (e.g. meta), as in megamoe.experts.
+        castable = x.dtype in AUTOCAST_CASTS and weight.dtype in AUTOCAST_CASTS
         if x.device.type in AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(x.device.type):
-            if x.dtype in AUTOCAST_CASTS and weight.dtype in AUTOCAST_CASTS:
+            if castable:
                 return None
             return TypeError(
                 f"x must have the layer's dtype {weight.dtype}, or under autocast any of "
                 f"{', '.join(str(d) for d in AUTOCAST_CASTS)} with a layer in one of them too (autocast does not "
                 f"cast float64), got {x.dtype}"
             )
-        return TypeError(f"x must have the layer's dtype {weight.dtype} (or run under autocast), got {x.dtype}")
+        # Autocast as the remedy only where it would take x: not for float64 (or an integer x) on either side.
+        hint = " (or run under autocast)" if castable and x.device.type in AUTOCAST_DEVICE_TYPES else ""
+        return TypeError(f"x must have the layer's dtype {weight.dtype}{hint}, got {x.dtype}")
 
     def _experts_follow(self, x: torch.Tensor, weights: dict[str, torch.Tensor | None]) -> bool:
         """Whether the experts are cast to x's dtype for this call, outside autocast: x and every other parameter of

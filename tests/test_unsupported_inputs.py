@@ -75,6 +75,20 @@ def test_layer_float64_under_autocast_is_a_type_error_naming_x(layer_dtype, x_dt
             layer(torch.randn(3, 16, dtype=x_dtype))
 
 
+@pytest.mark.parametrize("layer_dtype, x_dtype, hint", [
+    (torch.float32, torch.bfloat16, True), (torch.float64, torch.float32, False), (torch.float32, torch.float64, False),
+    (torch.float32, torch.int64, False),
+], ids=["bf16-x", "fp64-layer", "fp64-x", "int-x"])
+def test_layer_wrong_dtype_suggests_autocast_only_where_it_would_run(layer_dtype, x_dtype, hint):
+    """Outside autocast, x in another dtype than the layer's: the TypeError suggests autocast only where autocast would
+    take it. Before, every such x read "(or run under autocast)", also a float64 or integer x, or a float64 layer,
+    which autocast does not cast (the same call under autocast is the TypeError above)."""
+    layer = MoELayer(16, 8, 4, 2, dtype=layer_dtype)
+    with pytest.raises(TypeError, match=r"x must have the layer's dtype") as info:
+        layer(torch.ones(3, 16, dtype=x_dtype))
+    assert ("(or run under autocast)" in str(info.value)) == hint, info.value
+
+
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_layer_under_autocast_still_casts_low_precision_x(x_dtype):
     layer = MoELayer(16, 8, 4, 2)
