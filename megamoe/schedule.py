@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -99,8 +100,15 @@ def receive_rows(
     block_m: the B the schedule is built with (MoEConfig.block_m, or where that is None the backend's: 128 on
     the triton path, 16 on the torch path); capacity_factor: MoEConfig.capacity_factor (None: dropless).
     """
+    for name, value, allow_zero in (("num_tokens", num_tokens, True), ("top_k", top_k, False),
+                                    ("num_local_experts", num_local_experts, False), ("world_size", world_size, False)):
+        if not isinstance(value, torch.SymInt):  # a symbolic size under torch.compile's dynamic shapes
+            check_positive_int(f"receive_rows: {name}", value, allow_zero=allow_zero)
     check_block_m("receive_rows: block_m", block_m)
-    if capacity_factor is not None and not (capacity_factor > 0 and math.isfinite(capacity_factor)):
+    if capacity_factor is not None and (
+        isinstance(capacity_factor, bool) or not isinstance(capacity_factor, numbers.Real)
+        or not (capacity_factor > 0 and math.isfinite(capacity_factor))
+    ):
         raise ValueError(
             f"receive_rows: capacity_factor must be None or a finite number > 0, got {capacity_factor!r}"
         )

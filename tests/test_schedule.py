@@ -295,3 +295,22 @@ def test_receive_rows_bad_arguments_name_them(block_m, capacity_factor, match):
     "cannot convert float NaN to integer"."""
     with pytest.raises(ValueError, match=match):
         megamoe.schedule.receive_rows(4, 2, 8, 2, block_m, capacity_factor)
+
+
+@pytest.mark.parametrize("index,value,match", [
+    (0, -5, r"receive_rows: num_tokens must be an int >= 0, got -5"),
+    (0, 16.0, r"receive_rows: num_tokens .*float 16\.0, not an int"),
+    (1, 0, r"receive_rows: top_k must be a positive int, got 0"),
+    (2, 0, r"receive_rows: num_local_experts must be a positive int, got 0"),
+    (3, 0, r"receive_rows: world_size must be a positive int, got 0"),
+    (5, "2", r"receive_rows: capacity_factor must be None or a finite number > 0, got '2'"),
+    (5, True, r"receive_rows: capacity_factor .*got True"),
+], ids=["tokens-negative", "tokens-float", "top_k-0", "experts-0", "world-0", "capacity-str", "capacity-bool"])
+def test_receive_rows_bad_sizes_name_them(index, value, match):
+    """receive_rows' sizes and capacity as its block_m: a ValueError naming the bad one. Before, T = -5 gave -5120 rows,
+    T = 16.0 a float number of rows, E_local = 0 rows for experts that do not exist, W = 0 or k = 0 no rows, a capacity
+    of True the rows of a factor 1, and a capacity '2' Python's TypeError from its comparison."""
+    args = [4, 2, 8, 2, 16, None]
+    args[index] = value
+    with pytest.raises(ValueError, match=match):
+        megamoe.schedule.receive_rows(*args)
