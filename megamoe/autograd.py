@@ -733,7 +733,8 @@ def _check_no_function_transforms(compiling: bool, **tensors) -> None:
         raise TypeError(
             f"megamoe.experts: {name} is {what}; the fused and torch backends support reverse-mode autograd only "
             "(loss.backward() / torch.autograd.grad), not torch.func transforms or forward-mode AD. Call it outside "
-            "the transform, or use MoEConfig(backend='reference') (plain PyTorch ops, every transform)"
+            "the transform, or use MoEConfig(backend='reference') (plain PyTorch ops: every transform, though vmap "
+            "cannot batch topk_ids)"
         )
 
 
