@@ -337,6 +337,22 @@ def test_cli_rejects_an_empty_name_list(option, capsys, monkeypatch):
     assert exit_info.value.code == 2 and f"{option}: no name given" in capsys.readouterr().err
 
 
+def test_triton_unavailable_says_why_its_backend_did_not_load():
+    """With a Triton too old for the kernels (a 3.6 install reporting "3.5.1"), the bench's reason names the
+    version, not "needs Triton and a CUDA GPU", which a Hopper GPU with Triton 3.5 already has."""
+    pytest.importorskip("triton")
+    code = (
+        "import triton\n"
+        "triton.__version__ = '3.5.1'\n"
+        "import torch\n"
+        "from megamoe.bench.gate import unavailable_reason\n"
+        "print(unavailable_reason('triton', torch.device('cpu'), None))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "needs triton >= 3.6, found triton 3.5.1" in done.stdout, done.stdout
+
+
 def test_too_few_experts_names_the_option():
     with pytest.raises(ValueError, match="1 experts per GPU \\(--experts-per-gpu 1\\) x 1 ranks is fewer than k = 8"):
         choose_experts_per_gpu(WORKLOADS["qwen3-30b-a3b"], 16384, 1, 2, 1, None)

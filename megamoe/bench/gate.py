@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import megamoe
-from megamoe.autograd import group_hosts, triton_runs_on
+from megamoe.autograd import TRITON_UNAVAILABLE, group_hosts, triton_runs_on
 from megamoe.bench import baselines
 from megamoe.bench.problem import Tokens, Weights, expert_weights, forward_backward
 from megamoe.bench.workloads import Workload
@@ -44,7 +44,8 @@ def unavailable_reason(backend: str, device: torch.device, group) -> str:
     """Why backend cannot run here ("" if it can, as far as can be told without running it). Asking about triton
     with a group gathers the ranks' hosts (megamoe.autograd.group_hosts) at the group's first use: a collective."""
     if backend == "triton" and not triton_runs_on(device):
-        return "needs Triton and a CUDA GPU of compute capability >= 9.0"
+        # Where megamoe's Triton backend did not load, why (no Triton, or one too old for the kernels).
+        return TRITON_UNAVAILABLE or "needs a CUDA GPU of compute capability >= 9.0"
     if backend == "triton" and group is not None and len(set(group_hosts(group.group_name, device))) > 1:
         return "expert parallelism over NVLink: needs every rank of the group on one host"
     if backend == "reference" and group is not None:
