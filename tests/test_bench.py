@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_RUN = ["bench", "--workload", "cpu-small", "--tokens", "64", "--iters", "2", "--warmup", "1", "--rounds", "2"]
 
 
-def test_layer_flops_counts_as_benchmarks_md():
+def test_layer_flops_counts_as_design_md():
     w = WORKLOADS["deepseek-v3"]  # H 7168, I 2048, k 8, shared I 2048
     fwd = 6 * 8192 * 8 * 7168 * 2048 + 6 * 8192 * 7168 * 2048
     assert layer_flops(w, 8192, "fwd") == fwd
@@ -35,7 +35,7 @@ def test_layer_flops_counts_as_benchmarks_md():
         layer_flops(w, 1, "bwd")
 
 
-def test_workload_table_matches_benchmarks_md():
+def test_workload_shapes_are_the_models_published_ones():
     rows = {name: (w.hidden, w.intermediate, w.num_experts, w.top_k, w.shared_intermediate, w.tokens_per_gpu)
             for name, w in WORKLOADS.items()}  # fmt: skip
     assert rows == {
