@@ -97,22 +97,37 @@ def _check_module(name: str, module) -> None:
                         f"got {type(module).__name__}")
 
 
+def _expert_weights(module: nn.Module, names: tuple[str, str]) -> list[nn.Parameter]:
+    """The parameters holding module's expert weights `names`: each weight itself or, parametrized
+    (torch.nn.utils.parametrize, e.g. weight_norm), its originals, which hold this rank's experts as the weight does
+    (reading the weight computes a new tensor, not a parameter)."""
+    from torch.nn.utils import parametrize
+
+    params = []
+    for name in names:
+        if parametrize.is_parametrized(module, name):
+            params += module.parametrizations[name].parameters(recurse=False)
+        else:
+            params.append(getattr(module, name))
+    return params
+
+
 def _expert_groups(module: nn.Module) -> dict[int, tuple[nn.Parameter, object]]:
     """id(parameter) -> (parameter, EP group) for every expert-parallel parameter under module."""
     found = {}
     for sub in module.modules():
         if isinstance(sub, MoELayer):
-            group, params = sub.group, (sub.w_gate_up, sub.w_down)
+            group, names = sub.group, ("w_gate_up", "w_down")
         else:
             patch = getattr(sub, _HF_PATCH_ATTR, None)
             # The patch record sits on the experts module and, for DeepSeek-V3, on its block too; only the
             # experts module owns the sharded parameters.
             if patch is None or patch.local_slice is None or not hasattr(sub, "gate_up_proj"):
                 continue
-            group, params = patch.group, (sub.gate_up_proj, sub.down_proj)
+            group, names = patch.group, ("gate_up_proj", "down_proj")
         if group is None:
             continue  # all experts on every rank: ordinary replicas, averaged by the wrapper like the rest
-        for p in params:
+        for p in _expert_weights(sub, names):
             found[id(p)] = (p, group)
     return found
 
@@ -121,7 +136,8 @@ def expert_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
     """The expert-parallel parameters of `module`, by their names in module.named_parameters().
 
     These are the w_gate_up / w_down of every MoELayer built with a group, and the gate_up_proj / down_proj
-    of every Hugging Face experts module patched with a group. Expert weights of layers without a group are
+    of every Hugging Face experts module patched with a group (of a parametrized one, torch.nn.utils.parametrize's
+    originals: parametrizations.w_gate_up.original, ...). Expert weights of layers without a group are
     replicas like any other parameter and are not returned. Pass the values to fully_shard's `ignored_params`;
     for DDP call ddp_ignore_experts(model) rather than passing these names to DDP's own
     `_set_params_and_buffers_to_ignore_for_model`, whose gradient reducer misses them for a MoELayer wrapped directly

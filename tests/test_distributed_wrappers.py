@@ -429,6 +429,18 @@ def _init_and_dcp_worker(rank: int, world: int, port: int, out_dir: str) -> None
             rank, fresh, os.path.join(out_dir, "optim-sharded-adafactor"), shard=True,
             optimizer_class=torch.optim.Adafactor)
 
+        # A parametrized expert weight's originals hold this rank's experts: DDP must leave them alone.
+        from torch.nn.parallel import DistributedDataParallel
+        from torch.nn.utils import parametrizations
+
+        normed = fresh()
+        parametrizations.weight_norm(normed, "w_gate_up")
+        before = {n: p.detach().clone() for n, p in normed.named_parameters()}
+        results["parametrized names"] = sorted(expert_parameters(normed))
+        ddp_ignore_experts(normed)
+        DistributedDataParallel(normed)  # broadcasts rank 0's replicas at construction
+        results["parametrized kept"] = {n: torch.equal(p, before[n]) for n, p in normed.named_parameters()}
+
         wrong = dict(state)
         wrong["w_down"] = wrong["w_down"].redistribute(placements=[Shard(1)])
         try:
@@ -516,6 +528,18 @@ def test_checkpoints_keep_every_ranks_experts(init_and_dcp):
         assert error is not None and "state_dict['w_down'] must be a DTensor" in error, (
             f"rank {rank}: a DTensor sharded on dim 1 was accepted: {error}")
     assert not all(all(res["plain"].values()) for res in init_and_dcp), "the plain round trip was exact"
+
+
+def test_parametrized_experts_are_expert_parameters(init_and_dcp):
+    """A parametrized expert weight (weight_norm on w_gate_up) is held by its originals: expert_parameters names them
+    and DDP, after ddp_ignore_experts, leaves every rank's own. Before: reading layer.w_gate_up computed a new tensor,
+    not a parameter, so the originals counted as replicas and DDP copied rank 0's experts over rank 1's."""
+    for rank, res in enumerate(init_and_dcp):
+        if "error" in res:
+            pytest.fail(f"rank {rank}: {res['error']}")
+        assert res["parametrized names"] == ["parametrizations.w_gate_up.original0",
+                                             "parametrizations.w_gate_up.original1", "w_down"], f"rank {rank}"
+        assert all(res["parametrized kept"].values()), f"rank {rank}: changed by DDP {res['parametrized kept']}"
 
 
 def test_another_ranks_state_dict_is_a_value_error(init_and_dcp):
