@@ -26,6 +26,14 @@ def _zero_counts(layer: MoELayer, incompatible_keys) -> None:
     layer.tokens_per_expert = torch.zeros(layer.num_experts, dtype=torch.int32, device=layer.w_gate_up.device)
 
 
+def _shard_experts(layer: MoELayer, state_dict, prefix: str, local_metadata) -> None:
+    """After state_dict: this rank's experts as its shards of DTensors over the group (megamoe.expert_state). A
+    post-hook, not _save_to_state_dict: a parametrized expert weight's originals are saved by its parametrization's
+    module, after the layer's own entries."""
+    if layer.group is not None:
+        shard_expert_state(state_dict, prefix, layer._expert_state_names(), layer.group)
+
+
 class MoELayer(nn.Module):
     """A Mixture-of-Experts feed-forward layer with SwiGLU experts, expert-parallel over `group`.
 
@@ -40,8 +48,9 @@ class MoELayer(nn.Module):
     Parameters: router.weight [E, H]; w_gate_up [E_local, 2I, H] (gate rows first); w_down [E_local, H, I];
     shared_gate_up [2I_s, H] and shared_down [H, I_s] when a shared expert is present.
     With a group, state_dict() holds w_gate_up and w_down as DTensors [E, ...] over the group, sharded on dim 0
-    (so that torch.distributed.checkpoint saves every rank's experts), and load_state_dict also takes a
-    one-process state dict of all E experts (each rank loads its own): megamoe.expert_state.
+    (so that torch.distributed.checkpoint saves every rank's experts; parametrized, their originals of one entry per
+    local expert), and load_state_dict also takes a one-process state dict of all E experts (each rank loads its
+    own): megamoe.expert_state.
 
     x: [..., H] in the layer's dtype (under autocast: float32, float16 or bfloat16). Also accepted: x in the float16 or
     bfloat16 of the router and shared expert when only the experts are float32, as under FSDP2's MixedPrecisionPolicy
@@ -121,6 +130,7 @@ class MoELayer(nn.Module):
         )
         self.aux_loss: torch.Tensor | None = None
         self.register_load_state_dict_post_hook(_zero_counts)
+        self.register_state_dict_post_hook(_shard_experts)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -156,14 +166,27 @@ class MoELayer(nn.Module):
 
     _EXPERT_WEIGHTS = ("w_gate_up", "w_down")
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.group is not None:
-            shard_expert_state(destination, prefix, self._EXPERT_WEIGHTS, self.group)
+    def _expert_state_names(self) -> tuple[str, ...]:
+        """The state dict entries of this rank's experts: w_gate_up and w_down or, parametrized
+        (torch.nn.utils.parametrize), those of their originals with one entry per local expert along dim 0 (e.g.
+        weight_norm's both)."""
+        from torch.nn.utils import parametrize
+
+        names = []
+        for name in self._EXPERT_WEIGHTS:
+            if not parametrize.is_parametrized(self, name):
+                names.append(name)
+                continue
+            names += [f"parametrizations.{name}.{original}"
+                      for original, p in self.parametrizations[name].named_parameters(recurse=False)
+                      if p.dim() > 0 and p.shape[0] == self.num_local_experts]
+        return tuple(names)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        if self.group is not None:  # state_dict is load_state_dict's own copy of the caller's
-            load_expert_shards(state_dict, prefix, self._EXPERT_WEIGHTS, self.group, self.num_local_experts)
+        # state_dict is load_state_dict's own copy of the caller's; the submodules (a parametrization's originals)
+        # load after this.
+        if self.group is not None:
+            load_expert_shards(state_dict, prefix, self._expert_state_names(), self.group, self.num_local_experts)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def __deepcopy__(self, memo):

@@ -440,6 +440,19 @@ def _init_and_dcp_worker(rank: int, world: int, port: int, out_dir: str) -> None
         ddp_ignore_experts(normed)
         DistributedDataParallel(normed)  # broadcasts rank 0's replicas at construction
         results["parametrized kept"] = {n: torch.equal(p, before[n]) for n, p in normed.named_parameters()}
+        # ... and a DCP checkpoint keeps every rank's originals
+        with torch.no_grad():
+            for p in expert_parameters(normed).values():
+                p.add_(rank + 1)
+        path = os.path.join(out_dir, "ckpt-parametrized")
+        dcp.save(normed.state_dict(), checkpoint_id=path)
+        model = fresh()
+        parametrizations.weight_norm(model, "w_gate_up")
+        loaded = model.state_dict()
+        dcp.load(loaded, checkpoint_id=path)
+        model.load_state_dict(loaded)
+        saved = dict(normed.named_parameters())
+        results["parametrized dcp"] = {n: torch.equal(p, saved[n]) for n, p in model.named_parameters()}
 
         wrong = dict(state)
         wrong["w_down"] = wrong["w_down"].redistribute(placements=[Shard(1)])
@@ -532,14 +545,16 @@ def test_checkpoints_keep_every_ranks_experts(init_and_dcp):
 
 def test_parametrized_experts_are_expert_parameters(init_and_dcp):
     """A parametrized expert weight (weight_norm on w_gate_up) is held by its originals: expert_parameters names them
-    and DDP, after ddp_ignore_experts, leaves every rank's own. Before: reading layer.w_gate_up computed a new tensor,
-    not a parameter, so the originals counted as replicas and DDP copied rank 0's experts over rank 1's."""
+    and DDP, after ddp_ignore_experts, leaves every rank's own; the state dict holds them as DTensor shards, so DCP
+    restores every rank's. Before: reading layer.w_gate_up computed a new tensor, not a parameter, so the originals
+    counted as replicas: DDP copied rank 0's experts over rank 1's, and DCP saved one rank's."""
     for rank, res in enumerate(init_and_dcp):
         if "error" in res:
             pytest.fail(f"rank {rank}: {res['error']}")
         assert res["parametrized names"] == ["parametrizations.w_gate_up.original0",
                                              "parametrizations.w_gate_up.original1", "w_down"], f"rank {rank}"
         assert all(res["parametrized kept"].values()), f"rank {rank}: changed by DDP {res['parametrized kept']}"
+        assert all(res["parametrized dcp"].values()), f"rank {rank}: DCP did not restore {res['parametrized dcp']}"
 
 
 def test_another_ranks_state_dict_is_a_value_error(init_and_dcp):
