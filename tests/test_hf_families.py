@@ -243,6 +243,37 @@ def test_refusal_names_family_and_feature_at_first_forward_and_in_check_model():
     assert "activation GELU" in hf.unsupported_reason(probe)
 
 
+def test_fp8_quantized_experts_are_refused():
+    """FP8-quantized experts (transformers' FP8Experts, what from_pretrained makes of an FP8 checkpoint such as
+    DeepSeek-V3's: float8 weights with separate scales) are refused by name: by check_model and patch_model (the model
+    left unchanged) and, with experts_implementation="megamoe", at the first forward. check_model accepted them,
+    patch_model patched them and failed at the forward on w_gate_up's dtype, and the forward raised transformers'
+    KeyError saying "megamoe" was not registered (FP8 experts dispatch through an interface of their own). Cast to
+    bfloat16, whose weights megamoe would take, their scales still make them refused."""
+    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8", reason="transformers without FP8 experts")
+    from transformers.integrations.moe import use_experts_implementation
+
+    # decorated as transformers' FP8 quantizer does it, on a subclass so that transformers' class stays as it is
+    experts_class = use_experts_implementation(experts_class=type("FP8Experts", (fp8.FP8Experts,), {}),
+                                               experts_interface=fp8.ALL_FP8_EXPERTS_FUNCTIONS)
+    model = _qwen()
+    for layer in model.model.layers:
+        layer.mlp.experts = experts_class(config=model.config, block_size=(16, 16))
+    refused = r"FP8Experts \(model_type='qwen3_moe'\).*quantized expert weights \(gate_up_proj torch\.float8_e4m3fn"
+    with pytest.raises(hf.UnsupportedExpertsError, match=refused):
+        hf.check_model(model)
+    with pytest.raises(hf.UnsupportedExpertsError, match=refused):
+        hf.patch_model(model)
+    assert not hf.is_patched(model) and all("forward" not in vars(m) for m in model.modules())
+    model.set_experts_implementation("megamoe")
+    with pytest.raises(hf.UnsupportedExpertsError, match=refused):
+        model(input_ids=_ids())
+    # cast to bfloat16 (weights and scales alike): still quantized, its scales not megamoe's to ignore
+    model.to(torch.bfloat16)
+    with pytest.raises(hf.UnsupportedExpertsError, match=refused.replace("float8_e4m3fn", "bfloat16")):
+        hf.check_model(model)
+
+
 def _fsdp2_check_model_worker(rank: int, world: int, init_file: str, result_file: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

@@ -6,7 +6,8 @@ function calls megamoe.experts on the module's own parameters):
 
 1. transformers' experts interface (transformers >= 5). Importing this module registers
    `experts_implementation="megamoe"` in `transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS`, beside
-   "eager", "grouped_mm" and "batched_mm"; `register()` does it explicitly (idempotent):
+   "eager", "grouped_mm" and "batched_mm" (and in the interface of transformers' FP8-quantized experts, which
+   megamoe refuses); `register()` does it explicitly (idempotent):
 
        import megamoe.integrations.hf                  # or: from megamoe.integrations import hf; hf.register()
        model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="megamoe")
@@ -48,6 +49,8 @@ tests/test_hf_families.py checks each against "eager"):
     _apply_gate not silu(gate) * up     a custom gate (gpt-oss's clamped SwiGLU, swiglu_limit clamps,
                                         softcaps): checked on a probe with large magnitudes
     act_fn not SiLU                     e.g. hidden_act="gelu_pytorch_tanh" (Gemma 4)
+    float8 / int8 weights               quantized experts (transformers' FP8Experts, e.g. of an FP8
+                                        checkpoint): megamoe computes with float weights, without scales
     DTensor parameters                  outside transformers' parallel styles, which hand the experts
                                         their local shards, and FSDP2's fully_shard, which hands them
                                         the unsharded tensors
@@ -118,6 +121,7 @@ from torch import nn
 import megamoe
 from megamoe.config import MoEConfig, check_group
 from megamoe.expert_state import load_expert_shards, shard_expert_state
+from megamoe.schedule import FLOAT_DTYPES
 from megamoe.integrations._patch_attr import PATCH_ATTR as _PATCH_ATTR  # read by megamoe.parallel too
 
 __all__ = [
@@ -317,6 +321,11 @@ def unsupported_reasons(experts: nn.Module, *, allow_dtensor: bool = False) -> l
         elif not allow_dtensor and (_is_dtensor(gate_up) or _is_dtensor(down)):
             reasons.append("DTensor expert weights are not supported: call it where transformers' parallel styles "
                            "hand the experts their local shards")
+        elif (gate_up.dtype not in FLOAT_DTYPES or down.dtype not in FLOAT_DTYPES
+              or any(hasattr(experts, f"{weight}_scale_inv") for weight in _EXPERT_WEIGHTS)):
+            reasons.append(f"quantized expert weights (gate_up_proj {gate_up.dtype}, down_proj {down.dtype}, or with "
+                           "*_scale_inv scales) are not supported: megamoe computes with float16, bfloat16, float32 or "
+                           "float64 weights and no scales (dequantize them, e.g. FineGrainedFP8Config(dequantize=True))")
         elif gate_up.shape[1] % 2 or tuple(down.shape) != (gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2):
             reasons.append(f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not "
                            "[E, 2I, H] and [E, H, I]: shapes")
@@ -499,6 +508,12 @@ def register(config: MoEConfig | None = None) -> None:
         ) from error
     _interface_config = config
     ExpertsInterface.register(EXPERTS_IMPLEMENTATION, megamoe_experts_forward)
+    try:
+        from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+    except ImportError:  # a transformers without FP8-quantized experts
+        pass
+    else:  # FP8-quantized experts dispatch through an interface of their own: there megamoe refuses them by name
+        FP8ExpertsInterface.register(EXPERTS_IMPLEMENTATION, megamoe_experts_forward)
     _register_ep_implementation()
 
 
