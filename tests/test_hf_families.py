@@ -97,6 +97,14 @@ def test_a_wrong_result_is_caught(monkeypatch):
     assert result.status == "mismatch", result
 
 
+def test_compare_takes_empty_tensors():
+    """compare() of zero-element tensors (the gradient of a zero-size parameter) is equal, as its guard for them
+    meant (it raised torch's RuntimeError from max() of an empty tensor, outside check_experts_class's handling)."""
+    empty = torch.empty(0, 4)
+    assert hf_families.compare(empty, empty.clone(), 1e-4) is None
+    assert hf_families.compare(torch.ones(3), torch.full((3,), 1.01), 1e-4) is not None
+
+
 # --------------------------------------------------------------------------------------------- registration
 
 QWEN = dict(vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,

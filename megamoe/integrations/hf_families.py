@@ -308,7 +308,7 @@ def _forward_backward(model, input_ids, seed: int):
 
 def compare(expected: torch.Tensor, actual: torch.Tensor, rtol: float) -> float | None:
     """The error of actual against expected relative to expected's largest magnitude (None: within rtol)."""
-    scale = expected.abs().max().item()
+    scale = expected.abs().max().item() if expected.numel() else 0.0
     error = (actual - expected).abs().max().item() if expected.numel() else 0.0
     if not torch.isfinite(actual).all():
         return float("inf")
