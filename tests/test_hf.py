@@ -166,6 +166,19 @@ def test_patch_twice_and_unsupported_model_raise():
         hf.patch_model(_model("olmoe"), config={"backend": "torch"})
 
 
+def test_a_model_that_is_not_a_module_is_a_type_error():
+    """What from_pretrained(..., output_loading_info=True) returns, (model, info), is a TypeError naming the argument
+    in every function that takes a model or an experts module (it was an AttributeError from reading named_modules,
+    or vars()'s TypeError)."""
+    loaded = (_model("qwen3_moe"), {})
+    for function in (hf.patch_model, hf.unpatch_model, hf.is_patched, hf.check_model, hf.experts_modules):
+        with pytest.raises(TypeError, match=r"^model must be a torch\.nn\.Module .*, got tuple$"):
+            function(loaded)
+    for function in (hf.check_experts, hf.unsupported_reason, hf.unsupported_reasons):
+        with pytest.raises(TypeError, match=r"^experts must be a torch\.nn\.Module .*, got tuple$"):
+            function(loaded)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_torch_save_load_and_deepcopy_of_patched_model(family):
     """torch.save(model) of a patched model loads (the forwards are bound so that pickle can rebuild them) and

@@ -123,6 +123,7 @@ from megamoe.config import MoEConfig, check_group
 from megamoe.expert_state import load_expert_shards, shard_expert_state
 from megamoe.schedule import FLOAT_DTYPES
 from megamoe.integrations._patch_attr import PATCH_ATTR as _PATCH_ATTR  # read by megamoe.parallel too
+from megamoe.parallel import _check_module
 
 __all__ = [
     "BLOCK_SPECS",
@@ -290,6 +291,9 @@ def unsupported_reasons(experts: nn.Module, *, allow_dtensor: bool = False) -> l
     "<feature>: <why>" (see the module docstring). Reads flags and shapes; may run the module's activation
     or custom gate function on a 30-value probe. allow_dtensor: accept DTensor weights (transformers'
     parallel styles hand the forward its local shards)."""
+    if not isinstance(experts, nn.Module):
+        raise TypeError(f"experts must be a torch.nn.Module (an experts module of a transformers model), "
+                        f"got {type(experts).__name__}")
     reasons = []
     if getattr(experts, "has_post_expert_norm", False):
         reasons.append("a norm after each expert (has_post_expert_norm=True) is not supported: megamoe's experts end "
@@ -368,13 +372,15 @@ def check_experts(experts: nn.Module, name: str | None = None, *, allow_dtensor:
 def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of every experts module under `model` that transformers' experts interface
     dispatches (the modules `@use_experts_implementation` decorated)."""
+    _check_module("model", model)
     return [(name, m) for name, m in model.named_modules() if hasattr(m, "has_gate") and hasattr(m, "is_transposed")]
 
 
 def check_model(model: nn.Module) -> nn.Module:
     """Validate every experts module of `model` for experts_implementation="megamoe" now rather than at
     its first forward (e.g. before torch.compile(fullgraph=True)); returns `model`. Raises
-    UnsupportedExpertsError on the first module megamoe cannot run, ValueError if there is none."""
+    UnsupportedExpertsError on the first module megamoe cannot run, ValueError if there is none (TypeError if
+    model is not an nn.Module)."""
     found = experts_modules(model)
     if not found:
         raise ValueError(
@@ -635,6 +641,7 @@ def _bind(module: nn.Module, method: str, function) -> None:
 
 
 def _moe_blocks(model: nn.Module):
+    _check_module("model", model)
     return [(name, module, BLOCK_SPECS[type(module).__name__])
             for name, module in model.named_modules() if type(module).__name__ in BLOCK_SPECS]
 
@@ -779,12 +786,12 @@ def patch_model(model: nn.Module, *, group=None, config: MoEConfig | None = None
         after patching. model.save_pretrained then gathers the experts (every rank calls it) and writes a
         plain transformers checkpoint of all of them; model.state_dict() holds them as DTensors for DCP.
     config: the megamoe.MoEConfig passed to every megamoe.experts call (None: the default).
-    Raises TypeError if group is not a ProcessGroup (or None), ValueError if this rank is not in group, if a
-    block's number of experts is not divisible by the group size, if the model has no supported block, is
-    already patched or has its experts wrapped already (PEFT: patch first) or their forward (DeepSeek-V3: the
-    block's) set on the instance (accelerate's hooks), and UnsupportedExpertsError (a ValueError) if a block's
-    experts do not have megamoe's layout (bias, transposed or interleaved weights, an activation other than
-    silu). On any of these errors the model is left unchanged.
+    Raises TypeError if model is not an nn.Module or group not a ProcessGroup (or None), ValueError if this rank
+    is not in group, if a block's number of experts is not divisible by the group size, if the model has no
+    supported block, is already patched or has its experts wrapped already (PEFT: patch first) or their forward
+    (DeepSeek-V3: the block's) set on the instance (accelerate's hooks), and UnsupportedExpertsError (a
+    ValueError) if a block's experts do not have megamoe's layout (bias, transposed or interleaved weights, an
+    activation other than silu). On any of these errors the model is left unchanged.
 
     DeepSeek-V3: a module wrapped around or hooked onto `experts` or `shared_experts` (or its projections)
     after patching is honoured: the block then runs its own forward, the two modules called one after the
