@@ -29,6 +29,23 @@ def _mesh(group, device_type: str):
     return DeviceMesh.from_group(group, device_type)
 
 
+def expert_state_names(module: torch.nn.Module, weights: tuple[str, ...], num_local: int) -> tuple[str, ...]:
+    """The state dict entries (below module's prefix) of this rank's experts of module's expert weights: each weight
+    or, parametrized (torch.nn.utils.parametrize, e.g. weight_norm), those of its originals with num_local entries
+    along dim 0 (the others, e.g. a scalar, are no expert's and stay plain)."""
+    from torch.nn.utils import parametrize
+
+    names = []
+    for weight in weights:
+        if not parametrize.is_parametrized(module, weight):
+            names.append(weight)
+            continue
+        names += [f"parametrizations.{weight}.{original}"
+                  for original, p in module.parametrizations[weight].named_parameters(recurse=False)
+                  if p.dim() > 0 and p.shape[0] == num_local]
+    return tuple(names)
+
+
 def shard_expert_state(state: dict, prefix: str, names: tuple[str, ...], group) -> None:
     """Replace state[prefix + name], this rank's [E_l, ...] experts, by the DTensor [E, ...] they are the shard of
     (in place; names absent from state are skipped). Left as they are: tensors on the meta device (no mesh there)

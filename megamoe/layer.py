@@ -11,7 +11,7 @@ from torch import nn
 
 from megamoe.autograd import AUTOCAST_CASTS, AUTOCAST_DEVICE_TYPES, announce_rejection, experts
 from megamoe.config import MoEConfig, check_group, check_positive_int
-from megamoe.expert_state import load_expert_shards, shard_expert_state
+from megamoe.expert_state import expert_state_names, load_expert_shards, shard_expert_state
 from megamoe.schedule import FLOAT_DTYPES, not_dense
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -167,20 +167,7 @@ class MoELayer(nn.Module):
     _EXPERT_WEIGHTS = ("w_gate_up", "w_down")
 
     def _expert_state_names(self) -> tuple[str, ...]:
-        """The state dict entries of this rank's experts: w_gate_up and w_down or, parametrized
-        (torch.nn.utils.parametrize), those of their originals with one entry per local expert along dim 0 (e.g.
-        weight_norm's both)."""
-        from torch.nn.utils import parametrize
-
-        names = []
-        for name in self._EXPERT_WEIGHTS:
-            if not parametrize.is_parametrized(self, name):
-                names.append(name)
-                continue
-            names += [f"parametrizations.{name}.{original}"
-                      for original, p in self.parametrizations[name].named_parameters(recurse=False)
-                      if p.dim() > 0 and p.shape[0] == self.num_local_experts]
-        return tuple(names)
+        return expert_state_names(self, self._EXPERT_WEIGHTS, self.num_local_experts)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # state_dict is load_state_dict's own copy of the caller's; the submodules (a parametrization's originals)

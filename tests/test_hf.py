@@ -395,6 +395,7 @@ def _expert_parallel_worker(rank: int, world: int, init_file: str, family: str, 
                 expected = expected[rank * num_local : (rank + 1) * num_local]
             assert_close(f"rank {rank} grad of {name}", grad, expected, rtol=1e-4, atol=1e-6)
         _check_expert_parallel_state(model, family, rank, os.path.dirname(result_file))
+        _check_parametrized_after_patching(model, family, rank, os.path.dirname(result_file))
         hf.unpatch_model(model)
         full = dict(model.named_parameters())
         for name, param in _model(family).named_parameters():
@@ -437,6 +438,38 @@ def _check_expert_parallel_state(model, family: str, rank: int, directory: str) 
     assert patched and all(m._megamoe_patch.group is dist.group.WORLD for m in patched), f"rank {rank}: deepcopy"
 
 
+def _check_parametrized_after_patching(model, family: str, rank: int, directory: str) -> None:
+    """Expert weights parametrized after patch_model (weight_norm on gate_up_proj): the originals of one entry per
+    local expert are DTensor shards in the state dict, so a DCP round trip restores every rank's."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.nn.utils.parametrizations import weight_norm
+
+    def normed(model):
+        for module in model.modules():
+            if getattr(module, "_megamoe_patch", None) is not None and hasattr(module, "gate_up_proj"):
+                weight_norm(module, "gate_up_proj", dim=0)
+        return model
+
+    model = normed(copy.deepcopy(model))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "parametrizations" in name:
+                param.add_(rank + 1)  # every rank's experts differ
+    state = model.state_dict()
+    originals = [k for k in state if ".parametrizations.gate_up_proj.original" in k]
+    assert originals and all(isinstance(state[k], DTensor) for k in originals), f"rank {rank}: {originals}"
+    path = os.path.join(directory, f"dcp-parametrized-{family}")
+    dcp.save(state, checkpoint_id=path)
+    other = normed(hf.patch_model(_model(family), group=dist.group.WORLD))
+    loaded = other.state_dict()
+    dcp.load(loaded, checkpoint_id=path)
+    other.load_state_dict(loaded)
+    want = dict(model.named_parameters())
+    for name, param in other.named_parameters():
+        assert torch.equal(param, want[name]), f"rank {rank}: {name} not restored by the DCP round trip"
+
+
 def _group_checks_worker(rank: int, world: int, init_file: str, result_file: str) -> None:
     import torch.distributed as dist
 
@@ -470,6 +503,13 @@ def _group_checks_worker(rank: int, world: int, init_file: str, result_file: str
         with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.experts .*num_experts=3, group size=2"):
             hf.patch_model(model, group=dist.group.WORLD)
         assert_unchanged("num_experts not divisible")
+        layers.pop(2)
+        model.config.num_hidden_layers = 2
+        torch.nn.utils.parametrizations.weight_norm(layers[1].mlp.experts, "gate_up_proj", dim=0)
+        params = dict(model.named_parameters())
+        with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts .*parametrized ones \(gate_up_proj"):
+            hf.patch_model(model, group=dist.group.WORLD)
+        assert not hf.is_patched(model) and dict(model.named_parameters()) == params, "parametrized: changed"
     finally:
         dist.destroy_process_group()
     open(result_file + f".{rank}", "w").write("ok")

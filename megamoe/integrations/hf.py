@@ -117,10 +117,11 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 import megamoe
 from megamoe.config import MoEConfig, check_group
-from megamoe.expert_state import load_expert_shards, shard_expert_state
+from megamoe.expert_state import expert_state_names, load_expert_shards, shard_expert_state
 from megamoe.schedule import FLOAT_DTYPES
 from megamoe.integrations._patch_attr import PATCH_ATTR as _PATCH_ATTR  # read by megamoe.parallel too
 from megamoe.parallel import _check_module
@@ -650,10 +651,7 @@ def _shard(experts: nn.Module, group) -> tuple[int, int]:
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    num_experts = experts.gate_up_proj.shape[0]
-    if num_experts % world != 0:
-        raise ValueError(f"expert parallelism needs E divisible by the group size; E={num_experts}, group size={world}")
-    num_local = num_experts // world
+    num_local = experts.gate_up_proj.shape[0] // world  # divisible: patch_model checked
     first = rank * num_local
     for param_name in ("gate_up_proj", "down_proj"):
         full = getattr(experts, param_name)
@@ -676,14 +674,16 @@ def _save_sharded_experts(experts: nn.Module, state_dict, prefix, local_metadata
     DTensor shards of the global experts (megamoe.expert_state), as MoELayer(group=...) gives them."""
     patch = _sharded(experts)
     if patch is not None:
-        shard_expert_state(state_dict, prefix, _EXPERT_WEIGHTS, patch.group)
+        names = expert_state_names(experts, _EXPERT_WEIGHTS, patch.local_slice[1])
+        shard_expert_state(state_dict, prefix, names, patch.group)
 
 
 def _load_sharded_experts(experts: nn.Module, state_dict, prefix, *args) -> None:
     """load_state_dict pre-hook: the inverse of _save_sharded_experts (also takes all experts, or the local ones)."""
     patch = _sharded(experts)
     if patch is not None:
-        load_expert_shards(state_dict, prefix, _EXPERT_WEIGHTS, patch.group, patch.local_slice[1])
+        names = expert_state_names(experts, _EXPERT_WEIGHTS, patch.local_slice[1])
+        load_expert_shards(state_dict, prefix, names, patch.group, patch.local_slice[1])
 
 
 def _full_expert_state(model: nn.Module, state_dict: dict) -> dict:
@@ -787,7 +787,8 @@ def patch_model(model: nn.Module, *, group=None, config: MoEConfig | None = None
         plain transformers checkpoint of all of them; model.state_dict() holds them as DTensors for DCP.
     config: the megamoe.MoEConfig passed to every megamoe.experts call (None: the default).
     Raises TypeError if model is not an nn.Module or group not a ProcessGroup (or None), ValueError if this rank
-    is not in group, if a block's number of experts is not divisible by the group size, if the model has no
+    is not in group, if a block's number of experts is not divisible by the group size or (with a group) its expert
+    weights are parametrized (torch.nn.utils.parametrize: parametrize after patching), if the model has no
     supported block, is already patched or has its experts wrapped already (PEFT: patch first) or their forward
     (DeepSeek-V3: the block's) set on the instance (accelerate's hooks), and UnsupportedExpertsError (a
     ValueError) if a block's experts do not have megamoe's layout (bias, transposed or interleaved weights, an
@@ -834,7 +835,14 @@ def patch_model(model: nn.Module, *, group=None, config: MoEConfig | None = None
                 )
         if spec.shared is not None:
             _check_shared(f"{name}.{spec.shared} ({spec.family})", getattr(block, spec.shared))
-        num_experts = getattr(block, spec.experts).gate_up_proj.shape[0]
+        parametrized = [w for w in _EXPERT_WEIGHTS if parametrize.is_parametrized(experts, w)]
+        if group is not None and parametrized:
+            raise ValueError(
+                f"{name}.{spec.experts} ({spec.family}): with a group, patch_model keeps this rank's experts of each "
+                f"weight, which it cannot do for parametrized ones ({', '.join(parametrized)}: torch.nn.utils."
+                "parametrize, e.g. PEFT's LoRA on target_parameters): call patch_model before parametrizing them"
+            )
+        num_experts = experts.gate_up_proj.shape[0]
         if num_experts % world != 0:
             raise ValueError(
                 f"{name}.{spec.experts} ({spec.family}): expert parallelism needs num_experts divisible by the "
