@@ -198,7 +198,8 @@ class MoELayer(nn.Module):
     def route(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Router: returns (topk_ids [T, k] int64, topk_weights [T, k] fp32, probs [T, E] fp32; fp64 for an x and
         router in float64). The router runs in its own dtype (e.g. kept in fp32 with `layer.router.float()` in a
-        bf16 layer): x is cast to it. A router without a floating-point weight tensor is forward's TypeError."""
+        bf16 layer): x is cast to it. A router without a floating-point weight tensor is forward's TypeError, one that
+        scores another number of experts than E its ValueError."""
         router_weight = getattr(self.router, "weight", None)
         if (error := self._router_error(router_weight)) is not None:
             raise error
@@ -209,6 +210,11 @@ class MoELayer(nn.Module):
         F.linear on that weight, so that its hooks and wrappers (e.g. an adapter in its place) run: it reads its
         weight once more."""
         logits = self.router(x_TH.to(router_dtype))
+        if logits.shape[-1:] != (self.num_experts,):  # an id past E would index the counts out of bounds
+            raise ValueError(
+                f"router must give [T, E={self.num_experts}] logits, got shape {tuple(logits.shape)} from "
+                f"{type(self.router).__module__}.{type(self.router).__name__}"
+            )
         # Scores in fp32, but not below a float64 layer's precision: rounded to fp32, its weights and aux loss would
         # lose it (and torch.autograd.gradcheck of the layer would fail). megamoe.experts takes float64 topk_weights
         # beside a float64 x.

@@ -382,3 +382,16 @@ def test_router_without_weight_is_a_type_error_naming_it():
         with pytest.raises(TypeError, match=r"router must be a module with a floating-point weight tensor.*Sequential "
                                             r"without a weight"):
             call(torch.randn(3, 16))
+
+
+@pytest.mark.parametrize("out_features", [5, 3], ids=["E+1", "E-1"])
+def test_router_of_another_expert_count_is_a_value_error_naming_it(out_features):
+    """A router put in the layer's place that scores another number of experts than E: a ValueError naming the
+    router and the logits' shape, not torch's RuntimeError from counting an id past E (an out-of-bounds scatter,
+    a device assert on CUDA) or from the aux loss's mismatched [E] and [E'] terms."""
+    layer = megamoe.MoELayer(16, 8, 4, 2)
+    layer.router = torch.nn.Linear(16, out_features, bias=False)
+    for call in (layer, layer.route):
+        with pytest.raises(ValueError, match=rf"router must give \[T, E=4\] logits, got shape \(3, {out_features}\) "
+                                             r"from torch\.nn\.modules\.linear\.Linear"):
+            call(torch.randn(3, 16))
