@@ -406,12 +406,24 @@ def _expert_parallel_worker(rank: int, world: int, init_file: str, family: str, 
     open(result_file + f".{rank}", "w").write("ok")
 
 
+def _assert_dcp_round_trip(model, state: dict, other, path: str, rank: int) -> None:
+    """DCP saves state (model's state dict) to path and loads it into other: other's parameters become model's."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=path)
+    loaded = other.state_dict()
+    dcp.load(loaded, checkpoint_id=path)
+    other.load_state_dict(loaded)
+    want = dict(model.named_parameters())
+    for name, param in other.named_parameters():
+        assert torch.equal(param, want[name]), f"rank {rank}: {name} not restored by the DCP round trip"
+
+
 def _check_expert_parallel_state(model, family: str, rank: int, directory: str) -> None:
     """A model patched with a group: its state_dict holds each experts weight as a DTensor of the full [E, ...]
     (the unpatched model's values); a DCP round trip restores every rank's experts into another patched model;
     a deep copy shares the group."""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
 
     original = _model(family).state_dict()
     state = model.state_dict()
@@ -422,17 +434,11 @@ def _check_expert_parallel_state(model, family: str, rank: int, directory: str) 
         if key in experts:
             assert torch.equal(value.full_tensor(), original[key]), f"rank {rank}: {key} is not the full experts'"
     path = os.path.join(directory, f"dcp-{family}")
-    dcp.save(state, checkpoint_id=path)
     other = hf.patch_model(_model(family), group=dist.group.WORLD)
     with torch.no_grad():
         for param in other.parameters():
             param.zero_()
-    loaded = other.state_dict()
-    dcp.load(loaded, checkpoint_id=path)
-    other.load_state_dict(loaded)
-    want = dict(model.named_parameters())
-    for name, param in other.named_parameters():
-        assert torch.equal(param, want[name]), f"rank {rank}: {name} not restored by the DCP round trip"
+    _assert_dcp_round_trip(model, state, other, path, rank)
     copied = copy.deepcopy(model)
     patched = [m for m in copied.modules() if getattr(m, "_megamoe_patch", None) is not None]
     assert patched and all(m._megamoe_patch.group is dist.group.WORLD for m in patched), f"rank {rank}: deepcopy"
@@ -442,7 +448,6 @@ def _check_parametrized_after_patching(model, family: str, rank: int, directory:
     """Expert weights parametrized after patch_model (weight_norm on gate_up_proj): the originals of one entry per
     local expert are DTensor shards in the state dict, so a DCP round trip restores every rank's."""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
     from torch.nn.utils.parametrizations import weight_norm
 
     def normed(model):
@@ -460,14 +465,7 @@ def _check_parametrized_after_patching(model, family: str, rank: int, directory:
     originals = [k for k in state if ".parametrizations.gate_up_proj.original" in k]
     assert originals and all(isinstance(state[k], DTensor) for k in originals), f"rank {rank}: {originals}"
     path = os.path.join(directory, f"dcp-parametrized-{family}")
-    dcp.save(state, checkpoint_id=path)
-    other = normed(hf.patch_model(_model(family), group=dist.group.WORLD))
-    loaded = other.state_dict()
-    dcp.load(loaded, checkpoint_id=path)
-    other.load_state_dict(loaded)
-    want = dict(model.named_parameters())
-    for name, param in other.named_parameters():
-        assert torch.equal(param, want[name]), f"rank {rank}: {name} not restored by the DCP round trip"
+    _assert_dcp_round_trip(model, state, normed(hf.patch_model(_model(family), group=dist.group.WORLD)), path, rank)
 
 
 def _group_checks_worker(rank: int, world: int, init_file: str, result_file: str) -> None:
