@@ -514,6 +514,39 @@ def test_tma_core_takes_x_at_an_unaligned_base(monkeypatch):
 
 
 @interpreted
+def test_tma_core_takes_a_one_token_x_with_an_odd_stride(monkeypatch):
+    """x [1, H] as a column's transpose (strides (1, 1): contiguous to torch, not to a TMA descriptor, whose strides
+    but the last must be multiples of 16 bytes) runs on the TMA core gathering x in gate_up_fwd, with the bits of x
+    [1, H] in the contiguous format (before: tma_addressable let it through and the descriptor's assert failed); so
+    does a weight whose size-1 expert dimension has such a stride, on the pointer-load core instead."""
+    from megamoe.backends.triton import experts as triton_experts
+    from megamoe.backends.triton.configs import kernel_configs
+
+    def gathering(*args):
+        table = _as_tma(kernel_configs(*args))
+        return dataclasses.replace(table, gate_up_fwd=dataclasses.replace(table.gate_up_fwd, gather=True))
+
+    monkeypatch.setattr(triton_experts, "tma_kernel_configs", gathering)
+    H, I, E, k = 32, 16, 4, 2
+    x, ids, weights, wgu, wd, _, _ = make_problem(1, H, I, E, k, torch.float16)
+    d_out = torch.randn(1, H, generator=torch.Generator().manual_seed(7)).half()
+    column = x.view(H, 1).T  # x's memory seen as a column's transpose: strides (1, 1)
+    assert column.is_contiguous() and column.stride() == (1, 1)
+    s = build_schedule(ids, E, block_m=16)
+
+    def run(x_in):
+        out, saved = experts_fwd(x_in, weights, wgu, wd, None, None, s, None)
+        return (out, *experts_bwd(d_out, x_in, weights, wgu, wd, None, None, s, None, None, saved)[:4])
+
+    for name, a, b in zip(["out", "d_x", "d_topk_weights", "d_w_gate_up", "d_w_down"], run(x), run(column)):
+        assert torch.equal(a, b), name
+    one_expert = wgu[0].view(2 * I, H, 1).permute(2, 0, 1)  # [1, 2I, H], strides (1, H, 1)
+    assert one_expert.is_contiguous() and one_expert.stride()[0] == 1
+    one_s = build_schedule(torch.zeros_like(ids), 1, block_m=16)
+    assert not triton_experts.one_gpu_configs(x, one_expert, wd[:1], one_s).gate_up_fwd.tma
+
+
+@interpreted
 def test_capacity_cut_pairs_count_as_zero():
     """Pairs a declared capacity cut (dest_row -1) contribute nothing and get zero router grads, never NaN."""
     T, H, I, E, k = 48, 32, 16, 3, 2

@@ -78,10 +78,13 @@ def tma_ready_x(x: torch.Tensor, cfg: KernelConfigs) -> torch.Tensor:
     """x contiguous and, where the TMA core runs (its kernels gather x in their loads and take a descriptor of it:
     gate_up_fwd where the tile says gather, dw_gate_up with MoEConfig.recompute), 16-byte aligned: a contiguous x
     at an odd offset of a larger buffer (H a multiple of 8, its base not) is copied once instead of being refused
-    by the launchers' TMA check. one_gpu_configs checks only the weights' alignment; x's is settled here."""
+    by the launchers' TMA check (as is a one-token x whose size-1 dimension has an odd stride, e.g. a column's
+    transpose). one_gpu_configs checks only the weights' alignment; x's is settled here."""
     x = x.contiguous()
     if cfg.gate_up_fwd.tma and not tma_gemm.tma_addressable(x):
-        x = x.clone()  # the caching allocator's blocks are 512-byte aligned
+        # the caching allocator's blocks are 512-byte aligned; the contiguous format's strides (clone's default keeps
+        # x's, odd ones included)
+        x = x.clone(memory_format=torch.contiguous_format)
     return x
 
 

@@ -187,10 +187,12 @@ def dw_tma_kernel(
 
 
 def tma_addressable(*tensors: torch.Tensor) -> bool:
-    """Whether TMA can copy these tensors: 16-byte aligned base addresses and row strides (for bf16/fp16:
-    H and I multiples of 8). Host metadata only; never synchronises."""
-    return all(t.data_ptr() % 16 == 0 and all(s == 1 or s * t.element_size() % 16 == 0 for s in t.stride())
-               for t in tensors)
+    """Whether TMA can copy these tensors: 16-byte aligned base addresses, the last dimension contiguous and every
+    other stride a multiple of 16 bytes (for bf16/fp16: H and I multiples of 8), a dimension of size 1 too (torch
+    calls x [1, H] with strides (1, 1) contiguous; a TMA descriptor does not take it). Host metadata only; never
+    synchronises."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(-1) == 1
+               and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
 
 
 def _check_tma(*tensors: torch.Tensor) -> None:
