@@ -53,12 +53,14 @@ BACKENDS, TRITON_UNAVAILABLE = _load_backends()
 
 
 def triton_runs_on(device: torch.device) -> bool:
-    """Whether the fused Triton backend can run on device: Triton installed, a CUDA GPU of sm_90 or newer."""
-    return "triton" in BACKENDS and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+    """Whether the fused Triton backend can run on device: Triton installed, an NVIDIA GPU of sm_90 or newer (not
+    a ROCm build's AMD GPU, also a "cuda" device, whose capability is its gfx version: 9.4 on an MI300)."""
+    return ("triton" in BACKENDS and device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
 def resolve_backend(config: MoEConfig, x: torch.Tensor, group) -> str:
-    """The backend that runs: "auto" means triton for bf16/fp16 on CUDA GPUs of compute capability >= 9.0
+    """The backend that runs: "auto" means triton for bf16/fp16 on NVIDIA GPUs of compute capability >= 9.0
     (with a group, one whose ranks all run on this host: symmetric memory maps peers over NVLink), torch elsewhere."""
     # Asked on every rank whatever its config says: the group's first call gathers the ranks' hosts, a
     # collective, so a rank with another backend or dtype (check_ranks_agree reports it) must not skip it.
@@ -69,10 +71,12 @@ def resolve_backend(config: MoEConfig, x: torch.Tensor, group) -> str:
         if config.backend == "triton" and not triton_runs_on(x.device):
             # A host-side device query (as "auto" makes), no sync: fail here, not in Triton's driver lookup.
             where = str(x.device)
-            if x.device.type == "cuda":
+            if x.device.type == "cuda" and torch.version.hip is not None:
+                where += " (an AMD GPU: a ROCm build of torch)"
+            elif x.device.type == "cuda":
                 where += " (compute capability {}.{})".format(*torch.cuda.get_device_capability(x.device))
             raise ValueError(
-                f"MoEConfig.backend='triton' needs a CUDA GPU of compute capability >= 9.0, but the tensors are on "
+                f"MoEConfig.backend='triton' needs an NVIDIA GPU of compute capability >= 9.0, but the tensors are on "
                 f"{where}; use backend='auto' or 'torch'"
             )
         if config.backend == "triton" and x.dtype not in TRITON_DTYPES:

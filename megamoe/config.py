@@ -118,7 +118,7 @@ def note_group(group) -> None:
 class MoEConfig:
     """Knobs of the MoE layer. Every field is validated; defaults give the dropless, deterministic path.
 
-    backend: "auto" picks "triton" on CUDA GPUs of compute capability >= 9.0 (in bf16/fp16; with an
+    backend: "auto" picks "triton" on NVIDIA GPUs of compute capability >= 9.0 (in bf16/fp16; with an
         expert-parallel group, when every rank of the group runs on this host: symmetric memory over NVLink) and
         "torch" elsewhere; "reference" runs the plain-PyTorch math (no schedule, no EP); "torch" the
         portable path.

@@ -515,6 +515,24 @@ def test_block_m_below_the_triton_tile(block_m, monkeypatch):
     kernel_configs(H, I, torch.bfloat16, torch.device("cpu"), floor)
 
 
+@pytest.mark.skipif("triton" not in megamoe.autograd.BACKENDS, reason="needs Triton")
+def test_triton_backend_not_on_rocm_gpus(monkeypatch):
+    """A ROCm build's AMD GPU is a "cuda" device whose capability is its gfx version (9.4 on an MI300): "auto" picks
+    the torch path there (before: triton, whose tile table then chose the Hopper Gluon kernels, wgmma and TMA), and
+    backend="triton" is a ValueError saying it needs an NVIDIA GPU. Pretended: torch.version.hip and the capability
+    query are patched, x a stand-in with a "cuda" device."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 4))
+    x = SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert megamoe.autograd.resolve_backend(MoEConfig(), x, None) == "triton"  # an NVIDIA GPU of capability 9.4
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133")
+    assert megamoe.autograd.resolve_backend(MoEConfig(), x, None) == "torch"
+    with pytest.raises(ValueError, match=r"backend='triton' needs an NVIDIA GPU .*ROCm"):
+        megamoe.autograd.resolve_backend(MoEConfig(backend="triton"), x, None)
+
+
 @pytest.mark.parametrize(
     "make,name",
     [

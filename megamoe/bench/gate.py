@@ -45,7 +45,7 @@ def unavailable_reason(backend: str, device: torch.device, group) -> str:
     with a group gathers the ranks' hosts (megamoe.autograd.group_hosts) at the group's first use: a collective."""
     if backend == "triton" and not triton_runs_on(device):
         # Where megamoe's Triton backend did not load, why (no Triton, or one too old for the kernels).
-        return TRITON_UNAVAILABLE or "needs a CUDA GPU of compute capability >= 9.0"
+        return TRITON_UNAVAILABLE or "needs an NVIDIA GPU of compute capability >= 9.0"
     if backend == "triton" and group is not None and len(set(group_hosts(group.group_name, device))) > 1:
         return "expert parallelism over NVLink: needs every rank of the group on one host"
     if backend == "reference" and group is not None:
