@@ -29,8 +29,9 @@ class TileConfig:
     the kernel gathers the x rows in its loads (by pointer, the weights still by TMA) instead of reading
     rows a gather pass wrote; gluon (with tma): the warp-specialized Gluon kernel of kernels/gluon_*.py runs
     (a producer warp feeding two consumer warpgroups through an mbarrier ring; num_warps is then its
-    default partition's, 4), its two warpgroups on alternate tiles with pingpong, else on halves of each
-    tile; handoff (gate_up_fwd's Gluon kernel on x rows): its epilogue on warps of its own
+    default partition's, 4); pingpong (the row-block and weight-grad Gluon kernels, gluon_rows.py and gluon_dw.py):
+    their two warpgroups on alternate tiles, else on halves of each tile (gate_up_fwd's Gluon kernels always take
+    halves, down_dgrad's always alternate tiles, whatever pingpong says); handoff (gate_up_fwd's Gluon kernel on x rows): its epilogue on warps of its own
     (gluon_gate_up.gate_up_fwd_handoff_kernel, 3 stages)."""
 
     block_m: int
@@ -135,7 +136,8 @@ _SM90_TMA = KernelConfigs(
 # qwen3-30b-a3b 7.32 ms gathering against 7.68 on rows, gpt-oss-120b (H 2880) 20.64 against 20.04: gathering
 # pays at H 2048 only.
 _GATHER_X_MAX_H = 2048
-# Other GPUs (Ampere, Ada, Blackwell until measured): mma.sync-sized tiles that fit 100 KB of shared memory.
+# The other GPUs the Triton backend runs on (compute capability 10 and up: Blackwell until measured) and the CPU
+# interpreter: mma.sync-sized tiles that fit 100 KB of shared memory.
 _DEFAULT = KernelConfigs(
     gate_up_fwd=TileConfig(128, 64, 32, num_warps=8, num_stages=3),
     down_fwd=TileConfig(128, 128, 32, num_warps=8, num_stages=3),
