@@ -187,6 +187,16 @@ def test_hf_grouped_mm_matches_reference(rng, shape, route, shared, dtype):
                             dtype)
 
 
+def test_hf_grouped_mm_gets_the_router_weights_in_x_dtype(rng):
+    """As transformers' Qwen3-MoE router hands them to the experts: fp32 ones would run transformers' combine
+    (product, gather and sum over [T*k, H], and their backward) in fp32, slower than such a model runs it."""
+    pytest.importorskip("transformers.integrations.moe", reason="transformers >= 5 not installed")
+    p = make_problem(rng, 64, 32, 16, 6, 3).cast(torch.bfloat16)
+    out = hf_grouped_mm_experts(p.x, p.topk_ids, p.topk_weights, p.w_gate_up, p.w_down)
+    as_qwen3 = hf_grouped_mm_experts(p.x, p.topk_ids, p.topk_weights.to(torch.bfloat16), p.w_gate_up, p.w_down)
+    assert p.topk_weights.dtype == torch.float32 and torch.equal(out, as_qwen3)
+
+
 def test_liger_when_installed(rng):
     pytest.importorskip("liger_kernel", reason="liger-kernel not installed")
     if not torch.cuda.is_available():

@@ -11,7 +11,10 @@
   w_gate_up where TorchTitan runs two (over w1 and w3, x's rows read twice and two gradients of them summed): the
   departure makes the baseline faster, not slower.
 - "hf-grouped_mm" (peer, when transformers >= 5 is installed): transformers' own experts implementation
-  "grouped_mm" (transformers.integrations.moe), called on our tensors.
+  "grouped_mm" (transformers.integrations.moe), called on our tensors, the router weights in x's dtype as
+  transformers' Qwen3-MoE, Qwen2-MoE and gpt-oss routers hand them over (fp32 ones would run its combine, a
+  product, gather and sum over [T*k, H] and their backward, in fp32; Mixtral's and DeepSeek-V3's routers do
+  hand fp32, so at those workloads the peer runs lighter than those models do).
 - "liger" (peer, when liger-kernel is installed; CUDA): Liger-Kernel's fused MoE, LigerFusedMoEFunction.
 
 Each is a function with megamoe.experts' signature (x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_E2IH
@@ -190,7 +193,7 @@ def hf_grouped_mm_experts(
         has_bias=False, is_transposed=False, has_post_expert_norm=False, _is_expert_parallel=False,
     )
     experts._apply_gate = _swiglu
-    out_TH = ALL_EXPERTS_FUNCTIONS["grouped_mm"](experts, x_TH, topk_ids_TK, topk_weights_TK)
+    out_TH = ALL_EXPERTS_FUNCTIONS["grouped_mm"](experts, x_TH, topk_ids_TK, topk_weights_TK.to(x_TH.dtype))
     if shared_gate_up is not None:  # transformers' MoE blocks add the shared expert's dense MLP
         out_TH = out_TH + _shared_expert(x_TH, shared_gate_up, shared_down)
     return out_TH
