@@ -8,8 +8,10 @@
   with expert parallelism the two all_to_all_single with the split sizes on the host, the received rows
   reordered rank-major to expert-major and back). Departures: the GEMMs run in the inputs' dtype (TorchTitan
   casts to bf16: the same in a bf16 run, while fp32 CPU runs stay fp32); gate and up are one grouped GEMM over
-  w_gate_up where TorchTitan runs two (over w1 and w3, x's rows read twice and two gradients of them summed): the
-  departure makes the baseline faster, not slower.
+  w_gate_up where TorchTitan runs two (over w1 and w3, x's rows read twice and two gradients of them summed). By
+  bytes moved (not timed) one GEMM is lighter where I < 1.5 H (every workload but mixtral-8x7b); at mixtral-8x7b
+  (I = 3.5 H) the concatenated [N, 2I] gradient it writes and reads outweighs the saving, ~1 GB per fwd+bwd,
+  about 1% of that baseline's time.
 - "hf-grouped_mm" (peer, when transformers >= 5 is installed): transformers' own experts implementation
   "grouped_mm" (transformers.integrations.moe), called on our tensors, the router weights in x's dtype as
   transformers' Qwen3-MoE, Qwen2-MoE and gpt-oss routers hand them over (fp32 ones would run its combine, a
