@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import unittest.mock
 import zlib
 
 import pytest
@@ -233,20 +234,22 @@ def problem_id(shape: tuple) -> str:
 
 @contextlib.contextmanager
 def poisoned_empty():
-    """torch.empty returns NaN-filled floating tensors inside the block: unwritten outputs show as NaN."""
-    real_empty = torch.empty
+    """torch.empty, torch.empty_like and Tensor.new_empty (megamoe allocates its outputs with all three) return
+    NaN-filled floating tensors inside the block: unwritten outputs show as NaN."""
 
-    def empty(*args, **kwargs):
-        out = real_empty(*args, **kwargs)
-        if out.is_floating_point():
-            out.fill_(float("nan"))
-        return out
+    def poisoned(allocate):
+        def allocate_nan(*args, **kwargs):
+            out = allocate(*args, **kwargs)
+            if out.is_floating_point():
+                out.fill_(float("nan"))
+            return out
 
-    torch.empty = empty
-    try:
+        return allocate_nan
+
+    with contextlib.ExitStack() as stack:
+        for owner, name in ((torch, "empty"), (torch, "empty_like"), (torch.Tensor, "new_empty")):
+            stack.enter_context(unittest.mock.patch.object(owner, name, poisoned(getattr(owner, name))))
         yield
-    finally:
-        torch.empty = real_empty
 
 
 # ----------------------------------------------------------------------------------------------------
