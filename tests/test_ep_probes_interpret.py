@@ -45,7 +45,8 @@ CASE = "T37-H48-I40-E5-k3-shared"
 GEMMS = ["gate_up_fwd", "down_fwd", "down_dgrad_router", "gate_up_dgrad", "dw_down", "dw_gate_up"]
 SLOT_SUMS = ["combine", "row_sums"]
 FUSED = ["ep_forward", "ep_backward"]
-EXCHANGE = ["publish", "pull_rows", "dispatch", "dispatch_pair_weights", "combine", "collect_pushed"]
+EXCHANGE = ["publish", "pull_rows", "push_tokens", "pull_pairs", "push_rows", "collect_pushed", "dispatch",
+            "dispatch_pair_weights", "combine", "gather_routing"]  # every step of comm/exchange.py
 DIRECTIONS = {"pull-push": ("pull", "push"), "push-pull": ("push", "pull")}
 
 
