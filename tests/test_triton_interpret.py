@@ -716,7 +716,7 @@ def test_overlap_knobs():
     """num_comm_sms -> communication programs of each pulling kernel (default ep.DEFAULT_COMM_SMS on the
     pointer-load core, one per SM, i.e. every CTA, on the Gluon core);
     minibatch_tokens -> schedule blocks per ready flag = ceil(minibatch_tokens * k / block_m), at least 1
-    (None: 1)."""
+    and at most the schedule's blocks (None: 1)."""
     T, E, k = 64, 8, 2
     _, ids, *_ = make_problem(T, 32, 16, E, k, torch.float32, routing="sparse")
     s = build_schedule(ids, E, block_m=16)
@@ -725,9 +725,30 @@ def test_overlap_knobs():
     assert ep.comm_programs(MoEConfig(num_comm_sms=5), cpu) == 5
     assert ep.comm_programs(MoEConfig(), cpu, gluon=True) == num_sms(cpu)
     assert ep.comm_programs(MoEConfig(num_comm_sms=5), cpu, gluon=True) == 5
-    for minibatch, blocks in [(None, 1), (1, 1), (8, 1), (9, 2), (64, 8), (10_000, 1250)]:
+    assert s.num_rows // 16 == 15
+    for minibatch, blocks in [(None, 1), (1, 1), (8, 1), (9, 2), (64, 8), (10_000, 15)]:
         got = ep.group_blocks(s, MoEConfig(minibatch_tokens=minibatch))
         assert got == blocks, f"minibatch_tokens={minibatch}: {got} blocks per flag, want {blocks}"
+
+
+@interpreted
+def test_ep_largest_minibatch_tokens(monkeypatch):
+    """minibatch_tokens = MAX_MINIBATCH_TOKENS (one ready flag for the whole batch) at k = block_m = 16: its
+    2**31 - 1 blocks per flag, passed as such, overflowed the fused kernels' int32 count of flags (no flag was
+    ever raised, and every tile waited for its rows until the timeout); the same bits as the unfused run."""
+    from megamoe.config import MAX_MINIBATCH_TOKENS
+
+    T, H, I, E, k = 4, 32, 16, 16, 16
+    x, ids, weights, wgu, wd, _, _ = make_problem(T, H, I, E, k, torch.float32)
+    d_out = torch.randn(T, H, generator=torch.Generator().manual_seed(7))
+    config = MoEConfig(minibatch_tokens=MAX_MINIBATCH_TOKENS)
+    s = build_schedule(ids, E, block_m=16, config=config)
+    assert s.num_blocks.item() > 1
+    monkeypatch.setattr(ep, "get_workspace", fake_workspace)
+    got, _ = run_ep(x, weights, wgu, wd, None, None, s, d_out, config)
+    serial, _ = run_ep(x, weights, wgu, wd, None, None, s, d_out, config, overlap=False)
+    for name, a, b in zip(["out", "d_x", "d_topk_weights", "d_w_gate_up", "d_w_down"], got, serial):
+        assert torch.equal(a, b), f"{name}: fused ep.py differs from the serial run"
 
 
 @interpreted

@@ -140,10 +140,13 @@ def comm_programs(config, device: torch.device, *, gluon: bool = False) -> int:
 
 def group_blocks(schedule: Schedule, config) -> int:
     """Schedule blocks per ready flag: the rows of about minibatch_tokens tokens (minibatch_tokens * k
-    rows, whole blocks); None: one block, the finest granularity (a tile waits only for its own rows)."""
+    rows, whole blocks), at most the schedule's blocks (one flag for them all; a count near 2**31 would
+    overflow the pull loop's int32 count of flags, kernels/comm_tiles.pull_then_claim); None: one block, the
+    finest granularity (a tile waits only for its own rows)."""
     if config.minibatch_tokens is None:
         return 1
-    return max(1, math.ceil(config.minibatch_tokens * schedule.top_k / schedule.block_m))
+    blocks = math.ceil(config.minibatch_tokens * schedule.top_k / schedule.block_m)
+    return max(1, min(blocks, schedule.num_rows // schedule.block_m))
 
 
 def _pull(buffer: _Buffer, maps: ReceiveMaps, schedule: Schedule, config, device: torch.device, *,
