@@ -196,7 +196,8 @@ def get_workspace(
     comm_timeout_ms.
 
     One workspace per (group, device, hidden size, dtype), sized for the largest T, T*k and R asked for so
-    far (WorkspaceSizes.nbytes: (T + T*k + 2R) * H elements, plus 8 bytes per pair): smaller calls reuse it.
+    far (WorkspaceSizes.nbytes: (T + T*k + 2R) * H elements, plus 8 bytes per pair and a
+    12-byte routing header): smaller calls reuse it.
     A call that does not fit allocates one sized for it and for everything before it (a collective: every
     rank of the group calls with the same arguments, as megamoe.experts' ranks do, having agreed on the
     shapes) and drops the smaller one, whose memory returns once nothing refers to it (a CUDA graph captured
