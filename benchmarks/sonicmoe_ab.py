@@ -1,12 +1,14 @@
 """megamoe, SonicMoE and the TorchTitan-style path side by side: one process, one device, the same weights,
-tokens and routing, the paths alternating (megamoe.bench.measure.round_order: over a multiple of the paths' count,
-or of twice it where that is odd, every path runs after every other equally often) over ROUNDS rounds of ITERS
+tokens and routing, the paths alternating (megamoe.bench.measure.round_order) over ROUNDS rounds of ITERS
 iterations after 3 untimed ones; median per path, and on GPUs its peak memory above the inputs. Before timing, each other
 path's output (and, for fwd+bwd, its four gradients d_x, d_topk_weights, d_w_gate_up, d_w_down) is compared with
-megamoe's. On GPUs the 8192^3 bf16 matmul of the bench's MFU ceiling (megamoe.bench.measure.ceiling_matmul) takes
-its turn in every round too, so each path's MFU is against a ceiling timed in the same rounds, at the same clock
-and power state (an H200 reaches its power cap within a second of sustained load). --profile N: after the timing,
-each path's GPU time per kernel over N calls (torch.profiler), where one path's time goes.
+megamoe's. On GPUs the 8192^3 bf16 matmul of the bench's MFU ceiling (megamoe.bench.measure.ceiling_matmul) opens
+every round, so each path's MFU is against a ceiling timed in the same rounds, at the same clock and power state (an
+H200 reaches its power cap within a second of sustained load), and, over a multiple of the paths' count (of twice
+it where that is odd: 2 for the default pair, 6 with --torchtitan), every path runs right after each other path and
+after the ceiling equally often, across the rounds' boundaries too (round_turns): the turn before sets the clock.
+--profile N: after the timing, each path's GPU time per kernel over N calls (torch.profiler), where one path's time
+goes.
 
 SonicMoE (Dao-AILab/sonic-moe at 8565e84: CuTe DSL kernels, with quack at 3d0ab3ec, the commit its requirements
 pin, and nvidia-cutlass-dsl 4.2.1; no quack-kernels release on PyPI has the modules it imports) computes the
@@ -132,6 +134,16 @@ def _replay_diff(replay, captured: dict[str, torch.Tensor], eager: dict[str, tor
     return {key: rel_diff(captured[key], eager[key]) for key in eager}
 
 
+def round_turns(paths: list[str], rnd: int, on_gpu: bool) -> list[str]:
+    """Round rnd's turns: on GPUs the ceiling's first, then the paths in round_order's order. The rounds run back to
+    back, so a round's first turn follows the last turn of the round before; with the ceiling opening every round,
+    each path follows each other path and the ceiling equally often over round_order's period, the rounds'
+    boundaries included. (Inside the rotation, the ceiling made those boundaries pair the same turns every time:
+    with three paths over 8 rounds SonicMoE followed the matmul in 4 of its turns, megamoe in 2, and megamoe the
+    lighter TorchTitan-style turn in 3.)"""
+    return ([CEILING] if on_gpu else []) + round_order(paths, rnd)
+
+
 def run_workload(name: str, pass_name: str, args, device: torch.device, dtype: torch.dtype) -> list[dict]:
     """The paths on one workload and pass, per routing: a record per (routing, path)."""
     w = WORKLOADS[name]
@@ -193,9 +205,8 @@ def run_workload(name: str, pass_name: str, args, device: torch.device, dtype: t
             times[CEILING] = []
             torch.cuda.synchronize()
             inputs_bytes = torch.cuda.memory_allocated()
-        order = list(turns)
         for rnd in range(args.rounds):
-            for p in round_order(order, rnd):
+            for p in round_turns(timed, rnd, on_gpu):
                 for i in range(WARMUP):
                     turns[p](toks[i % 3])
                 if on_gpu:

@@ -1,6 +1,7 @@
 """benchmarks/sonicmoe_ab.py on CPU: the side-by-side harness with the TorchTitan-style path, and its SonicMoE
 weight layout (gate and up rows interleaved, the gradients mapped back) checked against a torch model of that
 layout, since SonicMoE's own kernels need a Hopper GPU."""
+import collections
 import dataclasses
 import importlib.util
 import json
@@ -103,6 +104,23 @@ def test_timed_sonic_calls_leave_the_gate_up_gradient_interleaved(ab, monkeypatc
     interleaved = timed["d_w_gate_up_interleaved"]
     assert torch.equal(interleaved[:, 0::2], compared["d_w_gate_up"][:, :two_i // 2])
     assert torch.equal(interleaved[:, 1::2], compared["d_w_gate_up"][:, two_i // 2:])
+
+
+@pytest.mark.parametrize("num_paths", [1, 2, 3, 4])
+def test_every_path_follows_every_other_turn_equally_often(ab, num_paths):
+    """The rounds run back to back: a round's first turn follows the last turn of the round before. Over two of
+    round_order's periods every path follows each other path and the ceiling's matmul equally often, the rounds'
+    boundaries included (at the GPU's power cap the turn before sets the clock a turn starts at; with the ceiling
+    inside the rotation, three paths and 8 rounds had SonicMoE follow the matmul in 4 rounds, megamoe in 2)."""
+    paths = [f"path{i}" for i in range(num_paths)]
+    period = num_paths if num_paths % 2 == 0 else 2 * num_paths
+    turns = [t for rnd in range(2 * period) for t in ab.round_turns(paths, rnd, on_gpu=True)]
+    assert collections.Counter(turns) == {ab.CEILING: 2 * period, **dict.fromkeys(paths, 2 * period)}
+    follows = collections.Counter(zip(turns, turns[1:]))
+    for p in paths:
+        before = {q: follows[q, p] for q in [*paths, ab.CEILING] if q != p}
+        assert follows[p, p] == 0 and len(set(before.values())) == 1, (p, before)
+    assert ab.round_turns(paths, 0, on_gpu=False) == ab.round_order(paths, 0)  # no ceiling on a CPU
 
 
 def test_replay_check_catches_a_graph_that_left_work_out(ab):
