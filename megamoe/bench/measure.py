@@ -29,7 +29,9 @@ def round_order(names: list, r: int) -> list:
     rounds (n = len(names) even) or 2n (n odd) every name runs in every position equally often and right after
     every other name equally often. On a GPU at its power cap what ran just before sets the clock a turn starts
     at (a light turn leaves headroom, a matmul none), so a plain rotation, where each name always follows the
-    same neighbour, favours one name systematically; this design spreads that over all of them."""
+    same neighbour, favours one name systematically; this design spreads that over all of them. Within rounds
+    only: run back to back, a round's first turn follows the round before's last, pairs the design does not
+    balance (benchmarks/sonicmoe_ab.py opens every round with the same turn, its ceiling matmul, for that)."""
     n = len(names)
     first = [0] + [(j + 1) // 2 if j % 2 else n - j // 2 for j in range(1, n)]  # 0, 1, n-1, 2, n-2, ...
     row = [(i + r) % n for i in first]
