@@ -215,6 +215,9 @@ def run_workload(name: str, pass_name: str, args, device: torch.device, dtype: t
                 times[p] += call_times_ms(lambda i: turns[p](toks[i % 3]), iters=args.iters, warmup=0, device=device)
                 if on_gpu and p in paths:
                     peak[p] = max(peak[p], torch.cuda.max_memory_allocated() - inputs_bytes)
+        # Per round, the median of its iterations: what the turn before did to each turn stays readable in the JSON.
+        round_ms = {p: [statistics.median(t[i:i + args.iters]) for i in range(0, len(t), args.iters)]
+                    for p, t in times.items()}
         ceiling = CEILING_FLOPS / statistics.median(times.pop(CEILING)) / 1e9 if on_gpu else None
         profiles = {p: kernel_times(functools.partial(turns[p], toks[0]), args.profile) for p in timed
                     if args.profile and p in paths}
@@ -229,7 +232,8 @@ def run_workload(name: str, pass_name: str, args, device: torch.device, dtype: t
             tflops = layer_flops(w, T, pass_name) / ms / 1e9
             records.append(dict(
                 workload=name, routing=routing, pass_name=pass_name, path=p, ms=ms, tflops=tflops,
-                ceiling_tflops=ceiling, mfu=tflops / ceiling if ceiling else None,
+                ceiling_tflops=ceiling, mfu=tflops / ceiling if ceiling else None, ms_rounds=round_ms[p],
+                ceiling_ms_rounds=round_ms.get(CEILING),
                 # With --graph the captured graphs' memory pools count as allocated: no peak.
                 peak_above_inputs_gib=peak[p] / 2**30 if on_gpu and not args.graph else None, experts=E, tokens=T,
                 graph=args.graph, routed_only=routed_only, **args.facts,

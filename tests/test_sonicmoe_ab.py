@@ -57,6 +57,8 @@ def test_sonic_layout_and_torchtitan_agree_with_megamoe(ab, monkeypatch, tmp_pat
         keys = {"out", "d_x", "d_topk_weights", "d_w_gate_up", "d_w_down"} if r["pass_name"] == "fwd+bwd" else {"out"}
         assert r["ms"] > 0 and r["peak_above_inputs_gib"] is None
         assert r["ceiling_tflops"] is None and r["mfu"] is None  # the ceiling's turn runs on GPUs only
+        assert len(r["ms_rounds"]) == 2 and r["ms"] == pytest.approx(sum(r["ms_rounds"]) / 2)  # one iteration a round
+        assert r["ceiling_ms_rounds"] is None
         if r["path"] == "megamoe":
             assert r["rel_diff_to_megamoe"] is None and r["agrees"] is None
         else:  # fp32 on CPU: the same math in other orders
