@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -453,3 +455,39 @@ def test_round_order_balances_positions_and_predecessors(n):
     if n > 1:
         follows = collections.Counter((a, b) for row in rows for a, b in zip(row, row[1:]))
         assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1, follows
+
+
+def test_a_workloads_tensors_are_freed_before_the_next_ones_are_made(monkeypatch, capsys):
+    """The previous workload's weights and the previous routing's input sets are gone when the next ones are made
+    (and when the next workload measures the free memory its expert count is cut to): the timing turns, which hold
+    them, are dropped with them."""
+    made = {"weights": [], "tokens": []}
+    alive_at_make = []
+
+    def alive(kind):
+        return sum(ref() is not None for ref in made[kind])
+
+    def spy_weights(*args):
+        alive_at_make.append(("weights", alive("weights")))
+        weights = make_weights(*args)
+        made["weights"].append(weakref.ref(weights.w_gate_up_E2IH))
+        return weights
+
+    def spy_tokens(*args):
+        alive_at_make.append(("tokens", alive("tokens")))
+        tokens = make_tokens(*args)
+        made["tokens"].append(weakref.ref(tokens.x_TH))
+        return tokens
+
+    copy = dataclasses.replace(WORKLOADS["cpu-small"], name="cpu-small-copy")
+    monkeypatch.setitem(run.WORKLOADS, copy.name, copy)
+    monkeypatch.setattr(run, "make_weights", spy_weights)
+    monkeypatch.setattr(run, "make_tokens", spy_tokens)
+    monkeypatch.setattr(run, "gate_backends", lambda w, backends, *args: dict.fromkeys(backends, ("ok", "")))
+    monkeypatch.setattr(run, "time_pass", lambda *args, **kwargs: {
+        "ms": 1.0, "peak_mem_bytes": None, "peak_mem_above_inputs_bytes": None, "workspace_bytes": None})
+    code = run.run_bench(workloads=["cpu-small", copy.name], backends=["torch"], routing="both", tokens=16, iters=1,
+                         warmup=0, dtype=None, experts_per_gpu=None, json_path=None)
+    assert code == 0, capsys.readouterr().out
+    routing = [("tokens", i) for i in range(run.NUM_INPUT_SETS)]  # only the routing's own earlier sets alive
+    assert alive_at_make == [("weights", 0), *routing, *routing] * 2, alive_at_make

@@ -276,7 +276,7 @@ def run_bench(
                     flops = layer_flops(w, num_tokens, pass_name)
                     summarise(row, results[backend, pass_name], flops, ceiling)
             rows += these_rows.values()
-            del token_sets
+            del token_sets, turns  # the turns hold the input sets and the weights
         del weights
         if on_gpu:
             torch.cuda.empty_cache()
