@@ -7,6 +7,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import types
 import weakref
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import megamoe
 from megamoe.__main__ import main
 from megamoe.bench import gate, run
 from megamoe.bench.gate import gate_backends, rel_err
-from megamoe.bench.measure import alternating_rounds, round_order
+from megamoe.bench.measure import alternating_rounds, kernel_times, round_order
 from megamoe.bench.problem import cast, forward_backward, make_tokens, make_weights
 from megamoe.bench.routing import expert_load_E, route
 from megamoe.bench.run import RECORD_FIELDS
@@ -491,3 +492,36 @@ def test_a_workloads_tensors_are_freed_before_the_next_ones_are_made(monkeypatch
     assert code == 0, capsys.readouterr().out
     routing = [("tokens", i) for i in range(run.NUM_INPUT_SETS)]  # only the routing's own earlier sets alive
     assert alive_at_make == [("weights", 0), *routing, *routing] * 2, alive_at_make
+
+
+def test_kernel_times_idle_counts_only_time_no_kernel_runs(monkeypatch):
+    """Kernels that overlap (e.g. on two streams): a gap is idle only where no kernel started before it is still
+    running, and it names the kernel that ran last into it."""
+    cuda = torch.autograd.DeviceType.CUDA
+
+    def kernel(name, start, end):
+        return types.SimpleNamespace(name=name, device_type=cuda, device_time=end - start,
+                                     time_range=types.SimpleNamespace(start=start, end=end))
+
+    # long runs 0-100 us on one stream while short_1 and short_2 run on another; then 20 us with nothing running.
+    events = [kernel("long", 0, 100), kernel("short_1", 10, 20), kernel("short_2", 30, 40), kernel("next", 120, 130)]
+
+    class FakeProfile:
+        def __init__(self, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def events(self):
+            return events
+
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    times = kernel_times(lambda: None, 1)
+    assert times["idle_us_per_iteration"] == 20
+    assert times["largest_gaps"][0] == {"us": 20, "after": "long", "before": "next"}
+    assert times["gpu_us_per_iteration"] == 130

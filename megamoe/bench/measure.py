@@ -98,11 +98,16 @@ def kernel_times(run, iters: int) -> dict:
     per_kernel = collections.defaultdict(lambda: [0.0, 0])
     on_gpu = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                     key=lambda e: e.time_range.start)
+    gaps, last = [], None  # last: of the kernels started so far, the one that ends last
     for event in on_gpu:
         per_kernel[event.name][0] += event.device_time / iters
         per_kernel[event.name][1] += 1
-    gaps = sorted(({"us": b.time_range.start - a.time_range.end, "after": a.name[:60], "before": b.name[:60]}
-                   for a, b in zip(on_gpu, on_gpu[1:])), key=lambda g: -g["us"])
+        if last is not None:  # idle only once every earlier kernel ended (kernels on other streams overlap)
+            gaps.append({"us": event.time_range.start - last.time_range.end, "after": last.name[:60],
+                         "before": event.name[:60]})
+        if last is None or event.time_range.end > last.time_range.end:
+            last = event
+    gaps.sort(key=lambda g: -g["us"])
     kernels = sorted(({"kernel": k, "us": v[0], "launches": v[1] // iters} for k, v in per_kernel.items()),
                      key=lambda r: -r["us"])
     return {"gpu_us_per_iteration": sum(r["us"] for r in kernels),
