@@ -231,6 +231,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    for n in args.workload or ():
+        if n not in WORKLOADS:
+            parser.error(f"--workload: unknown {n!r}; choose from {', '.join(WORKLOADS)}")
     records = []
     for name in args.workload or ["qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b", "deepseek-v3", "mixtral-8x7b"]:
         records += run(name, args.routing, args.tokens, args.sweep, args.rounds)

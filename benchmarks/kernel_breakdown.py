@@ -87,6 +87,9 @@ def main() -> None:
     parser.add_argument("--experts-per-gpu", type=int, default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    for n in args.workload or ():
+        if n not in WORKLOADS:
+            parser.error(f"--workload: unknown {n!r}; choose from {', '.join(WORKLOADS)}")
     records = []
     for name in args.workload or ["qwen3-30b-a3b", "qwen3-235b-a22b"]:
         records += breakdown(name, args.tokens, args.experts_per_gpu)

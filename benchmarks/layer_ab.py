@@ -29,7 +29,8 @@ from megamoe.backends.triton import experts as te
 from megamoe.backends.triton import kernels
 from megamoe.bench.measure import round_order
 from megamoe.bench.problem import make_weights, make_tokens, forward_backward, forward_TH
-from megamoe.bench.workloads import WORKLOADS, layer_flops
+from megamoe.bench.routing import ROUTINGS
+from megamoe.bench.workloads import PASSES, WORKLOADS, layer_flops
 
 SHIPPED = (te.tma_kernel_configs, configs._GATHER_X_MAX_H)
 # Replaced by variants and restored by select: the weight grads (given row_src by experts_bwd) and whether
@@ -105,6 +106,13 @@ parser.add_argument("--pass", dest="passes", default="fwd+bwd", help="fwd+bwd an
 parser.add_argument("--rounds", type=int, default=4)
 parser.add_argument("--routing", default="balanced,skewed")
 args = parser.parse_args()
+for option, value, allowed in (("WORKLOAD", args.workloads, WORKLOADS), ("--pass", args.passes, PASSES),
+                               ("--routing", args.routing, ROUTINGS)):
+    for n in value.split(","):
+        if n not in allowed:
+            parser.error(f"{option}: unknown {n!r}; choose from {', '.join(allowed)}")
+if args.rounds < 1:
+    parser.error(f"--rounds must be at least 1, got {args.rounds}")
 
 
 def digest(t: torch.Tensor) -> str:

@@ -141,6 +141,11 @@ def main() -> None:
     probes = args.probes.split(",")
     if not set(probes) <= set(PROBES):
         raise SystemExit(f"--probes must be among {PROBES}, got {args.probes}")
+    for n in args.workloads.split(","):
+        if n not in WORKLOADS:
+            parser.error(f"--workloads: unknown {n!r}; choose from {', '.join(WORKLOADS)}")
+    if args.rounds < 1 or args.iters < 1:
+        parser.error(f"--rounds and --iters must be at least 1, got {args.rounds} and {args.iters}")
     rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)

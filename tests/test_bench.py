@@ -525,3 +525,20 @@ def test_kernel_times_idle_counts_only_time_no_kernel_runs(monkeypatch):
     assert times["idle_us_per_iteration"] == 20
     assert times["largest_gaps"][0] == {"us": 20, "after": "long", "before": "next"}
     assert times["gpu_us_per_iteration"] == 130
+
+
+@pytest.mark.parametrize("args, message", [
+    (["layer_ab.py", "qwen3-30b-a3b,qwen3-30b", "default", "out.json"], "WORKLOAD: unknown 'qwen3-30b'"),
+    (["layer_ab.py", "qwen3-30b-a3b", "default", "out.json", "--routing", "balanced,skewd"],
+     "--routing: unknown 'skewd'"),
+    (["gemm_bench.py", "--workload", "qwen3-30b-a3b", "--workload", "mixtral"], "--workload: unknown 'mixtral'"),
+    (["kernel_breakdown.py", "--workload", "qwen3-30b-a3b", "--workload", "mixtral"], "--workload: unknown 'mixtral'"),
+    (["overlap_bench.py", "--workloads", "qwen3-30b-a3b,mixtral"], "--workloads: unknown 'mixtral'"),
+    (["overlap_bench.py", "--rounds", "0"], "--rounds and --iters must be at least 1, got 0 and 20"),
+], ids=["layer_ab-workload", "layer_ab-routing", "gemm_bench", "kernel_breakdown", "overlap_bench", "overlap_rounds"])
+def test_benchmark_scripts_check_their_options_before_timing(args, message):
+    """A name the script does not know (or no rounds) is a usage error before anything runs: found at a later
+    workload or routing it would end the run after the earlier ones were timed, before the JSON is written."""
+    done = subprocess.run([sys.executable, REPO / "benchmarks" / args[0], *args[1:]], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
