@@ -5,8 +5,9 @@ Usage: python benchmarks/gemm_bench.py [--workload NAME ...] [--routing balanced
 Per workload the operands are the real ones of a training step: balanced (or skewed) routing, the
 schedule's expert-major rows padded per expert to its block_m, and the same segments handed to
 torch._grouped_mm (offsets = the schedule's expert_offsets). Each GEMM is timed as the fused path runs it
-(with its epilogue: SwiGLU after gate/up fwd, the SwiGLU backward after down dgrad) and as cuBLAS plus
-the torch ops that epilogue replaces. Variants:
+(with its epilogue: SwiGLU after gate/up fwd; after down dgrad, on the unweighted d_out rows, the router
+weight, the SwiGLU backward, h_w = w * h and the router-weight gradient's row sums, kernels.down_dgrad_router as
+the path runs it) and as cuBLAS plus the torch ops that epilogue replaces. Variants:
     "fused"        the tile table's kernel as the one-GPU path runs it (on Hopper: the Gluon kernels,
                    kernels/gluon_*.py; the weight grads given the schedule's row_src, which skip an expert's
                    last row step where it is padding only)
@@ -69,6 +70,17 @@ def swiglu_bwd_torch(gate_up, d_h):
     return torch.cat([d_h * u * sig * (1 + g * (1 - sig)), d_h * g * sig], dim=-1).to(gate_up.dtype)
 
 
+def down_dgrad_router_torch(d_out_rows, w_down, gate_up, row_w, offs):
+    """What down_dgrad_router's epilogue replaces, in torch: d_h = d_out_rows @ w_down per expert (cuBLAS), the
+    router-weight gradient's row sums <d_h, h>, h_w = w * h, and the SwiGLU backward of w * d_h; returns d_gate_up."""
+    d_h = torch._grouped_mm(d_out_rows, w_down, offs=offs).float()
+    g, u = gate_up.float().chunk(2, dim=-1)
+    h = F.silu(g) * u
+    d_w_rows = (d_h * h).sum(-1)
+    h_w = (h * row_w[:, None]).to(gate_up.dtype)
+    return swiglu_bwd_torch(gate_up, d_h * row_w[:, None]), h_w, d_w_rows
+
+
 def problem(name: str, routing: str, tokens: int | None):
     w = WORKLOADS[name]
     T, H, I, k = tokens or w.tokens_per_gpu, w.hidden, w.intermediate, w.top_k
@@ -84,15 +96,17 @@ def problem(name: str, routing: str, tokens: int | None):
     s = build_schedule(ids, E, block_m=bm)
     in_use = s.expert_offsets[-1:]
     x_rows = kernels.spread_rows(x, s.dest_row, s.row_src, in_use)
-    d_y = (kernels.spread_rows(d_out, s.dest_row, s.row_src, in_use).float()
-           * torch.where(s.row_src >= 0, tw.reshape(-1)[s.row_src.clamp(min=0).long()], 0.0)[:, None]).to(dt)
+    d_out_rows = kernels.spread_rows(d_out, s.dest_row, s.row_src, in_use)
+    row_w = torch.where(s.row_src >= 0, tw.reshape(-1)[s.row_src.clamp(min=0).long()], 0.0)
+    d_y = (d_out_rows.float() * row_w[:, None]).to(dt)
     cfg = kernel_configs(H, I, dt, dev, bm)
     tma_cfg = tma_kernel_configs(H, I, dt, dev, bm)
     blocks = (s.block_expert, range_of(s.num_blocks, "num_blocks"))
     h, gate_up = kernels.gate_up_fwd(x_rows, wgu, *blocks, store_gate_up=True, config=cfg.gate_up_fwd)
     d_gu = kernels.down_dgrad(d_y, wd, gate_up, *blocks, config=cfg.down_dgrad)
     rows = int(in_use)  # host read: a benchmark, outside anything timed
-    return dict(w=w, E=E, rows=rows, x=x, x_rows=x_rows, d_y=d_y, wgu=wgu, wd=wd, h=h, gate_up=gate_up, d_gu=d_gu,
+    return dict(w=w, E=E, rows=rows, x=x, x_rows=x_rows, d_out_rows=d_out_rows, row_w=row_w, tw=tw, d_y=d_y, wgu=wgu,
+                wd=wd, h=h, gate_up=gate_up, d_gu=d_gu,
                 s=s, cfg=cfg, tma_cfg=tma_cfg, blocks=blocks, offs=s.expert_offsets[1:].contiguous())
 
 
@@ -101,6 +115,7 @@ def gemms(p, sweep: bool) -> dict:
     w, s, cfg, tma_cfg, blocks, offs = p["w"], p["s"], p["cfg"], p["tma_cfg"], p["blocks"], p["offs"]
     H, I, E, R = w.hidden, w.intermediate, p["E"], p["rows"]
     x_rows, d_y, wgu, wd, h, gate_up, d_gu = (p[n] for n in ("x_rows", "d_y", "wgu", "wd", "h", "gate_up", "d_gu"))
+    d_out_rows, row_w, tw = p["d_out_rows"], p["row_w"], p["tw"]
     wgu_t, wd_t = wgu.transpose(1, 2), wd.transpose(1, 2)
     x, k = p["x"], w.top_k
 
@@ -109,6 +124,12 @@ def gemms(p, sweep: bool) -> dict:
         gathers (experts._gate_up), else on the spread rows."""
         a, gather = (x, (s.row_src, k)) if c.gather else (x_rows, None)
         return lambda: kernels.gate_up_fwd(a, wgu, *blocks, store_gate_up=True, config=c, gather=gather)[0]
+
+    def down_dgrad_router(c):
+        """down_dgrad with tile c as the one-GPU path runs it: on the unweighted d_out rows, the router epilogue
+        storing h_w (experts.py, for d_w_down)."""
+        return lambda: kernels.down_dgrad_router(d_out_rows, wd, gate_up, s.row_src, tw, *blocks, store_h_w=True,
+                                                 config=c)[0]
 
     def torch_gather():
         """x's row of every schedule row (zeros for padding), as a torch index: what cuBLAS needs where the fused
@@ -130,10 +151,10 @@ def gemms(p, sweep: bool) -> dict:
             "cublas": lambda: torch._grouped_mm(h, wd_t, offs=offs),
         }, lambda c: lambda: kernels.down_fwd(h, wd, *blocks, config=c)),
         "down_dgrad": (2 * R * H * I, {
-            "pointer": lambda: kernels.down_dgrad(d_y, wd, gate_up, *blocks, config=cfg.down_dgrad),
-            "cublas": lambda: swiglu_bwd_torch(gate_up, torch._grouped_mm(d_y, wd, offs=offs)),
-            "cublas-gemm": lambda: torch._grouped_mm(d_y, wd, offs=offs),
-        }, lambda c: lambda: kernels.down_dgrad(d_y, wd, gate_up, *blocks, config=c)),
+            "pointer": down_dgrad_router(cfg.down_dgrad),
+            "cublas": lambda: down_dgrad_router_torch(d_out_rows, wd, gate_up, row_w, offs)[0],
+            "cublas-gemm": lambda: torch._grouped_mm(d_out_rows, wd, offs=offs),
+        }, down_dgrad_router),
         "gate_up_dgrad": (2 * 2 * R * H * I, {
             "pointer": lambda: kernels.gate_up_dgrad(d_gu, wgu, *blocks, config=cfg.gate_up_dgrad),
             "cublas": lambda: torch._grouped_mm(d_gu, wgu, offs=offs),

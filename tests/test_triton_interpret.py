@@ -216,6 +216,33 @@ def test_down_dgrad(dtype, H):
 
 
 @interpreted
+def test_gemm_bench_torch_side_of_down_dgrad_router():
+    """benchmarks/gemm_bench.py times down_dgrad as the path runs it (kernels.down_dgrad_router on unweighted d_out
+    rows) against cuBLAS plus down_dgrad_router_torch, the torch ops its epilogue replaces: those compute the same
+    d_gate_up, h_w and router-weight row sums as the kernel."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "gemm_bench", Path(__file__).resolve().parents[1] / "benchmarks" / "gemm_bench.py")
+    gemm_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gemm_bench)
+    T, H, I, E, k = 19, 40, 24, 4, 2
+    _, ids, weights, _, wd, _, _ = make_problem(T, H, I, E, k, torch.float32)
+    s = build_schedule(ids, E, block_m=16)
+    used, src, valid, token, expert = row_info(s, k)
+    d_out_rows = random_rows(s, k, H, torch.float32, seed=2)
+    gate_up = random_rows(s, k, 2 * I, torch.float32, seed=3)
+    row_w = torch.where(s.row_src >= 0, weights.reshape(-1)[s.row_src.clamp(min=0).long()], 0.0)
+    d_gu, h_w, d_w_part = kernels.down_dgrad_router(d_out_rows, wd, gate_up, s.row_src, weights, s.block_expert,
+                                                    s.num_blocks, store_h_w=True, config=SMALL)
+    torch_side = gemm_bench.down_dgrad_router_torch(d_out_rows[:used], wd, gate_up[:used], row_w[:used],
+                                                    s.expert_offsets[1:].contiguous())
+    for name, got, want in zip(("d_gate_up", "h_w", "d_w rows"), (d_gu, h_w, d_w_part.sum(-1)), torch_side):
+        assert_close(name, got[:used], want, *tol_for(torch.float32))
+
+
+@interpreted
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
 @pytest.mark.parametrize("I", [24, 20], ids=["I24-evenK", "I20-oddK"])
 def test_gate_up_dgrad(dtype, I):
