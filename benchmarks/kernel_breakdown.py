@@ -2,8 +2,12 @@
 
 Usage: python benchmarks/kernel_breakdown.py [--workload NAME ...] [--json PATH]
 Prints, per kernel, ms and TFLOP/s (GEMMs) or GB/s (memory-bound kernels), and the fwd/bwd sums, so
-docs/perf-notes.md can say where the time goes. Balanced routing, bf16. The GEMMs run on the core the backend picks
-(experts.one_gpu_configs: TMA on Hopper); benchmarks/gemm_bench.py compares the cores with cuBLAS and sweeps tiles.
+docs/perf-notes.md can say where the time goes. Balanced routing, bf16. The kernels are the ones experts.py runs
+for this problem, each timed alone: the tiles and core it picks (experts.one_gpu_configs: the Gluon kernels on
+Hopper), gate_up_fwd gathering x in its loads where the tile says so (then no gather pass), x's rows spread beside
+gate_up_dgrad where its kernel has room (then only their padding zeroed by a pass), the weight grads given row_src
+(their padding-only row steps skipped). Passes the path does not run here are timed as phase "alt", outside the
+totals. benchmarks/gemm_bench.py compares the GEMMs with cuBLAS; benchmarks/profile_layer.py profiles the layer whole.
 """
 
 from __future__ import annotations
@@ -51,6 +55,18 @@ def breakdown(name: str, tokens: int | None, experts_cap: int | None) -> list[di
 
     d_gu, h_w, d_w_part = down_dgrad()
     d_x_rows = kernels.gate_up_dgrad(d_gu, wgu, *blocks, config=cfg.gate_up_dgrad)
+    gathers = cfg.gate_up_fwd.gather  # experts._gate_up: x's rows gathered in gate_up_fwd's loads
+    # experts_bwd: x's rows spread beside gate_up_dgrad's GEMM where its kernel has room (and R <= 2 E I)
+    spreads = s.num_rows <= E * 2 * I and kernels.gate_up_dgrad_spreads_x(cfg.gate_up_dgrad, x)
+
+    def gate_up_fwd():
+        a, gather = (x, (s.row_src, k)) if gathers else (x_rows, None)
+        return kernels.gate_up_fwd(a, wgu, *blocks, store_gate_up=True, config=cfg.gate_up_fwd, gather=gather)
+
+    def gate_up_dgrad():
+        spread_x = (x, s.dest_row, x_rows) if spreads else None
+        return kernels.gate_up_dgrad(d_gu, wgu, *blocks, config=cfg.gate_up_dgrad, spread_x=spread_x)
+
     pairs = T * k
     gemm = 2 * pairs * H * I  # one GEMM of the three (gate and up count as two)
     rows_bytes = 2 * 2 * pairs * H  # a gather reads and writes one [P, H] 16-bit row set (padding not counted)
@@ -59,17 +75,23 @@ def breakdown(name: str, tokens: int | None, experts_cap: int | None) -> list[di
     steps = {
         "schedule": (lambda: build_schedule(ids, E, block_m=bm, place_routing=place_routing), 0, 0, "fwd"),
         "schedule_torch": (lambda: build_schedule(ids, E, block_m=bm), 0, 0, "alt"),
-        "gather_x": (lambda: kernels.spread_rows(x, s.dest_row, s.row_src, in_use), 0, rows_bytes, "fwd"),
-        "gate_up_fwd": (lambda: kernels.gate_up_fwd(x_rows, wgu, *blocks, store_gate_up=True, config=cfg.gate_up_fwd), 2 * gemm, 0, "fwd"),
+        "gather_x": (lambda: kernels.spread_rows(x, s.dest_row, s.row_src, in_use), 0, rows_bytes,
+                     "alt" if gathers else "fwd"),
+        "gate_up_fwd": (gate_up_fwd, 2 * gemm, 0, "fwd"),
         "down_fwd": (lambda: kernels.down_fwd(h, wd, *blocks, config=cfg.down_fwd), gemm, 0, "fwd"),
         "combine": (lambda: kernels.combine(y, tw, s.dest_row, None, config=cfg.combine), 0, combine_bytes, "fwd"),
         "gather_d_out": (lambda: kernels.spread_rows(d_out, s.dest_row, s.row_src, in_use), 0, rows_bytes, "bwd"),
         "down_dgrad": (down_dgrad, gemm, 0, "bwd"),
         "router_grad": (lambda: kernels.row_sums(d_w_part, s.dest_row, torch.float32), 0, 0, "bwd"),
-        "gate_up_dgrad": (lambda: kernels.gate_up_dgrad(d_gu, wgu, *blocks, config=cfg.gate_up_dgrad), 2 * gemm, 0, "bwd"),
-        "dw_down": (lambda: kernels.dw_down(d_out_rows, h_w, s.expert_offsets, E, config=cfg.dw_down), gemm, 0, "bwd"),
-        "gather_x_again": (lambda: kernels.spread_rows(x, s.dest_row, s.row_src, in_use), 0, rows_bytes, "bwd"),
-        "dw_gate_up": (lambda: kernels.dw_gate_up(d_gu, x_rows, s.expert_offsets, E, config=cfg.dw_gate_up), 2 * gemm, 0, "bwd"),
+        "x_padding": (lambda: kernels.spread_rows(x, s.dest_row, s.row_src, in_use, padding_only=True), 0, 0,
+                      "bwd" if spreads else "alt"),
+        "gate_up_dgrad": (gate_up_dgrad, 2 * gemm, 0, "bwd"),
+        "dw_down": (lambda: kernels.dw_down(d_out_rows, h_w, s.expert_offsets, E, config=cfg.dw_down, row_src=s.row_src),
+                    gemm, 0, "bwd"),
+        "gather_x_again": (lambda: kernels.spread_rows(x, s.dest_row, s.row_src, in_use), 0, rows_bytes,
+                           "alt" if spreads else "bwd"),
+        "dw_gate_up": (lambda: kernels.dw_gate_up(d_gu, x_rows, s.expert_offsets, E, config=cfg.dw_gate_up,
+                                                  row_src=s.row_src), 2 * gemm, 0, "bwd"),
         "combine_dx": (lambda: kernels.combine(d_x_rows, None, s.dest_row, None, config=cfg.combine), 0, combine_bytes, "bwd"),
     }
     records = []
