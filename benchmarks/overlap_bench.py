@@ -6,7 +6,7 @@ Usage: torchrun --nproc-per-node=N benchmarks/overlap_bench.py [--workloads A,B]
 
 Per workload (default qwen3-30b-a3b and qwen3-235b-a22b at their 16384 tokens per GPU, E/N experts per
 GPU, bf16, no shared expert), each pass ("fwd", "fwd+bwd") of the EP layer (ep.experts_fwd/_bwd; the
-schedule is built once, outside the timing) is timed four ways, median over iterations of the max over
+schedule is built once, outside the timing) is timed by the probes below, median over iterations of the max over
 ranks (megamoe.bench.measure):
   fused    the layer as it runs: the first GEMM's kernel pulls its rows, the second's epilogue pushes its
            rows (on Hopper the Gluon kernels, kernels/gluon_ep.py and gluon_rows.py; elsewhere one
