@@ -1,13 +1,14 @@
 """gate_up_fwd on gathered rows (spread_rows, then the GEMM reads x_rows by TMA) against gate_up_fwd gathering
 x inside its loads (gather=(row_src, k): A by pointer, the weights by TMA), same tiles: bitwise equal h and
 gate_up, and the time of each (balanced routing, bf16, a Hopper GPU; triton.testing.do_bench medians), with
-tile variants of the gathering kernel.
+tile variants of the gathering kernel. The Triton TMA kernel at the table's gate_up_fwd tile (configs.triton_tile:
+the table runs the Gluon kernel, whose gather is benchmarks/gluon_gate_up_bench.py's).
 
 Usage: python benchmarks/gather_ab.py WORKLOAD[,WORKLOAD...] OUT.json   (a Hopper GPU)
 """
 import dataclasses, json, sys, torch, triton
 from megamoe.backends.triton import kernels
-from megamoe.backends.triton.configs import block_m_for
+from megamoe.backends.triton.configs import block_m_for, triton_tile
 from megamoe.backends.triton.experts import one_gpu_configs
 from megamoe.bench.workloads import WORKLOADS
 from megamoe.schedule import build_schedule
@@ -24,7 +25,7 @@ for name in sys.argv[1].split(","):
     wgu = (torch.randn(E, 2 * I, H, device=dev, generator=g) * H**-0.5).to(dt)
     wd = (torch.randn(E, H, I, device=dev, generator=g) * I**-0.5).to(dt)
     s = build_schedule(ids, E, block_m=block_m_for(H, I, dt))
-    cfg = one_gpu_configs(x, wgu, wd, s).gate_up_fwd
+    cfg = triton_tile(one_gpu_configs(x, wgu, wd, s).gate_up_fwd)
     blocks = (s.block_expert, s.num_blocks)
     in_use = s.expert_offsets[-1:]
     flops = 2 * T * k * H * 2 * I
