@@ -1,5 +1,6 @@
-"""Tile sweep of down_dgrad with the router epilogue (down_dgrad_router), against the plain down_dgrad on the same
-rows (balanced routing, bf16, a Hopper GPU; triton.testing.do_bench medians). Its first run
+"""Tile sweep of down_dgrad with the router epilogue (down_dgrad_router) on the Triton TMA kernel, beside the tile
+table's kernel (the Gluon one on Hopper) with and without the router epilogue, on the same rows (balanced routing,
+bf16, a Hopper GPU; triton.testing.do_bench medians). Its first run
 (benchmarks/results/h200-bwd-sweep-v1.json) also timed a dw_gate_up variant that gathered x inside its loads,
 removed since (docs/perf-notes.md, "Memory v2").
 
@@ -41,6 +42,7 @@ for name in sys.argv[1].split(","):
         out.append(r); print(json.dumps(r), flush=True)
 
     rec("down_dgrad (no router, table)", str(cfg.down_dgrad), lambda: kernels.down_dgrad(d_rows, wd, gate_up, *blocks, config=cfg.down_dgrad), gemm)
+    rec("down_dgrad_router (table)", str(cfg.down_dgrad), lambda: kernels.down_dgrad_router(d_rows, wd, gate_up, s.row_src, tw, *blocks, store_h_w=True, config=cfg.down_dgrad), gemm)
     for bm, bn, bk, nw, st, fl in DOWN_DGRAD:
         c = TileConfig(bm, bn, bk, num_warps=nw, num_stages=st, tma=True, flatten=fl)
         rec("down_dgrad_router", str(c), lambda c=c: kernels.down_dgrad_router(d_rows, wd, gate_up, s.row_src, tw, *blocks, store_h_w=True, config=c), gemm)
