@@ -1,9 +1,10 @@
 """fwd+bwd time and peak memory above the inputs of the one-GPU triton backend, default (gate_up kept for the
 backward) against MoEConfig(recompute=True) (nothing kept per routed row; the backward reruns the gate/up
-GEMM), in one process, the modes alternating (order reversed every other round) over 4 rounds of 10
-iterations; median time, peak over all iterations of a mode, and what a forward leaves allocated for its
-backward (out included): the memory each layer of a model holds from its forward to its backward, which is
-what recompute trades for time (a single layer's fwd+bwd peak is the backward's, the same in both modes).
+GEMM and, on Hopper, dw_gate_up gathers x in its loads instead of a copy of x's rows), in one process, the modes
+alternating (order reversed every other round) over 4 rounds of 10 iterations; median time, peak over all
+iterations of a mode (the backward's, inside dw_gate_up: lower with recompute by x's rows where they are not
+copied), and what a forward leaves allocated for its backward (out included): the memory each layer of a model
+holds from its forward to its backward, which is what recompute trades for time.
 
 Usage: python benchmarks/recompute_bench.py WORKLOAD[,WORKLOAD...] OUT.json   (a CUDA GPU)
 """
