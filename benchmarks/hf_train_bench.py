@@ -25,6 +25,7 @@ import megamoe.integrations.hf  # noqa: F401  (registers experts_implementation=
 
 WARMUP_STEPS = 2
 VOCAB = 32000
+SEQ_LEN = 2048
 
 
 def model_config(layers: int, tiny: bool) -> Qwen3MoeConfig:
@@ -70,7 +71,7 @@ def train(impl: str, config: Qwen3MoeConfig, batches: list[torch.Tensor], device
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=16384, help="tokens per step (sequences of 2048)")
+    parser.add_argument("--tokens", type=int, default=16384, help=f"tokens per step (sequences of {SEQ_LEN})")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--impl", default="megamoe,grouped_mm,eager")
     parser.add_argument("--tiny", action="store_true", help="tiny layer sizes (CPU smoke test)")
@@ -78,10 +79,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps <= WARMUP_STEPS:
         raise ValueError(f"--steps must be > {WARMUP_STEPS} (the first {WARMUP_STEPS} are not timed), got {args.steps}")
+    if args.tokens < 1 or (args.tokens > SEQ_LEN and args.tokens % SEQ_LEN):
+        parser.error(f"--tokens must be at most {SEQ_LEN} or a multiple of it (sequences of {SEQ_LEN}), "
+                     f"got {args.tokens}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = model_config(args.layers, args.tiny)
-    seq = min(2048, args.tokens)
+    seq = min(SEQ_LEN, args.tokens)
     generator = torch.Generator(device=device).manual_seed(1)
     batches = [torch.randint(0, config.vocab_size, (args.tokens // seq, seq), device=device, generator=generator)
                for _ in range(args.steps)]

@@ -542,3 +542,13 @@ def test_benchmark_scripts_check_their_options_before_timing(args, message):
     done = subprocess.run([sys.executable, REPO / "benchmarks" / args[0], *args[1:]], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
+
+
+def test_hf_train_bench_refuses_tokens_its_sequences_do_not_split():
+    """Above one sequence (2048 tokens) --tokens must be a multiple of it: 3000 trained on one sequence of 2048 while
+    the header and the JSON said 3000 tokens a step. A usage error before anything runs."""
+    pytest.importorskip("transformers", reason="transformers is not installed (it is in megamoe's 'test' extra)")
+    done = subprocess.run([sys.executable, REPO / "benchmarks" / "hf_train_bench.py", "--tiny", "--tokens", "3000",
+                           "--steps", "3", "--impl", "eager"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "--tokens must be at most 2048 or a multiple of it (sequences of 2048), got 3000" in done.stderr
