@@ -1,14 +1,15 @@
-"""dw_gate_up's x operand: spread into rows first (the default backward: spread_rows, then the Gluon weight-grad
-kernel reads x_rows by TMA) against gathered inside the kernel's loads (a cp.async producer warpgroup: no x_rows
-pass, a quarter less backward peak memory), at several tiles and ring depths of the gathering kernel. Kernels
-alone, on one workload's balanced schedule: every variant's d_w_gate_up bitwise against the default pair's, then
-the variants timed alternating (triton.testing.do_bench medians, order per round from megamoe.bench.measure.round_order; the pair's time is
-spread_rows + the kernel, in one call).
+"""dw_gate_up's x operand: spread into rows first (the default backward: spread_rows or a warp of gate_up_dgrad's
+kernel, then the Gluon weight-grad kernel reads x_rows by TMA) against gathered inside the kernel's loads (a cp.async
+producer warpgroup: no x_rows pass, a quarter less backward peak memory), at several tiles and ring depths of the
+gathering kernel. Kernels alone, on one workload's balanced schedule: every variant's d_w_gate_up bitwise against the
+default pair's, then the variants timed alternating (triton.testing.do_bench medians, order per round from
+megamoe.bench.measure.round_order; the pair's time is spread_rows + the kernel, in one call).
 
 Usage (one H200, torch + Triton 3.6):  PYTHONPATH=$PWD python3 benchmarks/dw_gather_bench.py OUT.json
     [--workloads qwen3-30b-a3b,qwen3-235b-a22b] [--rounds 4]
 Variants (name: ConsumerTile, gathered or not):
-  rows            the table's tile on x_rows after spread_rows (what the backward runs)
+  rows            the table's tile on x_rows after spread_rows (what the backward runs where gate_up_dgrad cannot
+                  spread x)
   gather          the same tile gathering x (3 stages; what MoEConfig.recompute runs)
   gather-pp4      128 x 128 ping-pong tiles, 4 stages, gathering (32 KB a stage: a deeper ring in the same memory)
   gather-pp5      the same, 5 stages (224 KB)
