@@ -4,7 +4,9 @@ x spread + gate_up_fwd, kernels alone, on one GPU (the pull's one rank is this G
 Usage: python benchmarks/pull_bench.py OUT.json [--workloads a,b] [--rounds N]   (an sm_90 GPU)
 
 Variants, each checked bit for bit (h and gate_up over the rows in use) against "spread+gemm" before any timing:
-  spread+gemm   kernels.spread_rows, then kernels.gate_up_fwd with the one-GPU tile (the one-GPU path's forward)
+  spread+gemm   kernels.spread_rows, then kernels.gate_up_fwd with the one-GPU tile on rows (the one-GPU path's
+                forward at H > 2048; at smaller H that path gathers x in gate_up_fwd's loads, and the tile here is
+                its gathering tile's, on rows)
   gemm          kernels.gate_up_fwd on the spread rows alone (what the pulls would cost if they were free)
   pull          kernels.gate_up_fwd_pull, every CTA's pull warps copying x's rows beside the GEMM (the EP table's
                 tile: 3 stages)
