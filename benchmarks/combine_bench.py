@@ -103,6 +103,11 @@ def main() -> None:
     parser.add_argument("--workload", action="append")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
+    for n in args.workload or ():
+        if n not in WORKLOADS:
+            parser.error(f"--workload: unknown {n!r}; choose from {', '.join(WORKLOADS)}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     records = []
     for name in args.workload or ["qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b", "mixtral-8x7b"]:
         records += bench_workload(name, args.rounds)

@@ -114,6 +114,11 @@ def main() -> None:
     parser.add_argument("--workloads", default="qwen3-30b-a3b,qwen3-235b-a22b")
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
+    for n in args.workloads.split(","):
+        if n not in WORKLOADS:
+            parser.error(f"--workloads: unknown {n!r}; choose from {', '.join(WORKLOADS)}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     records = [dict(kind="env", gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)]
     for name in args.workloads.split(","):
         records += run_workload(name, args.rounds)

@@ -39,6 +39,11 @@ parser.add_argument("json_path")
 parser.add_argument("--workloads", default="qwen3-235b-a22b,mixtral-8x7b")
 parser.add_argument("--rounds", type=int, default=4)
 args = parser.parse_args()
+for n in args.workloads.split(","):
+    if n not in WORKLOADS:
+        parser.error(f"--workloads: unknown {n!r}; choose from {', '.join(WORKLOADS)}")
+if args.rounds < 1:
+    parser.error(f"--rounds must be at least 1, got {args.rounds}")
 
 SHIPPED_WORK_BUFFER = gluon_ep.work_buffer
 

@@ -535,7 +535,15 @@ def test_kernel_times_idle_counts_only_time_no_kernel_runs(monkeypatch):
     (["kernel_breakdown.py", "--workload", "qwen3-30b-a3b", "--workload", "mixtral"], "--workload: unknown 'mixtral'"),
     (["overlap_bench.py", "--workloads", "qwen3-30b-a3b,mixtral"], "--workloads: unknown 'mixtral'"),
     (["overlap_bench.py", "--rounds", "0"], "--rounds and --iters must be at least 1, got 0 and 20"),
-], ids=["layer_ab-workload", "layer_ab-routing", "gemm_bench", "kernel_breakdown", "overlap_bench", "overlap_rounds"])
+    (["pull_bench.py", "out.json", "--workloads", "qwen3-235b-a22b,mixtral"], "--workloads: unknown 'mixtral'"),
+    (["pull_bench.py", "out.json", "--rounds", "0"], "--rounds must be at least 1, got 0"),
+    (["combine_bench.py", "out.json", "--workload", "qwen3-30b-a3b", "--workload", "mixtral"],
+     "--workload: unknown 'mixtral'"),
+    (["combine_bench.py", "out.json", "--rounds", "0"], "--rounds must be at least 1, got 0"),
+    (["dw_gather_bench.py", "out.json", "--workloads", "qwen3-30b-a3b,mixtral"], "--workloads: unknown 'mixtral'"),
+    (["dw_gather_bench.py", "out.json", "--rounds", "0"], "--rounds must be at least 1, got 0"),
+], ids=["layer_ab-workload", "layer_ab-routing", "gemm_bench", "kernel_breakdown", "overlap_bench", "overlap_rounds",
+        "pull_bench", "pull_rounds", "combine_bench", "combine_rounds", "dw_gather_bench", "dw_gather_rounds"])
 def test_benchmark_scripts_check_their_options_before_timing(args, message):
     """A name the script does not know (or no rounds) is a usage error before anything runs: found at a later
     workload or routing it would end the run after the earlier ones were timed, before the JSON is written."""
