@@ -113,6 +113,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--modes: unknown {m!r}; choose from {', '.join(MODES)}")
     if args.iters < 1 or args.warmup < 0:
         parser.error("--iters must be >= 1 and --warmup >= 0")
+    if args.tokens is not None and args.tokens < 1:
+        parser.error(f"--tokens must be >= 1, got {args.tokens}")
     args.workloads = names
     args.mode_list = ["grad"] + [m for m in modes if m != "grad"]
     return args

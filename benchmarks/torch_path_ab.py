@@ -165,6 +165,10 @@ def main() -> int:
     for n in names:
         if n not in WORKLOADS:
             parser.error(f"--workload: unknown {n!r}; choose from {', '.join(WORKLOADS)}")
+    if args.iters < 1 or args.warmup < 0:
+        parser.error("--iters must be >= 1 and --warmup >= 0")
+    if args.tokens is not None and args.tokens < 1:
+        parser.error(f"--tokens must be >= 1, got {args.tokens}")
 
     group, rank, world = None, 0, 1
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:

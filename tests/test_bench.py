@@ -542,8 +542,14 @@ def test_kernel_times_idle_counts_only_time_no_kernel_runs(monkeypatch):
     (["combine_bench.py", "out.json", "--rounds", "0"], "--rounds must be at least 1, got 0"),
     (["dw_gather_bench.py", "out.json", "--workloads", "qwen3-30b-a3b,mixtral"], "--workloads: unknown 'mixtral'"),
     (["dw_gather_bench.py", "out.json", "--rounds", "0"], "--rounds must be at least 1, got 0"),
+    (["inference_bench.py", "--workload", "cpu-small", "--tokens", "0", "--iters", "1", "--warmup", "0"],
+     "--tokens must be >= 1, got 0"),
+    (["torch_path_ab.py", "--workload", "cpu-small", "--tokens", "0", "--iters", "1", "--warmup", "0"],
+     "--tokens must be >= 1, got 0"),
+    (["torch_path_ab.py", "--workload", "cpu-small", "--iters", "0"], "--iters must be >= 1 and --warmup >= 0"),
 ], ids=["layer_ab-workload", "layer_ab-routing", "gemm_bench", "kernel_breakdown", "overlap_bench", "overlap_rounds",
-        "pull_bench", "pull_rounds", "combine_bench", "combine_rounds", "dw_gather_bench", "dw_gather_rounds"])
+        "pull_bench", "pull_rounds", "combine_bench", "combine_rounds", "dw_gather_bench", "dw_gather_rounds",
+        "inference_tokens", "torch_path_tokens", "torch_path_iters"])
 def test_benchmark_scripts_check_their_options_before_timing(args, message):
     """A name the script does not know (or no rounds) is a usage error before anything runs: found at a later
     workload or routing it would end the run after the earlier ones were timed, before the JSON is written."""
