@@ -198,18 +198,18 @@ def _dropless(schedule: Schedule) -> bool:
 
 
 def to_rows(
-    source: torch.Tensor, schedule: Schedule, group, ex: _Exchange | None = None, *, per_token: bool,
+    source: torch.Tensor, schedule: Schedule, group, ex: _Exchange | None = None, *,
     pair_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Token owner's rows -> the expert owner's receive rows [R, ...] (padding rows zero; with a group, rows
     past ex.live_rows, which nothing reads, are left unwritten).
 
-    source: [T, ...] one row per token (per_token) or [T*k, ...] one row per (token, slot) pair.
+    source: [T, ...] one row per token.
     pair_scale: optional [T, k]: each row is multiplied by its pair's value (fp32 math, one rounding to
         source's dtype; padding rows stay zero) — the router-weighted d_out of the backward.
     ex: the forward's exchange (with a group).
     """
-    k = schedule.top_k if per_token else 1
+    k = schedule.top_k
     if _is_local(schedule, group):
         # One gather: padding rows (-1) read an appended zero row (the copy of source costs T rows, the
         # gather R; zeroing the padding rows after the gather would cost another pass over R rows).
@@ -353,7 +353,7 @@ def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
     ex = None if _is_local(schedule, group) else _exchange(schedule)
     ends = schedule.expert_offsets[1:]
     live = None if ex is None else ex.live_rows(schedule)
-    x_rows = to_rows(x, schedule, group, ex, per_token=True)
+    x_rows = to_rows(x, schedule, group, ex)
     if save_for_backward:
         gate_up, h, y_rows = rows_fwd(x_rows, w_gate_up, w_down, ends, live)
     else:
@@ -407,7 +407,7 @@ def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, share
     need_x_rows = need_x or not local
     d_x = d_w_gate_up = d_w_down = None
     if need_x_rows or need_w_gate_up or need_w_down:
-        d_y_rows = to_rows(d_out, schedule, group, ex, per_token=True, pair_scale=topk_weights)
+        d_y_rows = to_rows(d_out, schedule, group, ex, pair_scale=topk_weights)
         live = None if ex is None else ex.live_rows(schedule)
         d_x_rows, d_w_gate_up, d_w_down = rows_bwd(
             d_y_rows, x_rows, gate_up, h, w_gate_up, w_down, ends, live,
