@@ -59,12 +59,11 @@ import dataclasses
 
 import torch
 
+from megamoe.backends import ALL_GRADS
 from megamoe.backends.swiglu import empty_shared_saved, shared_bwd, shared_fwd, swiglu_bwd, swiglu_fwd
 from megamoe.schedule import Schedule, receive_rows
 
 GROUPED_MM_ALIGN = 16
-# needs_grad with every gradient asked for: (x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down).
-ALL_GRADS = (True,) * 6
 
 
 def block_m_for(hidden: int, intermediate: int, dtype: torch.dtype) -> int:

@@ -19,6 +19,7 @@ if tuple(int(n) for n in re.findall(r"\d+", triton.__version__)[:2]) < MIN_TRITO
     raise ImportError(f"megamoe's Triton backend needs triton >= {'.'.join(map(str, MIN_TRITON))}, "
                       f"found triton {triton.__version__}")
 
+from megamoe.backends import ALL_GRADS  # noqa: E402
 from megamoe.backends.triton import ep, experts  # noqa: E402
 from megamoe.backends.triton.configs import block_m_for  # noqa: E402
 from megamoe.backends.triton.ep import routing_exchange  # noqa: E402
@@ -36,7 +37,7 @@ def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
 
 
 def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config, saved,
-                *, needs_grad=experts.ALL_GRADS):
+                *, needs_grad=ALL_GRADS):
     return _path(schedule).experts_bwd(
         d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule, group, config, saved,
         needs_grad=needs_grad,

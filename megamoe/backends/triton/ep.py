@@ -63,6 +63,7 @@ import math
 
 import torch
 
+from megamoe.backends import ALL_GRADS
 from megamoe.backends.swiglu import empty_shared_saved, shared_bwd, shared_fwd
 from megamoe.backends.triton import kernels
 from megamoe.backends.triton.comm.exchange import (
@@ -242,7 +243,7 @@ def _row_index(maps: ReceiveMaps) -> torch.Tensor:
 
 
 def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, schedule: Schedule, group, config,
-                saved, *, overlap: bool = True, needs_grad: tuple[bool, ...] = (True,) * 6):
+                saved, *, overlap: bool = True, needs_grad: tuple[bool, ...] = ALL_GRADS):
     """All six gradients (see experts.experts_bwd); needs_grad skips only this rank's local work (module
     docstring): the fused kernel and the exchanges always run, so some gradients not asked for come back anyway.
     overlap=False: whole exchanges around the one-GPU GEMMs, as in experts_fwd."""

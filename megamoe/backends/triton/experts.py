@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import torch
 
+from megamoe.backends import ALL_GRADS
 from megamoe.backends.swiglu import empty_shared_saved, shared_bwd, shared_fwd
 from megamoe.backends.triton import kernels
 from megamoe.backends.triton.configs import KernelConfigs, kernel_configs, tma_kernel_configs
@@ -54,9 +55,6 @@ from megamoe.backends.triton.kernels import tma_gemm
 from megamoe.backends.triton.kernels._common import range_of
 from megamoe.config import DEFAULT_CONFIG, MoEConfig
 from megamoe.schedule import Schedule
-
-# needs_grad with every gradient asked for: (x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down).
-ALL_GRADS = (True,) * 6
 
 
 def configs_for(x: torch.Tensor, w_gate_up: torch.Tensor, schedule: Schedule) -> KernelConfigs:
