@@ -132,8 +132,6 @@ def group_hosts(group_name: str, device: torch.device) -> tuple[str, ...]:
     group name (as the symmetric-memory workspaces are). device: where the gather runs with NCCL (x's)."""
     group = _group(group_name)  # first: a group created again under this name forgets the cached hosts
     if group_name not in _GROUP_HOSTS:
-        import contextlib
-
         hosts = [None] * torch.distributed.get_world_size(group)
         # NOTE: host sync — a collective whose result the host reads, once per group and process. Acceptable:
         # it runs at the group's first call, as the symmetric-memory workspace's rendezvous does (that call
@@ -235,19 +233,13 @@ _OUT_OF_STEP: set[str] = set()
 on_group_recreated(_forget_group)
 
 
-def _resolved_direction(config: MoEConfig, operation: str) -> str:
-    chosen = getattr(config, operation)
-    if chosen == "auto" and "triton" in BACKENDS:
-        chosen = BACKENDS["triton"].ep.AUTO_DIRECTIONS[operation]
-    return chosen
-
-
 def rank_signature(x, topk_ids, w_gate_up, w_down, config: MoEConfig) -> tuple[int, ...]:
     """This rank's (T, k, E_local, H, I, dtype, block_m, capacity_factor, backend, dispatch, combine), as
     ints (AGREE_FIELDS); config has backend and block_m resolved."""
     directions = (-1, -1)  # only the fused path's exchanges depend on them
     if config.backend == "triton":
-        directions = tuple(COMM_DIRECTIONS.index(_resolved_direction(config, op)) for op in ("dispatch", "combine"))
+        ep = BACKENDS["triton"].ep
+        directions = tuple(COMM_DIRECTIONS.index(ep._direction(config, op)) for op in ("dispatch", "combine"))
     return (
         x.shape[0], topk_ids.shape[1], w_gate_up.shape[0], x.shape[1], w_down.shape[2], FLOAT_DTYPES.index(x.dtype),
         config.block_m, _float_bits(config.capacity_factor), BACKEND_NAMES.index(config.backend), *directions,
