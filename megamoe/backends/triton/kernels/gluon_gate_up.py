@@ -286,7 +286,7 @@ def consumer_epilogue(h_desc, gu_desc, acc_g, acc_u, row, col, out_bufs, n_store
 
 @gluon.jit
 def _consumer_handoff(a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free,
-                      block_range_ptr, H, I, WG: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
+                      block_range_ptr, H, I, WG: gl.constexpr, SPLIT: gl.constexpr):
     """_consumer's main loop (x rows by TMA); its epilogue only rounds g and u into the hand-off buffers (rows
     [64 WG, 64 WG + 64) of the tile) and hands them to the epilogue warps, which do the SwiGLU and the stores
     (hand_off)."""
@@ -396,9 +396,9 @@ def gate_up_fwd_handoff_kernel(x_desc, w_desc, h_desc, gu_desc, block_expert_ptr
     fence_async_shared()  # the initialised barriers are visible to the async proxy (TMA) before use
     gl.warp_specialize([
         (_consumer_handoff, (a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free,
-                             block_range_ptr, H, I, 0, SPLIT, GROUP_M)),
+                             block_range_ptr, H, I, 0, SPLIT)),
         (_consumer_handoff, (a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free,
-                             block_range_ptr, H, I, 1, SPLIT, GROUP_M)),
+                             block_range_ptr, H, I, 1, SPLIT)),
         (_producer_tma, (x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, block_expert_ptr,
                          block_range_ptr, H, I, SPLIT, GROUP_M)),
         (_epilogue, (h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, block_range_ptr, I, STORE_GATE_UP, SPLIT,
