@@ -96,7 +96,7 @@ def all_blocks(schedule: Schedule) -> torch.Tensor:
     return range_of(schedule.num_blocks, "num_blocks")
 
 
-def _check_group(group, schedule: Schedule, w_gate_up: torch.Tensor) -> None:
+def _check_schedule(schedule: Schedule, w_gate_up: torch.Tensor) -> None:
     if schedule.world_size != 1:
         raise ValueError("megamoe.backends.triton.experts is the one-GPU path; expert parallelism is in ep.py")
     if schedule.num_local_experts != w_gate_up.shape[0]:
@@ -141,7 +141,7 @@ def experts_fwd(
     power of two >= 16); config: its recompute field is read (None: the defaults). Sync-free: every size
     here comes from shapes, counts are read on the device.
     """
-    _check_group(group, schedule, w_gate_up)
+    _check_schedule(schedule, w_gate_up)
     config = DEFAULT_CONFIG if config is None else config
     cfg = one_gpu_configs(x, w_gate_up, w_down, schedule)
     x = tma_ready_x(x, cfg)
@@ -203,7 +203,7 @@ def experts_bwd(
     d_shared_down or None); needs_grad: one bool per gradient in that order; None (and its kernels skipped)
     for each one not needed. The order of the steps is the module docstring's (it decides the peak memory).
     config: its recompute field is read (None: the defaults)."""
-    _check_group(group, schedule, w_gate_up)
+    _check_schedule(schedule, w_gate_up)
     config = DEFAULT_CONFIG if config is None else config
     if schedule.num_rows == 0:  # T = 0: no token contributes, nothing to launch
         return empty_batch_grads(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down, needs_grad)
