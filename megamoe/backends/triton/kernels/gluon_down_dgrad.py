@@ -96,7 +96,7 @@ from megamoe.backends.triton.kernels._common import (
 from megamoe.backends.triton.kernels.gluon_common import (
     nvmma_layout, smem_reinterpret, thread_barrier, tma_load, tma_store,
 )
-from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
+from megamoe.backends.triton.kernels.tma_gemm import check_tma
 
 PIECE_M = gl.constexpr(64)  # rows of a piece: half a tile
 PIECES = gl.constexpr(4)  # pieces of a tile: two row halves x two column halves
@@ -430,8 +430,7 @@ def descriptors(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, h_w_RI, cfg: 
 
 def _run(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, row_src, weights, h_w_RI, d_w_part, block_expert,
          block_range, split, cfg, router: bool, store_h_w: bool):
-    check(tma_addressable(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, h_w_RI),
-          "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8 in bf16)")
+    check_tma(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, h_w_RI)
     descs = descriptors(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, h_w_RI, cfg)
     tiles = d_rows_RH.shape[0] // cfg.block_m * triton.cdiv(w_down_EHI.shape[2], cfg.block_n)
     return down_dgrad_ws_kernel[(max(1, min(num_sms(d_rows_RH.device), tiles)), )](

@@ -91,7 +91,7 @@ from megamoe.backends.triton.kernels._common import (
 from megamoe.backends.triton.kernels.gluon_common import (
     ConsumerTile, cp_async_load, nvmma_layout, tma_load, tma_store,
 )
-from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
+from megamoe.backends.triton.kernels.tma_gemm import check_tma
 
 WGMMA_M = 64  # rows of one wgmma instruction (a warpgroup's row granule)
 GATHER_WARPS = 4  # the gathering producer: one warpgroup of cp.async threads
@@ -421,7 +421,7 @@ def dw_gluon(a_RM: torch.Tensor, b_RN: torch.Tensor, expert_offsets: torch.Tenso
         out = torch.empty(num_experts, m_dim, n_dim, dtype=a_RM.dtype, device=a_RM.device)
     check(out.shape == (num_experts, m_dim, n_dim) and out.dtype == a_RM.dtype and out.is_contiguous(),
           f"out must be a contiguous {a_RM.dtype} [{num_experts}, {m_dim}, {n_dim}] tensor")
-    check(tma_addressable(a_RM, b_RN, out), "TMA needs 16-byte aligned operands and row strides (M, N multiples of 8)")
+    check_tma(a_RM, b_RN, out)
     max_tiles = num_experts * triton.cdiv(m_dim, cfg.block_m) * triton.cdiv(n_dim, cfg.block_n)
     kernel = dw_ws_kernel[persistent_grid(a_RM.device, max_tiles)](
         *descriptors(a_RM, b_RN, out, cfg), expert_offsets, row_src, num_experts, b_RN, top_k,

@@ -61,7 +61,7 @@ from megamoe.backends.triton.kernels.gluon_gate_up import (
     BLOCK_K, BLOCK_M, EPILOGUE_WARPS, consumer_epilogue, consumer_main_loop, descriptors, epilogue_tile, hand_off,
     handoff_smem, produce_tile, tile_of,
 )
-from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
+from megamoe.backends.triton.kernels.tma_gemm import check_tma
 
 PULL_WARPS = 2  # the pull partition's warps (beside the producer's, in its warpgroup: its registers)
 HANDOFF_PULL_WARPS = 1  # with the epilogue handed off, its two warps take two of the producer warpgroup's three
@@ -377,8 +377,7 @@ def gate_up_fwd_pull(x_rows: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_e
           f"the schedule's blocks must be multiples of {PULL_UNIT_ROWS} rows")
     h = x_rows.new_empty(rows, inter)
     gate_up = x_rows.new_empty(rows, 2 * inter)
-    check(tma_addressable(x_rows, w_gate_up_E2IH, h, gate_up),
-          "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8)")
+    check_tma(x_rows, w_gate_up_E2IH, h, gate_up)
     tile = tile_of(config)
     descs = descriptors(x_rows, w_gate_up_E2IH, h, gate_up, tile)
     grid = max(1, min(num_sms(x_rows.device), rows // BLOCK_M * triton.cdiv(inter, tile.block_n)))

@@ -97,7 +97,7 @@ from megamoe.backends.triton.kernels._common import (
 from megamoe.backends.triton.kernels.gluon_common import (
     cp_async_load, nvmma_layout, tile_origin, tma_load, tma_store,
 )
-from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
+from megamoe.backends.triton.kernels.tma_gemm import check_tma
 
 BLOCK_M = 128  # rows per tile: two consumer warpgroups of 64 (wgmma's M); the kernels read it from x_desc
 BLOCK_K = 64  # 128-byte rows of 16-bit operands: the widest shared-memory swizzle
@@ -537,8 +537,7 @@ def launch_gate_up_fwd(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, block_expert, bl
     check(not config.handoff or (gather is None and config.num_stages == 3),
           f"the hand-off kernel reads x rows by TMA through 3 stages, got {config} with gather={gather is not None}")
     tile = tile_of(config)
-    check(tma_addressable(x_RH, w_gate_up_E2IH, h_RI, *([gate_up_R2I] if store_gate_up else [])),
-          "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8)")
+    check_tma(x_RH, w_gate_up_E2IH, h_RI, *([gate_up_R2I] if store_gate_up else []))
     row_src, top_k = gather if gather is not None else (block_expert, 1)  # unread without gather
     descs = descriptors(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I if store_gate_up else None, tile)
     grid = persistent_grid(x_RH.device, h_RI.shape[0] // BLOCK_M * triton.cdiv(h_RI.shape[1], tile.block_n))
@@ -583,8 +582,7 @@ def gate_up_fwd_gluon(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_ex
         check(not store_gate_up or gate_up is not None, "store_gate_up needs a gate_up output")
         if store_gate_up:
             check_matrix(gate_up, rows, 2 * inter, "gate_up")
-    check(tma_addressable(x_RH, w_gate_up_E2IH, h, *([gate_up] if store_gate_up else [])),
-          "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8)")
+    check_tma(x_RH, w_gate_up_E2IH, h, *([gate_up] if store_gate_up else []))
     descs = descriptors(x_RH, w_gate_up_E2IH, h, gate_up if store_gate_up else None, tile)
     grid = persistent_grid(x_RH.device, rows // BLOCK_M * triton.cdiv(inter, tile.block_n))
     if tile.handoff:

@@ -117,7 +117,7 @@ from megamoe.backends.triton.kernels.comm_tiles import RowPush, check_push
 from megamoe.backends.triton.kernels.gluon_common import (
     GL_DTYPES, SMEM_PER_CTA, ConsumerTile, nvmma_layout, thread_barrier, tile_origin, tma_load, tma_store,
 )
-from megamoe.backends.triton.kernels.tma_gemm import tma_addressable
+from megamoe.backends.triton.kernels.tma_gemm import check_tma, tma_addressable
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -440,7 +440,7 @@ def _launch(a_RK, w, out_RN, w_nk, block_expert, blocks, tile, spread=None, push
     index = device.index if device.index is not None else torch.cuda.current_device()
     check(device.type == "cuda" and _is_hopper(index), "the Gluon row GEMMs run on Hopper GPUs (sm_90: wgmma, TMA)")
     check(a_RK.dtype in GL_DTYPES, f"16-bit operands (bf16, fp16), got {a_RK.dtype}")
-    check(tma_addressable(a_RK, w, out_RN), "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8)")
+    check_tma(a_RK, w, out_RN)
     check(out_RN.dtype == a_RK.dtype and out_RN.shape[1] == (w.shape[1] if w_nk else w.shape[2])
           and (push is not None or out_RN.shape[0] == a_RK.shape[0]) and out_RN.is_contiguous(),
           "out must be a contiguous [R, N] tensor of the operands' dtype")

@@ -195,7 +195,7 @@ def tma_addressable(*tensors: torch.Tensor) -> bool:
                and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
 
 
-def _check_tma(*tensors: torch.Tensor) -> None:
+def check_tma(*tensors: torch.Tensor) -> None:
     check(tma_addressable(*tensors), "TMA needs 16-byte aligned operands and row strides (H, I multiples of 8 in bf16)")
 
 
@@ -223,7 +223,7 @@ def launch_gate_up_fwd(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, block_expert, bl
                        gather=None):
     """gate_up_R2I: written if store_gate_up; otherwise any [*, 2I] tensor (the kernel needs a descriptor).
     x_RH: the rows, or with gather = (row_src [R], top_k) the token rows x [T, H] that the kernel gathers."""
-    _check_tma(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I)
+    check_tma(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I)
     c = config
     row_src, top_k = gather if gather is not None else (block_expert, 1)  # unread without gather
     _row_block_launch(
@@ -237,7 +237,7 @@ def launch_gate_up_fwd(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, block_expert, bl
 
 def _launch_row_gemm(a_RK, w, out_RN, w_nk: bool, block_expert, blocks, split, config):
     """row_gemm_tma_kernel: out_RN = a_RK @ w[e] per row block; w is [E_l, N, K] if w_nk, else [E_l, K, N]."""
-    _check_tma(a_RK, w, out_RN)
+    check_tma(a_RK, w, out_RN)
     c = config
     w_block = [1, c.block_n, c.block_k] if w_nk else [1, c.block_k, c.block_n]
     _row_block_launch(
@@ -255,7 +255,7 @@ def launch_down_fwd(h_RI, w_down_EHI, y_rows_RH, block_expert, blocks, split, co
 def launch_down_dgrad(d_y_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, row_src, weights, h_w_RI, d_w_part, block_expert,
                       blocks, split, config, *, router, store_h_w):
     """row_src, weights, h_w, d_w_part: see grouped_gemm.down_dgrad_router (placeholders without router)."""
-    _check_tma(d_y_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, h_w_RI)
+    check_tma(d_y_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, h_w_RI)
     c = config
     _row_block_launch(
         down_dgrad_tma_kernel, d_y_rows_RH, gate_up_R2I.shape[1] // 2, split, c,
@@ -272,7 +272,7 @@ def launch_gate_up_dgrad(d_gate_up_R2I, w_gate_up_E2IH, d_x_rows_RH, block_exper
 
 def launch_dw(a_RM, b_RN, dw_EMN, expert_offsets, config, grid):
     """dw [E_l, M, N] = a^T b per expert (both weight grads)."""
-    _check_tma(a_RM, b_RN, dw_EMN)
+    check_tma(a_RM, b_RN, dw_EMN)
     c = config
     dw_tma_kernel[grid](
         TensorDescriptor.from_tensor(a_RM, [c.block_k, c.block_m]), TensorDescriptor.from_tensor(b_RN, [c.block_k, c.block_n]),
