@@ -496,7 +496,7 @@ def _schedule(topk_ids, x, w_gate_up, config: MoEConfig, group) -> Schedule:
 # The backward op gets a bitmask of the gradients autograd needs (ctx.needs_input_grad; bit i = GRAD_NAMES[i])
 # and returns only those, in GRAD_NAMES order; the backends skip the work of the others where they can.
 GRAD_NAMES = ("x", "topk_weights", "w_gate_up", "w_down", "shared_gate_up", "shared_down")
-ALL_GRADS = (1 << len(GRAD_NAMES)) - 1
+ALL_GRADS_MASK = (1 << len(GRAD_NAMES)) - 1  # the backward op's mask asking for every gradient
 
 
 def needs_from_mask(mask: int) -> tuple[bool, ...]:
