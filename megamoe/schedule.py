@@ -301,8 +301,8 @@ def build_schedule(
         autograd.check_ranks_agree); routing is all-gathered and each rank derives the same schedule. The
         ids' range is checked on the gathered routing (check_gathered_ids), so a bad id of any rank fails
         every rank.
-    block_m: overrides config.block_m (backends pass their tile size); default 128. Like
-        MoEConfig.block_m: None or a power of two in [1, 1024].
+    block_m: overrides config.block_m (megamoe.experts passes a config with block_m resolved; benchmarks and
+        tests pass it here); default 128. Like MoEConfig.block_m: None or a power of two in [1, 1024].
     gather_routing: with a group, how to all-gather routing: a callable taking this rank's int32
         [T, k] ids and returning every rank's, [W*T, k] in rank order (default: the process group's
         all_gather_into_tensor; the fused EP path passes its symmetric-memory exchange).
