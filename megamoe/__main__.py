@@ -180,10 +180,10 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     code = main()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # Under torchrun (seen on CPUs, with gloo), its worker threads now and then abort the interpreter's finalization
-        # ("terminate called without an active exception", SIGABRT) after the results are written, with or without
-        # destroy_process_group (torchrun on 2 CPU ranks beside two busy loops: 6 of 104 runs; 0 of 54 leaving as
-        # here). The outputs are closed and flushed: leave without finalization.
+        # Under torchrun (seen on CPUs, with gloo) the process group's worker threads now and then abort the
+        # interpreter's finalization ("terminate called without an active exception", SIGABRT) after the results
+        # are written, with or without destroy_process_group (2 CPU ranks beside two busy loops: 6 of 104 runs; 0
+        # of 54 leaving as here). The outputs are closed and flushed: leave without finalization.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
