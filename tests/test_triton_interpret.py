@@ -511,11 +511,9 @@ def test_tma_core_refuses_unaligned_rows(monkeypatch):
     assert not triton_experts.one_gpu_configs(x, wgu, wd, s).gate_up_fwd.tma
 
 
-@interpreted
-def test_tma_core_takes_x_at_an_unaligned_base(monkeypatch):
-    """A contiguous x whose base is not 16-byte aligned (a view at an odd offset of a larger buffer; H a multiple
-    of 8, so the TMA tiles apply) runs on the TMA core gathering x in gate_up_fwd, with the bits of an aligned x
-    (before: the launcher's TMA check refused it, a ValueError from megamoe.experts on Hopper for H <= 2048)."""
+def _gather_x_on_the_tma_core(monkeypatch):
+    """experts.py takes the TMA core's tiles (as on Hopper; Triton's kernels, which the interpreter runs), gate_up_fwd
+    gathering x in its loads."""
     from megamoe.backends.triton import experts as triton_experts
     from megamoe.backends.triton.configs import kernel_configs
 
@@ -524,6 +522,25 @@ def test_tma_core_takes_x_at_an_unaligned_base(monkeypatch):
         return dataclasses.replace(table, gate_up_fwd=dataclasses.replace(table.gate_up_fwd, gather=True))
 
     monkeypatch.setattr(triton_experts, "tma_kernel_configs", gathering)
+
+
+def _assert_same_bits(x, x_other, d_out, weights, wgu, wd, s):
+    """The one-GPU forward and backward on x and on x_other (the same values in another layout) agree bit for bit."""
+
+    def run(x_in):
+        out, saved = experts_fwd(x_in, weights, wgu, wd, None, None, s, None)
+        return (out, *experts_bwd(d_out, x_in, weights, wgu, wd, None, None, s, None, None, saved)[:4])
+
+    for name, a, b in zip(["out", "d_x", "d_topk_weights", "d_w_gate_up", "d_w_down"], run(x), run(x_other)):
+        assert torch.equal(a, b), name
+
+
+@interpreted
+def test_tma_core_takes_x_at_an_unaligned_base(monkeypatch):
+    """A contiguous x whose base is not 16-byte aligned (a view at an odd offset of a larger buffer; H a multiple
+    of 8, so the TMA tiles apply) runs on the TMA core gathering x in gate_up_fwd, with the bits of an aligned x
+    (before: the launcher's TMA check refused it, a ValueError from megamoe.experts on Hopper for H <= 2048)."""
+    _gather_x_on_the_tma_core(monkeypatch)
     T, H, I, E, k = 19, 32, 16, 4, 2
     x, ids, weights, wgu, wd, _, _ = make_problem(T, H, I, E, k, torch.float16)
     d_out = torch.randn(T, H, generator=torch.Generator().manual_seed(7)).half()
@@ -531,13 +548,7 @@ def test_tma_core_takes_x_at_an_unaligned_base(monkeypatch):
     unaligned.copy_(x)
     assert unaligned.is_contiguous() and unaligned.data_ptr() % 16
     s = build_schedule(ids, E, block_m=16)
-
-    def run(x_in):
-        out, saved = experts_fwd(x_in, weights, wgu, wd, None, None, s, None)
-        return (out, *experts_bwd(d_out, x_in, weights, wgu, wd, None, None, s, None, None, saved)[:4])
-
-    for name, a, b in zip(["out", "d_x", "d_topk_weights", "d_w_gate_up", "d_w_down"], run(x), run(unaligned)):
-        assert torch.equal(a, b), name
+    _assert_same_bits(x, unaligned, d_out, weights, wgu, wd, s)
 
 
 @interpreted
@@ -547,26 +558,15 @@ def test_tma_core_takes_a_one_token_x_with_an_odd_stride(monkeypatch):
     [1, H] in the contiguous format (before: tma_addressable let it through and the descriptor's assert failed); so
     does a weight whose size-1 expert dimension has such a stride, on the pointer-load core instead."""
     from megamoe.backends.triton import experts as triton_experts
-    from megamoe.backends.triton.configs import kernel_configs
 
-    def gathering(*args):
-        table = _as_tma(kernel_configs(*args))
-        return dataclasses.replace(table, gate_up_fwd=dataclasses.replace(table.gate_up_fwd, gather=True))
-
-    monkeypatch.setattr(triton_experts, "tma_kernel_configs", gathering)
+    _gather_x_on_the_tma_core(monkeypatch)
     H, I, E, k = 32, 16, 4, 2
     x, ids, weights, wgu, wd, _, _ = make_problem(1, H, I, E, k, torch.float16)
     d_out = torch.randn(1, H, generator=torch.Generator().manual_seed(7)).half()
     column = x.view(H, 1).T  # x's memory seen as a column's transpose: strides (1, 1)
     assert column.is_contiguous() and column.stride() == (1, 1)
     s = build_schedule(ids, E, block_m=16)
-
-    def run(x_in):
-        out, saved = experts_fwd(x_in, weights, wgu, wd, None, None, s, None)
-        return (out, *experts_bwd(d_out, x_in, weights, wgu, wd, None, None, s, None, None, saved)[:4])
-
-    for name, a, b in zip(["out", "d_x", "d_topk_weights", "d_w_gate_up", "d_w_down"], run(x), run(column)):
-        assert torch.equal(a, b), name
+    _assert_same_bits(x, column, d_out, weights, wgu, wd, s)
     one_expert = wgu[0].view(2 * I, H, 1).permute(2, 0, 1)  # [1, 2I, H], strides (1, H, 1)
     assert one_expert.is_contiguous() and one_expert.stride()[0] == 1
     one_s = build_schedule(torch.zeros_like(ids), 1, block_m=16)
