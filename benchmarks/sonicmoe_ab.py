@@ -41,11 +41,11 @@ DIR/nvidia_cutlass_dsl/python_packages on PYTHONPATH yourself), and sonic-moe's 
 quack's `quack/` (3d0ab3ec) on PYTHONPATH (`git archive` of each).
 """
 import argparse, contextlib, dataclasses, functools, json, statistics, torch
-from megamoe.bench.gate import experts_fn
+from megamoe.bench.gate import backend_weights, experts_fn
 from megamoe.bench.measure import (
     CEILING_FLOPS, call_times_ms, ceiling_matmul, cuda_graph, git_commit, kernel_times, round_order,
 )
-from megamoe.bench.problem import Tokens, forward_TH, forward_backward, make_tokens, make_weights
+from megamoe.bench.problem import Tokens, forward_TH, forward_backward, make_tokens, make_weights, megamoe_layout
 from megamoe.bench.run import triton_version
 from megamoe.bench.workloads import WORKLOADS, layer_flops
 
@@ -116,15 +116,17 @@ def sonic_run(entry: str, backward: bool, w_gate_up_interleaved, w_down, tokens:
 
 def bench_run(fn, backward: bool, weights, tokens: Tokens, compare: bool = False) -> dict[str, torch.Tensor]:
     """megamoe or a baseline of the bench (an experts fn) on the problem: problem.forward_backward's dict, or
-    {"out"} for the forward alone (run as in training: autograd records it). compare: unused (the results are
-    in megamoe's layout already)."""
+    {"out"} for the forward alone (run as in training: autograd records it); weights as the path holds them
+    (gate.backend_weights). compare: unused (rel_diff joins TorchTitan's (w1, w3) gradients)."""
     if backward:
         return forward_backward(fn, weights, tokens)
     return {"out": forward_TH(fn, weights, tokens).detach()}
 
 
-def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+def rel_diff(a, b) -> float:
+    """||a - b|| / ||b|| of two results of one key, each in megamoe's layout first (problem.megamoe_layout)."""
+    a, b = megamoe_layout(a).float(), megamoe_layout(b).float()
+    return ((a - b).norm() / b.norm()).item()
 
 
 def _replay_diff(replay, captured: dict[str, torch.Tensor], eager: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -155,7 +157,8 @@ def run_workload(name: str, pass_name: str, args, device: torch.device, dtype: t
     weights = make_weights(w, range(E), dtype, device)
     paths = {"megamoe": functools.partial(bench_run, experts_fn(args.backend), backward, weights)}
     if args.torchtitan:
-        paths["torchtitan"] = functools.partial(bench_run, experts_fn("torchtitan"), backward, weights)
+        paths["torchtitan"] = functools.partial(bench_run, experts_fn("torchtitan"), backward,
+                                                backend_weights("torchtitan", weights))
     if args.sonic:
         inter = weights.w_down_EHI.shape[2]
         w1 = (weights.w_gate_up_E2IH.detach().view(E, 2, inter, w.hidden).transpose(1, 2)

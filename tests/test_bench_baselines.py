@@ -40,6 +40,12 @@ CASES = [
 CASE_IDS = [f"{problem_id(s)}-{r}-shared{sh}" for s, r, sh in CASES]
 
 
+def torchtitan_on_megamoe_layout(x, topk_ids, topk_weights, w_gate_up, *args, **kwargs):
+    """torchtitan_experts with its (w1, w3) the halves of megamoe's gate/up weight (views: autograd joins their
+    gradients), so that conftest's problems and references apply as they are."""
+    return torchtitan_experts(x, topk_ids, topk_weights, tuple(w_gate_up.chunk(2, dim=1)), *args, **kwargs)
+
+
 def check_against_reference(fn, p, dtype, device=CPU) -> None:
     """fn on the fp64 problem p cast to dtype (run on device): fp32 within 1e-5 of the fp64 reference, bf16
     within the error budget (the references run on the CPU)."""
@@ -58,7 +64,8 @@ def check_against_reference(fn, p, dtype, device=CPU) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape,route,shared", CASES, ids=CASE_IDS)
 def test_torchtitan_one_rank_matches_reference(rng, shape, route, shared, dtype):
-    check_against_reference(torchtitan_experts, make_problem(rng, *shape, shared_intermediate=shared, route=route), dtype)
+    check_against_reference(torchtitan_on_megamoe_layout,
+                            make_problem(rng, *shape, shared_intermediate=shared, route=route), dtype)
 
 
 @pytest.mark.parametrize("caller_setting", [(False, False), (True, True)], ids=["off", "warn-only"])
@@ -69,21 +76,27 @@ def test_torchtitan_combine_restores_the_deterministic_setting(rng, caller_setti
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
     torch.use_deterministic_algorithms(caller_setting[0], warn_only=caller_setting[1])
     try:
-        run_experts(p, torchtitan_experts)
+        run_experts(p, torchtitan_on_megamoe_layout)
         now = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
     assert now == caller_setting
 
 
-def test_torchtitan_rejects_bad_shapes(rng):
+def test_torchtitan_rejects_bad_inputs(rng):
     p = make_problem(rng, 4, 8, 4, 2, 1)
+    w1_w3 = tuple(p.w_gate_up.chunk(2, dim=1))
     with pytest.raises(ValueError, match="topk_weights_TK"):
-        torchtitan_experts(p.x, p.topk_ids, p.topk_weights[:, :0], p.w_gate_up, p.w_down)
+        torchtitan_experts(p.x, p.topk_ids, p.topk_weights[:, :0], w1_w3, p.w_down)
     with pytest.raises(ValueError, match="w_down_EHI"):
-        torchtitan_experts(p.x, p.topk_ids, p.topk_weights, p.w_gate_up, p.w_down[:, :, :1])
+        torchtitan_experts(p.x, p.topk_ids, p.topk_weights, w1_w3, p.w_down[:, :, :1])
     with pytest.raises(TypeError, match="topk_ids_TK"):
-        torchtitan_experts(p.x, p.topk_ids.float(), p.topk_weights, p.w_gate_up, p.w_down)
+        torchtitan_experts(p.x, p.topk_ids.float(), p.topk_weights, w1_w3, p.w_down)
+    # megamoe's one [E_l, 2I, H] tensor where TorchTitan holds two, and two halves that do not match.
+    with pytest.raises(TypeError, match=r"w1_w3_EIH must be .* tuple \(w1, w3\).* got Tensor"):
+        torchtitan_experts(p.x, p.topk_ids, p.topk_weights, p.w_gate_up, p.w_down)
+    with pytest.raises(ValueError, match=r"w1_w3_EIH must be two \[E_l, I, H=8\] tensors of one shape"):
+        torchtitan_experts(p.x, p.topk_ids, p.topk_weights, (w1_w3[0], w1_w3[1][:, :1]), p.w_down)
 
 
 # --------------------------------------------------------------------------------------------- 2 gloo ranks
@@ -127,7 +140,7 @@ def _ep_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         for name, p in _ep_scenarios().items():
             for dtype in (torch.float32, torch.bfloat16):
                 try:
-                    results[name, dtype] = run_experts(_local(p, rank).cast(dtype), torchtitan_experts,
+                    results[name, dtype] = run_experts(_local(p, rank).cast(dtype), torchtitan_on_megamoe_layout,
                                                        group=dist.group.WORLD)
                 except Exception as e:  # noqa: BLE001 - reported by the parent
                     results[name, dtype] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}

@@ -105,8 +105,11 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Te
 
     a [R, K] @ b [E, K, N] -> [R, N] (rows past ends[-1] are unspecified), or, for a 2-D b,
     a.T-style weight gradients: a [N, R] (a transposed view) @ b [R, K] -> [E, N, K].
+    torch._grouped_mm runs where the operands and the output's rows suit it: autograd's backward of it (the
+    TorchTitan-style baseline relies on it) takes the output's gradient as an operand.
     """
-    if _has_grouped_mm(a) and _aligned_16_bytes(a, b):
+    out_row_bytes = b.shape[-1] * a.element_size()
+    if _has_grouped_mm(a) and _aligned_16_bytes(a, b) and out_row_bytes % 16 == 0:
         return torch._grouped_mm(_aligned_base(a), _aligned_base(b), offs=ends)
     # NOTE: host sync (offsets to the host); only on devices/dtypes without torch._grouped_mm.
     bounds = [0] + ends.tolist()

@@ -6,12 +6,11 @@
   the pairs sorted by expert, x's rows gathered in that order, torch._grouped_mm on the unpadded segments,
   the score applied to the outputs in fp32, the sum over a token's pairs by a deterministic scatter_add (and
   with expert parallelism the two all_to_all_single with the split sizes on the host, the received rows
-  reordered rank-major to expert-major and back). Departures: the GEMMs run in the inputs' dtype (TorchTitan
-  casts to bf16: the same in a bf16 run, while fp32 CPU runs stay fp32); gate and up are one grouped GEMM over
-  w_gate_up where TorchTitan runs two (over w1 and w3, x's rows read twice and two gradients of them summed). By
-  bytes moved (not timed) one GEMM is lighter where I < 1.5 H (every workload but mixtral-8x7b); at mixtral-8x7b
-  (I = 3.5 H) the concatenated [N, 2I] gradient it writes and reads outweighs the saving, ~1 GB per fwd+bwd,
-  about 1% of that baseline's time.
+  reordered rank-major to expert-major and back). Its weights are held as TorchTitan holds them: gate and up
+  as two tensors (w1, w3, [E_l, I, H] each; megamoe.bench.problem.torchtitan_weights makes them once, before
+  timing), so gate and up are two grouped GEMMs, x's rows read by each and their two gradients summed, and the
+  weight gradients come out as two tensors, as TorchTitan's do. One departure: the GEMMs run in the inputs'
+  dtype (TorchTitan casts to bf16: the same in a bf16 run, while fp32 CPU runs stay fp32).
 - "hf-grouped_mm" (peer, when transformers >= 5 is installed): transformers' own experts implementation
   "grouped_mm" (transformers.integrations.moe), called on our tensors, the router weights in x's dtype as
   transformers' Qwen3-MoE, Qwen2-MoE and gpt-oss routers hand them over (fp32 ones would run its combine, a
@@ -20,8 +19,9 @@
 - "liger" (peer, when liger-kernel is installed; CUDA): Liger-Kernel's fused MoE, LigerFusedMoEFunction.
 
 Each is a function with megamoe.experts' signature (x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_E2IH
-[E_l, 2I, H] gate rows first, w_down_EHI [E_l, H, I], shared_gate_up [2I_s, H], shared_down [H, I_s],
-group; other keywords, e.g. config, ignored); autograd does the backward. The peers run on one GPU only.
+[E_l, 2I, H] gate rows first, for "torchtitan" the pair (w1, w3) instead, w_down_EHI [E_l, H, I],
+shared_gate_up [2I_s, H], shared_down [H, I_s], group; other keywords, e.g. config, ignored); autograd does
+the backward. The peers run on one GPU only.
 """
 
 from __future__ import annotations
@@ -41,6 +41,14 @@ PEERS = tuple(PEER_PACKAGES)
 
 def _check_inputs(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_E2IH, w_down_EHI) -> None:
     """Shapes only: checking that the ids are in range would cost a host sync, which TorchTitan does not pay."""
+    _check_tokens(x_TH, topk_ids_TK, topk_weights_TK)
+    num_local, two_i, hidden = w_gate_up_E2IH.shape
+    if hidden != x_TH.shape[1] or two_i % 2:
+        raise ValueError(f"w_gate_up_E2IH must be [E_l, 2I, H={x_TH.shape[1]}], got shape {tuple(w_gate_up_E2IH.shape)}")
+    _check_down(w_down_EHI, num_local, hidden, two_i // 2)
+
+
+def _check_tokens(x_TH, topk_ids_TK, topk_weights_TK) -> None:
     if x_TH.dim() != 2:
         raise ValueError(f"x_TH must be [T, H], got shape {tuple(x_TH.shape)}")
     if topk_ids_TK.dim() != 2 or topk_ids_TK.shape[0] != x_TH.shape[0]:
@@ -50,23 +58,39 @@ def _check_inputs(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_E2IH, w_down_EHI
     if topk_weights_TK.shape != topk_ids_TK.shape:
         raise ValueError(f"topk_weights_TK must have topk_ids_TK's shape {tuple(topk_ids_TK.shape)}, "
                          f"got {tuple(topk_weights_TK.shape)}")
-    num_local, two_i, hidden = w_gate_up_E2IH.shape
-    if hidden != x_TH.shape[1] or two_i % 2:
-        raise ValueError(f"w_gate_up_E2IH must be [E_l, 2I, H={x_TH.shape[1]}], got shape {tuple(w_gate_up_E2IH.shape)}")
-    if tuple(w_down_EHI.shape) != (num_local, hidden, two_i // 2):
-        raise ValueError(f"w_down_EHI must be [E_l={num_local}, H={hidden}, I={two_i // 2}], "
+
+
+def _check_down(w_down_EHI, num_local: int, hidden: int, intermediate: int) -> None:
+    if tuple(w_down_EHI.shape) != (num_local, hidden, intermediate):
+        raise ValueError(f"w_down_EHI must be [E_l={num_local}, H={hidden}, I={intermediate}], "
                          f"got shape {tuple(w_down_EHI.shape)}")
 
 
+def _check_torchtitan_inputs(x_TH, topk_ids_TK, topk_weights_TK, w1_w3_EIH, w_down_EHI) -> None:
+    _check_tokens(x_TH, topk_ids_TK, topk_weights_TK)
+    if not (isinstance(w1_w3_EIH, tuple) and len(w1_w3_EIH) == 2
+            and all(isinstance(t, torch.Tensor) for t in w1_w3_EIH)):
+        raise TypeError("w1_w3_EIH must be TorchTitan's gate and up weights as a tuple (w1, w3) of two [E_l, I, H] "
+                        f"tensors (megamoe.bench.problem.torchtitan_weights makes them), got {type(w1_w3_EIH).__name__}")
+    w1, w3 = w1_w3_EIH
+    if w1.dim() != 3 or w1.shape != w3.shape or w1.shape[2] != x_TH.shape[1]:
+        raise ValueError(f"w1_w3_EIH must be two [E_l, I, H={x_TH.shape[1]}] tensors of one shape, got shapes "
+                         f"{tuple(w1.shape)} and {tuple(w3.shape)}")
+    num_local, intermediate, hidden = w1.shape
+    _check_down(w_down_EHI, num_local, hidden, intermediate)
+
+
 def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    # In the rows' dtype (bf16 in a bf16 run), as TorchTitan's F.silu(x @ w1.T) * (x @ w3.T).
+    """transformers' gate on one GEMM's [.., 2I] output (gate columns first), in the rows' dtype."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
 def _shared_expert(x_TH, shared_gate_up, shared_down) -> torch.Tensor:
-    """The shared expert as a dense MLP (TorchTitan's FeedForward), in x's dtype."""
-    return _swiglu(x_TH @ shared_gate_up.t()) @ shared_down.t()
+    """The shared expert as a dense MLP in x's dtype, gate and up two matmuls as TorchTitan's FeedForward (w1, w3)
+    and transformers' MLPs (gate_proj, up_proj) run them; the weight's two halves are views of shared_gate_up."""
+    gate_IH, up_IH = shared_gate_up.chunk(2)
+    return (F.silu(x_TH @ gate_IH.t()) * (x_TH @ up_IH.t())) @ shared_down.t()
 
 
 class _DeterministicScatterAdd(torch.autograd.Function):
@@ -90,22 +114,24 @@ class _DeterministicScatterAdd(torch.autograd.Function):
         return grad_out, None, grad_out.gather(0, index)
 
 
-def _grouped_experts(rows_NH, counts_E, w_gate_up_E2IH, w_down_EHI) -> torch.Tensor:
-    """The expert MLPs of rows_NH, grouped by expert (counts_E rows each, no padding): two torch._grouped_mm
-    over the segments' ends with SwiGLU between (TorchTitan's GroupedExperts)."""
+def _grouped_experts(rows_NH, counts_E, w1_w3_EIH, w_down_EHI) -> torch.Tensor:
+    """The expert MLPs of rows_NH, grouped by expert (counts_E rows each, no padding): torch._grouped_mm over the
+    segments' ends, gate and up two of them, SwiGLU between (TorchTitan's GroupedExperts)."""
     ends_E = counts_E.cumsum(0).to(torch.int32)
     # grouped_mm is torch._grouped_mm where torch has it for this device and dtype, else a loop over experts.
-    h_NI = _swiglu(grouped_mm(rows_NH, w_gate_up_E2IH.transpose(-2, -1), ends_E))
+    w1_EIH, w3_EIH = w1_w3_EIH
+    h_NI = (F.silu(grouped_mm(rows_NH, w1_EIH.transpose(-2, -1), ends_E))
+            * grouped_mm(rows_NH, w3_EIH.transpose(-2, -1), ends_E))
     return grouped_mm(h_NI, w_down_EHI.transpose(-2, -1), ends_E)
 
 
-def _expert_parallel(routed_NH, counts_E, w_gate_up_E2IH, w_down_EHI, group) -> torch.Tensor:
+def _expert_parallel(routed_NH, counts_E, w1_w3_EIH, w_down_EHI, group) -> torch.Tensor:
     """TorchTitan's AllToAllTokenDispatcher around _grouped_experts: routed_NH (this rank's pairs sorted by global
     expert, counts_E per global expert) to the experts' owners, reordered from rank-major to expert-major, and
     their outputs back, in routed_NH's order."""
     from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 
-    world, num_local = dist.get_world_size(group), w_gate_up_E2IH.shape[0]
+    world, num_local = dist.get_world_size(group), w_down_EHI.shape[0]
     with torch.no_grad():
         # counts_group[r * E_l + e]: rows rank r sends to this rank's local expert e.
         counts_group = torch.ops._c10d_functional.wait_tensor(all_to_all_single(counts_E, None, None, group))
@@ -126,21 +152,22 @@ def _expert_parallel(routed_NH, counts_E, w_gate_up_E2IH, w_down_EHI, group) -> 
     starts_out_G = lengths_G.cumsum(0) - lengths_G
     permuted_M = (starts_in_G[segment_M] + torch.arange(num_received, device=routed_NH.device)
                   - starts_out_G[segment_M])
-    rows_out_MH = _grouped_experts(received_MH[permuted_M], counts_RE.sum(0), w_gate_up_E2IH, w_down_EHI)
+    rows_out_MH = _grouped_experts(received_MH[permuted_M], counts_RE.sum(0), w1_w3_EIH, w_down_EHI)
     unpermuted_MH = rows_out_MH.new_empty(received_MH.shape)  # TorchTitan's _unpermute
     unpermuted_MH[permuted_M] = rows_out_MH
     return all_to_all_single_autograd(unpermuted_MH, send_splits, recv_splits, group)
 
 
 def torchtitan_experts(
-    x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_E2IH, w_down_EHI,
+    x_TH, topk_ids_TK, topk_weights_TK, w1_w3_EIH, w_down_EHI,
     shared_gate_up=None, shared_down=None, group=None, **ignored,
 ) -> torch.Tensor:
-    """TorchTitan's MoE experts (score after the experts), one GPU or expert parallel over group."""
-    _check_inputs(x_TH, topk_ids_TK, topk_weights_TK, w_gate_up_E2IH, w_down_EHI)
+    """TorchTitan's MoE experts (score after the experts), one GPU or expert parallel over group; w1_w3_EIH is
+    TorchTitan's gate and up weights (w1, w3), [E_l, I, H] each."""
+    _check_torchtitan_inputs(x_TH, topk_ids_TK, topk_weights_TK, w1_w3_EIH, w_down_EHI)
     top_k = topk_ids_TK.shape[1]
     world = 1 if group is None else dist.get_world_size(group)
-    num_local = w_gate_up_E2IH.shape[0]
+    num_local = w_down_EHI.shape[0]
     # The (token, slot) pairs sorted by global expert id (which also sorts them by owner rank).
     ids_N = topk_ids_TK.reshape(-1)
     # Counted with histc (sync-free; TorchTitan's router counts with a one-hot sum, also sync-free); torch.bincount
@@ -152,9 +179,9 @@ def torchtitan_experts(
     scores_N = topk_weights_TK.reshape(-1)[order_N]
     routed_NH = x_TH[token_N]
     if world == 1:
-        routed_out_NH = _grouped_experts(routed_NH, counts_E, w_gate_up_E2IH, w_down_EHI)
+        routed_out_NH = _grouped_experts(routed_NH, counts_E, w1_w3_EIH, w_down_EHI)
     else:
-        routed_out_NH = _expert_parallel(routed_NH, counts_E, w_gate_up_E2IH, w_down_EHI, group)
+        routed_out_NH = _expert_parallel(routed_NH, counts_E, w1_w3_EIH, w_down_EHI, group)
     # Score after the experts: a product in the router's dtype (fp32), rounded to the rows' dtype.
     routed_out_NH = (routed_out_NH.to(scores_N.dtype) * scores_N.unsqueeze(1)).to(x_TH.dtype)
     out_TH = _DeterministicScatterAdd.apply(

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import megamoe
 from megamoe.autograd import TRITON_UNAVAILABLE, group_hosts, triton_runs_on
 from megamoe.bench import baselines
-from megamoe.bench.problem import Tokens, Weights, expert_weights, forward_backward
+from megamoe.bench.problem import Tokens, Weights, expert_weights, forward_backward, megamoe_layout, torchtitan_weights
 from megamoe.bench.workloads import Workload
 
 FP32_REL_TOL = 1e-4
@@ -61,6 +61,12 @@ def experts_fn(backend: str):
     if backend in baselines.FUNCTIONS:
         return baselines.FUNCTIONS[backend]
     return functools.partial(megamoe.experts, config=megamoe.MoEConfig(backend=backend))
+
+
+def backend_weights(backend: str, weights: Weights) -> Weights:
+    """weights as backend holds them: TorchTitan's gate and up as two leaves (problem.torchtitan_weights, new
+    copies: make them once per problem), every other backend's the same leaves in megamoe's layout."""
+    return torchtitan_weights(weights) if backend == "torchtitan" else weights
 
 
 def ground_truth_dtype(device: torch.device) -> torch.dtype:
@@ -220,7 +226,7 @@ def compare(results: dict[str, torch.Tensor], ref: Reference) -> list[str]:
     """One message per tensor outside its budget (empty: all pass)."""
     failures = []
     for name, want in ref.truth.items():
-        got = results[name]
+        got = megamoe_layout(results[name])
         if got.shape != want.shape:
             failures.append(f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}")
             continue
@@ -231,12 +237,13 @@ def compare(results: dict[str, torch.Tensor], ref: Reference) -> list[str]:
 
 
 def gate_one(backend: str, weights: Weights, tokens: Tokens, ref: Reference, group) -> tuple[str, str]:
-    """(status, detail) of one backend on this rank."""
+    """(status, detail) of one backend on this rank; weights in megamoe's layout, handed to the backend as it
+    holds them (backend_weights)."""
     reason = unavailable_reason(backend, weights.w_down_EHI.device, group)
     if reason:
         return "unavailable", reason
     try:
-        results = forward_backward(experts_fn(backend), weights, tokens, group=group)
+        results = forward_backward(experts_fn(backend), backend_weights(backend, weights), tokens, group=group)
     except (NotImplementedError, ImportError) as e:
         return "unavailable", str(e)
     except Exception as e:  # a backend that crashes fails its gate; the other backends still run

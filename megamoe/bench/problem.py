@@ -16,7 +16,8 @@ SHARED_SEED = 0  # expert e's weights use seed e + 1, so they do not depend on t
 class Weights:
     """One rank's weights, leaves that require grad; the shared expert is replicated on every rank."""
 
-    w_gate_up_E2IH: torch.Tensor  # [E_l, 2I, H], gate rows first
+    # [E_l, 2I, H], gate rows first; as TorchTitan holds them (torchtitan_weights), the pair (w1, w3) [E_l, I, H].
+    w_gate_up_E2IH: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
     w_down_EHI: torch.Tensor  # [E_l, H, I]
     shared_gate_up_2IH: torch.Tensor | None  # [2I_s, H]
     shared_down_HI: torch.Tensor | None  # [H, I_s]
@@ -61,6 +62,18 @@ def make_weights(w: Workload, expert_ids: range, dtype: torch.dtype, device: tor
     return Weights(*(t.requires_grad_() if t is not None else None for t in leaves))
 
 
+def torchtitan_weights(weights: Weights) -> Weights:
+    """weights as TorchTitan holds them, for its baseline (megamoe.bench.baselines.torchtitan_experts): gate and up
+    as two leaves (w1, w3) [E_l, I, H], copies of w_gate_up_E2IH's halves made once; the other leaves shared."""
+    w1_EIH, w3_EIH = (half.detach().contiguous().requires_grad_() for half in weights.w_gate_up_E2IH.chunk(2, dim=1))
+    return dataclasses.replace(weights, w_gate_up_E2IH=(w1_EIH, w3_EIH))
+
+
+def megamoe_layout(grad: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """A gradient in megamoe's layout, for comparisons: d_w_gate_up of TorchTitan's (w1, w3) joined to [E_l, 2I, H]."""
+    return torch.cat(grad, dim=1) if isinstance(grad, tuple) else grad
+
+
 def make_tokens(
     w: Workload, num_tokens: int, num_experts: int, routing: str, dtype: torch.dtype, generator: torch.Generator
 ) -> Tokens:
@@ -99,8 +112,8 @@ def cast(weights: Weights, tokens: Tokens, dtype: torch.dtype) -> tuple[Weights,
     return weights_dtype, tokens_dtype
 
 
-def grad_leaves(weights: Weights, tokens: Tokens) -> dict[str, torch.Tensor]:
-    """The differentiable inputs, keyed by the name of their gradient."""
+def grad_leaves(weights: Weights, tokens: Tokens) -> dict[str, torch.Tensor | tuple[torch.Tensor, ...]]:
+    """The differentiable inputs, keyed by the name of their gradient (TorchTitan's (w1, w3) under one name)."""
     named = {
         "d_x": tokens.x_TH,
         "d_topk_weights": tokens.topk_weights_TK,
@@ -128,9 +141,14 @@ def forward_TH(experts_fn, weights: Weights, tokens: Tokens, **kwargs) -> torch.
 
 
 def forward_backward(experts_fn, weights: Weights, tokens: Tokens, **kwargs) -> dict[str, torch.Tensor]:
-    """{"out": [T, H], "d_x": ..., ...}: the output and the gradients of sum(out * d_out) (see grad_leaves)."""
+    """{"out": [T, H], "d_x": ..., ...}: the output and the gradients of sum(out * d_out) (see grad_leaves; a pair
+    of leaves gets a pair of gradients, as its owner's autograd leaves them: megamoe_layout joins them)."""
     out_TH = forward_TH(experts_fn, weights, tokens, **kwargs)
     leaves = grad_leaves(weights, tokens)
+    flat = [t for leaf in leaves.values() for t in (leaf if isinstance(leaf, tuple) else (leaf,))]
     # autograd.grad, not backward(): nothing accumulates into .grad between iterations.
-    grads = torch.autograd.grad(out_TH, list(leaves.values()), tokens.d_out_TH)
-    return {"out": out_TH.detach(), **dict(zip(leaves, grads))}
+    grads = iter(torch.autograd.grad(out_TH, flat, tokens.d_out_TH))
+    results = {"out": out_TH.detach()}
+    for name, leaf in leaves.items():
+        results[name] = tuple(next(grads) for _ in leaf) if isinstance(leaf, tuple) else next(grads)
+    return results

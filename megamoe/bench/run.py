@@ -21,7 +21,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megamoe.bench.baselines import PEERS
-from megamoe.bench.gate import experts_fn, gate_backends, unavailable_reason
+from megamoe.bench.gate import backend_weights, experts_fn, gate_backends, unavailable_reason
 from megamoe.bench.measure import (
     CEILING_FLOPS, alternating_rounds, ceiling_matmul, git_commit, median_ms, reduce_over_ranks, short_commit,
 )
@@ -97,13 +97,17 @@ def memory_record(peak: int, inputs_bytes: int, workspace: int | None, device: t
 
 
 def time_pass(backend, pass_name, weights, token_sets, *, iters, warmup, device, group) -> dict:
-    """ms (the median of iters timed calls) and memory of one backend and pass, rotating through token_sets.
+    """ms (the median of iters timed calls) and memory of one backend and pass, rotating through token_sets;
+    weights (megamoe's layout) are handed to the backend as it holds them (gate.backend_weights: for TorchTitan a
+    copy made for the turn, before its memory is measured).
     Memory (GPUs, max over ranks, memory_record): peak_mem_bytes, the caching allocator's peak plus the EP
-    symmetric-memory workspace; peak_mem_above_inputs_bytes, that less what the weights and input sets already
-    held when the pass started (activations, gradients, temporaries, workspace); workspace_bytes, the workspace
-    alone (the pass's own: the cached ones are dropped before it, so one of an earlier workload is not counted)."""
+    symmetric-memory workspace (TorchTitan's also counts megamoe's gate/up weights beside its own copy);
+    peak_mem_above_inputs_bytes, that less what the weights and input sets already held when the pass started
+    (activations, gradients, temporaries, workspace); workspace_bytes, the workspace alone (the pass's own: the
+    cached ones are dropped before it, so one of an earlier workload is not counted)."""
     fn = experts_fn(backend)
     run = forward_TH if pass_name == "fwd" else forward_backward
+    weights = backend_weights(backend, weights)
 
     def step(i):
         run(fn, weights, token_sets[i % len(token_sets)], group=group)
