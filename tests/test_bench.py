@@ -19,7 +19,7 @@ from megamoe.__main__ import main
 from megamoe.bench import gate, run
 from megamoe.bench.gate import gate_backends, rel_err
 from megamoe.bench.measure import alternating_rounds, kernel_times, round_order
-from megamoe.bench.problem import cast, forward_backward, make_tokens, make_weights
+from megamoe.bench.problem import cast, forward_backward, make_tokens, make_weights, megamoe_layout
 from megamoe.bench.routing import expert_load_E, route
 from megamoe.bench.run import RECORD_FIELDS
 from megamoe.bench.workloads import WORKLOADS, choose_experts_per_gpu, footprint_bytes, layer_flops
@@ -138,6 +138,30 @@ def test_gate_fails_one_wrong_gradient(dtype, monkeypatch):
     monkeypatch.setattr(megamoe, "experts", wrong_d_w_down)
     status, detail = gate_backends(w, ["torch"], weights, tokens, group=None)["torch"]
     assert status == "FAILED" and detail.startswith("d_w_down: rel err") and ";" not in detail, detail
+
+
+def test_torchtitan_runs_on_its_own_gate_and_up_weights():
+    """TorchTitan's baseline gets gate and up as two leaves of its own (w1, w3; copies, the rest shared), returns their
+    two gradients as its autograd leaves them, and those joined are megamoe's d_w_gate_up; the copy it replaces is
+    what its memory figures leave out."""
+    w, weights, tokens = _cpu_problem(torch.float32)
+    held = gate.backend_weights("torchtitan", weights)
+    w1, w3 = held.w_gate_up_E2IH
+    assert w1.is_leaf and w3.is_leaf and w1.is_contiguous() and w3.is_contiguous()
+    assert torch.equal(torch.cat([w1, w3], dim=1), weights.w_gate_up_E2IH)
+    assert held.w_down_EHI is weights.w_down_EHI and held.shared_gate_up_2IH is weights.shared_gate_up_2IH
+    assert gate.backend_weights("torch", weights) is weights
+
+    titan = forward_backward(gate.experts_fn("torchtitan"), held, tokens)
+    ours = forward_backward(gate.experts_fn("torch"), weights, tokens)
+    assert isinstance(titan["d_w_gate_up"], tuple) and len(titan["d_w_gate_up"]) == 2
+    assert titan.keys() == ours.keys()
+    for name in ours:
+        torch.testing.assert_close(megamoe_layout(titan[name]), ours[name], rtol=1e-5, atol=1e-5, msg=name)
+
+    gate_up_bytes = weights.w_gate_up_E2IH.numel() * weights.w_gate_up_E2IH.element_size()
+    assert run.unused_weight_bytes(weights, held) == gate_up_bytes
+    assert run.unused_weight_bytes(weights, weights) == 0
 
 
 def test_streamed_reference_is_the_reference():

@@ -10,6 +10,7 @@ keeps what the backward needs); "fwd+bwd" adds autograd.grad of sum(out * d_out)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -26,7 +27,7 @@ from megamoe.bench.measure import (
     CEILING_FLOPS, alternating_rounds, ceiling_matmul, git_commit, median_ms, reduce_over_ranks, short_commit,
 )
 from megamoe.bench.plot import format_tflops, plot_records
-from megamoe.bench.problem import forward_backward, forward_TH, make_tokens, make_weights
+from megamoe.bench.problem import Weights, forward_backward, forward_TH, make_tokens, make_weights
 from megamoe.bench.routing import ROUTINGS, expert_load_E
 from megamoe.bench.workloads import (
     CPU_WORKLOADS, GPU_WORKLOADS, NUM_INPUT_SETS, PASSES, WORKLOADS, choose_experts_per_gpu, layer_flops,
@@ -96,21 +97,34 @@ def memory_record(peak: int, inputs_bytes: int, workspace: int | None, device: t
             "workspace_bytes": None if workspace is None else int(values[2])}
 
 
+def unused_weight_bytes(weights: Weights, held: Weights) -> int:
+    """Bytes of weights (megamoe's layout) that held, a backend's own (gate.backend_weights), does not use: the
+    leaves held replaced. They stay allocated during its turn, but that backend alone would not hold them."""
+    kept = {id(t) for f in dataclasses.fields(held) for t in _tensors(getattr(held, f.name))}
+    return sum(t.numel() * t.element_size() for f in dataclasses.fields(weights)
+               for t in _tensors(getattr(weights, f.name)) if id(t) not in kept)
+
+
+def _tensors(field) -> tuple[torch.Tensor, ...]:
+    return field if isinstance(field, tuple) else () if field is None else (field,)
+
+
 def time_pass(backend, pass_name, weights, token_sets, *, iters, warmup, device, group) -> dict:
     """ms (the median of iters timed calls) and memory of one backend and pass, rotating through token_sets;
     weights (megamoe's layout) are handed to the backend as it holds them (gate.backend_weights: for TorchTitan a
     copy made for the turn, before its memory is measured).
     Memory (GPUs, max over ranks, memory_record): peak_mem_bytes, the caching allocator's peak plus the EP
-    symmetric-memory workspace (TorchTitan's also counts megamoe's gate/up weights beside its own copy);
-    peak_mem_above_inputs_bytes, that less what the weights and input sets already held when the pass started
-    (activations, gradients, temporaries, workspace); workspace_bytes, the workspace alone (the pass's own: the
-    cached ones are dropped before it, so one of an earlier workload is not counted)."""
+    symmetric-memory workspace, less the weights in megamoe's layout that a backend holding its own copy does not
+    use (unused_weight_bytes); peak_mem_above_inputs_bytes, that less what the weights and input sets already held
+    when the pass started (activations, gradients, temporaries, workspace); workspace_bytes, the workspace alone
+    (the pass's own: the cached ones are dropped before it, so one of an earlier workload is not counted)."""
     fn = experts_fn(backend)
     run = forward_TH if pass_name == "fwd" else forward_backward
-    weights = backend_weights(backend, weights)
+    held = backend_weights(backend, weights)
+    unused = unused_weight_bytes(weights, held)
 
     def step(i):
-        run(fn, weights, token_sets[i % len(token_sets)], group=group)
+        run(fn, held, token_sets[i % len(token_sets)], group=group)
 
     on_gpu = device.type == "cuda"
     workspace_api = _workspace_api(group)
@@ -120,12 +134,13 @@ def time_pass(backend, pass_name, weights, token_sets, *, iters, warmup, device,
             # Every rank here, after the last pass's reduction of its times (its kernels are done).
             workspace_api.clear_workspaces()
         torch.cuda.reset_peak_memory_stats(device)
-        inputs_bytes = torch.cuda.memory_allocated(device)
+        inputs_bytes = torch.cuda.memory_allocated(device) - unused
     ms = median_ms(step, iters=iters, warmup=warmup, device=device, group=group)
     memory = {"peak_mem_bytes": None, "peak_mem_above_inputs_bytes": None, "workspace_bytes": None}
     if on_gpu:
         workspace = None if workspace_api is None else workspace_api.workspace_bytes(group)
-        memory = memory_record(torch.cuda.max_memory_allocated(device), inputs_bytes, workspace, device, group)
+        memory = memory_record(torch.cuda.max_memory_allocated(device) - unused, inputs_bytes, workspace, device,
+                               group)
     return {"ms": ms, **memory}
 
 
