@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 import megamoe
 import megamoe.autograd
-from megamoe.bench.problem import forward_backward, make_tokens, make_weights
+from megamoe.bench.problem import forward_backward, make_tokens, make_weights, torchtitan_weights
 from megamoe.bench.run import DTYPES
 from megamoe.bench.workloads import NUM_INPUT_SETS, WORKLOADS, choose_experts_per_gpu
 
@@ -77,7 +77,8 @@ def with_backend(module, fn):
 
 
 def variants(old_module, titan: bool) -> dict:
-    """name -> step(weights, tokens, group) running one forward_backward."""
+    """name -> step(weights, tokens, group) running one forward_backward; "titan" takes TorchTitan's (w1, w3)
+    weights (megamoe.bench.problem.torchtitan_weights), the others megamoe's."""
     torch_fn = functools.partial(megamoe.experts, config=megamoe.MoEConfig(backend="torch"))
     steps = {
         "old": with_backend(old_module, lambda w, t, g: forward_backward(torch_fn, w, t, group=g)),
@@ -85,17 +86,8 @@ def variants(old_module, titan: bool) -> dict:
     }
     if titan:
         from megamoe.bench.baselines import FUNCTIONS
-        from megamoe.bench.problem import torchtitan_weights
 
-        held = {}  # TorchTitan's copy of the weights (its w1, w3), made at a workload's first call (a warm-up)
-
-        def titan(w, t, g):
-            if held.get("of") is not w:
-                held.clear()
-                held.update(of=w, weights=torchtitan_weights(w))
-            return forward_backward(FUNCTIONS["torchtitan"], held["weights"], t, group=g)
-
-        steps["titan"] = titan
+        steps["titan"] = lambda w, t, g: forward_backward(FUNCTIONS["torchtitan"], w, t, group=g)
     return steps
 
 
@@ -111,13 +103,14 @@ def max_over_ranks(values: list[float], device, group) -> list[float]:
     return t.tolist()
 
 
-def time_alternating(steps: dict, weights, token_sets, *, iters: int, warmup: int, device, group) -> dict:
-    """Median ms of each step; every iteration runs each step once, the order rotating by one each time."""
+def time_alternating(steps: dict, held: dict, token_sets, *, iters: int, warmup: int, device, group) -> dict:
+    """Median ms of each step on its weights (held[name]); every iteration runs each step once, the order rotating
+    by one each time."""
     names = list(steps)
     on_gpu = device.type == "cuda"
     for i in range(warmup):
         for name in names:
-            steps[name](weights, token_sets[i % len(token_sets)], group)
+            steps[name](held[name], token_sets[i % len(token_sets)], group)
     times = {name: [] for name in names}
     pending = []
     for i in range(iters):
@@ -129,12 +122,12 @@ def time_alternating(steps: dict, weights, token_sets, *, iters: int, warmup: in
             if on_gpu:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                steps[name](weights, tokens, group)
+                steps[name](held[name], tokens, group)
                 end.record()
                 pending.append((name, start, end))
             else:
                 t0 = time.perf_counter()
-                steps[name](weights, tokens, group)
+                steps[name](held[name], tokens, group)
                 times[name].append((time.perf_counter() - t0) * 1e3)
     if on_gpu:
         torch.cuda.synchronize(device)
@@ -227,9 +220,12 @@ def main() -> int:
                  for k in results["new"]}
         del results, rerun
 
-        ms = time_alternating(steps, weights, token_sets, iters=args.iters, warmup=args.warmup,
+        held = dict.fromkeys(steps, weights)
+        if titan:  # TorchTitan's own copy (its w1, w3), made before timing and dropped with the workload's weights
+            held["titan"] = torchtitan_weights(weights)
+        ms = time_alternating(steps, held, token_sets, iters=args.iters, warmup=args.warmup,
                               device=device, group=group)
-        mem = {v: peak_mem(steps[v], weights, token_sets[0], device, group) for v in steps}
+        mem = {v: peak_mem(steps[v], held[v], token_sets[0], device, group) for v in steps}
         record = {"workload": name, "tokens": num_tokens, "experts_per_gpu": n_local, **facts,
                   **{f"{v}_ms": ms[v] for v in steps}, **{f"{v}_peak_mem_bytes": mem[v] for v in steps},
                   "speedup_new_vs_old": ms["old"] / ms["new"], "new_bitwise_rerun": bitwise,
@@ -240,7 +236,7 @@ def main() -> int:
         note = f" ({why})" if why else ""
         say(f"  {name}: T={num_tokens}, {n_local} experts/GPU{note}; new rerun bitwise: {bitwise}; "
             f"rel diff new vs old: " + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))
-        del weights, token_sets
+        del weights, held, token_sets
         if device.type == "cuda":
             torch.cuda.empty_cache()
 

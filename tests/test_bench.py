@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import importlib.util
 import json
 import subprocess
 import sys
@@ -16,10 +17,10 @@ import torch
 
 import megamoe
 from megamoe.__main__ import main
-from megamoe.bench import gate, run
+from megamoe.bench import gate, problem, run
 from megamoe.bench.gate import gate_backends, rel_err
 from megamoe.bench.measure import alternating_rounds, kernel_times, round_order
-from megamoe.bench.problem import cast, forward_backward, make_tokens, make_weights, megamoe_layout
+from megamoe.bench.problem import cast, forward_backward, make_tokens, make_weights, megamoe_layout, torchtitan_weights
 from megamoe.bench.routing import expert_load_E, route
 from megamoe.bench.run import RECORD_FIELDS
 from megamoe.bench.workloads import WORKLOADS, choose_experts_per_gpu, footprint_bytes, layer_flops
@@ -516,6 +517,35 @@ def test_a_workloads_tensors_are_freed_before_the_next_ones_are_made(monkeypatch
     assert code == 0, capsys.readouterr().out
     routing = [("tokens", i) for i in range(run.NUM_INPUT_SETS)]  # only the routing's own earlier sets alive
     assert alive_at_make == [("weights", 0), *routing, *routing] * 2, alive_at_make
+
+
+def test_torch_path_ab_frees_a_workloads_weights_and_titan_copy(monkeypatch, capsys):
+    """benchmarks/torch_path_ab.py: the previous workload's weights, and TorchTitan's copy of them, are gone when the
+    next workload measures its free memory and makes its weights."""
+    made, alive_at_make = [], []
+
+    def spy_weights(*args):
+        alive_at_make.append(sum(ref() is not None for ref in made))
+        weights = make_weights(*args)
+        made.append(weakref.ref(weights.w_gate_up_E2IH))
+        return weights
+
+    def spy_titan(weights):
+        held = torchtitan_weights(weights)
+        made.extend(weakref.ref(t) for t in held.w_gate_up_E2IH)
+        return held
+
+    monkeypatch.setattr(problem, "torchtitan_weights", spy_titan)  # before the script imports it
+    spec = importlib.util.spec_from_file_location("torch_path_ab", REPO / "benchmarks" / "torch_path_ab.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    copy = dataclasses.replace(WORKLOADS["cpu-small"], name="cpu-small-copy")
+    monkeypatch.setitem(ab.WORKLOADS, copy.name, copy)
+    monkeypatch.setattr(ab, "make_weights", spy_weights)
+    monkeypatch.setattr(sys, "argv", ["torch_path_ab.py", "--workload", f"cpu-small,{copy.name}", "--tokens", "16",
+                                      "--iters", "1", "--warmup", "1", "--titan"])
+    assert ab.main() == 0, capsys.readouterr().out
+    assert alive_at_make == [0, 0] and len(made) == 6, (alive_at_make, len(made))
 
 
 def test_kernel_times_idle_counts_only_time_no_kernel_runs(monkeypatch):
