@@ -34,7 +34,7 @@ import torch.distributed as dist
 import megamoe
 import megamoe.autograd
 from megamoe.bench.problem import forward_backward, make_tokens, make_weights, torchtitan_weights
-from megamoe.bench.run import DTYPES
+from megamoe.bench.run import DTYPES, unused_weight_bytes
 from megamoe.bench.workloads import NUM_INPUT_SETS, WORKLOADS, choose_experts_per_gpu
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -136,7 +136,8 @@ def time_alternating(steps: dict, held: dict, token_sets, *, iters: int, warmup:
     return {name: statistics.median(max_over_ranks(times[name], device, group)) for name in names}
 
 
-def peak_mem(step, weights, tokens, device, group) -> int | None:
+def peak_mem(step, weights, tokens, device, group, unused: int = 0) -> int | None:
+    """The allocator's peak over one step, less unused: bytes of weights held for other steps, not this one's."""
     if device.type != "cuda":
         return None
     torch.cuda.synchronize(device)
@@ -144,7 +145,7 @@ def peak_mem(step, weights, tokens, device, group) -> int | None:
     torch.cuda.reset_peak_memory_stats(device)
     step(weights, tokens, group)
     torch.cuda.synchronize(device)
-    return int(max_over_ranks([torch.cuda.max_memory_allocated(device)], device, group)[0])
+    return int(max_over_ranks([torch.cuda.max_memory_allocated(device) - unused], device, group)[0])
 
 
 def main() -> int:
@@ -225,7 +226,10 @@ def main() -> int:
             held["titan"] = torchtitan_weights(weights)
         ms = time_alternating(steps, held, token_sets, iters=args.iters, warmup=args.warmup,
                               device=device, group=group)
-        mem = {v: peak_mem(steps[v], held[v], token_sets[0], device, group) for v in steps}
+        # Each step's peak leaves out the gate/up weights of the other layout (megamoe's, or TorchTitan's copy).
+        mem = {v: peak_mem(steps[v], held[v], token_sets[0], device, group,
+                           sum(unused_weight_bytes(other, held[v]) for other in (weights, held.get("titan", weights))))
+               for v in steps}
         record = {"workload": name, "tokens": num_tokens, "experts_per_gpu": n_local, **facts,
                   **{f"{v}_ms": ms[v] for v in steps}, **{f"{v}_peak_mem_bytes": mem[v] for v in steps},
                   "speedup_new_vs_old": ms["old"] / ms["new"], "new_bitwise_rerun": bitwise,

@@ -548,6 +548,26 @@ def test_torch_path_ab_frees_a_workloads_weights_and_titan_copy(monkeypatch, cap
     assert alive_at_make == [0, 0] and len(made) == 6, (alive_at_make, len(made))
 
 
+def test_torch_path_ab_peaks_leave_out_the_other_layouts_gate_up(monkeypatch, capsys):
+    """benchmarks/torch_path_ab.py holds gate/up twice while it measures peaks (megamoe's and TorchTitan's copy): each
+    step's peak leaves out the one it does not use, as the bench's do (run.unused_weight_bytes)."""
+    spec = importlib.util.spec_from_file_location("torch_path_ab", REPO / "benchmarks" / "torch_path_ab.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    left_out = {}
+
+    def spy_peak_mem(step, weights, tokens, device, group, unused=0):
+        left_out["titan" if isinstance(weights.w_gate_up_E2IH, tuple) else "megamoe"] = unused
+
+    monkeypatch.setattr(ab, "peak_mem", spy_peak_mem)
+    monkeypatch.setattr(sys, "argv", ["torch_path_ab.py", "--workload", "cpu-small", "--tokens", "16", "--iters", "1",
+                                      "--warmup", "0", "--titan"])
+    assert ab.main() == 0, capsys.readouterr().out
+    w = WORKLOADS["cpu-small"]
+    gate_up_bytes = w.num_experts * 2 * w.intermediate * w.hidden * torch.float32.itemsize
+    assert left_out == {"megamoe": gate_up_bytes, "titan": gate_up_bytes}, left_out
+
+
 def test_kernel_times_idle_counts_only_time_no_kernel_runs(monkeypatch):
     """Kernels that overlap (e.g. on two streams): a gap is idle only where no kernel started before it is still
     running, and it names the kernel that ran last into it."""
