@@ -3,7 +3,8 @@ itself (the timed weights and the first timed input set: all T tokens, every exp
 reference of that same problem.
 
 A backend is the callable experts_fn(backend) (megamoe.experts with that MoEConfig backend, or a baseline
-or peer of megamoe.bench.baselines); the gate runs exactly what the timing runs, on the same tensors.
+or peer of megamoe.bench.baselines); the gate runs exactly what the timing runs, on the same values (the same
+tensors, but for TorchTitan's own copy of the gate/up weights, backend_weights).
 
 The reference (`reference`) is megamoe.reference's math streamed one expert at a time, so that it fits
 beside the timed problem at full size: each expert's rows go through megamoe.reference.swiglu_mlp and its
@@ -65,7 +66,7 @@ def experts_fn(backend: str):
 
 def backend_weights(backend: str, weights: Weights) -> Weights:
     """weights as backend holds them: TorchTitan's gate and up as two leaves (problem.torchtitan_weights, new
-    copies: make them once per problem), every other backend's the same leaves in megamoe's layout."""
+    copies, made outside the timed calls), every other backend's the same leaves in megamoe's layout."""
     return torchtitan_weights(weights) if backend == "torchtitan" else weights
 
 

@@ -64,7 +64,7 @@ def make_weights(w: Workload, expert_ids: range, dtype: torch.dtype, device: tor
 
 def torchtitan_weights(weights: Weights) -> Weights:
     """weights as TorchTitan holds them, for its baseline (megamoe.bench.baselines.torchtitan_experts): gate and up
-    as two leaves (w1, w3) [E_l, I, H], copies of w_gate_up_E2IH's halves made once; the other leaves shared."""
+    as two leaves (w1, w3) [E_l, I, H], copies of w_gate_up_E2IH's halves; the other leaves shared."""
     w1_EIH, w3_EIH = (half.detach().contiguous().requires_grad_() for half in weights.w_gate_up_E2IH.chunk(2, dim=1))
     return dataclasses.replace(weights, w_gate_up_E2IH=(w1_EIH, w3_EIH))
 
@@ -140,7 +140,7 @@ def forward_TH(experts_fn, weights: Weights, tokens: Tokens, **kwargs) -> torch.
     )
 
 
-def forward_backward(experts_fn, weights: Weights, tokens: Tokens, **kwargs) -> dict[str, torch.Tensor]:
+def forward_backward(experts_fn, weights: Weights, tokens: Tokens, **kwargs) -> dict[str, torch.Tensor | tuple]:
     """{"out": [T, H], "d_x": ..., ...}: the output and the gradients of sum(out * d_out) (see grad_leaves; a pair
     of leaves gets a pair of gradients, as its owner's autograd leaves them: megamoe_layout joins them)."""
     out_TH = forward_TH(experts_fn, weights, tokens, **kwargs)
