@@ -319,7 +319,8 @@ def build_schedule(
     # With a group the range is checked on the gathered routing (every rank's ids, below): a bad id of one
     # rank then fails every rank at the same point, instead of one rank raising while its peers block in
     # the gather.
-    checks_range = place_routing is None  # a backend's placement checks the ids' range itself
+    # A backend's placement checks the ids' range itself; the default, passed or not, does not.
+    checks_range = place_routing is None or place_routing is place_routing_torch
     check_topk_ids(topk_ids, num_experts, check_range=world_size == 1 and checks_range)
     if num_experts % world_size != 0:
         raise ValueError(

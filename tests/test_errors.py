@@ -297,6 +297,16 @@ def test_build_schedule_bad_input(topk_ids, num_experts, exc, name):
         build_schedule(topk_ids, num_experts)
 
 
+def test_build_schedule_default_placement_passed_explicitly_checks_the_ids():
+    """place_routing=place_routing_torch (the default, passed by name) is no placement that checks the ids' range
+    itself: an id outside [0, E) is build_schedule's ValueError naming topk_ids (was: an IndexError from the
+    placement's indexing)."""
+    from megamoe.schedule import place_routing_torch
+
+    with pytest.raises(ValueError, match=r"\btopk_ids\b.*\[0, 4\), found 5"):
+        build_schedule(torch.tensor([[0, 5]]), 4, place_routing=place_routing_torch)
+
+
 def test_build_schedule_bad_config():
     with pytest.raises(TypeError, match=r"\bconfig\b"):
         build_schedule(torch.tensor([[0, 1]]), 4, config="torch")
