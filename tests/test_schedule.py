@@ -314,3 +314,18 @@ def test_receive_rows_bad_sizes_name_them(index, value, match):
     args[index] = value
     with pytest.raises(ValueError, match=match):
         megamoe.schedule.receive_rows(*args)
+
+
+def test_readme_signature_of_build_schedule():
+    """The signature the README's "Use it" shows is build_schedule's: each parameter shown of the same kind, with the
+    same default (was: group and config shown as positional, which build_schedule takes by keyword only)."""
+    import inspect
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    shown = re.search(r"`megamoe\.build_schedule\(([^)]*)\)`", readme).group(1)
+    namespace: dict = {}
+    exec(f"def shown({shown}): pass", namespace)
+    actual = inspect.signature(build_schedule).parameters
+    for name, param in inspect.signature(namespace["shown"]).parameters.items():
+        assert (param.kind, param.default) == (actual[name].kind, actual[name].default), name
