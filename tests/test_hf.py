@@ -619,3 +619,62 @@ def test_save_pretrained_of_expert_parallel_model_is_a_one_process_checkpoint(fa
     assert state.keys() == want.keys(), f"keys differ: {state.keys() ^ want.keys()}"
     for key, tensor in want.items():
         assert_equal(key, state[key], tensor)
+
+
+def _weight_norm_experts(model) -> None:
+    """weight_norm (per expert: dim 0) on the gate_up_proj of every experts module."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    for module in list(model.modules()):
+        if isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter):
+            weight_norm(module, "gate_up_proj", dim=0)
+
+
+
+def _parametrized_save_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Per rank: a Mixtral patched with the world group, its gate_up_proj parametrized after patching; save_pretrained
+    into out_dir/patched, then unpatch_model: the error of each (or None) and the parameters once unpatched."""
+    import torch.distributed as dist
+
+    init_gloo(rank, world, port)
+    results: dict = {}
+    model = hf.patch_model(_model("mixtral"), group=dist.group.WORLD)
+    _mark_experts(model, rank)
+    _weight_norm_experts(model)
+    for name, call in (("save_pretrained", lambda: model.save_pretrained(os.path.join(out_dir, "patched"))),
+                       ("unpatch_model", lambda: hf.unpatch_model(model))):
+        try:
+            call()
+            results[name] = None
+        except Exception:  # noqa: BLE001 - reported by the parent
+            results[name] = traceback.format_exc()
+    results["parameters"] = {name: param.detach().clone() for name, param in model.named_parameters()}
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    leave_gloo(rank, world)
+
+
+@pytest.fixture(scope="module")
+def parametrized_after_patching(tmp_path_factory):
+    """(the workers' results, the directory), and the one-process model of the same weights, parametrized alike."""
+    tmp = tmp_path_factory.mktemp("parametrized-after-patching")
+    results = run_gloo_workers(_parametrized_save_worker, 2, (str(tmp),), tmp, 120,
+                               "save_pretrained and unpatch_model, parametrized experts")
+    expected = _model("mixtral")
+    _mark_experts(expected)
+    _weight_norm_experts(expected)
+    return results, tmp, expected
+
+
+def test_save_pretrained_of_experts_parametrized_after_patching(parametrized_after_patching):
+    """Expert weights parametrized after patch_model with a group (weight_norm on gate_up_proj; the state dict shards
+    the originals): save_pretrained writes the files of the one-process model parametrized alike, every expert's
+    originals. Before: it failed inside safetensors on the originals' DTensors."""
+    results, tmp, expected = parametrized_after_patching
+    for rank, result in enumerate(results):
+        assert result["save_pretrained"] is None, f"rank {rank}:\n{result['save_pretrained']}"
+    expected.save_pretrained(tmp / "one-process")
+    files = sorted(os.listdir(tmp / "one-process"))
+    assert sorted(os.listdir(tmp / "patched")) == files, "files differ from the one-process model's"
+    for file in files:
+        same = (tmp / "patched" / file).read_bytes() == (tmp / "one-process" / file).read_bytes()
+        assert same, f"patched/{file} differs from the one-process model's"

@@ -688,9 +688,10 @@ def _load_sharded_experts(experts: nn.Module, state_dict, prefix, *args) -> None
 
 def _full_expert_state(model: nn.Module, state_dict: dict) -> dict:
     """A copy of state_dict (model's own, or one handed to save_pretrained) in which the expert weights of every
-    experts module patched with a group are whole, [E, ...]: a DTensor (what model.state_dict() holds) gathered
-    with full_tensor(), a collective over the module's group; a plain tensor of that shape kept as it is. The
-    other entries are the same objects. Raises ValueError, before any collective, naming the first expert entry
+    experts module patched with a group (parametrized after patching: their originals of one entry per local
+    expert, as the state_dict hook shards them) are whole, [E, ...]: a DTensor (what model.state_dict() holds)
+    gathered with full_tensor(), a collective over the module's group; a plain tensor of that shape kept as it is.
+    The other entries are the same objects. Raises ValueError, before any collective, naming the first expert entry
     of another shape (e.g. this rank's slice, from state_dict(keep_vars=True))."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -701,12 +702,12 @@ def _full_expert_state(model: nn.Module, state_dict: dict) -> dict:
         if patch is None:
             continue
         world = dist.get_world_size(patch.group)
-        for weight in _EXPERT_WEIGHTS:
+        for weight in expert_state_names(experts, _EXPERT_WEIGHTS, patch.local_slice[1]):
             key = f"{name}.{weight}"
             value = state_dict.get(key)
             if value is None:
                 continue
-            local_shape = tuple(getattr(experts, weight).shape)
+            local_shape = tuple(experts.get_parameter(weight).shape)
             full_shape = (local_shape[0] * world, *local_shape[1:])
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != full_shape:
                 given = type(value).__name__
