@@ -678,3 +678,16 @@ def test_save_pretrained_of_experts_parametrized_after_patching(parametrized_aft
     for file in files:
         same = (tmp / "patched" / file).read_bytes() == (tmp / "one-process" / file).read_bytes()
         assert same, f"patched/{file} differs from the one-process model's"
+
+
+def test_unpatch_model_of_experts_parametrized_after_patching(parametrized_after_patching):
+    """unpatch_model of a model patched with a group whose gate_up_proj was parametrized after patching gathers every
+    rank's originals: the one-process model parametrized alike. Before: a KeyError ("attribute 'gate_up_proj' already
+    exists"), setting a parameter in the parametrized weight's place."""
+    results, _, expected = parametrized_after_patching
+    want = dict(expected.named_parameters())
+    for rank, result in enumerate(results):
+        assert result["unpatch_model"] is None, f"rank {rank}:\n{result['unpatch_model']}"
+        assert result["parameters"].keys() == want.keys(), f"rank {rank}: {sorted(result['parameters'])}"
+        for name, param in result["parameters"].items():
+            assert_equal(f"rank {rank}: {name} after unpatch_model", param, want[name])

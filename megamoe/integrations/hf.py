@@ -740,14 +740,18 @@ def _save_pretrained_full(model: nn.Module, save_directory, is_main_process: boo
     return type(model).save_pretrained(model, save_directory, is_main_process, state_dict, *args, **kwargs)
 
 
-def _unshard(experts: nn.Module, group) -> None:
+def _unshard(experts: nn.Module, patch: _Patch) -> None:
+    """Every rank's experts gathered into the parameters holding this rank's: the expert weights or, parametrized
+    after patching, their originals of one entry per local expert (those the state dict shards)."""
     import torch.distributed as dist
 
-    for param_name in ("gate_up_proj", "down_proj"):
-        local = getattr(experts, param_name)
-        pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(pieces, local.detach().contiguous(), group=group)
-        setattr(experts, param_name, nn.Parameter(torch.cat(pieces), requires_grad=local.requires_grad))
+    for name in expert_state_names(experts, _EXPERT_WEIGHTS, patch.local_slice[1]):
+        owner, _, param_name = name.rpartition(".")  # parametrized: the parametrization's module holds the original
+        module = experts.get_submodule(owner)
+        local = getattr(module, param_name)
+        pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(patch.group))]
+        dist.all_gather(pieces, local.detach().contiguous(), group=patch.group)
+        setattr(module, param_name, nn.Parameter(torch.cat(pieces), requires_grad=local.requires_grad))
 
 
 def _check_patch_group(group) -> int:
@@ -897,7 +901,7 @@ def unpatch_model(model: nn.Module) -> nn.Module:
             continue
         patch: _Patch = getattr(experts, _PATCH_ATTR)
         if patch.local_slice is not None:
-            _unshard(experts, patch.group)
+            _unshard(experts, patch)
         del experts.forward
         delattr(experts, _PATCH_ATTR)
         if hasattr(block, _PATCH_ATTR):
