@@ -290,7 +290,7 @@ def _is_dtensor(t) -> bool:
 def unsupported_reasons(experts: nn.Module, *, allow_dtensor: bool = False) -> list[str]:
     """Every reason megamoe.experts cannot compute this experts module's forward (empty: it can), each
     "<feature>: <why>" (see the module docstring). Reads flags and shapes; may run the module's activation
-    or custom gate function on a 30-value probe. allow_dtensor: accept DTensor weights (transformers'
+    or custom gate function on a 29-value probe. allow_dtensor: accept DTensor weights (transformers'
     parallel styles hand the forward its local shards)."""
     if not isinstance(experts, nn.Module):
         raise TypeError(f"experts must be a torch.nn.Module (an experts module of a transformers model), "
