@@ -511,6 +511,23 @@ def test_tma_core_refuses_unaligned_rows(monkeypatch):
     assert not triton_experts.one_gpu_configs(x, wgu, wd, s).gate_up_fwd.tma
 
 
+@interpreted
+def test_gate_up_fwd_refuses_a_bad_gather():
+    """gate_up_fwd gathering x in its loads (TMA core): a row_src not a contiguous int32 [R] or a top_k below 1 is a
+    ValueError naming it, before any launch (before: accepted, the kernel reading wrong rows or dividing by 0)."""
+    x, ids, _, wgu, _, _, _ = make_problem(10, 32, 16, 3, 2, torch.float16)
+    s = build_schedule(ids, 3, block_m=16)
+
+    def run(row_src, top_k):
+        kernels.gate_up_fwd(x, wgu, s.block_expert, s.num_blocks, store_gate_up=False,
+                            config=dataclasses.replace(SMALL, tma=True), gather=(row_src, top_k))
+
+    with pytest.raises(ValueError, match=r"row_src must be a contiguous int32"):
+        run(torch.stack([s.row_src, s.row_src], 1)[:, 0], 2)
+    with pytest.raises(ValueError, match="top_k must be >= 1, got 0"):
+        run(s.row_src, 0)
+
+
 def _gather_x_on_the_tma_core(monkeypatch):
     """experts.py takes the TMA core's tiles (as on Hopper; Triton's kernels, which the interpreter runs), gate_up_fwd
     gathering x in its loads."""

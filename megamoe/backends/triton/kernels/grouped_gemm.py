@@ -340,6 +340,8 @@ def gate_up_fwd(
     if gather is not None:
         check(config.tma, "gate_up_fwd gathers in its loads on the TMA and Gluon cores only")
         rows = gather[0].numel()
+        check_row_src(gather[0], rows)
+        check(gather[1] >= 1, f"top_k must be >= 1, got {gather[1]}")
     check(w_gate_up_E2IH.dim() == 3 and w_gate_up_E2IH.shape[1] % 2 == 0, "w_gate_up must be [E_l, 2I, H]")
     inter = w_gate_up_E2IH.shape[1] // 2
     check_weight(w_gate_up_E2IH, x_rows_RH, (w_gate_up_E2IH.shape[0], 2 * inter, hidden), "w_gate_up")
