@@ -285,6 +285,15 @@ def test_weight_grads(dtype, routing):
 
 
 @interpreted
+def test_dw_gate_up_refuses_a_d_gate_up_not_2d():
+    """dw_gate_up: a d_gate_up that is not [R, 2I] is a ValueError naming it (before: a 1-D one, an IndexError)."""
+    s = build_schedule(torch.zeros(4, 1, dtype=torch.int64), 1, block_m=16)
+    for d_gate_up in (torch.zeros(16), torch.zeros(16, 3)):
+        with pytest.raises(ValueError, match=r"d_gate_up must be a \[R, 2I\] tensor, got"):
+            kernels.dw_gate_up(d_gate_up, torch.zeros(16, 8), s.expert_offsets, 1, config=SMALL)
+
+
+@interpreted
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
 @pytest.mark.parametrize("shared", [True, False], ids=["shared", "noshared"])
 def test_combine(dtype, shared):

@@ -132,7 +132,8 @@ def dw_gate_up(
     reads x[row_src[r] // top_k] (zeros where row_src[r] is -1) inside the kernel's loads: no x_rows pass.
     row_src: as dw_down's (with gather, the same tensor).
     """
-    check(d_gate_up_R2I.shape[1] % 2 == 0, f"d_gate_up must have 2I columns, got {d_gate_up_R2I.shape[1]}")
+    check(d_gate_up_R2I.dim() == 2 and d_gate_up_R2I.shape[1] % 2 == 0,
+          f"d_gate_up must be a [R, 2I] tensor, got {tuple(d_gate_up_R2I.shape)}")
     if gather is None:
         check_row_operands(d_gate_up_R2I, x_rows_RH, ("d_gate_up", "x_rows"))
     return _launch(d_gate_up_R2I, x_rows_RH, expert_offsets, num_experts, config, gather_b=gather, row_src=row_src)
