@@ -17,6 +17,7 @@ from conftest import (
     assert_close_budget,
     assert_close_tight,
     init_gloo,
+    leave_gloo,
     make_problem,
     problem_id,
     run_experts,
@@ -146,7 +147,7 @@ def _ep_worker(rank: int, world: int, port: int, out_dir: str) -> None:
                     results[name, dtype] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
     finally:
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
+        leave_gloo(rank, world)
 
 
 def _ep_expected(p, dtype) -> list[dict[str, torch.Tensor]]:

@@ -17,7 +17,9 @@ import torch.distributed as dist
 
 import megamoe
 from megamoe import MoEConfig, MoELayer, build_schedule
-from conftest import assert_close_tight, assert_equal, init_gloo, make_problem, run_gloo_workers, run_reference
+from conftest import (
+    assert_close_tight, assert_equal, init_gloo, leave_gloo, make_problem, run_gloo_workers, run_reference,
+)
 from test_schedule import SCHEDULE_TENSORS, brute_schedule
 
 WORLD_SIZES = [2, 4]
@@ -242,7 +244,7 @@ def _worker(rank: int, world: int, port: int, in_path: str, out_dir: str) -> Non
                 results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
     finally:
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
+        leave_gloo(rank, world)
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda w: f"W{w}")

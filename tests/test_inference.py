@@ -22,7 +22,7 @@ import torch
 
 import megamoe
 from megamoe.backends import swiglu, torch_native
-from conftest import assert_equal, init_gloo, make_problem, run_gloo_workers
+from conftest import assert_equal, init_gloo, leave_gloo, make_problem, run_gloo_workers
 
 CONFIG = megamoe.MoEConfig(backend="torch")
 NAMES = ["x", "topk_weights", "w_gate_up", "w_down", "shared_gate_up", "shared_down"]
@@ -308,9 +308,8 @@ def _ep_worker(rank, world, port, problem, out_dir):
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     except Exception:
         torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    if torch.distributed.is_initialized():
+        leave_gloo(rank, world)
 
 
 def test_ep_gloo_inference_and_partial_backward(tmp_path):

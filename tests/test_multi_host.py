@@ -21,7 +21,7 @@ import torch.distributed as dist
 import megamoe
 from megamoe import MoEConfig, autograd
 from megamoe.bench import gate, run
-from conftest import assert_equal, init_gloo, run_gloo_workers
+from conftest import assert_equal, init_gloo, leave_gloo, run_gloo_workers
 
 WORLD = 2
 T, H, I, K, E_LOCAL = 5, 8, 4, 2, 2
@@ -100,8 +100,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     except Exception as e:  # noqa: BLE001 - reported by every test
         results = {"worker": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_gloo(rank, world)
 
 
 @pytest.fixture(scope="module")
