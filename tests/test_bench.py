@@ -165,6 +165,16 @@ def test_torchtitan_runs_on_its_own_gate_and_up_weights():
     assert run.unused_weight_bytes(weights, weights) == 0
 
 
+def test_torchtitan_copies_gate_and_up_with_one_expert_per_rank():
+    """With one expert per rank (mixtral-8x7b at EP=8) each half of [1, 2I, H] is already contiguous: TorchTitan's
+    w1 and w3 are still copies, so the weight its peak leaves out is one that its turn does not use."""
+    weights = make_weights(WORKLOADS["cpu-small"], range(3, 4), torch.float32, torch.device("cpu"))
+    held = gate.backend_weights("torchtitan", weights)
+    storage = weights.w_gate_up_E2IH.untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() != storage and t.is_contiguous() for t in held.w_gate_up_E2IH)
+    assert torch.equal(torch.cat(held.w_gate_up_E2IH, dim=1), weights.w_gate_up_E2IH)
+
+
 def test_streamed_reference_is_the_reference():
     """The gate's reference, streamed expert by expert: in fp64 it is megamoe.reference.experts in fp64 (to
     rounding); its fp32 ground truth (what GPUs run) is within 1e-6 of it; its bf16 budgets are the old

@@ -64,8 +64,10 @@ def make_weights(w: Workload, expert_ids: range, dtype: torch.dtype, device: tor
 
 def torchtitan_weights(weights: Weights) -> Weights:
     """weights as TorchTitan holds them, for its baseline (megamoe.bench.baselines.torchtitan_experts): gate and up
-    as two leaves (w1, w3) [E_l, I, H], copies of w_gate_up_E2IH's halves; the other leaves shared."""
-    w1_EIH, w3_EIH = (half.detach().contiguous().requires_grad_() for half in weights.w_gate_up_E2IH.chunk(2, dim=1))
+    as two leaves (w1, w3) [E_l, I, H], copies of w_gate_up_E2IH's halves (with one expert a half is already
+    contiguous, and contiguous() would return a view of it); the other leaves shared."""
+    w1_EIH, w3_EIH = (half.detach().clone(memory_format=torch.contiguous_format).requires_grad_()
+                      for half in weights.w_gate_up_E2IH.chunk(2, dim=1))
     return dataclasses.replace(weights, w_gate_up_E2IH=(w1_EIH, w3_EIH))
 
 
