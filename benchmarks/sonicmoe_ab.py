@@ -46,6 +46,7 @@ from megamoe.bench.measure import (
     CEILING_FLOPS, call_times_ms, ceiling_matmul, cuda_graph, git_commit, kernel_times, round_order,
 )
 from megamoe.bench.problem import Tokens, forward_TH, forward_backward, make_tokens, make_weights, megamoe_layout
+from megamoe.bench.routing import ROUTINGS
 from megamoe.bench.run import triton_version
 from megamoe.bench.workloads import WORKLOADS, layer_flops
 
@@ -271,6 +272,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args.passes = args.passes.split(",")
     if unknown := set(args.passes) - set(PASSES):
         parser.error(f"--pass: unknown passes {sorted(unknown)}; allowed: {', '.join(PASSES)}")
+    if unknown := set(args.routing) - set(ROUTINGS):
+        parser.error(f"--routing: unknown routings {sorted(unknown)}; allowed: {', '.join(ROUTINGS)}")
     if unknown := set(args.sonic) - set(SONIC_PATHS):
         parser.error(f"--sonic: unknown entry points {sorted(unknown)}; allowed: {', '.join(SONIC_PATHS)} or none")
     if unknown := set(args.workloads.split(",")) - set(WORKLOADS):

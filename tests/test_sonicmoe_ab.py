@@ -80,6 +80,8 @@ def test_swapped_gate_and_up_rows_are_caught(ab, monkeypatch, tmp_path):
 def test_bad_arguments_are_usage_errors(ab, capsys):
     for argv, message in ((["tiny", "x.json", "--sonic", "fast"], "unknown entry points ['fast']"),
                           (["tiny", "x.json", "--pass", "fwd,bwd"], "unknown passes ['bwd']"),
+                          (["tiny", "x.json", "--sonic", "none", "--routing", "balanced,skewd"],
+                           "--routing: unknown routings ['skewd']"),
                           (["qwen3-31b", "x.json"], "unknown workloads ['qwen3-31b']"),
                           (["tiny", "x.json", "--iters", "0"], "--rounds and --iters must be >= 1"),
                           (["tiny", "x.json", "--profile", "2"], "needs a CUDA GPU, got 2 on cpu"),
