@@ -5,9 +5,9 @@ Rewrites the block between `<!-- perf-table:start -->` and `<!-- perf-table:end 
 (gpu, ep, workload, routing, pass) with the ms and TFLOP/s of the TorchTitan baseline ("torchtitan",
 megamoe.bench.baselines), megamoe's portable torch path and the triton path, triton's MFU, their peak
 memory (and in brackets the part above the weights and inputs, where the file has it), the fused EP path's
-symmetric-memory workspace (not in the peak), and triton's speed-up over the TorchTitan baseline measured in
-the same run ("-" where a result file has no record of that backend or field, e.g. files from before the
-baseline or the field existed).
+symmetric-memory workspace (which the bench adds to both peaks: the allocator's peak does not see it), and
+triton's speed-up over the TorchTitan baseline measured in the same run ("-" where a result file has no record
+of that backend or field, e.g. files from before the baseline or the field existed).
 """
 
 from __future__ import annotations
