@@ -181,8 +181,9 @@ class MoEConfig:
                 value = float(self.capacity_factor)
             except OverflowError:  # an int beyond the floats: as unusable as inf
                 value = math.inf
-            # NaN fails `> 0`; inf would size buffers with math.ceil(inf) (an OverflowError much later).
-            if not (value > 0 and math.isfinite(value)):
+            # NaN fails both comparisons; inf would size buffers with math.ceil(inf) (an OverflowError much later).
+            # Comparisons, not math.isfinite, which torch.compile cannot trace on a float it made a symbol of.
+            if not (0 < value < math.inf):
                 raise ValueError(
                     f"MoEConfig.capacity_factor must be None or a finite number > 0, got {self.capacity_factor}"
                 )

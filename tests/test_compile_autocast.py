@@ -113,3 +113,26 @@ def test_compile_dynamic_with_a_config_of_numbers():
         megamoe.experts(x, topk_ids, topk_weights, layer.w_gate_up, layer.w_down, config=tiny)
     with pytest.raises(megamoe.CapacityOverflowError):
         experts(x, topk_ids, topk_weights, layer.w_gate_up, layer.w_down, config=tiny)
+
+
+def test_compile_dynamic_with_a_config_built_in_the_trace():
+    """A MoEConfig made inside the compiled code from a float the trace holds as a symbol (an argument under
+    dynamic=True, or under automatic dynamic shapes once its value changed) failed to trace
+    ("torch.* op returned non-Tensor": math.isfinite in the config's validation). Now it gives eager's bits, and a
+    changed capacity_factor is honoured (a recompile: the tiny capacity overflows)."""
+    torch.manual_seed(0)
+    x, topk_ids, topk_weights = torch.randn(400, 32), torch.randint(0, 6, (400, 2)), torch.rand(400, 2)
+    w_gate_up, w_down = torch.randn(6, 48, 32) / 32**0.5, torch.randn(6, 32, 24) / 24**0.5
+
+    def f(x, capacity_factor):
+        config = megamoe.MoEConfig(backend="torch", capacity_factor=capacity_factor)
+        return megamoe.experts(x, topk_ids, topk_weights, w_gate_up, w_down, config=config)
+
+    for dynamic in (True, None):
+        torch._dynamo.reset()
+        compiled = torch.compile(f, dynamic=dynamic, fullgraph=True)
+        for capacity_factor in (4.0, 3.0):
+            assert torch.equal(compiled(x, capacity_factor), f(x, capacity_factor)), (dynamic, capacity_factor)
+        # 400 tokens x 2 slots need 800 rows; a capacity of 0.25 gives ceil(200 / 16) + 6 experts = 19 blocks.
+        with pytest.raises(megamoe.CapacityOverflowError):
+            compiled(x, 0.25)
