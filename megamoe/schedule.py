@@ -107,7 +107,7 @@ def receive_rows(
     check_block_m("receive_rows: block_m", block_m)
     if capacity_factor is not None and (
         isinstance(capacity_factor, bool) or not isinstance(capacity_factor, numbers.Real)
-        or not (capacity_factor > 0 and math.isfinite(capacity_factor))
+        or not (0 < capacity_factor < math.inf)  # not math.isfinite: an int beyond the floats is an OverflowError there
     ):
         raise ValueError(
             f"receive_rows: capacity_factor must be None or a finite number > 0, got {capacity_factor!r}"

@@ -316,6 +316,12 @@ def test_receive_rows_bad_sizes_name_them(index, value, match):
         megamoe.schedule.receive_rows(*args)
 
 
+def test_receive_rows_capacity_beyond_the_floats_is_the_worst_case():
+    """A capacity_factor that is an int too large for a float (finite, > 0) sizes the worst case, as any capacity at
+    least that large does; it was an OverflowError from math.isfinite ("int too large to convert to float")."""
+    assert megamoe.schedule.receive_rows(4, 2, 8, 2, 16, 10**400) == megamoe.schedule.receive_rows(4, 2, 8, 2, 16, None)
+
+
 def test_readme_signature_of_build_schedule():
     """The signature the README's "Use it" shows is build_schedule's: each parameter shown of the same kind, with the
     same default (was: group and config shown as positional, which build_schedule takes by keyword only)."""
