@@ -64,11 +64,12 @@ def shard_expert_state(state: dict, prefix: str, names: tuple[str, ...], group) 
         )
 
 
-def load_expert_shards(state: dict, prefix: str, names: tuple[str, ...], group, num_local: int) -> None:
+def load_expert_shards(state: dict, prefix: str, names: tuple[str, ...], group, num_local: int, *,
+                       where: str = "state_dict") -> None:
     """Replace state[prefix + name] by this rank's [num_local, ...] experts of it (in place; the module
-    docstring lists what is accepted). Raises ValueError naming the entry for a DTensor that is neither sharded
-    on dim 0 nor replicated over this group's ranks, whose global shape does not hold num_local experts per
-    rank, or that is the shard of another rank of the group (its mesh, pickled with it, says which)."""
+    docstring lists what is accepted). Raises ValueError naming the entry, as where[prefix + name], for a DTensor that
+    is neither sharded on dim 0 nor replicated over this group's ranks, whose global shape does not hold num_local
+    experts per rank, or that is the shard of another rank of the group (its mesh, pickled with it, says which)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -84,7 +85,7 @@ def load_expert_shards(state: dict, prefix: str, names: tuple[str, ...], group, 
             if (ranks != dist.get_process_group_ranks(group) or placements not in ((Shard(0),), (Replicate(),))
                     or value.dim() == 0 or value.shape[0] != num_local * world):
                 raise ValueError(
-                    f"state_dict[{key!r}] must be a DTensor [E={num_local * world}, ...] sharded on dim 0 (Shard(0)) or "
+                    f"{where}[{key!r}] must be a DTensor [E={num_local * world}, ...] sharded on dim 0 (Shard(0)) or "
                     f"replicated over the expert-parallel group's ranks {dist.get_process_group_ranks(group)}, or a "
                     f"plain tensor; got a DTensor of shape {tuple(value.shape)} with placements {placements} over "
                     f"ranks {ranks}"
@@ -92,7 +93,7 @@ def load_expert_shards(state: dict, prefix: str, names: tuple[str, ...], group, 
             saved_by = value.device_mesh.get_coordinate()  # None where the saver was outside the mesh: an empty shard
             if placements == (Shard(0),) and saved_by is not None and saved_by != (rank,):
                 raise ValueError(
-                    f"state_dict[{key!r}] is the shard of experts [{saved_by[0] * num_local}, "
+                    f"{where}[{key!r}] is the shard of experts [{saved_by[0] * num_local}, "
                     f"{(saved_by[0] + 1) * num_local}) that rank {saved_by[0]} of the expert-parallel group saved, but "
                     f"this is rank {rank}, which holds experts [{first}, {first + num_local}): a state dict of one "
                     "rank (e.g. torch.save(model.state_dict()) on rank 0 alone) holds that rank's experts only. Load "

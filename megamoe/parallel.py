@@ -436,6 +436,6 @@ def _load_optimizer_shards(groups: dict, optimizer: torch.optim.Optimizer, state
     state = dict(state_dict["state"])  # the caller's nested dicts stay as they are
     for key, p, group, entry in _expert_entries(groups, optimizer, state_dict, state):
         names = tuple(k for k, v in entry.items() if _per_expert(v, p))
-        load_expert_shards(entry, "", names, group, p.shape[0])
+        load_expert_shards(entry, "", names, group, p.shape[0], where=f"optimizer state_dict['state'][{key!r}]")
         state[key] = entry
     return {**state_dict, "state": state}

@@ -375,6 +375,20 @@ def _init_and_dcp_worker(rank: int, world: int, port: int, out_dir: str) -> None
             results["other rank's"] = None
         except ValueError as e:
             results["other rank's"] = str(e)
+        # ... and so is another rank's optimizer state dict (its sharded momentum of the experts)
+        model = fresh()
+        opt = shard_optimizer_state(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        torch.save(opt.state_dict(), os.path.join(out_dir, f"optim-rank{rank}.pt"))
+        dist.barrier()
+        other = torch.load(os.path.join(out_dir, f"optim-rank{(rank + 1) % world}.pt"), weights_only=True)
+        try:
+            shard_optimizer_state(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)).load_state_dict(other)
+            results["other rank's optimizer"] = None
+        except ValueError as e:
+            results["other rank's optimizer"] = str(e)
 
         full = {n: t.full_tensor() if n in ("w_gate_up", "w_down") else t for n, t in layer.state_dict().items()}
         model = fresh()
@@ -569,6 +583,18 @@ def test_another_ranks_state_dict_is_a_value_error(init_and_dcp):
         assert error is not None, f"rank {rank}: loaded rank {saver}'s experts as its own"
         assert error.startswith("state_dict['w_gate_up'] is the shard of experts") and (
             f"that rank {saver} of the expert-parallel group saved, but this is rank {rank}") in error, error
+
+
+def test_another_ranks_optimizer_state_dict_names_the_entry(init_and_dcp):
+    """Loading another rank's sharded optimizer state dict is the same ValueError, naming where the shard sits in the
+    optimizer's state dict (parameter 0 is w_gate_up). Before: it named "state_dict['momentum_buffer']", a key of
+    neither the model's nor the optimizer's state dict, and not which parameter's state it was."""
+    for rank, res in enumerate(init_and_dcp):
+        if "error" in res:
+            pytest.fail(f"rank {rank}: {res['error']}")
+        error = res["other rank's optimizer"]
+        assert error is not None, f"rank {rank}: loaded another rank's optimizer state as its own"
+        assert error.startswith("optimizer state_dict['state'][0]['momentum_buffer'] is the shard of experts"), error
 
 
 def test_inf_norm_of_a_nan_in_one_ranks_experts_is_nan_on_every_rank(init_and_dcp):
