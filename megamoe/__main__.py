@@ -69,7 +69,8 @@ def _add_bench(commands) -> argparse.ArgumentParser:
         help="cap on experts per GPU (default: deepseek-v3 and kimi-k2 keep 32 on one GPU); "
         "a workload is also halved until it fits the free GPU memory",
     )
-    bench.add_argument("--json", metavar="PATH", help="write the results as a JSON list of records")
+    bench.add_argument("--json", metavar="PATH", help="write the results as a JSON list of records (rewritten after "
+                       "each workload and routing, so a run stopped early keeps what it finished)")
     bench.add_argument(
         "--plot", metavar="PATH",
         help="draw TFLOP/s per workload and backend (one panel per pass and routing, the bf16 matmul ceiling as a "

@@ -267,6 +267,29 @@ def test_a_backend_that_fails_its_gate_is_recorded_not_timed(monkeypatch, capsys
         assert timed["status"] == "ok" and timed["ms"] > 0
 
 
+def test_a_run_stopped_early_keeps_the_records_it_finished(monkeypatch, tmp_path):
+    """The JSON is written after each (workload, routing): an error while timing the skewed routing (out of memory, a
+    time limit's signal) leaves the balanced routing's records in the file."""
+    real_time_in_rounds = run.time_in_rounds
+    calls = []
+
+    def stop_at_the_second(turns, rounds, progress):
+        calls.append(len(turns))
+        if len(calls) == 2:
+            raise RuntimeError("stopped")
+        return real_time_in_rounds(turns, rounds, progress)
+
+    monkeypatch.setattr(run, "time_in_rounds", stop_at_the_second)
+    path = tmp_path / "r.json"
+    with pytest.raises(RuntimeError, match="stopped"):
+        run.run_bench(workloads=["cpu-small"], backends=["torch"], routing="both", tokens=16, iters=1, warmup=0,
+                      dtype=None, experts_per_gpu=None, json_path=str(path))
+    records = json.loads(path.read_text())
+    assert {(r["routing"], r["backend"], r["pass"]) for r in records} == {
+        ("balanced", b, p) for b in ("torchtitan", "torch") for p in ("fwd", "fwd+bwd")}
+    assert all(r["status"] == "ok" and r["ms"] > 0 for r in records)
+
+
 def test_a_name_given_twice_runs_once(monkeypatch, capsys, tmp_path):
     """--workload cpu-small,cpu-small (or a backend twice) times it once: two runs of one workload would share
     their rows' keys, and each row's speed-up would be taken against the other run's baseline (the baseline

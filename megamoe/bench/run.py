@@ -190,7 +190,9 @@ def run_bench(
     peers: list[str] | None = None,
     rounds: int | None = None,
 ) -> int:
-    """Run the benchmark; rank 0 prints the table, writes JSON and draws the plot (megamoe.bench.plot).
+    """Run the benchmark; rank 0 prints the table, writes JSON and draws the plot (megamoe.bench.plot). The JSON is
+    written again after each (workload, routing), so a run stopped early (out of memory, a time limit) keeps the
+    records it finished.
     peers: names of megamoe.bench.baselines.PEERS to time too; one that cannot run here is a note.
     rounds: alternating rounds per (workload, routing) in which every backend and pass (and on GPUs the MFU
     ceiling's matmul) takes one turn of iters timed iterations (default: 3 on a GPU, 1 on CPU).
@@ -295,6 +297,8 @@ def run_bench(
                     flops = layer_flops(w, num_tokens, pass_name)
                     summarise(row, results[backend, pass_name], flops, ceiling)
             rows += these_rows.values()
+            if rank == 0 and json_path:
+                write_records(json_path, rows)
             del token_sets, turns  # the turns hold the input sets and the weights
         del weights
         if on_gpu:
@@ -329,11 +333,15 @@ def report(title: str, notes: list[str], rows: list[dict], on_gpu: bool, json_pa
         if row["status"] != "ok" and row["pass"] == PASSES[0]:
             print(f"{row['status']}: {row['workload']} {row['routing']} {row['backend']}: {row['detail']}")
     if json_path:
-        records = [{k: row[k] for k in RECORD_FIELDS} for row in rows]
-        with open(json_path, "w") as f:
-            json.dump(records, f, indent=1)
+        write_records(json_path, rows)
         measured = sum(row["status"] == "ok" for row in rows)
-        print(f"wrote {len(records)} records ({measured} measured) to {json_path}")
+        print(f"wrote {len(rows)} records ({measured} measured) to {json_path}")
+
+
+def write_records(json_path: str, rows: list[dict]) -> None:
+    """The rows as JSON records (RECORD_FIELDS), replacing the file's contents."""
+    with open(json_path, "w") as f:
+        json.dump([{k: row[k] for k in RECORD_FIELDS} for row in rows], f, indent=1)
 
 
 def format_table(rows: list[dict], on_gpu: bool) -> str:
