@@ -537,6 +537,29 @@ def test_gate_up_fwd_refuses_a_bad_gather():
         run(s.row_src, 0)
 
 
+@interpreted
+def test_row_block_gemms_refuse_a_strided_block_expert():
+    """The row-block GEMMs read block_expert as a contiguous int32 array: a strided view (a column of a larger
+    tensor) is a ValueError naming it, before any launch (before: accepted, block b run with the expert at element b
+    of the storage, not the view's entry b)."""
+    x, ids, _, wgu, wd, _, _ = make_problem(10, 32, 16, 3, 2, torch.float32)
+    s = build_schedule(ids, 3, block_m=16)
+    strided = torch.stack([s.block_expert, torch.zeros_like(s.block_expert)], 1)[:, 0]
+    rows = torch.zeros(s.num_rows, 32)
+    gate_up = torch.zeros(s.num_rows, 32)
+    launches = {
+        "gate_up_fwd": lambda be: kernels.gate_up_fwd(rows, wgu, be, s.num_blocks, store_gate_up=False, config=SMALL),
+        "down_fwd": lambda be: kernels.down_fwd(torch.zeros(s.num_rows, 16), wd, be, s.num_blocks, config=SMALL),
+        "down_dgrad": lambda be: kernels.down_dgrad(rows, wd, gate_up, be, s.num_blocks, config=SMALL),
+        "gate_up_dgrad": lambda be: kernels.gate_up_dgrad(gate_up, wgu, be, s.num_blocks, config=SMALL),
+    }
+    for name, launch in launches.items():
+        with pytest.raises(ValueError, match=r"block_expert must be a contiguous int32 \[R // block_m\] tensor, got "
+                                             r"torch.int32 \(4,\) \(not contiguous\)"):
+            launch(strided)
+        launch(strided.contiguous())  # the same values, contiguous: accepted
+
+
 def _gather_x_on_the_tma_core(monkeypatch):
     """experts.py takes the TMA core's tiles (as on Hopper; Triton's kernels, which the interpreter runs), gate_up_fwd
     gathering x in its loads."""

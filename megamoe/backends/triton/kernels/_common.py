@@ -140,7 +140,9 @@ def router_epilogue(acc, g, u, weight):
 def check_rows(rows: int, block_expert: torch.Tensor, blocks: torch.Tensor, block_m: int) -> tuple[int, torch.Tensor]:
     """(SPLIT, the block range as int32 [2]). SPLIT: kernel row blocks per schedule block (the schedule's
     block_m is R // len(block_expert))."""
-    check(block_expert.dtype == torch.int32 and block_expert.dim() == 1, "block_expert must be int32 [R // block_m]")
+    check(block_expert.dtype == torch.int32 and block_expert.dim() == 1 and block_expert.is_contiguous(),
+          f"block_expert must be a contiguous int32 [R // block_m] tensor, got {block_expert.dtype} "
+          f"{tuple(block_expert.shape)}{'' if block_expert.is_contiguous() else ' (not contiguous)'}")
     check(block_expert.numel() > 0 and rows % block_expert.numel() == 0, f"R={rows} is not a multiple of len(block_expert)={block_expert.numel()}")
     sched_block = rows // block_expert.numel()
     check(sched_block % block_m == 0, f"kernel row tile {block_m} must divide the schedule's block_m {sched_block}")
