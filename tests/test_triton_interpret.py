@@ -294,6 +294,22 @@ def test_dw_gate_up_refuses_a_d_gate_up_not_2d():
 
 
 @interpreted
+def test_weight_grads_refuse_strided_expert_offsets():
+    """dw_down / dw_gate_up read expert_offsets as a contiguous int32 array: a strided view is a ValueError naming
+    it, before any launch (before: accepted, expert e's rows read from elements e and e + 1 of the storage, not of
+    the view: other experts' rows summed into its gradient, silently)."""
+    _, ids, _, _, _, _, _ = make_problem(10, 32, 16, 3, 2, torch.float32)
+    s = build_schedule(ids, 3, block_m=16)
+    strided = torch.stack([s.expert_offsets, torch.zeros_like(s.expert_offsets)], 1)[:, 0]
+    rows = torch.zeros(s.num_rows, 32)
+    for launch in (kernels.dw_down, kernels.dw_gate_up):
+        with pytest.raises(ValueError, match=r"expert_offsets must be a contiguous int32 \[4\] tensor, got torch.int32 "
+                                             r"\(4,\) \(not contiguous\)"):
+            launch(rows, rows, strided, 3, config=SMALL)
+        launch(rows, rows, strided.contiguous(), 3, config=SMALL)  # the same values, contiguous: accepted
+
+
+@interpreted
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
 @pytest.mark.parametrize("shared", [True, False], ids=["shared", "noshared"])
 def test_combine(dtype, shared):

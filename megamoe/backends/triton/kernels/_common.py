@@ -178,6 +178,8 @@ def check_row_operands(a: torch.Tensor, b: torch.Tensor, names: tuple[str, str])
 
 
 def check_expert_offsets(expert_offsets: torch.Tensor, rows: int, num_experts: int, block_k: int) -> None:
-    check(expert_offsets.dtype == torch.int32 and tuple(expert_offsets.shape) == (num_experts + 1,),
-          f"expert_offsets must be int32 [{num_experts + 1}], got {expert_offsets.dtype} {tuple(expert_offsets.shape)}")
+    check(expert_offsets.dtype == torch.int32 and tuple(expert_offsets.shape) == (num_experts + 1,)
+          and expert_offsets.is_contiguous(),
+          f"expert_offsets must be a contiguous int32 [{num_experts + 1}] tensor, got {expert_offsets.dtype} "
+          f"{tuple(expert_offsets.shape)}{'' if expert_offsets.is_contiguous() else ' (not contiguous)'}")
     check(rows % block_k == 0, f"the row step {block_k} must divide R={rows} (and block_m)")
