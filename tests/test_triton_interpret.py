@@ -294,6 +294,18 @@ def test_dw_gate_up_refuses_a_d_gate_up_not_2d():
 
 
 @interpreted
+def test_gate_up_dgrad_refuses_an_odd_d_gate_up():
+    """gate_up_dgrad: a d_gate_up (and w_gate_up) with an odd column count is not [R, 2I]: a ValueError naming it, as
+    dw_gate_up's (before: accepted, the pointer-load kernel reading rows of 2 * (2I // 2) columns: every row but the
+    first shifted, a wrong d_x_rows, silently)."""
+    _, ids, _, _, _, _, _ = make_problem(10, 32, 16, 3, 2, torch.float32)
+    s = build_schedule(ids, 3, block_m=16)
+    with pytest.raises(ValueError, match=r"d_gate_up must be a \[R, 2I\] tensor, got \(64, 5\)"):
+        kernels.gate_up_dgrad(torch.zeros(s.num_rows, 5), torch.zeros(3, 5, 32), s.block_expert, s.num_blocks,
+                              config=SMALL)
+
+
+@interpreted
 def test_weight_grads_refuse_strided_expert_offsets():
     """dw_down / dw_gate_up read expert_offsets as a contiguous int32 array: a strided view is a ValueError naming
     it, before any launch (before: accepted, expert e's rows read from elements e and e + 1 of the storage, not of

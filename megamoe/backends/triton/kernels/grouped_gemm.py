@@ -503,6 +503,7 @@ def gate_up_dgrad(
     gluon_rows.spreads_x); the padding rows of x_rows are left to the caller. push: as down_fwd's (None returned)."""
     check_matrix(d_gate_up_R2I, None, None, "d_gate_up")
     rows, inter2 = d_gate_up_R2I.shape
+    check(inter2 % 2 == 0, f"d_gate_up must be a [R, 2I] tensor, got {tuple(d_gate_up_R2I.shape)}")
     check(w_gate_up_E2IH.dim() == 3 and w_gate_up_E2IH.shape[1] == inter2, "w_gate_up must be [E_l, 2I, H]")
     hidden = w_gate_up_E2IH.shape[2]
     check_weight(w_gate_up_E2IH, d_gate_up_R2I, (w_gate_up_E2IH.shape[0], inter2, hidden), "w_gate_up")
