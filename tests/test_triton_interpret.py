@@ -294,6 +294,21 @@ def test_dw_gate_up_refuses_a_d_gate_up_not_2d():
 
 
 @interpreted
+def test_down_dgrad_refuses_a_gate_up_of_another_dtype():
+    """down_dgrad / down_dgrad_router: a gate_up not in the rows' dtype is a ValueError naming both, on every core, as
+    the Gluon kernel's own launcher (gluon_down_dgrad) refuses it (before: accepted by grouped_gemm, whose Gluon branch
+    skips that launcher's check: the kernel stages gate_up in shared memory of the rows' dtype)."""
+    _, ids, _, _, wd, _, _ = make_problem(10, 32, 16, 3, 2, torch.float32)
+    s = build_schedule(ids, 3, block_m=16)
+    rows, gate_up = torch.zeros(s.num_rows, 32), torch.zeros(s.num_rows, 32, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"gate_up \(torch.float16\) must have the rows' dtype \(torch.float32\)"):
+        kernels.down_dgrad(rows, wd, gate_up, s.block_expert, s.num_blocks, config=SMALL)
+    with pytest.raises(ValueError, match=r"gate_up \(torch.float16\) must have the rows' dtype \(torch.float32\)"):
+        kernels.down_dgrad_router(rows, wd, gate_up, s.row_src, torch.ones(10, 2), s.block_expert, s.num_blocks,
+                                  store_h_w=True, config=SMALL)
+
+
+@interpreted
 def test_gate_up_dgrad_refuses_an_odd_d_gate_up():
     """gate_up_dgrad: a d_gate_up (and w_gate_up) with an odd column count is not [R, 2I]: a ValueError naming it, as
     dw_gate_up's (before: accepted, the pointer-load kernel reading rows of 2 * (2I // 2) columns: every row but the

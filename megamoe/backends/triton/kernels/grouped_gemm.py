@@ -456,6 +456,8 @@ def _down_dgrad(d_rows_RH, w_down_EHI, gate_up_R2I, router, block_expert, blocks
     inter = w_down_EHI.shape[2]
     check_weight(w_down_EHI, d_rows_RH, (w_down_EHI.shape[0], hidden, inter), "w_down")
     check_matrix(gate_up_R2I, rows, 2 * inter, "gate_up")
+    check(gate_up_R2I.dtype == d_rows_RH.dtype,
+          f"gate_up ({gate_up_R2I.dtype}) must have the rows' dtype ({d_rows_RH.dtype})")
     split, blocks = check_rows(rows, block_expert, blocks, config.block_m)
     d_gate_up = torch.empty(rows, 2 * inter, dtype=d_rows_RH.dtype, device=d_rows_RH.device)
     # Unused outputs still take a pointer (a TMA descriptor: of one tile's rows).
