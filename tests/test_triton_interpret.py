@@ -887,3 +887,36 @@ def test_ranges_write_only_their_rows():
         h, _ = kernels.gate_up_fwd(x_rows, wgu, s.block_expert, blocks, store_gate_up=False, config=SMALL)
     assert torch.equal(h[first:end], whole_h[first:end]), "gate_up_fwd over a block range differs from one launch"
     assert torch.isnan(h[:first]).all() and torch.isnan(h[end:]).all(), "gate_up_fwd wrote outside its blocks"
+
+
+@interpreted
+def test_copy_rows_refuses_maps_and_tensors_it_would_misread():
+    """copy_rows (the exchanges' row copy): a map that is not a contiguous int32 [N], a table that is not int64 [W],
+    or a local tensor not contiguous or of other than element_size-byte elements is a ValueError naming it, before
+    any launch, as comm_tiles' RowPull / RowPush checks do (before: accepted, the kernel reading map i at element i
+    of the storage, or rows of element_size-byte elements past the end of a 2-byte tensor)."""
+    from megamoe.backends.triton.kernels.row_copy import copy_rows
+
+    src, dst = torch.arange(12.0).reshape(4, 3), torch.zeros(4, 3)
+    peers, reversed_rows = torch.zeros(4, dtype=torch.int32), torch.tensor([3, 2, 1, 0], dtype=torch.int32)
+
+    def run(src=src, dst=dst, src_row=reversed_rows, src_is_table=False):
+        copy_rows(src, peers, src_row, dst, peers, torch.arange(4, dtype=torch.int32), row_elems=3, element_size=4,
+                  src_is_table=src_is_table, dst_is_table=False)
+
+    with pytest.raises(ValueError, match=r"src_row must be a contiguous int32 \[N\] tensor, got torch.int32 \(4,\) "
+                                         r"\(not contiguous\)"):
+        run(src_row=torch.stack([reversed_rows, peers], 1)[:, 0])
+    with pytest.raises(ValueError, match=r"src_row must be a contiguous int32 \[N\] tensor, got torch.int64"):
+        run(src_row=reversed_rows.long())
+    with pytest.raises(ValueError, match=r"src \(a table\) must be an int64 \[W\] tensor of base addresses, got "
+                                         r"torch.float32"):
+        run(src_is_table=True)
+    with pytest.raises(ValueError, match=r"src \(a local tensor\) must be contiguous, of 4-byte elements "
+                                         r"\(element_size\), got torch.float16"):
+        run(src=src.half())
+    with pytest.raises(ValueError, match=r"dst \(a local tensor\) must be contiguous, of 4-byte elements "
+                                         r"\(element_size\), got torch.float32 \(not contiguous\)"):
+        run(dst=torch.zeros(3, 4).t())
+    run()
+    assert torch.equal(dst, src.flip(0)), "copy_rows: dst[i] = src[src_row[i]]"

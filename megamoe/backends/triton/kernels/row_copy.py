@@ -94,16 +94,27 @@ def copy_rows(
     dst_is_table: bool,
     shape: CopyShape = COPY_SHAPE,
 ) -> None:
-    """Launch the row copy of all N rows. peers/rows: int32 [N]; rows of row_elems elements of
+    """Launch the row copy of all N rows. peers/rows: contiguous int32 [N]; rows of row_elems elements of
     element_size bytes, copied as raw bits (any dtype of that size). A table is int64 [W] base
-    addresses. The grid is shape.programs_per_sm programs per SM (4 SMs without a GPU), fewer when the
-    rows need fewer steps.
+    addresses; a local tensor is contiguous, of element_size-byte elements. The grid is
+    shape.programs_per_sm programs per SM (4 SMs without a GPU), fewer when the rows need fewer steps.
     """
     num_rows = src_peer.numel()
     if not (src_row.numel() == dst_peer.numel() == dst_row.numel() == num_rows):
         raise ValueError("copy_rows: src_peer, src_row, dst_peer and dst_row must have the same length")
     if element_size not in _RAW_TYPES:
         raise ValueError(f"copy_rows: element_size must be one of {sorted(_RAW_TYPES)}, got {element_size}")
+    for name, t in (("src_peer", src_peer), ("src_row", src_row), ("dst_peer", dst_peer), ("dst_row", dst_row)):
+        if t.dtype != torch.int32 or t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"copy_rows: {name} must be a contiguous int32 [N] tensor, got {t.dtype} {tuple(t.shape)}"
+                             f"{'' if t.is_contiguous() else ' (not contiguous)'}")
+    for name, t, is_table in (("src", src, src_is_table), ("dst", dst, dst_is_table)):
+        if is_table and (t.dtype != torch.int64 or t.dim() != 1):
+            raise ValueError(f"copy_rows: {name} (a table) must be an int64 [W] tensor of base addresses, got "
+                             f"{t.dtype} {tuple(t.shape)}")
+        if not is_table and (t.element_size() != element_size or not t.is_contiguous()):
+            raise ValueError(f"copy_rows: {name} (a local tensor) must be contiguous, of {element_size}-byte elements "
+                             f"(element_size), got {t.dtype}{'' if t.is_contiguous() else ' (not contiguous)'}")
     if num_rows == 0:
         return
     block = min(triton.next_power_of_2(row_elems), 4096 // element_size)
