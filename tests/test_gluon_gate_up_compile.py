@@ -226,6 +226,20 @@ def test_table_runs_the_compiled_tiles(monkeypatch):
     assert gather_cfg.gather and gather_tile == G.TILES["s4b1"], gather_cfg
 
 
+def test_gate_up_fwd_gluon_names_a_bad_gather_row_src():
+    """gate_up_fwd_gluon gathering x: a row_src not a contiguous int32 [R] is a ValueError that says what was given, as
+    grouped_gemm.gate_up_fwd's (check_row_src; before: 'row_src: int32 [R]' for a strided or an int64 one alike),
+    raised before any launch (runs without a GPU)."""
+    from megamoe.schedule import build_schedule
+
+    s = build_schedule(torch.zeros(4, 1, dtype=torch.int64), 1, block_m=128)
+    x, w = torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(1, 128, 64, dtype=torch.bfloat16)
+    for row_src, given in ((torch.stack([s.row_src, s.row_src], 1)[:, 0], r"torch.int32 \(128,\) \(not contiguous\)"),
+                           (s.row_src.long(), r"torch.int64 \(128,\)")):
+        with pytest.raises(ValueError, match=r"row_src must be a contiguous int32 \[128\] tensor, got " + given):
+            G.gate_up_fwd_gluon(x, w, s.block_expert, s.num_blocks, store_gate_up=False, gather=(row_src, 1))
+
+
 def test_handoff_model():
     """The hand-off protocol under random interleavings, with mbarrier parity waits as the hardware does them
     (try_wait.parity(x) passes while the barrier's current phase parity differs from x): each consumer writes

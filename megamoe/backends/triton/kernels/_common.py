@@ -154,7 +154,8 @@ def check_row_src(row_src: torch.Tensor, rows: int) -> None:
     check(isinstance(row_src, torch.Tensor) and row_src.dtype == torch.int32 and tuple(row_src.shape) == (rows,)
           and row_src.is_contiguous(),
           f"row_src must be a contiguous int32 [{rows}] tensor, got "
-          f"{getattr(row_src, 'dtype', type(row_src))} {tuple(getattr(row_src, 'shape', ()))}")
+          f"{getattr(row_src, 'dtype', type(row_src))} {tuple(getattr(row_src, 'shape', ()))}"
+          f"{' (not contiguous)' if isinstance(row_src, torch.Tensor) and not row_src.is_contiguous() else ''}")
 
 
 def check_weight(w: torch.Tensor, x: torch.Tensor, shape: tuple, name: str) -> None:

@@ -92,7 +92,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import (
-    check, check_matrix, check_rows, check_weight, load_range, persistent_grid, swiglu,
+    check, check_matrix, check_row_src, check_rows, check_weight, load_range, persistent_grid, swiglu,
 )
 from megamoe.backends.triton.kernels.gluon_common import (
     cp_async_load, nvmma_layout, tile_origin, tma_load, tma_store,
@@ -562,9 +562,9 @@ def gate_up_fwd_gluon(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_ex
     rows, hidden = x_RH.shape
     if gather is not None:
         row_src, top_k = gather
-        check(row_src.dtype == torch.int32 and row_src.dim() == 1 and row_src.is_contiguous(), "row_src: int32 [R]")
-        check(top_k >= 1, f"top_k must be >= 1, got {top_k}")
         rows = row_src.numel()
+        check_row_src(row_src, rows)
+        check(top_k >= 1, f"top_k must be >= 1, got {top_k}")
     else:
         row_src, top_k = block_expert, 1  # unread without gather
     check(w_gate_up_E2IH.dim() == 3 and w_gate_up_E2IH.shape[1] % 2 == 0, "w_gate_up must be [E_l, 2I, H]")
