@@ -136,10 +136,10 @@ def experts_fwd(
     """out [T, H] (x's dtype) and the tensors the backward needs (see the module docstring); without
     save_for_backward (inference), () and gate_up never stored.
 
-    x [T, H]; topk_weights [T, k] fp32; w_gate_up [E_l, 2I, H]; w_down [E_l, H, I]; shared_gate_up
-    [2I_s, H] and shared_down [H, I_s] or None; schedule built with block_m_for(H, I, x.dtype) (or any
-    power of two >= 16); config: its recompute field is read (None: the defaults). Sync-free: every size
-    here comes from shapes, counts are read on the device.
+    x [T, H]; topk_weights [T, k] fp32 or x's dtype (widened to fp32 in the combine); w_gate_up [E_l, 2I, H];
+    w_down [E_l, H, I]; shared_gate_up [2I_s, H] and shared_down [H, I_s] or None; schedule built with
+    block_m_for(H, I, x.dtype) (or any power of two >= 16); config: its recompute field is read (None: the
+    defaults). Sync-free: every size here comes from shapes, counts are read on the device.
     """
     _check_schedule(schedule, w_gate_up)
     config = DEFAULT_CONFIG if config is None else config
