@@ -276,6 +276,37 @@ def test_deepseek_v3_changes_after_patching_are_honoured(change, monkeypatch):
     assert calls == [change == "new gate_proj weight"], f"{change}: megamoe.experts calls (shared fused): {calls}"
 
 
+@pytest.mark.parametrize("module,kind", [("shared_experts", "full_backward_hook"),
+                                         ("experts", "full_backward_pre_hook"),
+                                         ("shared_experts.down_proj", "full_backward_hook")])
+def test_deepseek_v3_backward_hooks_after_patching_are_honoured(module, kind):
+    """A backward hook put on DeepSeek-V3's experts, shared expert or one of its projections after patch_model fires
+    and changes the gradients as in the unpatched model with the same hook (the fused call, which calls none of these
+    modules, skipped it: the hook never fired and the gradients were those of the model without it)."""
+    original = _model("deepseek_v3")
+    patched = hf.patch_model(copy.deepcopy(original))
+    ids = _batch()
+    _, before = _forward_backward(original, ids)
+    fired_ref, fired = [], []
+    for model, record in ((original, fired_ref), (patched, fired)):
+        for block in (m for m in model.modules() if type(m).__name__ == "DeepseekV3MoE"):
+            register = getattr(block.get_submodule(module), f"register_{kind}")
+            if kind == "full_backward_pre_hook":
+                register(lambda m, grad_out, record=record: record.append(1) or tuple(2 * g for g in grad_out))
+            else:
+                register(lambda m, grad_in, grad_out, record=record: record.append(1) or tuple(
+                    None if g is None else 2 * g for g in grad_in))
+    _, grads_ref = _forward_backward(original, ids)
+    _, grads = _forward_backward(patched, ids)
+    assert fired_ref and len(fired) == len(fired_ref), (
+        f"{kind} on {module}: fired {len(fired)} times, unpatched {len(fired_ref)}"
+    )
+    key = "model.embed_tokens.weight"
+    assert not torch.allclose(grads_ref[key], before[key]), f"{kind} on {module}: the hook does not change the model"
+    for name, grad in grads.items():
+        assert_close(f"grad of {name} ({kind} on {module})", grad, grads_ref[name], rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_unpatch_through_a_wrapper_added_after_patching(family, monkeypatch):
     """A module wrapped around the patched experts (as PEFT's ParamWrapper does with LoRA on the expert weights):

@@ -581,7 +581,10 @@ def is_registered() -> bool:
 
 
 def _has_hooks(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks)
+    """Whether a forward or backward hook (full or legacy, pre or post) is registered on module: each fires only
+    when the module is called."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
 
 
 def _is_bound(module: nn.Module, function) -> bool:
@@ -600,7 +603,7 @@ def _can_fuse(block: nn.Module, patch: _Patch) -> bool:
     """Whether the fused forward computes what the block's own forward would: the experts module is still the
     one patched (not replaced or wrapped, e.g. by PEFT's ParamWrapper), the shared expert is still three plain
     nn.Linear and silu (not LoRA layers or other subclasses, whose forward the fused path would skip), and no
-    forward hook waits on any of them or on the activation module, nor a forward set on the instance
+    forward or backward hook waits on any of them or on the activation module, nor a forward set on the instance
     (accelerate's hooks replace module.forward): the fused path calls none of these modules. Attribute lookups only."""
     experts, shared = getattr(block, patch.spec.experts), getattr(block, patch.spec.shared)
     if getattr(experts, _PATCH_ATTR, None) is not patch or _shared_problem("", shared) is not None:
