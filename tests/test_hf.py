@@ -329,6 +329,28 @@ def test_unpatch_through_a_wrapper_added_after_patching(family, monkeypatch):
     assert calls == [], f"megamoe.experts still called after unpatch_model: {calls}"
 
 
+def test_unpatch_deepseek_v3_with_experts_replaced_after_patching():
+    """DeepSeek-V3's block, whose forward patch_model replaced, with its experts module replaced since (by an unpatched
+    one): is_patched sees it, unpatch_model restores the block's forward and patch_model patches it again (before:
+    is_patched said False, unpatch_model left megamoe's forward on the block and patch_model refused it as a forward set
+    by accelerate's hooks)."""
+    original = _model("deepseek_v3").eval()
+    patched = hf.patch_model(copy.deepcopy(original))
+    for model in (original, patched):
+        block = next(m for m in model.modules() if type(m).__name__ == "DeepseekV3MoE")
+        block.experts = copy.deepcopy(next(m for m in original.modules() if type(m).__name__ == "DeepseekV3Experts"))
+    assert hf.is_patched(patched), "is_patched: False with the block's forward still megamoe's"
+    hf.unpatch_model(patched)
+    assert not hf.is_patched(patched), "is_patched: True after unpatch_model"
+    for name, module in patched.named_modules():
+        assert "forward" not in vars(module) and not hasattr(module, "_megamoe_patch"), f"{name}: still patched"
+    ids = _batch()
+    with torch.no_grad():
+        assert torch.equal(patched(input_ids=ids).logits, original(input_ids=ids).logits), "logits after unpatch"
+    hf.patch_model(patched)
+    assert hf.is_patched(patched)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_forward_set_on_the_instance_is_refused_not_dropped(family):
     """A forward set on the experts' (or DeepSeek-V3's block's) instance, as accelerate's hooks set it: patch_model

@@ -884,11 +884,10 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     expert parallelism the full expert weights (a collective over the group: every rank must call it).
     Raises ValueError, before changing anything, if a forward that patch_model bound was replaced on the
     instance since (e.g. by accelerate's hooks, around megamoe's): deleting it would drop that too."""
+    # DeepSeek-V3's block keeps its patched forward also when its experts module was replaced since.
     patched = [(name, block, _patched_experts(block, spec)) for name, block, spec in _moe_blocks(model)]
     for name, block, experts in patched:
-        if experts is None:
-            continue
-        forwards = [(experts, megamoe_experts_forward)]
+        forwards = [] if experts is None else [(experts, megamoe_experts_forward)]
         if hasattr(block, _PATCH_ATTR):
             forwards.append((block, _block_forward_with_shared))
         for module, function in forwards:
@@ -900,13 +899,12 @@ def unpatch_model(model: nn.Module) -> nn.Module:
                     "megamoe's: remove it first (accelerate: remove_hook_from_module), then call unpatch_model"
                 )
     for _, block, experts in patched:
-        if experts is None:
-            continue
-        patch: _Patch = getattr(experts, _PATCH_ATTR)
-        if patch.local_slice is not None:
-            _unshard(experts, patch)
-        del experts.forward
-        delattr(experts, _PATCH_ATTR)
+        if experts is not None:
+            patch: _Patch = getattr(experts, _PATCH_ATTR)
+            if patch.local_slice is not None:
+                _unshard(experts, patch)
+            del experts.forward
+            delattr(experts, _PATCH_ATTR)
         if hasattr(block, _PATCH_ATTR):
             del block.forward
             delattr(block, _PATCH_ATTR)
@@ -923,8 +921,10 @@ def _patched_experts(block: nn.Module, spec) -> nn.Module | None:
 
 
 def is_patched(model: nn.Module) -> bool:
-    """Whether any MoE block of `model` currently runs through patch_model (its experts wrapped since or not)."""
-    return any(_patched_experts(block, spec) is not None for _, block, spec in _moe_blocks(model))
+    """Whether any MoE block of `model` currently runs through patch_model (its experts wrapped since or not, or
+    DeepSeek-V3's block with its experts module replaced since)."""
+    return any(_patched_experts(block, spec) is not None or hasattr(block, _PATCH_ATTR)
+               for _, block, spec in _moe_blocks(model))
 
 
 try:  # experts_implementation="megamoe" as soon as this module is imported, where transformers >= 5 is
