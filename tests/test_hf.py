@@ -392,6 +392,22 @@ def test_patching_experts_wrapped_before_is_a_value_error_saying_so():
     assert not hf.is_patched(model)
 
 
+def test_per_expert_mlps_are_refused_for_their_layout_only():
+    """Experts kept as a ModuleList of per-expert SwiGLU MLPs (transformers < 5's layout, and that of remote-code
+    checkpoints): refused for that layout alone (the refusal also named an 'activation None' that is not silu, which
+    these experts do not have: each MLP has its own silu)."""
+    model = _model("deepseek_v3")
+    block = model.model.layers[1].mlp
+    block.experts = torch.nn.ModuleList([type(block.shared_experts)(model.config, intermediate_size=32)
+                                         for _ in range(8)])
+    reasons = hf.unsupported_reasons(block.experts)
+    assert len(reasons) == 1 and reasons[0].startswith("no fused 3-D gate_up_proj"), reasons
+    with pytest.raises(hf.UnsupportedExpertsError, match="cannot run ModuleList: no fused 3-D") as error:
+        hf.patch_model(model)
+    assert "activation" not in str(error.value), str(error.value)
+    assert not hf.is_patched(model)
+
+
 def test_unsupported_activation_leaves_model_untouched():
     config = _config("mixtral")
     config.hidden_act = "gelu"

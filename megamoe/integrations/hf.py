@@ -334,9 +334,11 @@ def unsupported_reasons(experts: nn.Module, *, allow_dtensor: bool = False) -> l
         elif gate_up.shape[1] % 2 or tuple(down.shape) != (gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2):
             reasons.append(f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not "
                            "[E, 2I, H] and [E, H, I]: shapes")
-    if getattr(experts, "has_gate", True):  # the gate function matters only for gated experts
-        gate_up = getattr(experts, "gate_up_proj", None)
-        device = gate_up.device if isinstance(gate_up, torch.Tensor) else "cpu"
+    gate_up = getattr(experts, "gate_up_proj", None)
+    # The gate function matters only for gated experts, and has nothing to say about a module without gate_up_proj
+    # (e.g. a ModuleList of per-expert MLPs, each with an activation of its own).
+    if getattr(experts, "has_gate", True) and isinstance(gate_up, torch.Tensor):
+        device = gate_up.device
         if _has_default_gate(experts):  # act_fn(gate) * up, or (not a transformers-decorated module) its own act_fn
             act = getattr(experts, "act_fn", None)
             if not _is_silu(act, device):
