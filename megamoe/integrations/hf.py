@@ -793,7 +793,8 @@ def patch_model(model: nn.Module, *, group=None, config: MoEConfig | None = None
         of each family, and the one repack of DeepSeek-V3's shared expert).
     group: expert-parallel process group, or None. Given, each rank keeps only its slice of every
         experts module's parameters (rank r: global experts [r*E_l, (r+1)*E_l)); build the optimizer
-        after patching. model.save_pretrained then gathers the experts (every rank calls it) and writes a
+        after patching. Every rank then runs each forward with the same number of tokens (megamoe.experts over
+        a group). model.save_pretrained then gathers the experts (every rank calls it) and writes a
         plain transformers checkpoint of all of them; model.state_dict() holds them as DTensors for DCP.
     config: the megamoe.MoEConfig passed to every megamoe.experts call (None: the default).
     Raises TypeError if model is not an nn.Module or group not a ProcessGroup (or None), ValueError if this rank
