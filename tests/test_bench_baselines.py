@@ -5,7 +5,9 @@ and README columns against "torchtitan"."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import re
 import traceback
 from pathlib import Path
 
@@ -327,4 +329,44 @@ def test_readme_table_shows_a_failed_backend_without_a_ratio():
     ])
     row = table.splitlines()[2]
     assert "| 6.00 (17) | - | FAILED | - |" in row and row.endswith("| - | run.json |"), row
+
+
+
+def _readme_row(title: str) -> str:
+    return next(line for line in (REPO / "README.md").read_text().splitlines() if line.startswith(f"| {title}"))
+
+
+def _fwd_bwd_balanced(records: list[dict]) -> dict:
+    """{(workload, backend): record} of a bench result file's fwd+bwd balanced records."""
+    return {(r["workload"], r["backend"]): r for r in records if r["pass"] == "fwd+bwd" and r["routing"] == "balanced"}
+
+
+def test_readme_layer_speed_and_memory_rows_quote_their_result_file():
+    """The README's "Layer speed" and "Memory (one GPU)" rows quote the bench file they name: each workload's triton
+    ms, MFU and peak above the inputs, the range of speed-ups over torchtitan, and the range of the MFU ceilings to
+    within 10 TF/s (was: 670-790 TF/s, v22's range, left when the row moved to v23, whose ceilings go down to 663)."""
+    row = _readme_row("Layer speed, one H200")
+    source = re.search(r"fwd\+bwd balanced \(([\w.-]+\.json)\)", row).group(1)
+    records = json.loads((REPO / "benchmarks" / "results" / source).read_text())
+    by = _fwd_bwd_balanced(records)
+    quoted = re.findall(r"([a-z][\w.-]*) (\d+\.\d\d)(?: ms)? \((\d+)%", row)
+    assert {workload for workload, _, _ in quoted} == {workload for workload, _ in by}
+    for workload, ms, mfu in quoted:
+        triton = by[workload, "triton"]
+        assert (ms, int(mfu)) == (f"{triton['ms']:.2f}", round(100 * triton["mfu"])), workload
+    speedups = [by[workload, "torchtitan"]["ms"] / by[workload, "triton"]["ms"] for workload, _, _ in quoted]
+    low, high = re.search(r"(\d+\.\d\d)x-(\d+\.\d\d)x the TorchTitan-style path", row).groups()
+    assert (low, high) == (f"{min(speedups):.2f}", f"{max(speedups):.2f}")
+    ceilings = [r["ceiling_tflops"] for r in records if r["ceiling_tflops"]]
+    lowest, highest = min(ceilings), max(ceilings)
+    low, high = map(int, re.search(r"\((\d+)-(\d+) TF/s", row).groups())
+    assert low <= lowest < low + 10 and high - 10 < highest < high + 10, (lowest, highest)
+
+    row = _readme_row("Memory (one GPU)")
+    source, figures = re.search(r"weight gradients included \(([\w.-]+\.json)\): ([^(]*) \(SonicMoE", row).groups()
+    by = _fwd_bwd_balanced(json.loads((REPO / "benchmarks" / "results" / source).read_text()))
+    quoted = re.findall(r"([a-z][\w.-]*) (\d+\.\d\d)", figures)
+    assert quoted, figures
+    for workload, gib in quoted:
+        assert gib == f"{by[workload, 'triton']['peak_mem_above_inputs_bytes'] / 2**30:.2f}", workload
 
