@@ -61,7 +61,8 @@ def triton_runs_on(device: torch.device) -> bool:
 
 def resolve_backend(config: MoEConfig, x: torch.Tensor, group) -> str:
     """The backend that runs: "auto" means triton for bf16/fp16 on NVIDIA GPUs of compute capability >= 9.0
-    (with a group, one whose ranks all run on this host: symmetric memory maps peers over NVLink), torch elsewhere."""
+    (with a group, one whose ranks all run on this host: symmetric memory maps peers over NVLink; with block_m None
+    or at least TRITON_MIN_BLOCK_M), torch elsewhere."""
     # Asked on every rank whatever its config says: the group's first call gathers the ranks' hosts, a
     # collective, so a rank with another backend or dtype (check_ranks_agree reports it) must not skip it.
     one_host = _on_one_host(None if group is None else group.group_name, x.device)

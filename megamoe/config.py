@@ -119,9 +119,9 @@ class MoEConfig:
     """Knobs of the MoE layer. Every field is validated; defaults give the dropless, deterministic path.
 
     backend: "auto" picks "triton" on NVIDIA GPUs of compute capability >= 9.0 (in bf16/fp16; with an
-        expert-parallel group, when every rank of the group runs on this host: symmetric memory over NVLink) and
-        "torch" elsewhere; "reference" runs the plain-PyTorch math (no schedule, no EP); "torch" the
-        portable path.
+        expert-parallel group, when every rank of the group runs on this host: symmetric memory over NVLink; with
+        block_m None or at least 16) and "torch" elsewhere; "reference" runs the plain-PyTorch math (no schedule,
+        no EP); "torch" the portable path.
     capacity_factor: None (default) sizes every buffer for the worst case, so no token can ever be
         dropped. A finite float c > 0 sizes each rank's receive rows for c times the balanced load
         (c * T * k rows, plus per-expert padding); routing that overflows it is detected on the device
