@@ -370,3 +370,23 @@ def test_readme_layer_speed_and_memory_rows_quote_their_result_file():
     for workload, gib in quoted:
         assert gib == f"{by[workload, 'triton']['peak_mem_above_inputs_bytes'] / 2**30:.2f}", workload
 
+
+def test_readme_cites_result_files_that_exist():
+    """Every bench result the README names (a file of benchmarks/results, or a glob of them) is there: a figure's source
+    renamed or dropped would leave the README citing nothing."""
+    readme = (REPO / "README.md").read_text()
+    # results.json: the file `python -m megamoe bench --json` writes in the README's example
+    cited = {Path(name).name for name in re.findall(r"[\w./*-]+\.json", readme)} - {"results.json"}
+    assert cited
+    results = REPO / "benchmarks" / "results"
+    assert [name for name in sorted(cited) if not list(results.glob(name))] == []
+
+
+def test_readme_perf_table_is_what_readme_table_makes_of_the_files_it_names():
+    """The README's performance table is benchmarks/readme_table.py's output for the result files its command names
+    (not edited by hand, nor left behind when the files or the script's columns change)."""
+    readme = (REPO / "README.md").read_text()
+    command = re.search(r"`python benchmarks/readme_table\.py ([^`]+)`", readme).group(1)
+    module = _readme_table_module()
+    block = readme.split(module.START, 1)[1].split(module.END, 1)[0].strip()
+    assert block == module.table(module.load([REPO / path for path in command.split()]))
