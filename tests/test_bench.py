@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 import types
@@ -378,6 +379,32 @@ def test_bench_sh_runs_in_the_callers_folder(tmp_path):
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(caller), f"bench ran in {done.stdout.strip()}, not the caller's {caller}"
+
+
+def test_readme_bench_options_exist(capsys):
+    """The options the README shows for `python -m megamoe bench` (those `./scripts/bench.sh --help` lists, and
+    --rounds) are the bench's own."""
+    readme = (REPO / "README.md").read_text()
+    listed = re.search(r"`\./scripts/bench\.sh --help` lists the options \(([^)]*)\)", readme).group(1)
+    shown = re.findall(r"`(--[a-z-]+)", listed) + re.findall(r"`(--rounds) \d+`", readme)
+    assert len(shown) > 5, shown
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    options = set(re.findall(r"(--[a-z-]+)", capsys.readouterr().out))
+    assert [option for option in shown if option not in options] == []
+
+
+def test_readme_redraw_command_runs(tmp_path, capsys, monkeypatch):
+    """The README's command that redraws docs/bench.png from saved runs works as shown, from the repository root (its
+    files exist, its options parse), drawn here into tmp_path."""
+    pytest.importorskip("matplotlib")
+    readme = (REPO / "README.md").read_text()
+    args = re.search(r"^python -m megamoe (bench --from-json [^#]*?)\s*#", readme, re.MULTILINE).group(1).split()
+    args[args.index("--plot") + 1] = str(tmp_path / "bench.png")
+    monkeypatch.chdir(REPO)
+    assert main(args) == 0
+    assert f"from {args.index('--plot') - args.index('--from-json') - 1} file(s)" in capsys.readouterr().out
+    assert (tmp_path / "bench.png").stat().st_size > 10_000
 
 
 @pytest.mark.parametrize(
