@@ -3,11 +3,14 @@
 `import megamoe` (and megamoe.parallel, which it imports) must not load the Hugging Face adapter or
 transformers: megamoe.parallel recognises patched modules through megamoe.integrations._patch_attr, not
 through megamoe.integrations.hf. Importing megamoe.integrations.hf is what registers
-experts_implementation="megamoe" with transformers (README, "Hugging Face models").
+experts_implementation="megamoe" with transformers (README, "Hugging Face models"). Also, on the source: each
+module imports only the layers docs/design.md ("Layers of the code") puts at or above its own.
 """
 
 from __future__ import annotations
 
+import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -67,3 +70,63 @@ def test_a_triton_too_old_for_the_kernels_leaves_the_torch_backend_and_says_why(
         "else:\n"
         "    raise AssertionError('backend=triton ran on a Triton reported as 3.5.1')\n"
     )
+
+
+def _design_layers() -> dict[str, int]:
+    """{module path under megamoe/ (a file, or a folder ending in /): its row} of docs/design.md's table of layers."""
+    design = (REPO / "docs" / "design.md").read_text()
+    table = design.split("| layer | modules | imports from megamoe |", 1)[1].split("\n\n", 1)[0]
+    layers = {}
+    for row, line in enumerate(table.strip().splitlines()[1:]):  # below the |---| line
+        modules = line.split("|")[2]
+        for path in re.findall(r"`([\w/]+(?:\.py|/))`", modules):
+            if (REPO / "megamoe" / path).exists():
+                layers[path] = row
+    return layers
+
+
+def _imports(path: Path) -> list[tuple[str, bool]]:
+    """(megamoe module, imported at call time) for each import of a megamoe module in the file at path."""
+    package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+    tree = ast.parse(path.read_text())
+    functions = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    in_functions = {id(node) for function in functions for node in ast.walk(function)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(part for part in (base, node.module) if part)
+            names = [f"{module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found += [(name, id(node) in in_functions) for name in names if name.startswith("megamoe")]
+    return found
+
+
+def test_each_layer_imports_only_the_layers_above_it():
+    """docs/design.md, "Layers of the code": each module imports only modules of its own row or the rows above, but for
+    the two imports it names, made inside a call (megamoe.experts' of parallel.check_active_ddp_leaves_experts_alone
+    and megamoe.reference.experts' of megamoe.experts under autocast)."""
+    layers = _design_layers()
+    assert {"config.py", "schedule.py", "autograd.py", "layer.py", "parallel.py", "bench/"} <= set(layers), layers
+
+    def row(module: str) -> int | None:
+        path = module.removeprefix("megamoe.").replace(".", "/")
+        rows = [r for name, r in layers.items() if f"{path}.py" == name or f"{path}/".startswith(name)]
+        return rows[0] if rows else None
+
+    at_call_time = {("autograd", "parallel"), ("reference", "autograd")}
+    upward = []
+    for path in sorted((REPO / "megamoe").rglob("*.py")):
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        for imported, in_a_call in _imports(path):
+            imported = next((m for m in (imported, imported.rsplit(".", 1)[0]) if row(m) is not None), imported)
+            source, target = row(module), row(imported)
+            if source is None or target is None or target <= source:
+                continue
+            pair = (module.removeprefix("megamoe."), imported.removeprefix("megamoe."))
+            if not (in_a_call and pair in at_call_time):
+                upward.append(pair)
+    assert upward == []
