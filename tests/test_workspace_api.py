@@ -235,3 +235,34 @@ def test_group_created_again_under_a_cached_name_gets_its_own_workspace(cpu_symm
     assert len(calls) == 2 * allocated, "the recreated group's workspace was not allocated"
     assert second.tokens.local.data_ptr() != first.tokens.local.data_ptr()
     assert len(ws_module._WORKSPACES) == 1, "the destroyed group's workspace is still cached"
+
+
+def test_readme_workspace_table_is_the_sizing():
+    """The README's table of workspace sizes per GPU (bf16, EP=2 and EP=8; default directions / push dispatch or pull
+    combine) is what get_workspace allocates for each workload: WorkspaceSizes.nbytes, with R the fused path's receive
+    rows (schedule.receive_rows at its block_m, dropless) where receive rows are used and none otherwise."""
+    import re
+    from pathlib import Path
+
+    import torch
+
+    from megamoe.backends.triton.comm.workspace import WorkspaceSizes
+    from megamoe.backends.triton.configs import block_m_for
+    from megamoe.bench.workloads import WORKLOADS
+    from megamoe.schedule import receive_rows
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    header = ("| workload | H | T | k | EP=2: default / push dispatch or pull combine "
+              "| EP=8: default / push dispatch or pull combine |")
+    rows = readme.split(header, 1)[1].split("\n\n", 1)[0].strip().splitlines()[1:]  # below the |---| line
+    assert len(rows) == 6
+    for row in rows:
+        name, hidden, tokens, top_k, *sizes = (cell.strip() for cell in row.strip("| ").split("|"))
+        w = WORKLOADS[name]
+        assert (int(hidden), int(tokens), int(top_k)) == (w.hidden, w.tokens_per_gpu, w.top_k), name
+        block_m = block_m_for(w.hidden, w.intermediate, torch.bfloat16)
+        for world_size, shown in zip((2, 8), sizes):
+            num_rows = receive_rows(w.tokens_per_gpu, w.top_k, w.num_experts // world_size, world_size, block_m, None)
+            gib = [WorkspaceSizes(w.tokens_per_gpu, w.tokens_per_gpu * w.top_k, rows).nbytes(w.hidden, torch.bfloat16)
+                   / 2**30 for rows in (0, num_rows)]
+            assert shown == f"{gib[0]:.2f} / {gib[1]:.2f} GiB", (name, world_size)
