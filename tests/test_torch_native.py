@@ -225,3 +225,36 @@ def test_fp16_d_topk_weights_where_the_products_pass_fp16s_range(rng):
     assert products.abs().max() > torch.finfo(torch.float16).max, "the products stay inside fp16's range"
     ours, ref64, ref_low = run_experts(low, config=TORCH), run_reference(p), run_reference(low)
     assert_close_budget("d_topk_weights", ours["d_topk_weights"], ref64["d_topk_weights"], ref_low["d_topk_weights"])
+
+
+def test_weights_at_an_unaligned_base(rng, monkeypatch):
+    """x and both weights as views at an odd offset of larger buffers (2 bytes off 16-byte alignment) reach
+    torch._grouped_mm at aligned bases, which it requires off the CPU and, in torch 2.10, on the CPU too (a
+    torch._grouped_mm with that check stands in for it here): the same bits as from aligned copies, not torch's
+    "expected data_ptr to be aligned to 16 bytes"."""
+    grouped_mm, calls = torch._grouped_mm, []
+
+    def aligned_only_grouped_mm(a, b, **kwargs):
+        calls.append(a.shape)
+        if a.data_ptr() % 16 or b.data_ptr() % 16:
+            raise RuntimeError("expected data_ptr to be aligned to 16 bytes")
+        return grouped_mm(a, b, **kwargs)
+
+    def unaligned(t):
+        view = torch.empty(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape).copy_(t)
+        assert view.data_ptr() % 16
+        return view
+
+    p = make_problem(rng, 24, 16, 8, 4, 2, shared_intermediate=4).cast(torch.bfloat16)
+
+    def run(x, w_gate_up, w_down):  # the views themselves are the leaves: a clone would be aligned
+        leaves = [t.requires_grad_() for t in (x, p.topk_weights.clone(), w_gate_up, w_down)]
+        out = megamoe.experts(leaves[0], p.topk_ids, *leaves[1:], shared_gate_up=p.shared_gate_up,
+                              shared_down=p.shared_down, config=TORCH)
+        out.backward(p.d_out)
+        return {"out": out.detach(), **{f"d_{i}": t.grad for i, t in enumerate(leaves)}}
+
+    want = run(p.x.clone(), p.w_gate_up.clone(), p.w_down.clone())
+    monkeypatch.setattr(torch, "_grouped_mm", aligned_only_grouped_mm)
+    outputs_equal(run(unaligned(p.x), unaligned(p.w_gate_up), unaligned(p.w_down)), want)
+    assert calls, "torch._grouped_mm did not run"

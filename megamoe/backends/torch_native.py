@@ -95,9 +95,10 @@ def _aligned_16_bytes(*tensors: torch.Tensor) -> bool:
 
 
 def _aligned_base(t: torch.Tensor) -> torch.Tensor:
-    """t, or a copy of it (same strides) where torch._grouped_mm needs a 16-byte-aligned base, as it does on every
-    device but the CPU, and t's is not (a view at an odd offset of a larger buffer, e.g. weights sliced from one)."""
-    return t.clone() if t.device.type != "cpu" and t.data_ptr() % 16 else t
+    """t, or a copy of it (same strides) where its base is not 16-byte aligned (a view at an odd offset of a larger
+    buffer, e.g. weights sliced from one): torch._grouped_mm requires aligned bases off the CPU, and in torch 2.10 on
+    the CPU too."""
+    return t.clone() if t.data_ptr() % 16 else t
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
