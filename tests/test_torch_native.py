@@ -10,6 +10,7 @@ import torch
 
 import megamoe
 from megamoe import MoEConfig
+from megamoe.backends import torch_native
 from conftest import (
     BF16_ULP,
     assert_close_budget,
@@ -258,3 +259,17 @@ def test_weights_at_an_unaligned_base(rng, monkeypatch):
     monkeypatch.setattr(torch, "_grouped_mm", aligned_only_grouped_mm)
     outputs_equal(run(unaligned(p.x), unaligned(p.w_gate_up), unaligned(p.w_down)), want)
     assert calls, "torch._grouped_mm did not run"
+
+
+@pytest.mark.parametrize("capability, hip, runs", [
+    ((9, 0), None, True), ((10, 0), None, True), ((12, 0), None, False), ((8, 0), None, False), ((9, 4), "6.4", False),
+])
+def test_grouped_mm_runs_where_torch_runs_it_without_a_host_sync(monkeypatch, capability, hip, runs):
+    """torch._grouped_mm is taken on CUDA where torch's own kernel runs it (bf16, NVIDIA 9.x and 10.x); elsewhere
+    (other GPUs, ROCm builds) torch's fallback reads the offsets on the host, so the backend's own loop runs."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    operand = dataclasses.make_dataclass("Operand", ["device", "dtype"])
+    assert torch_native._has_grouped_mm(operand(torch.device("cuda", 0), torch.bfloat16)) == (
+        runs and hasattr(torch, "_grouped_mm"))
+    assert not torch_native._has_grouped_mm(operand(torch.device("cuda", 0), torch.float16))

@@ -17,8 +17,8 @@ Precision (bf16/fp16 inputs; fp32 and fp64 run the same ops in their own dtype):
   CUDA's reduction kernel pairs slots j and j+4 for larger k); d_topk_weights[t, j] = <d_out[t], y[t, j]>
   summed in fp32 over products rounded once to the input dtype (fp16: fp32 products, past fp16's range).
 Deterministic: no atomics, no index_add_/scatter_add_; every scatter (index_copy_) has unique targets.
-No host sync on the one-process path where torch._grouped_mm runs (bf16 on CUDA GPUs of compute capability
->= 9.0; fp32 / bf16 / fp16 on the CPU); elsewhere the loop of GEMMs reads the segment ends on the host. With a group, the split sizes go to the host once per forward
+No host sync on the one-process path where torch._grouped_mm runs (bf16 on NVIDIA GPUs of compute capability
+9.x and 10.x; fp32 / bf16 / fp16 on the CPU); elsewhere the loop of GEMMs reads the segment ends on the host. With a group, the split sizes go to the host once per forward
 (see the NOTE in _exchange); the backward reuses that exchange (saved with the activations). Before it,
 megamoe.autograd.check_ranks_agree reads the ranks' agreement check on the host (one tiny collective per
 forward).
@@ -75,7 +75,10 @@ def _has_grouped_mm(a: torch.Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     if a.device.type == "cuda":
-        return a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device) >= (9, 0)
+        # torch's own kernel runs bf16 on NVIDIA GPUs of compute capability 9.x and 10.x; on other GPUs (and ROCm
+        # builds by default) its fallback reads the offsets on the host, as the loop of GEMMs does.
+        return (a.dtype == torch.bfloat16 and torch.version.hip is None
+                and torch.cuda.get_device_capability(a.device)[0] in (9, 10))
     return a.device.type == "cpu" and a.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
