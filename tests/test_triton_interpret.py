@@ -412,6 +412,10 @@ CASES = {
     "T17-H32-I16-E3-k2-one-expert-both-slots": (17, 32, 16, 3, 2, "one", 16, 32),
     "T1-H32-I16-E4-k1": (1, 32, 16, 4, 1, "random", 0, 16),
     "T1-H32-I16-E1-k1-El1": (1, 32, 16, 1, 1, "random", 16, 16),
+    # every expert in every token's slots (k = E), segments of one 64-row block mostly padding
+    "T7-H72-I8-E3-k3-k-is-E-bm64": (7, 72, 8, 3, 3, "random", 8, 64),
+    # a schedule block of two kernel row tiles (128) in every GEMM, the weight grads' row loop over 256-row segments
+    "T20-H24-I12-E4-k2-bm256": (20, 24, 12, 4, 2, "random", 0, 256),
 }
 
 
