@@ -80,8 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 0, got {value}")
     if args.top_k > args.experts:
         parser.error(f"--top-k {args.top_k}: more than --experts {args.experts}")
-    try:
-        corpus_bytes = args.corpus.stat().st_size
+    try:  # opened, not only stat'ed: a folder or an unreadable file fails here, not in main
+        with open(args.corpus, "rb") as corpus:
+            corpus_bytes = os.fstat(corpus.fileno()).st_size
     except OSError as e:
         parser.error(f"--corpus {args.corpus}: cannot read ({e.strerror})")
     if args.seq_len > corpus_bytes - 2:  # a window is seq_len + 1 bytes at a random start

@@ -74,6 +74,7 @@ BAD_OPTIONS = [
     (["--top-k", "9"], "--top-k 9: more than --experts 8"),
     (["--seq-len", "1000000"], "--seq-len 1000000: longer than the corpus allows"),
     (["--corpus", "no-such-corpus.txt"], "--corpus no-such-corpus.txt: cannot read"),
+    (["--corpus", "."], "--corpus .: cannot read (Is a directory)"),
     (["--hidden", "0"], "--hidden 0: its 4 attention heads get hidden // 4 = 0 dims each"),
     (["--hidden", "36"], "--hidden 36: its 4 attention heads get hidden // 4 = 9 dims each"),
     (["--device", "gpu"], "argument --device: invalid choice: 'gpu'"),
