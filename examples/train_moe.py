@@ -4,7 +4,7 @@ The model is built from a config (no download), patched with megamoe.integration
 in megamoe.experts) and trained on examples/data/tiny_corpus.txt, which ships with the repository.
 
     python examples/train_moe.py                                    # 1 process; ~1 minute on 2 CPU cores
-    python examples/train_moe.py --check-determinism                # trains twice, compares losses bitwise
+    python examples/train_moe.py --check-determinism                # trains twice, compares losses and weights bitwise
     torchrun --nproc-per-node 2 examples/train_moe.py               # DDP over data (gloo on CPU, nccl on GPU)
     torchrun --nproc-per-node 2 examples/train_moe.py --expert-parallel   # + experts sharded over the ranks
 
@@ -56,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--amp", action="store_true", help="bf16 autocast (the default on CUDA)")
     parser.add_argument("--expert-parallel", action="store_true", help="shard experts over all ranks")
-    parser.add_argument("--check-determinism", action="store_true", help="train twice; compare losses bitwise")
+    parser.add_argument("--check-determinism", action="store_true", help="train twice; compare losses and final weights bitwise")
     parser.add_argument("--save-model", action="store_true", help="save a plain checkpoint to <out-dir>/model")
     parser.add_argument("--corpus", type=pathlib.Path, default=DEFAULT_CORPUS)
     parser.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("runs/train_moe"))
@@ -210,6 +210,17 @@ def write_outputs(out_dir: pathlib.Path, losses, rates) -> None:
     plt.close(fig)
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b hold the same bits. torch.equal compares values, for which NaN != NaN (a run that diverged
+    would read as not reproducible, however exactly it was) and -0.0 == 0.0. DTensors compare over all shards."""
+    if a.dtype != b.dtype:
+        return False
+    if a.is_floating_point():
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        a, b = a.view(bits), b.view(bits)
+    return torch.equal(a, b)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     rank, world, device = setup_distributed(args)
@@ -225,9 +236,9 @@ def main(argv=None) -> int:
     identical = True
     if args.check_determinism:
         losses_again, _, model_again = train(args, rank, world, device, data)
-        same_losses = losses == losses_again  # Python floats from fp32 values: == is bitwise equality
+        same_losses = same_bits(*(torch.tensor(run, dtype=torch.float64) for run in (losses, losses_again)))
         same_params = all(
-            torch.equal(a, b) for a, b in zip(model.state_dict().values(), model_again.state_dict().values())
+            same_bits(a, b) for a, b in zip(model.state_dict().values(), model_again.state_dict().values())
         )
         identical = same_losses and same_params
         if rank == 0:

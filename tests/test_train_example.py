@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import math
 import pathlib
 import subprocess
 import sys
@@ -53,6 +54,17 @@ def test_torchrun_data_and_expert_parallel(tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model")
     gate_up = model.model.layers[0].mlp.experts.gate_up_proj
     assert gate_up.shape[0] == model.config.num_experts, f"saved gate_up_proj has shape {tuple(gate_up.shape)}"
+
+
+def test_check_determinism_takes_a_run_that_diverged_alike_twice_as_reproducible(tmp_path):
+    """Losses and weights are compared bit for bit: two runs that reach NaN alike are identical (torch.equal and ==
+    compare values, NaN != NaN, and reported them as not reproducible, exiting 1)."""
+    stdout = _run([sys.executable, str(EXAMPLE), "--steps", "3", "--warmup", "0", "--batch-size", "2", "--seq-len", "16",
+                   "--lr", "1e30", "--no-progress", "--check-determinism", "--out-dir", str(tmp_path)])
+    with open(tmp_path / "loss.csv", newline="") as f:
+        last = float(list(csv.DictReader(f))[-1]["loss"])
+    assert math.isnan(last), f"the run did not diverge (final loss {last}): lower --lr's reach in this test"
+    assert "losses bitwise identical across 2 runs: True; final parameters identical: True" in stdout, stdout
 
 
 def _parse_args(argv: list[str]):
