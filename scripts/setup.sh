@@ -8,4 +8,10 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[test]"
+# megamoe (editable) and the test extra, again only when pyproject.toml changed: a set-up machine runs the
+# scripts offline (pip's isolated build would fetch setuptools from the index on every call).
+stamp=.venv/megamoe-pyproject.sha256
+if ! sha256sum --status -c "$stamp" 2>/dev/null; then
+    python -m pip install -q -e ".[test]"
+    sha256sum pyproject.toml > "$stamp"
+fi
