@@ -54,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--expert-intermediate", type=int, default=64)
     parser.add_argument("--backend", default="auto", choices=BACKENDS, help="megamoe.MoEConfig.backend")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--amp", action="store_true", help="bf16 autocast (the default on CUDA)")
+    parser.add_argument("--amp", action="store_true", help="bf16 autocast on the CPU (on CUDA it is always on)")
     parser.add_argument("--expert-parallel", action="store_true", help="shard experts over all ranks")
     parser.add_argument("--check-determinism", action="store_true", help="train twice; compare losses and final weights bitwise")
     parser.add_argument("--save-model", action="store_true", help="save a plain checkpoint to <out-dir>/model")
