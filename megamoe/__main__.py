@@ -90,14 +90,16 @@ TIMING_OPTIONS = (
 
 
 def _check_writable(option: str, path: str, bench: argparse.ArgumentParser) -> None:
-    """A usage error naming option unless a file can be written at path: not empty, not a folder, in a folder that
-    exists and takes a new file (tried with a temporary file, which is gone at once). A symbolic link is checked
-    where it points."""
+    """A usage error naming option unless a file can be written at path: not empty, not a folder nor a name ending with
+    a path separator, in a folder that exists and takes a new file (tried with a temporary file, which is gone at
+    once). A symbolic link is checked where it points."""
     if not path:  # e.g. --json "$UNSET": an error, not a run that silently writes nothing
         bench.error(f"--{option}: empty path; give a file path")
     folder = Path(path).resolve().parent
     if Path(path).is_dir():
         bench.error(f"--{option} {path}: is a folder; give a file path")
+    if path.endswith(os.sep):  # a folder's name: Path drops the separator, open() fails on it after the run
+        bench.error(f"--{option} {path}: ends with {os.sep}, a folder's name; give a file path")
     if not folder.is_dir():
         bench.error(f"--{option} {path}: folder {folder} does not exist")
     try:

@@ -190,11 +190,14 @@ def test_records_of_two_problem_sizes_in_one_bar_are_an_error(tmp_path):
         (["--json", "{tmp}/missing/r.json"], "--json {tmp}/missing/r.json: folder"),
         (["--json", "{tmp}"], "--json {tmp}: is a folder"),
         (["--plot", "{tmp}"], "--plot {tmp}: is a folder"),
+        (["--json", "{tmp}/new/"], "--json {tmp}/new/: ends with /, a folder's name"),
+        (["--plot", "{tmp}/new/"], "--plot {tmp}/new/: ends with /, a folder's name"),
         (["--json", "/proc/r.json"], "--json /proc/r.json: cannot write in folder /proc"),
         (["--json", ""], "--json: empty path"),
         (["--plot", ""], "--plot: empty path"),
     ],
-    ids=["plot-format", "plot-folder", "json-folder", "json-is-a-folder", "plot-is-a-folder", "json-folder-read-only",
+    ids=["plot-format", "plot-folder", "json-folder", "json-is-a-folder", "plot-is-a-folder", "json-folder-name",
+         "plot-folder-name", "json-folder-read-only",
          "json-empty", "plot-empty"],
 )
 def test_unwritable_outputs_fail_before_timing(tmp_path, capsys, monkeypatch, args, message):
