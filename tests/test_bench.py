@@ -142,6 +142,15 @@ def test_gate_fails_one_wrong_gradient(dtype, monkeypatch):
     assert status == "FAILED" and detail.startswith("d_w_down: rel err") and ";" not in detail, detail
 
 
+def test_gate_fails_an_inf_result_when_the_reference_in_the_dtype_overflows_too():
+    """NaN or inf never pass (docs/design.md). x 100 times larger overflows fp16 (not the fp64 truth): the fp16
+    reference's error, and with it the budget, is inf, and the torch backend's out, inf in 2048 elements, passed."""
+    w, weights, tokens = _cpu_problem(torch.float16, num_tokens=16, routing="balanced")
+    tokens = dataclasses.replace(tokens, x_TH=(tokens.x_TH.detach() * 100).requires_grad_())
+    status, detail = gate_backends(w, ["torch"], weights, tokens, group=None)["torch"]
+    assert status == "FAILED" and "out: rel err inf, not finite" in detail, detail
+
+
 def test_torchtitan_runs_on_its_own_gate_and_up_weights():
     """TorchTitan's baseline gets gate and up as two leaves of its own (w1, w3; copies, the rest shared), returns their
     two gradients as its autograd leaves them, and those joined are megamoe's d_w_gate_up; the copy it replaces is

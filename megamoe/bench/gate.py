@@ -15,7 +15,7 @@ and in fp32 on GPUs (IEEE, no TF32): fp64 runs at 1/2 to 1/64 of the fp32 rate t
 error (~1e-6) is far below every tolerance. fp32 runs must be within FP32_REL_TOL of it (relative
 Frobenius error); lower precisions get an error budget: at most 2x the error of the same streamed reference
 run in that dtype (matmuls in the dtype, as megamoe.reference runs in it: PyTorch's own error), plus a noise
-floor. NaN never passes.
+floor. NaN or inf never passes, even under a budget of inf (the reference in that dtype overflowed).
 """
 
 from __future__ import annotations
@@ -232,7 +232,9 @@ def compare(results: dict[str, torch.Tensor], ref: Reference) -> list[str]:
             failures.append(f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}")
             continue
         err = rel_err(got, want)
-        if not err <= ref.budget[name]:  # NaN fails here
+        if not math.isfinite(err):  # NaN or inf in the result; fails under a budget of inf too (the dtype overflowed)
+            failures.append(f"{name}: rel err {err:.2e}, not finite")
+        elif not err <= ref.budget[name]:
             failures.append(f"{name}: rel err {err:.2e} > {ref.budget[name]:.2e}")
     return failures
 
