@@ -109,7 +109,8 @@ def _check_writable(option: str, path: str, bench: argparse.ArgumentParser) -> N
 
 
 def _check_outputs(args, bench: argparse.ArgumentParser) -> None:
-    """--json and --plot paths that cannot be written are errors before anything is timed, not after."""
+    """--json and --plot paths that cannot be written, or that name one file, are errors before anything is timed, not
+    after."""
     if args.plot is not None:
         from megamoe.bench.plot import check_plot_path
 
@@ -120,6 +121,9 @@ def _check_outputs(args, bench: argparse.ArgumentParser) -> None:
             bench.error(str(e))
     if args.json is not None:
         _check_writable("json", args.json, bench)
+    if args.json is not None and args.plot is not None and Path(args.json).resolve() == Path(args.plot).resolve():
+        bench.error(f"--json {args.json} and --plot {args.plot} name the same file: the plot would overwrite the "
+                    "records")
 
 
 def _plot_from_json(args, bench: argparse.ArgumentParser) -> int:

@@ -193,11 +193,12 @@ def test_records_of_two_problem_sizes_in_one_bar_are_an_error(tmp_path):
         (["--json", "{tmp}/new/"], "--json {tmp}/new/: ends with /, a folder's name"),
         (["--plot", "{tmp}/new/"], "--plot {tmp}/new/: ends with /, a folder's name"),
         (["--json", "/proc/r.json"], "--json /proc/r.json: cannot write in folder /proc"),
+        (["--json", "{tmp}/r.png", "--plot", "{tmp}/r.png"], "--json {tmp}/r.png and --plot {tmp}/r.png name the same"),
         (["--json", ""], "--json: empty path"),
         (["--plot", ""], "--plot: empty path"),
     ],
     ids=["plot-format", "plot-folder", "json-folder", "json-is-a-folder", "plot-is-a-folder", "json-folder-name",
-         "plot-folder-name", "json-folder-read-only",
+         "plot-folder-name", "json-folder-read-only", "json-is-the-plot",
          "json-empty", "plot-empty"],
 )
 def test_unwritable_outputs_fail_before_timing(tmp_path, capsys, monkeypatch, args, message):
