@@ -309,7 +309,8 @@ def build_schedule(
     place_routing: how to place the pairs (default place_routing_torch; the triton backend passes its
         fused kernels, which give identical tensors in a handful of launches). A placement other than the
         default checks the ids' range itself (a device assert), so build_schedule leaves that check to it.
-    Raises ValueError when the group's W*T*k pairs or the receive rows exceed 2**31 - 1 (the int32 indices).
+    Raises ValueError when the group's W*T*k pairs or the receive rows before any capacity (the worst case, which
+    the placement sums) exceed 2**31 - 1 (the int32 indices).
     """
     config = DEFAULT_CONFIG if config is None else config
     if not isinstance(config, MoEConfig):
@@ -331,16 +332,19 @@ def build_schedule(
     num_local = num_experts // world_size
     device = topk_ids.device
     rows = receive_rows(num_tokens, top_k, num_local, world_size, block_m, config.capacity_factor)
+    # The placement kernels sum the padded segments before cutting them at a capacity: the uncapped worst case must
+    # fit int32 too.
+    uncapped_rows = receive_rows(num_tokens, top_k, num_local, world_size, block_m, None)
     pairs = world_size * num_tokens * top_k
     # Beyond int32, flat source indices, counts and rows would wrap, and pairs be placed wrong or dropped unseen.
     # NOTE: shapes only, no host sync. Under torch.compile's dynamic shapes (the ops' fake impls) the sizes are
     # symbols, which a comparison would guard on: statically_known_true decides without a guard, and the op's
     # real implementation checks the concrete sizes at run time.
-    if statically_known_true(pairs > INT32_MAX) or statically_known_true(rows > INT32_MAX):
+    if statically_known_true(pairs > INT32_MAX) or statically_known_true(uncapped_rows > INT32_MAX):
         raise ValueError(
             f"topk_ids [T={num_tokens}, k={top_k}] over W={world_size} ranks gives W*T*k = {pairs} (token, slot) "
-            f"pairs and {rows} receive rows (block_m={block_m}); the schedule's int32 indices take at most "
-            f"2**31 - 1 = {INT32_MAX} of each"
+            f"pairs and {uncapped_rows} receive rows before any capacity (block_m={block_m}); the schedule's int32 "
+            f"indices take at most 2**31 - 1 = {INT32_MAX} of each"
         )
 
     ids = topk_ids

@@ -248,20 +248,22 @@ def test_meta_shapes(rng, case):
         assert got.dtype == torch.int32, f"Schedule.{name}: dtype {got.dtype} != int32"
 
 
-INT32_CASES = [  # T, k, E, block_m, what does not fit int32
-    (2**30, 2, 8, None, "2147483648 (token, slot) pairs"),
-    (2**31 - 1, 1, 2, 2, "2147483648 receive rows"),  # the pairs fit, their padded rows do not
+INT32_CASES = [  # T, k, E, block_m, capacity_factor, what does not fit int32
+    (2**30, 2, 8, None, None, "2147483648 (token, slot) pairs"),
+    (2**31 - 1, 1, 2, 2, None, "2147483648 receive rows"),  # the pairs fit, their padded rows do not
+    # the capped rows (~2**30) fit, but the placement kernels sum the padded segments in int32 before the cut
+    (2**31 - 1, 1, 2, 2, 0.5, "2147483648 receive rows before any capacity"),
 ]
 
 
-@pytest.mark.parametrize("case", INT32_CASES, ids=lambda c: "T{}-k{}-E{}-B{}".format(*c[:4]))
+@pytest.mark.parametrize("case", INT32_CASES, ids=lambda c: "T{}-k{}-E{}-B{}-c{}".format(*c[:5]))
 def test_sizes_beyond_int32_are_a_value_error(case):
     """More (token, slot) pairs or receive rows than int32 holds: a ValueError from the shapes alone (meta tensors),
     not flat source indices and rows that wrap (2**31 + 5 is -2147483643 in int32) and pairs placed wrong."""
-    num_tokens, top_k, num_experts, block_m, words = case
+    num_tokens, top_k, num_experts, block_m, capacity_factor, words = case
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device="meta")
     with pytest.raises(ValueError, match=rf"topk_ids \[T={num_tokens}, k={top_k}\].*{re.escape(words)}.*2147483647"):
-        build_schedule(ids, num_experts, block_m=block_m)
+        build_schedule(ids, num_experts, block_m=block_m, config=MoEConfig(capacity_factor=capacity_factor))
 
 
 def test_sizes_at_int32_limit_are_accepted():
