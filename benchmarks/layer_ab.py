@@ -36,6 +36,8 @@ SHIPPED = (te.tma_kernel_configs, configs._GATHER_X_MAX_H)
 # Replaced by variants and restored by select: the weight grads (given row_src by experts_bwd) and whether
 # gate_up_dgrad spreads x's rows beside its GEMM.
 SHIPPED_KERNELS = {name: getattr(kernels, name) for name in ("dw_down", "dw_gate_up", "gate_up_dgrad_spreads_x")}
+NAMED_VARIANTS = ("default", "pointer", "rows", "gather", "gather-s3", "no-handoff", "no-skip", "no-spread-x")
+GEMMS = tuple(f.name for f in dataclasses.fields(configs.KernelConfigs) if f.name != "combine")
 
 
 def without_row_src(fn):
@@ -71,6 +73,16 @@ def with_group_m(group_m: int, gemm: str | None):
     return table
 
 
+def variant_error(variant: str) -> str:
+    """Why select does not know variant ("" where it does)."""
+    gemm, group_m, n = variant.rpartition("group_m:")
+    known_gemm = gemm == "" or (gemm.endswith(".") and gemm[:-1] in GEMMS)
+    if variant in NAMED_VARIANTS or (group_m and known_gemm and n.isdigit() and int(n) >= 1):
+        return ""
+    return (f"unknown variant {variant!r}: {', '.join(NAMED_VARIANTS)}, group_m:N or GEMM.group_m:N "
+            f"(N >= 1; GEMM one of {', '.join(GEMMS)})")
+
+
 def select(variant: str) -> None:
     te.tma_kernel_configs, configs._GATHER_X_MAX_H = SHIPPED
     for name, fn in SHIPPED_KERNELS.items():
@@ -94,8 +106,7 @@ def select(variant: str) -> None:
         gemm, _, n = variant.rpartition("group_m:")
         te.tma_kernel_configs = with_group_m(int(n), gemm.removesuffix(".") or None)
     elif variant != "default":
-        raise ValueError(f"unknown variant {variant!r}: default, pointer, rows, gather, gather-s3, no-handoff, no-skip, "
-                         "no-spread-x, group_m:N or GEMM.group_m:N")
+        raise ValueError(variant_error(variant))
 
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -111,6 +122,9 @@ for option, value, allowed in (("WORKLOAD", args.workloads, WORKLOADS), ("--pass
     for n in value.split(","):
         if n not in allowed:
             parser.error(f"{option}: unknown {n!r}; choose from {', '.join(allowed)}")
+for v in args.variants.split(","):
+    if error := variant_error(v):
+        parser.error(f"VARIANT: {error}")
 if args.rounds < 1:
     parser.error(f"--rounds must be at least 1, got {args.rounds}")
 

@@ -674,6 +674,10 @@ def test_kernel_times_idle_counts_only_time_no_kernel_runs(monkeypatch):
     (["layer_ab.py", "qwen3-30b-a3b,qwen3-30b", "default", "out.json"], "WORKLOAD: unknown 'qwen3-30b'"),
     (["layer_ab.py", "qwen3-30b-a3b", "default", "out.json", "--routing", "balanced,skewd"],
      "--routing: unknown 'skewd'"),
+    (["layer_ab.py", "qwen3-30b-a3b", "default,group_m:4,down_dgrad.group_m:x", "out.json"],
+     "VARIANT: unknown variant 'down_dgrad.group_m:x'"),
+    (["layer_ab.py", "qwen3-30b-a3b", "default,dgrad.group_m:4", "out.json"],
+     "VARIANT: unknown variant 'dgrad.group_m:4'"),
     (["gemm_bench.py", "--workload", "qwen3-30b-a3b", "--workload", "mixtral"], "--workload: unknown 'mixtral'"),
     (["kernel_breakdown.py", "--workload", "qwen3-30b-a3b", "--workload", "mixtral"], "--workload: unknown 'mixtral'"),
     (["overlap_bench.py", "--workloads", "qwen3-30b-a3b,mixtral"], "--workloads: unknown 'mixtral'"),
@@ -690,7 +694,7 @@ def test_kernel_times_idle_counts_only_time_no_kernel_runs(monkeypatch):
     (["torch_path_ab.py", "--workload", "cpu-small", "--tokens", "0", "--iters", "1", "--warmup", "0"],
      "--tokens must be >= 1, got 0"),
     (["torch_path_ab.py", "--workload", "cpu-small", "--iters", "0"], "--iters must be >= 1 and --warmup >= 0"),
-], ids=["layer_ab-workload", "layer_ab-routing", "gemm_bench", "kernel_breakdown", "overlap_bench", "overlap_rounds",
+], ids=["layer_ab-workload", "layer_ab-routing", "layer_ab-group_m", "layer_ab-gemm", "gemm_bench", "kernel_breakdown", "overlap_bench", "overlap_rounds",
         "pull_bench", "pull_rounds", "combine_bench", "combine_rounds", "dw_gather_bench", "dw_gather_rounds",
         "inference_tokens", "torch_path_tokens", "torch_path_iters"])
 def test_benchmark_scripts_check_their_options_before_timing(args, message):
