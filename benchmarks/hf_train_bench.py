@@ -20,6 +20,7 @@ import time
 
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 import megamoe.integrations.hf  # noqa: F401  (registers experts_implementation="megamoe")
 
@@ -78,7 +79,11 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.steps <= WARMUP_STEPS:
-        raise ValueError(f"--steps must be > {WARMUP_STEPS} (the first {WARMUP_STEPS} are not timed), got {args.steps}")
+        parser.error(f"--steps must be > {WARMUP_STEPS} (the first {WARMUP_STEPS} are not timed), got {args.steps}")
+    implementations = ("eager", *ALL_EXPERTS_FUNCTIONS)
+    for impl in args.impl.split(","):
+        if impl not in implementations:
+            parser.error(f"--impl: unknown {impl!r}; choose from {', '.join(implementations)}")
     if args.tokens < 1 or (args.tokens > SEQ_LEN and args.tokens % SEQ_LEN):
         parser.error(f"--tokens must be at most {SEQ_LEN} or a multiple of it (sequences of {SEQ_LEN}), "
                      f"got {args.tokens}")

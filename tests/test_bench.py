@@ -713,3 +713,16 @@ def test_hf_train_bench_refuses_tokens_its_sequences_do_not_split():
                            "--steps", "3", "--impl", "eager"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     assert "--tokens must be at most 2048 or a multiple of it (sequences of 2048), got 3000" in done.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--impl", "megamoe,eagr"], "--impl: unknown 'eagr'; choose from eager, "),
+    (["--steps", "2"], "--steps must be > 2 (the first 2 are not timed), got 2"),
+], ids=["impl", "steps"])
+def test_hf_train_bench_checks_its_options_before_training(args, message):
+    """An unknown --impl after a known one trained the known one and then raised inside transformers, the results of
+    the trained ones never printed nor written; too few --steps raised a ValueError: both usage errors up front."""
+    pytest.importorskip("transformers", reason="transformers is not installed (it is in megamoe's 'test' extra)")
+    done = subprocess.run([sys.executable, REPO / "benchmarks" / "hf_train_bench.py", "--tiny", "--tokens", "64",
+                           "--steps", "3", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and message in done.stderr, done.stdout[-2000:] + done.stderr[-2000:]
