@@ -5,8 +5,8 @@ graph-captured training step can gain.
 
 Usage: python benchmarks/graph_vs_eager.py WORKLOAD[,WORKLOAD...] OUT.json   (a CUDA GPU)
 """
+import argparse
 import json
-import sys
 
 import torch
 
@@ -33,15 +33,22 @@ def measure(name: str, device: torch.device) -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("workloads", help="comma-separated workload names")
+    parser.add_argument("json_path")
+    args = parser.parse_args()
+    for n in args.workloads.split(","):
+        if n not in WORKLOADS:
+            parser.error(f"WORKLOAD: unknown {n!r}; choose from {', '.join(WORKLOADS)}")
     device = torch.device("cuda")
     out = []
-    for name in sys.argv[1].split(","):
+    for name in args.workloads.split(","):
         record = measure(name, device)
         out.append(record)
         print(f"{name}: eager {record['eager_ms']:.3f} ms, graph replay {record['graph_ms']:.3f} ms, "
               f"eager again {record['eager_again_ms']:.3f} ms", flush=True)
         torch.cuda.empty_cache()
-    with open(sys.argv[2], "w") as f:
+    with open(args.json_path, "w") as f:
         json.dump(out, f, indent=1)
 
 if __name__ == "__main__":

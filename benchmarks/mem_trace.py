@@ -5,8 +5,8 @@ allocated it.
 
 Usage: python benchmarks/mem_trace.py WORKLOAD[,WORKLOAD...] OUT.json [recompute]   (a CUDA GPU)
 """
+import argparse
 import json
-import sys
 
 import torch
 
@@ -38,10 +38,18 @@ def peak_blocks(snapshot: dict) -> tuple[int, list[dict]]:
 
 
 def main() -> None:
-    config = megamoe.MoEConfig(backend="triton", recompute=len(sys.argv) > 3 and sys.argv[3] == "recompute")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("workloads", help="comma-separated workload names")
+    parser.add_argument("json_path")
+    parser.add_argument("mode", nargs="?", choices=("recompute",), help="MoEConfig(recompute=True)")
+    args = parser.parse_args()
+    for n in args.workloads.split(","):
+        if n not in WORKLOADS:
+            parser.error(f"WORKLOAD: unknown {n!r}; choose from {', '.join(WORKLOADS)}")
+    config = megamoe.MoEConfig(backend="triton", recompute=args.mode == "recompute")
     out = []
     device = torch.device("cuda")
-    for name in sys.argv[1].split(","):
+    for name in args.workloads.split(","):
         w = WORKLOADS[name]
         weights, tokens = one_gpu_problem(w, device)
         forward_backward(megamoe.experts, weights, tokens, config=config)  # compile, workspaces
@@ -64,7 +72,7 @@ def main() -> None:
             print(f"  {b['bytes'] / 2**20:9.1f} MiB  {b['where']}")
         del weights, tokens
         torch.cuda.empty_cache()
-    with open(sys.argv[2], "w") as f:
+    with open(args.json_path, "w") as f:
         json.dump(out, f, indent=1)
 
 

@@ -4,7 +4,7 @@ run under an external profiler (ncu picks kernels by name, e.g. --kernel-name do
 
 Usage: python benchmarks/one_step.py WORKLOAD [ITERATIONS]   (a CUDA GPU; default 2 iterations)
 """
-import sys
+import argparse
 
 import torch
 
@@ -14,9 +14,13 @@ from megamoe.bench.workloads import WORKLOADS
 
 
 def main() -> None:
-    weights, tokens = one_gpu_problem(WORKLOADS[sys.argv[1]], torch.device("cuda"))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("workload", choices=WORKLOADS)
+    parser.add_argument("iterations", nargs="?", type=int, default=2)
+    args = parser.parse_args()
+    weights, tokens = one_gpu_problem(WORKLOADS[args.workload], torch.device("cuda"))
     config = megamoe.MoEConfig(backend="triton")
-    for _ in range(int(sys.argv[2]) if len(sys.argv) > 2 else 2):
+    for _ in range(args.iterations):
         forward_backward(megamoe.experts, weights, tokens, config=config)
     torch.cuda.synchronize()
 

@@ -8,13 +8,20 @@ holds from its forward to its backward, which is what recompute trades for time.
 
 Usage: python benchmarks/recompute_bench.py WORKLOAD[,WORKLOAD...] OUT.json   (a CUDA GPU)
 """
-import json, statistics, sys, torch, megamoe
+import argparse, json, statistics, torch, megamoe
 from megamoe.bench.problem import make_weights, make_tokens, forward_backward, forward_TH
 from megamoe.bench.workloads import WORKLOADS, layer_flops
 
 MODES = {"default": megamoe.MoEConfig(backend="triton"), "recompute": megamoe.MoEConfig(backend="triton", recompute=True)}
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("workloads", help="comma-separated workload names")
+parser.add_argument("json_path")
+args = parser.parse_args()
+for n in args.workloads.split(","):
+    if n not in WORKLOADS:
+        parser.error(f"WORKLOAD: unknown {n!r}; choose from {', '.join(WORKLOADS)}")
 out = []
-for name in sys.argv[1].split(","):
+for name in args.workloads.split(","):
     w = WORKLOADS[name]; E = w.one_gpu_experts or w.num_experts; T = w.tokens_per_gpu
     dev = torch.device("cuda")
     weights = make_weights(w, range(E), torch.bfloat16, dev)
@@ -47,7 +54,7 @@ for name in sys.argv[1].split(","):
                    peak_mem_above_inputs_bytes=peaks[mode], kept_for_backward_bytes=kept[mode], experts=E, tokens=T)
         out.append(rec); print(json.dumps(rec), flush=True)
     del weights, toks; torch.cuda.empty_cache()
-json.dump(out, open(sys.argv[2], "w"), indent=1)
+json.dump(out, open(args.json_path, "w"), indent=1)
 for r in out:
     print(f"{r['workload']:16} {r['mode']:10} {r['ms']:7.2f} ms {r['tflops']:5.0f} TF/s "
           f"{r['peak_mem_above_inputs_bytes'] / 2**30:6.2f} GiB above inputs, "

@@ -6,9 +6,9 @@ they are the speed at the power limit, where fewer bytes moved (and fewer instru
 
 Usage: python benchmarks/sustained.py WORKLOAD OUT.json   (a CUDA GPU, nvidia-smi on the PATH)
 """
+import argparse
 import json
 import subprocess
-import sys
 import time
 
 import torch
@@ -21,9 +21,13 @@ ITERS, WINDOW = 300, 10
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("workload", choices=WORKLOADS)
+    parser.add_argument("json_path")
+    args = parser.parse_args()
     device = torch.device("cuda")
     config = megamoe.MoEConfig(backend="triton")
-    weights, tokens = one_gpu_problem(WORKLOADS[sys.argv[1]], device)
+    weights, tokens = one_gpu_problem(WORKLOADS[args.workload], device)
     for _ in range(3):
         forward_backward(megamoe.experts, weights, tokens, config=config)
     torch.cuda.synchronize()
@@ -42,10 +46,10 @@ def main() -> None:
     samples = [line.split(", ") for line in smi.communicate()[0].splitlines() if line.strip()]
     ms = [a.elapsed_time(b) for a, b in events]
     windows = [sum(ms[i:i + WINDOW]) / WINDOW for i in range(0, ITERS, WINDOW)]
-    record = {"workload": sys.argv[1], "window": WINDOW, "window_ms": windows, "iteration_ms": ms,
+    record = {"workload": args.workload, "window": WINDOW, "window_ms": windows, "iteration_ms": ms,
               "smi": [{"time": s[0], "sm_mhz": float(s[1]), "power_w": float(s[2]), "temp_c": float(s[3])}
                       for s in samples if len(s) == 4]}
-    with open(sys.argv[2], "w") as f:
+    with open(args.json_path, "w") as f:
         json.dump(record, f, indent=1)
     print("ms per iteration, mean of each", WINDOW, ":", " ".join(f"{w:.2f}" for w in windows))
     print("SM MHz / W / C samples:", " ".join(f"{s['sm_mhz']:.0f}/{s['power_w']:.0f}/{s['temp_c']:.0f}"

@@ -679,6 +679,12 @@ def test_kernel_times_idle_counts_only_time_no_kernel_runs(monkeypatch):
     (["layer_ab.py", "qwen3-30b-a3b", "default,dgrad.group_m:4", "out.json"],
      "VARIANT: unknown variant 'dgrad.group_m:4'"),
     (["gemm_bench.py", "--workload", "qwen3-30b-a3b", "--workload", "mixtral"], "--workload: unknown 'mixtral'"),
+    (["graph_vs_eager.py", "qwen3-30b-a3b,mixtral", "out.json"], "WORKLOAD: unknown 'mixtral'"),
+    (["recompute_bench.py", "qwen3-30b-a3b,mixtral", "out.json"], "WORKLOAD: unknown 'mixtral'"),
+    (["mem_trace.py", "qwen3-30b-a3b,mixtral", "out.json"], "WORKLOAD: unknown 'mixtral'"),
+    (["mem_trace.py", "qwen3-30b-a3b", "out.json", "recomputed"], "argument mode: invalid choice: 'recomputed'"),
+    (["one_step.py", "mixtral"], "argument workload: invalid choice: 'mixtral'"),
+    (["sustained.py", "mixtral", "out.json"], "argument workload: invalid choice: 'mixtral'"),
     (["kernel_breakdown.py", "--workload", "qwen3-30b-a3b", "--workload", "mixtral"], "--workload: unknown 'mixtral'"),
     (["overlap_bench.py", "--workloads", "qwen3-30b-a3b,mixtral"], "--workloads: unknown 'mixtral'"),
     (["overlap_bench.py", "--rounds", "0"], "--rounds and --iters must be at least 1, got 0 and 20"),
@@ -694,7 +700,9 @@ def test_kernel_times_idle_counts_only_time_no_kernel_runs(monkeypatch):
     (["torch_path_ab.py", "--workload", "cpu-small", "--tokens", "0", "--iters", "1", "--warmup", "0"],
      "--tokens must be >= 1, got 0"),
     (["torch_path_ab.py", "--workload", "cpu-small", "--iters", "0"], "--iters must be >= 1 and --warmup >= 0"),
-], ids=["layer_ab-workload", "layer_ab-routing", "layer_ab-group_m", "layer_ab-gemm", "gemm_bench", "kernel_breakdown", "overlap_bench", "overlap_rounds",
+], ids=["layer_ab-workload", "layer_ab-routing", "layer_ab-group_m", "layer_ab-gemm", "gemm_bench",
+        "graph_vs_eager", "recompute_bench", "mem_trace", "mem_trace-mode", "one_step", "sustained", "kernel_breakdown",
+        "overlap_bench", "overlap_rounds",
         "pull_bench", "pull_rounds", "combine_bench", "combine_rounds", "dw_gather_bench", "dw_gather_rounds",
         "inference_tokens", "torch_path_tokens", "torch_path_iters"])
 def test_benchmark_scripts_check_their_options_before_timing(args, message):
