@@ -7,6 +7,7 @@ Usage: python benchmarks/mem_trace.py WORKLOAD[,WORKLOAD...] OUT.json [recompute
 """
 import argparse
 import json
+import os
 
 import torch
 
@@ -14,10 +15,15 @@ import megamoe
 from megamoe.bench.problem import forward_backward, one_gpu_problem
 from megamoe.bench.workloads import WORKLOADS
 
+# The package's own files, not every path naming megamoe (torch's do, in a .venv inside a clone named megamoe).
+PACKAGE = os.path.dirname(megamoe.__file__) + os.sep
+BENCH = os.path.join(PACKAGE, "bench") + os.sep
+
 
 def _where(frames) -> str:
-    """The innermost frames in megamoe (file:line function), else the innermost Python frame."""
-    ours = [f for f in frames if "megamoe" in f["filename"] and "bench" not in f["filename"]]
+    """The innermost frames in the megamoe package but megamoe.bench (file:line function), else the innermost Python
+    frame."""
+    ours = [f for f in frames if f["filename"].startswith(PACKAGE) and not f["filename"].startswith(BENCH)]
     pick = ours[:2] or frames[:1]
     return " < ".join(f"{f['filename'].split('megamoe/')[-1]}:{f['line']} {f['name']}" for f in pick)
 

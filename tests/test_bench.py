@@ -670,6 +670,29 @@ def test_kernel_times_idle_counts_only_time_no_kernel_runs(monkeypatch):
     assert times["gpu_us_per_iteration"] == 130
 
 
+def test_mem_trace_names_the_megamoe_frames_of_the_blocks_live_at_the_peak():
+    """benchmarks/mem_trace.py labels each block with its innermost frames in the megamoe package: not torch's where
+    torch lives in a .venv inside a clone named megamoe (as scripts/test.sh makes it), nor megamoe.bench's."""
+    spec = importlib.util.spec_from_file_location("mem_trace", REPO / "benchmarks" / "mem_trace.py")
+    mem_trace = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mem_trace)
+    package = Path(megamoe.__file__).parent
+    torch_in_clone = {"filename": "/home/u/megamoe/.venv/lib/python3.11/site-packages/torch/nn/functional.py",
+                      "line": 1, "name": "silu"}
+    frames = [torch_in_clone, {"filename": str(package / "backends" / "torch_native.py"), "line": 2, "name": "swiglu"},
+              {"filename": str(package / "bench" / "problem.py"), "line": 3, "name": "forward_TH"},
+              {"filename": str(package / "api.py"), "line": 4, "name": "experts"}]
+    snapshot = {"device_traces": [[
+        {"action": "alloc", "addr": 1, "size": 100, "frames": frames},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": [torch_in_clone]},
+        {"action": "free_requested", "addr": 1, "size": 100},
+        {"action": "alloc", "addr": 3, "size": 10, "frames": frames},
+    ]]}
+    assert mem_trace.peak_blocks(snapshot) == (150, [
+        {"bytes": 100, "where": "backends/torch_native.py:2 swiglu < api.py:4 experts"},
+        {"bytes": 50, "where": ".venv/lib/python3.11/site-packages/torch/nn/functional.py:1 silu"}])
+
+
 @pytest.mark.parametrize("args, message", [
     (["layer_ab.py", "qwen3-30b-a3b,qwen3-30b", "default", "out.json"], "WORKLOAD: unknown 'qwen3-30b'"),
     (["layer_ab.py", "qwen3-30b-a3b", "default", "out.json", "--routing", "balanced,skewd"],
