@@ -252,6 +252,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.tokens is not None and args.tokens < 1:
+        parser.error(f"--tokens must be >= 1, got {args.tokens}")
     for n in args.workload or ():
         if n not in WORKLOADS:
             parser.error(f"--workload: unknown {n!r}; choose from {', '.join(WORKLOADS)}")

@@ -109,11 +109,17 @@ def main() -> None:
     parser.add_argument("--experts-per-gpu", type=int, default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    for n in args.workload or ():
+    names = args.workload or ["qwen3-30b-a3b", "qwen3-235b-a22b"]
+    for n in names:
         if n not in WORKLOADS:
             parser.error(f"--workload: unknown {n!r}; choose from {', '.join(WORKLOADS)}")
+    if args.tokens is not None and args.tokens < 1:
+        parser.error(f"--tokens must be >= 1, got {args.tokens}")
+    top_k = max(WORKLOADS[n].top_k for n in names)
+    if args.experts_per_gpu is not None and args.experts_per_gpu < top_k:
+        parser.error(f"--experts-per-gpu must be >= the workloads' k ({top_k}), got {args.experts_per_gpu}")
     records = []
-    for name in args.workload or ["qwen3-30b-a3b", "qwen3-235b-a22b"]:
+    for name in names:
         records += breakdown(name, args.tokens, args.experts_per_gpu)
     print(f"{'workload':16} {'kernel':18} {'ms':>8} {'TFLOP/s':>8} {'GB/s':>8}")
     for r in records:

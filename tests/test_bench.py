@@ -709,6 +709,10 @@ def test_mem_trace_names_the_megamoe_frames_of_the_blocks_live_at_the_peak():
     (["one_step.py", "mixtral"], "argument workload: invalid choice: 'mixtral'"),
     (["sustained.py", "mixtral", "out.json"], "argument workload: invalid choice: 'mixtral'"),
     (["kernel_breakdown.py", "--workload", "qwen3-30b-a3b", "--workload", "mixtral"], "--workload: unknown 'mixtral'"),
+    (["kernel_breakdown.py", "--tokens", "0"], "--tokens must be >= 1, got 0"),
+    (["kernel_breakdown.py", "--workload", "mixtral-8x7b", "--workload", "qwen3-30b-a3b", "--experts-per-gpu", "4"],
+     "--experts-per-gpu must be >= the workloads' k (8), got 4"),
+    (["gemm_bench.py", "--tokens", "0"], "--tokens must be >= 1, got 0"),
     (["overlap_bench.py", "--workloads", "qwen3-30b-a3b,mixtral"], "--workloads: unknown 'mixtral'"),
     (["overlap_bench.py", "--rounds", "0"], "--rounds and --iters must be at least 1, got 0 and 20"),
     (["pull_bench.py", "out.json", "--workloads", "qwen3-235b-a22b,mixtral"], "--workloads: unknown 'mixtral'"),
@@ -725,6 +729,7 @@ def test_mem_trace_names_the_megamoe_frames_of_the_blocks_live_at_the_peak():
     (["torch_path_ab.py", "--workload", "cpu-small", "--iters", "0"], "--iters must be >= 1 and --warmup >= 0"),
 ], ids=["layer_ab-workload", "layer_ab-routing", "layer_ab-group_m", "layer_ab-gemm", "gemm_bench",
         "graph_vs_eager", "recompute_bench", "mem_trace", "mem_trace-mode", "one_step", "sustained", "kernel_breakdown",
+        "kernel_breakdown-tokens", "kernel_breakdown-experts", "gemm_bench-tokens",
         "overlap_bench", "overlap_rounds",
         "pull_bench", "pull_rounds", "combine_bench", "combine_rounds", "dw_gather_bench", "dw_gather_rounds",
         "inference_tokens", "torch_path_tokens", "torch_path_iters"])
