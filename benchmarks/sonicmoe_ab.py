@@ -49,6 +49,7 @@ from megamoe.bench.problem import Tokens, forward_TH, forward_backward, make_tok
 from megamoe.bench.routing import ROUTINGS
 from megamoe.bench.run import triton_version
 from megamoe.bench.workloads import WORKLOADS, layer_flops
+from megamoe.config import BACKENDS
 
 PASSES = ("fwd+bwd", "fwd")
 MAX_REL_DIFF = 2e-2  # bf16 paths with fp32 accumulation in different orders; NaN fails
@@ -259,7 +260,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--torchtitan", action="store_true", help="add the TorchTitan-style path")
     parser.add_argument("--pass", dest="passes", default="fwd+bwd",
                         help=f"comma-separated passes ({', '.join(PASSES)}), each timed in this process (compiled once)")
-    parser.add_argument("--backend", default="auto", help="megamoe's backend (MoEConfig.backend)")
+    parser.add_argument("--backend", default="auto", choices=BACKENDS, help="megamoe's backend (MoEConfig.backend)")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--graph", action="store_true",

@@ -84,6 +84,9 @@ def test_bad_arguments_are_usage_errors(ab, capsys):
                            "--routing: unknown routings ['skewd']"),
                           (["qwen3-31b", "x.json"], "unknown workloads ['qwen3-31b']"),
                           (["tiny", "x.json", "--iters", "0"], "--rounds and --iters must be >= 1"),
+                          # a baseline of the bench is no megamoe backend: it would be timed as "megamoe"
+                          (["tiny", "x.json", "--sonic", "none", "--backend", "torchtitan"],
+                           "argument --backend: invalid choice: 'torchtitan'"),
                           (["tiny", "x.json", "--profile", "2"], "needs a CUDA GPU, got 2 on cpu"),
                           (["tiny", "x.json", "--graph"], "--graph needs a CUDA GPU")):
         with pytest.raises(SystemExit):
