@@ -6,7 +6,7 @@ removed since (docs/perf-notes.md, "Memory v2").
 
 Usage: python benchmarks/bwd_sweep.py WORKLOAD[,WORKLOAD...] OUT.json   (a Hopper GPU)
 """
-import json, sys, torch, triton
+import argparse, json, torch, triton
 from megamoe.backends.triton import kernels
 from megamoe.backends.triton.configs import TileConfig, block_m_for
 from megamoe.backends.triton.experts import one_gpu_configs
@@ -15,8 +15,15 @@ from megamoe.schedule import build_schedule
 
 DOWN_DGRAD = [(128, 128, 64, 8, 4, False), (128, 128, 64, 8, 4, True), (128, 128, 64, 8, 3, False),
               (128, 64, 64, 4, 4, False), (128, 64, 64, 4, 6, True), (128, 256, 64, 8, 3, False)]
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("workloads", help="comma-separated workload names")
+parser.add_argument("json_path")
+args = parser.parse_args()
+for n in args.workloads.split(","):
+    if n not in WORKLOADS:
+        parser.error(f"WORKLOAD: unknown {n!r}; choose from {', '.join(WORKLOADS)}")
 out = []
-for name in sys.argv[1].split(","):
+for name in args.workloads.split(","):
     w = WORKLOADS[name]; T, H, I, k = w.tokens_per_gpu, w.hidden, w.intermediate, w.top_k
     E = w.one_gpu_experts or w.num_experts
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -47,6 +54,6 @@ for name in sys.argv[1].split(","):
         c = TileConfig(bm, bn, bk, num_warps=nw, num_stages=st, tma=True, flatten=fl)
         rec("down_dgrad_router", str(c), lambda c=c: kernels.down_dgrad_router(d_rows, wd, gate_up, s.row_src, tw, *blocks, store_h_w=True, config=c), gemm)
     torch.cuda.empty_cache()
-json.dump(out, open(sys.argv[2], "w"), indent=1)
+json.dump(out, open(args.json_path, "w"), indent=1)
 for r in out:
     print(f"{r['workload']:16} {r['kernel']:30} {r['tile']:95} {r['ms']:7.3f} ms {r['tflops'] or 0:5.0f} TF/s")

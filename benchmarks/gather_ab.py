@@ -6,7 +6,7 @@ the table runs the Gluon kernel, whose gather is benchmarks/gluon_gate_up_bench.
 
 Usage: python benchmarks/gather_ab.py WORKLOAD[,WORKLOAD...] OUT.json   (a Hopper GPU)
 """
-import dataclasses, json, sys, torch, triton
+import argparse, dataclasses, json, torch, triton
 from megamoe.backends.triton import kernels
 from megamoe.backends.triton.configs import block_m_for, triton_tile
 from megamoe.backends.triton.experts import one_gpu_configs
@@ -14,8 +14,15 @@ from megamoe.bench.workloads import WORKLOADS
 from megamoe.schedule import build_schedule
 
 VARIANTS = [dict(), dict(num_stages=4, block_k=32), dict(flatten=True), dict(num_stages=2)]
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("workloads", help="comma-separated workload names")
+parser.add_argument("json_path")
+args = parser.parse_args()
+for n in args.workloads.split(","):
+    if n not in WORKLOADS:
+        parser.error(f"WORKLOAD: unknown {n!r}; choose from {', '.join(WORKLOADS)}")
 out = []
-for name in sys.argv[1].split(","):
+for name in args.workloads.split(","):
     w = WORKLOADS[name]; T, H, I, k = w.tokens_per_gpu, w.hidden, w.intermediate, w.top_k
     E = w.one_gpu_experts or w.num_experts
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -47,6 +54,6 @@ for name in sys.argv[1].split(","):
                  ms=ms, tflops=flops / ms / 1e9, bitwise_equal=same)
         out.append(r); print(json.dumps(r), flush=True)
     torch.cuda.empty_cache()
-json.dump(out, open(sys.argv[2], "w"), indent=1)
+json.dump(out, open(args.json_path, "w"), indent=1)
 for r in out:
     print(f"{r['workload']:16} {r['mode']:20} {r['ms']:7.3f} ms {r['tflops']:5.0f} TF/s equal={r['bitwise_equal']} {r['tile']}")

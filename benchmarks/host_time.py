@@ -5,12 +5,12 @@ cumulative host time.
 
 Usage: python benchmarks/host_time.py WORKLOAD[,WORKLOAD...] OUT.json   (a CUDA GPU)
 """
+import argparse
 import cProfile
 import io
 import json
 import pstats
 import statistics
-import sys
 import time
 
 import torch
@@ -21,9 +21,16 @@ from megamoe.bench.workloads import WORKLOADS
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("workloads", help="comma-separated workload names")
+    parser.add_argument("json_path")
+    args = parser.parse_args()
+    for n in args.workloads.split(","):
+        if n not in WORKLOADS:
+            parser.error(f"WORKLOAD: unknown {n!r}; choose from {', '.join(WORKLOADS)}")
     device = torch.device("cuda")
     out = []
-    for name in sys.argv[1].split(","):
+    for name in args.workloads.split(","):
         w = WORKLOADS[name]
         weights, tokens = one_gpu_problem(w, device)
         for _ in range(3):
@@ -56,7 +63,7 @@ def main() -> None:
         print(text.getvalue()[-9000:])
         del weights, tokens
         torch.cuda.empty_cache()
-    with open(sys.argv[2], "w") as f:
+    with open(args.json_path, "w") as f:
         json.dump(out, f, indent=1)
 
 

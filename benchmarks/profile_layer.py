@@ -6,8 +6,8 @@ iteration is captured in a CUDA graph and replayed: no host launch work, so the 
 
 Usage: python benchmarks/profile_layer.py WORKLOAD[,WORKLOAD...] OUT.json [--graph]   (a CUDA GPU)
 """
+import argparse
 import json
-import sys
 
 import torch
 
@@ -36,11 +36,18 @@ def profile_one(name: str, device: torch.device, graphed: bool) -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("workloads", help="comma-separated workload names")
+    parser.add_argument("json_path")
+    parser.add_argument("--graph", action="store_true", help="profile a CUDA graph of the iteration, replayed")
+    args = parser.parse_args()
+    for n in args.workloads.split(","):
+        if n not in WORKLOADS:
+            parser.error(f"WORKLOAD: unknown {n!r}; choose from {', '.join(WORKLOADS)}")
     device = torch.device("cuda")
-    graphed = "--graph" in sys.argv[3:]
     out = []
-    for name in sys.argv[1].split(","):
-        record = profile_one(name, device, graphed)
+    for name in args.workloads.split(","):
+        record = profile_one(name, device, args.graph)
         out.append(record)
         print(f"\n{name}: {record['gpu_us_per_iteration']:.0f} us of kernels and {record['idle_us_per_iteration']:.0f} us "
               "idle between them per fwd+bwd")
@@ -49,7 +56,7 @@ def main() -> None:
         for g in record["largest_gaps"][:12]:
             print(f"  gap {g['us']:7.1f} us after {g['after']} before {g['before']}")
         torch.cuda.empty_cache()
-    with open(sys.argv[2], "w") as f:
+    with open(args.json_path, "w") as f:
         json.dump(out, f, indent=1)
 
 if __name__ == "__main__":
