@@ -381,6 +381,7 @@ def test_bench_sh_runs_in_the_callers_folder(tmp_path):
         folder.mkdir(parents=True)
     for name in ("bench.sh", "setup.sh"):
         (scripts / name).write_text((REPO / "scripts" / name).read_text())
+    (scripts.parent / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text())  # setup.sh's install stamp
     (venv_bin / "activate").write_text(f'PATH="{venv_bin}:$PATH"\n')  # as a real one: its absolute path
     (venv_bin / "python").write_text('#!/usr/bin/env bash\n[ "$2" = megamoe ] && echo "$PWD"\nexit 0\n')
     (venv_bin / "python").chmod(0o755)
