@@ -10,20 +10,17 @@ import argparse, json, torch, triton
 from megamoe.backends.triton import kernels
 from megamoe.backends.triton.configs import TileConfig, block_m_for
 from megamoe.backends.triton.experts import one_gpu_configs
-from megamoe.bench.workloads import WORKLOADS
+from megamoe.bench.workloads import WORKLOADS, comma_names
 from megamoe.schedule import build_schedule
 
 DOWN_DGRAD = [(128, 128, 64, 8, 4, False), (128, 128, 64, 8, 4, True), (128, 128, 64, 8, 3, False),
               (128, 64, 64, 4, 4, False), (128, 64, 64, 4, 6, True), (128, 256, 64, 8, 3, False)]
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("workloads", help="comma-separated workload names")
+parser.add_argument("workloads", metavar="WORKLOAD", type=comma_names(WORKLOADS), help="comma-separated workload names")
 parser.add_argument("json_path")
 args = parser.parse_args()
-for n in args.workloads.split(","):
-    if n not in WORKLOADS:
-        parser.error(f"WORKLOAD: unknown {n!r}; choose from {', '.join(WORKLOADS)}")
 out = []
-for name in args.workloads.split(","):
+for name in args.workloads:
     w = WORKLOADS[name]; T, H, I, k = w.tokens_per_gpu, w.hidden, w.intermediate, w.top_k
     E = w.one_gpu_experts or w.num_experts
     dev, dt = torch.device("cuda"), torch.bfloat16

@@ -27,7 +27,7 @@ from megamoe.backends.triton import configs, kernels
 from megamoe.backends.triton.kernels import gather
 from megamoe.bench.measure import alternating_rounds
 from megamoe.bench.problem import one_gpu_problem
-from megamoe.bench.workloads import WORKLOADS
+from megamoe.bench.workloads import WORKLOADS, comma_names
 from megamoe.schedule import build_schedule
 
 COMBINE_TILES = [(8, 256, 4), (16, 256, 4), (8, 512, 4), (16, 512, 8), (32, 256, 8), (4, 512, 4), (4, 1024, 8)]
@@ -100,12 +100,9 @@ def bench_workload(name: str, rounds: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json_path")
-    parser.add_argument("--workload", action="append")
+    parser.add_argument("--workload", action="extend", type=comma_names(WORKLOADS), metavar="NAME")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    for n in args.workload or ():
-        if n not in WORKLOADS:
-            parser.error(f"--workload: unknown {n!r}; choose from {', '.join(WORKLOADS)}")
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     records = []

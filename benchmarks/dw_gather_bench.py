@@ -35,7 +35,7 @@ from megamoe.backends.triton.experts import all_blocks, one_gpu_configs
 from megamoe.backends.triton.kernels import gluon_dw
 from megamoe.backends.triton.kernels.gluon_common import ConsumerTile
 from megamoe.bench.measure import alternating_rounds
-from megamoe.bench.workloads import WORKLOADS
+from megamoe.bench.workloads import WORKLOADS, comma_names
 from megamoe.schedule import build_schedule
 
 
@@ -111,16 +111,13 @@ def run_workload(name: str, rounds: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json_path")
-    parser.add_argument("--workloads", default="qwen3-30b-a3b,qwen3-235b-a22b")
+    parser.add_argument("--workloads", default="qwen3-30b-a3b,qwen3-235b-a22b", type=comma_names(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
-    for n in args.workloads.split(","):
-        if n not in WORKLOADS:
-            parser.error(f"--workloads: unknown {n!r}; choose from {', '.join(WORKLOADS)}")
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     records = [dict(kind="env", gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)]
-    for name in args.workloads.split(","):
+    for name in args.workloads:
         records += run_workload(name, args.rounds)
         with open(args.json_path, "w") as f:
             json.dump(records, f, indent=1)

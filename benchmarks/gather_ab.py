@@ -10,19 +10,16 @@ import argparse, dataclasses, json, torch, triton
 from megamoe.backends.triton import kernels
 from megamoe.backends.triton.configs import block_m_for, triton_tile
 from megamoe.backends.triton.experts import one_gpu_configs
-from megamoe.bench.workloads import WORKLOADS
+from megamoe.bench.workloads import WORKLOADS, comma_names
 from megamoe.schedule import build_schedule
 
 VARIANTS = [dict(), dict(num_stages=4, block_k=32), dict(flatten=True), dict(num_stages=2)]
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("workloads", help="comma-separated workload names")
+parser.add_argument("workloads", metavar="WORKLOAD", type=comma_names(WORKLOADS), help="comma-separated workload names")
 parser.add_argument("json_path")
 args = parser.parse_args()
-for n in args.workloads.split(","):
-    if n not in WORKLOADS:
-        parser.error(f"WORKLOAD: unknown {n!r}; choose from {', '.join(WORKLOADS)}")
 out = []
-for name in args.workloads.split(","):
+for name in args.workloads:
     w = WORKLOADS[name]; T, H, I, k = w.tokens_per_gpu, w.hidden, w.intermediate, w.top_k
     E = w.one_gpu_experts or w.num_experts
     dev, dt = torch.device("cuda"), torch.bfloat16

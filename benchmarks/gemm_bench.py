@@ -42,7 +42,7 @@ from megamoe.backends.triton.configs import TileConfig, block_m_for, kernel_conf
 from megamoe.backends.triton.kernels._common import range_of
 from megamoe.bench.measure import alternating_rounds
 from megamoe.bench.routing import route
-from megamoe.bench.workloads import WORKLOADS
+from megamoe.bench.workloads import WORKLOADS, comma_names
 from megamoe.schedule import build_schedule
 
 # --sweep: candidate tiles of the TMA kernels, (block_m, block_n, block_k, warps, stages), each run
@@ -243,7 +243,7 @@ def summary(records: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", action="append")
+    parser.add_argument("--workload", action="extend", type=comma_names(WORKLOADS), metavar="NAME")
     parser.add_argument("--routing", default="balanced", choices=("balanced", "skewed"))
     parser.add_argument("--tokens", type=int)
     parser.add_argument("--sweep", action="store_true", help="also time the SWEEP tiles of the TMA kernels")
@@ -254,9 +254,6 @@ def main() -> None:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.tokens is not None and args.tokens < 1:
         parser.error(f"--tokens must be >= 1, got {args.tokens}")
-    for n in args.workload or ():
-        if n not in WORKLOADS:
-            parser.error(f"--workload: unknown {n!r}; choose from {', '.join(WORKLOADS)}")
     records = []
     for name in args.workload or ["qwen3-30b-a3b", "qwen3-235b-a22b", "gpt-oss-120b", "deepseek-v3", "mixtral-8x7b"]:
         records += run(name, args.routing, args.tokens, args.sweep, args.rounds)

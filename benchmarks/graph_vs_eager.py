@@ -13,7 +13,7 @@ import torch
 import megamoe
 from megamoe.bench.measure import cuda_graph, median_ms
 from megamoe.bench.problem import forward_backward, one_gpu_problem
-from megamoe.bench.workloads import WORKLOADS
+from megamoe.bench.workloads import WORKLOADS, comma_names
 
 ITERS, WARMUP = 30, 5
 
@@ -34,15 +34,12 @@ def measure(name: str, device: torch.device) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("workloads", help="comma-separated workload names")
+    parser.add_argument("workloads", metavar="WORKLOAD", type=comma_names(WORKLOADS), help="comma-separated workload names")
     parser.add_argument("json_path")
     args = parser.parse_args()
-    for n in args.workloads.split(","):
-        if n not in WORKLOADS:
-            parser.error(f"WORKLOAD: unknown {n!r}; choose from {', '.join(WORKLOADS)}")
     device = torch.device("cuda")
     out = []
-    for name in args.workloads.split(","):
+    for name in args.workloads:
         record = measure(name, device)
         out.append(record)
         print(f"{name}: eager {record['eager_ms']:.3f} ms, graph replay {record['graph_ms']:.3f} ms, "

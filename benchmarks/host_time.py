@@ -17,20 +17,17 @@ import torch
 
 import megamoe
 from megamoe.bench.problem import forward_backward, one_gpu_problem
-from megamoe.bench.workloads import WORKLOADS
+from megamoe.bench.workloads import WORKLOADS, comma_names
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("workloads", help="comma-separated workload names")
+    parser.add_argument("workloads", metavar="WORKLOAD", type=comma_names(WORKLOADS), help="comma-separated workload names")
     parser.add_argument("json_path")
     args = parser.parse_args()
-    for n in args.workloads.split(","):
-        if n not in WORKLOADS:
-            parser.error(f"WORKLOAD: unknown {n!r}; choose from {', '.join(WORKLOADS)}")
     device = torch.device("cuda")
     out = []
-    for name in args.workloads.split(","):
+    for name in args.workloads:
         w = WORKLOADS[name]
         weights, tokens = one_gpu_problem(w, device)
         for _ in range(3):

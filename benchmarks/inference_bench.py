@@ -33,7 +33,7 @@ import torch
 import megamoe
 from megamoe.bench.problem import forward_TH, make_tokens, make_weights
 from megamoe.bench.run import DTYPES
-from megamoe.bench.workloads import GPU_WORKLOADS, NUM_INPUT_SETS, WORKLOADS, choose_experts_per_gpu
+from megamoe.bench.workloads import GPU_WORKLOADS, NUM_INPUT_SETS, WORKLOADS, comma_names, choose_experts_per_gpu
 
 MODES = {
     "grad": contextlib.nullcontext,
@@ -90,7 +90,7 @@ def memory_mode(mode: str, weights, tokens, device) -> dict[str, int | None]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", action="append", required=True, metavar="NAME",
+    parser.add_argument("--workload", action="extend", required=True, metavar="NAME", type=comma_names((*WORKLOADS, "all")),
                         help=f"repeatable or comma list of {', '.join(WORKLOADS)}, or 'all' (the GPU workloads)")
     parser.add_argument("--tokens", type=int, help="tokens (default: the workload's tokens per GPU)")
     parser.add_argument("--routing", default="balanced", choices=("balanced", "skewed"))
@@ -102,11 +102,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--experts-per-gpu", type=int, help="cap on experts per GPU (default: the workload's rule)")
     parser.add_argument("--json", help="write the records here")
     args = parser.parse_args(argv)
-    names = [n for value in args.workload for n in value.split(",") if n]
-    names = [g for n in names for g in (GPU_WORKLOADS if n == "all" else (n,))]
-    for n in names:
-        if n not in WORKLOADS:
-            parser.error(f"--workload: unknown {n!r}; choose from {', '.join(WORKLOADS)} or 'all'")
+    names = [g for n in args.workload for g in (GPU_WORKLOADS if n == "all" else (n,))]
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
         if m not in MODES:

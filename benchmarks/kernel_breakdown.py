@@ -22,7 +22,7 @@ from megamoe.backends.triton import kernels
 from megamoe.backends.triton.configs import block_m_for
 from megamoe.backends.triton.experts import one_gpu_configs
 from megamoe.backends.triton.kernels.schedule import place_routing
-from megamoe.bench.workloads import WORKLOADS
+from megamoe.bench.workloads import WORKLOADS, comma_names
 from megamoe.schedule import build_schedule
 
 
@@ -104,15 +104,12 @@ def breakdown(name: str, tokens: int | None, experts_cap: int | None) -> list[di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", action="append", default=None)
+    parser.add_argument("--workload", action="extend", type=comma_names(WORKLOADS), metavar="NAME")
     parser.add_argument("--tokens", type=int, default=None)
     parser.add_argument("--experts-per-gpu", type=int, default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     names = args.workload or ["qwen3-30b-a3b", "qwen3-235b-a22b"]
-    for n in names:
-        if n not in WORKLOADS:
-            parser.error(f"--workload: unknown {n!r}; choose from {', '.join(WORKLOADS)}")
     if args.tokens is not None and args.tokens < 1:
         parser.error(f"--tokens must be >= 1, got {args.tokens}")
     top_k = max(WORKLOADS[n].top_k for n in names)

@@ -30,7 +30,7 @@ from megamoe.backends.triton import kernels
 from megamoe.bench.measure import round_order
 from megamoe.bench.problem import make_weights, make_tokens, forward_backward, forward_TH
 from megamoe.bench.routing import ROUTINGS
-from megamoe.bench.workloads import PASSES, WORKLOADS, layer_flops
+from megamoe.bench.workloads import PASSES, WORKLOADS, comma_names, layer_flops
 
 SHIPPED = (te.tma_kernel_configs, configs._GATHER_X_MAX_H)
 # Replaced by variants and restored by select: the weight grads (given row_src by experts_bwd) and whether
@@ -110,18 +110,13 @@ def select(variant: str) -> None:
 
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("workloads")
+parser.add_argument("workloads", metavar="WORKLOAD", type=comma_names(WORKLOADS))
 parser.add_argument("variants")
 parser.add_argument("json_path")
-parser.add_argument("--pass", dest="passes", default="fwd+bwd", help="fwd+bwd and/or fwd (the training forward)")
+parser.add_argument("--pass", dest="passes", default="fwd+bwd", type=comma_names(PASSES), help="fwd+bwd and/or fwd (the training forward)")
 parser.add_argument("--rounds", type=int, default=4)
-parser.add_argument("--routing", default="balanced,skewed")
+parser.add_argument("--routing", default="balanced,skewed", type=comma_names(ROUTINGS))
 args = parser.parse_args()
-for option, value, allowed in (("WORKLOAD", args.workloads, WORKLOADS), ("--pass", args.passes, PASSES),
-                               ("--routing", args.routing, ROUTINGS)):
-    for n in value.split(","):
-        if n not in allowed:
-            parser.error(f"{option}: unknown {n!r}; choose from {', '.join(allowed)}")
 for v in args.variants.split(","):
     if error := variant_error(v):
         parser.error(f"VARIANT: {error}")
@@ -143,11 +138,11 @@ def step(pass_name, weights, tokens, cfg):
 
 out = []
 variants = args.variants.split(",")
-for name in args.workloads.split(","):
+for name in args.workloads:
     w = WORKLOADS[name]; E = w.one_gpu_experts or w.num_experts; T = w.tokens_per_gpu
     dev = torch.device("cuda")
     weights = make_weights(w, range(E), torch.bfloat16, dev)
-    for routing, pass_name in [(r, p) for r in args.routing.split(",") for p in args.passes.split(",")]:
+    for routing, pass_name in [(r, p) for r in args.routing for p in args.passes]:
         g = torch.Generator(device=dev).manual_seed(1)
         toks = [make_tokens(w, T, E, routing, torch.bfloat16, g) for _ in range(3)]
         cfg = megamoe.MoEConfig(backend="triton")

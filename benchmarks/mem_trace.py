@@ -13,7 +13,7 @@ import torch
 
 import megamoe
 from megamoe.bench.problem import forward_backward, one_gpu_problem
-from megamoe.bench.workloads import WORKLOADS
+from megamoe.bench.workloads import WORKLOADS, comma_names
 
 # The package's own files, not every path naming megamoe (torch's do, in a .venv inside a clone named megamoe).
 PACKAGE = os.path.dirname(megamoe.__file__) + os.sep
@@ -45,17 +45,14 @@ def peak_blocks(snapshot: dict) -> tuple[int, list[dict]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("workloads", help="comma-separated workload names")
+    parser.add_argument("workloads", metavar="WORKLOAD", type=comma_names(WORKLOADS), help="comma-separated workload names")
     parser.add_argument("json_path")
     parser.add_argument("mode", nargs="?", choices=("recompute",), help="MoEConfig(recompute=True)")
     args = parser.parse_args()
-    for n in args.workloads.split(","):
-        if n not in WORKLOADS:
-            parser.error(f"WORKLOAD: unknown {n!r}; choose from {', '.join(WORKLOADS)}")
     config = megamoe.MoEConfig(backend="triton", recompute=args.mode == "recompute")
     out = []
     device = torch.device("cuda")
-    for name in args.workloads.split(","):
+    for name in args.workloads:
         w = WORKLOADS[name]
         weights, tokens = one_gpu_problem(w, device)
         forward_backward(megamoe.experts, weights, tokens, config=config)  # compile, workspaces

@@ -47,7 +47,7 @@ from megamoe.backends.triton import ep, experts
 from megamoe.backends.triton.configs import block_m_for
 from megamoe.bench.measure import alternating_rounds, kernel_times, median_ms
 from megamoe.bench.routing import ROUTINGS, route
-from megamoe.bench.workloads import WORKLOADS
+from megamoe.bench.workloads import WORKLOADS, comma_names
 from megamoe.config import MoEConfig
 from megamoe.schedule import build_schedule
 
@@ -125,7 +125,7 @@ def _run(p, schedule, group, config, probe: str, backward: bool):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", default="qwen3-30b-a3b,qwen3-235b-a22b")
+    parser.add_argument("--workloads", default="qwen3-30b-a3b,qwen3-235b-a22b", type=comma_names(WORKLOADS))
     parser.add_argument("--tokens", type=int, default=None, help="tokens per GPU (default: the workload's)")
     parser.add_argument("--num-comm-sms", type=int, default=None)
     parser.add_argument("--minibatch-tokens", type=int, default=None)
@@ -141,9 +141,6 @@ def main() -> None:
     probes = args.probes.split(",")
     if not set(probes) <= set(PROBES):
         raise SystemExit(f"--probes must be among {PROBES}, got {args.probes}")
-    for n in args.workloads.split(","):
-        if n not in WORKLOADS:
-            parser.error(f"--workloads: unknown {n!r}; choose from {', '.join(WORKLOADS)}")
     if args.rounds < 1 or args.iters < 1:
         parser.error(f"--rounds and --iters must be at least 1, got {args.rounds} and {args.iters}")
     rank = int(os.environ["LOCAL_RANK"])
@@ -154,7 +151,7 @@ def main() -> None:
     if world > 1:  # the one-GPU path takes a group of one only
         probes = [p for p in probes if p != "one_gpu"]
     records = []
-    for name in args.workloads.split(","):
+    for name in args.workloads:
         w = WORKLOADS[name]
         # block_m resolved as megamoe.experts resolves it (the routing exchange sizes its workspace with it).
         config = MoEConfig(backend="triton", num_comm_sms=args.num_comm_sms, minibatch_tokens=args.minibatch_tokens,

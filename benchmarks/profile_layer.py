@@ -14,7 +14,7 @@ import torch
 import megamoe
 from megamoe.bench.measure import cuda_graph, kernel_times
 from megamoe.bench.problem import forward_backward, one_gpu_problem
-from megamoe.bench.workloads import WORKLOADS
+from megamoe.bench.workloads import WORKLOADS, comma_names
 
 ITERS = 5
 
@@ -37,16 +37,13 @@ def profile_one(name: str, device: torch.device, graphed: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("workloads", help="comma-separated workload names")
+    parser.add_argument("workloads", metavar="WORKLOAD", type=comma_names(WORKLOADS), help="comma-separated workload names")
     parser.add_argument("json_path")
     parser.add_argument("--graph", action="store_true", help="profile a CUDA graph of the iteration, replayed")
     args = parser.parse_args()
-    for n in args.workloads.split(","):
-        if n not in WORKLOADS:
-            parser.error(f"WORKLOAD: unknown {n!r}; choose from {', '.join(WORKLOADS)}")
     device = torch.device("cuda")
     out = []
-    for name in args.workloads.split(","):
+    for name in args.workloads:
         record = profile_one(name, device, args.graph)
         out.append(record)
         print(f"\n{name}: {record['gpu_us_per_iteration']:.0f} us of kernels and {record['idle_us_per_iteration']:.0f} us "

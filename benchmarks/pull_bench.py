@@ -31,17 +31,14 @@ from megamoe.backends.triton.kernels import gluon_ep
 from megamoe.backends.triton.kernels._common import range_of
 from megamoe.bench.measure import alternating_rounds
 from megamoe.bench.problem import one_gpu_problem
-from megamoe.bench.workloads import WORKLOADS
+from megamoe.bench.workloads import WORKLOADS, comma_names
 from megamoe.schedule import build_schedule
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("json_path")
-parser.add_argument("--workloads", default="qwen3-235b-a22b,mixtral-8x7b")
+parser.add_argument("--workloads", default="qwen3-235b-a22b,mixtral-8x7b", type=comma_names(WORKLOADS))
 parser.add_argument("--rounds", type=int, default=4)
 args = parser.parse_args()
-for n in args.workloads.split(","):
-    if n not in WORKLOADS:
-        parser.error(f"--workloads: unknown {n!r}; choose from {', '.join(WORKLOADS)}")
 if args.rounds < 1:
     parser.error(f"--rounds must be at least 1, got {args.rounds}")
 
@@ -117,7 +114,7 @@ def measure(name: str) -> list[dict]:
 
 
 records = []
-for name in args.workloads.split(","):
+for name in args.workloads:
     records += measure(name)
     torch.cuda.empty_cache()
 

@@ -10,18 +10,15 @@ Usage: python benchmarks/recompute_bench.py WORKLOAD[,WORKLOAD...] OUT.json   (a
 """
 import argparse, json, statistics, torch, megamoe
 from megamoe.bench.problem import make_weights, make_tokens, forward_backward, forward_TH
-from megamoe.bench.workloads import WORKLOADS, layer_flops
+from megamoe.bench.workloads import WORKLOADS, comma_names, layer_flops
 
 MODES = {"default": megamoe.MoEConfig(backend="triton"), "recompute": megamoe.MoEConfig(backend="triton", recompute=True)}
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("workloads", help="comma-separated workload names")
+parser.add_argument("workloads", metavar="WORKLOAD", type=comma_names(WORKLOADS), help="comma-separated workload names")
 parser.add_argument("json_path")
 args = parser.parse_args()
-for n in args.workloads.split(","):
-    if n not in WORKLOADS:
-        parser.error(f"WORKLOAD: unknown {n!r}; choose from {', '.join(WORKLOADS)}")
 out = []
-for name in args.workloads.split(","):
+for name in args.workloads:
     w = WORKLOADS[name]; E = w.one_gpu_experts or w.num_experts; T = w.tokens_per_gpu
     dev = torch.device("cuda")
     weights = make_weights(w, range(E), torch.bfloat16, dev)

@@ -35,7 +35,7 @@ import megamoe
 import megamoe.autograd
 from megamoe.bench.problem import forward_backward, make_tokens, make_weights, torchtitan_weights
 from megamoe.bench.run import DTYPES, unused_weight_bytes
-from megamoe.bench.workloads import NUM_INPUT_SETS, WORKLOADS, choose_experts_per_gpu
+from megamoe.bench.workloads import NUM_INPUT_SETS, WORKLOADS, comma_names, choose_experts_per_gpu
 
 ROOT = Path(__file__).resolve().parent.parent
 BACKEND_PATH = "megamoe/backends/torch_native.py"
@@ -150,7 +150,7 @@ def peak_mem(step, weights, tokens, device, group, unused: int = 0) -> int | Non
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", action="append", required=True, metavar="NAME",
+    parser.add_argument("--workload", action="extend", required=True, metavar="NAME", type=comma_names(WORKLOADS),
                         help=f"repeatable or comma list of {', '.join(WORKLOADS)}")
     parser.add_argument("--tokens", type=int, help="tokens per GPU (default: the workload's)")
     parser.add_argument("--routing", default="balanced", choices=("balanced", "skewed"))
@@ -164,10 +164,7 @@ def main() -> int:
                         help="also time the TorchTitan-style baseline (default: when megamoe.bench.baselines has it)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    names = [n for value in args.workload for n in value.split(",") if n]
-    for n in names:
-        if n not in WORKLOADS:
-            parser.error(f"--workload: unknown {n!r}; choose from {', '.join(WORKLOADS)}")
+    names = args.workload
     if args.iters < 1 or args.warmup < 0:
         parser.error("--iters must be >= 1 and --warmup >= 0")
     if args.tokens is not None and args.tokens < 1:

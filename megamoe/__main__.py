@@ -10,23 +10,10 @@ from pathlib import Path
 
 from megamoe.bench.baselines import PEERS
 from megamoe.bench.run import BASELINE, DTYPES, run_bench
-from megamoe.bench.workloads import WORKLOADS, BenchUsageError
+from megamoe.bench.workloads import WORKLOADS, BenchUsageError, comma_names
 from megamoe.config import BACKENDS
 
 TIMED_BACKENDS = (BASELINE, *(b for b in BACKENDS if b != "auto"))
-
-
-def _names(values: list[str] | None, allowed, option: str, parser: argparse.ArgumentParser) -> list[str] | None:
-    """Flatten repeated and comma-separated values, checking each against allowed."""
-    if values is None:
-        return None
-    names = [name for value in values for name in value.split(",") if name]
-    if not names:  # e.g. --workload "" or ",": not a silent fall-back to the defaults
-        parser.error(f"{option}: no name given; choose from {', '.join(allowed)}")
-    for name in names:
-        if name not in allowed:
-            parser.error(f"{option}: unknown {name!r}; choose from {', '.join(allowed)}")
-    return names
 
 
 def _add_bench(commands) -> argparse.ArgumentParser:
@@ -40,16 +27,16 @@ def _add_bench(commands) -> argparse.ArgumentParser:
         "Under `torchrun --nproc-per-node=N` the N ranks form one expert-parallel group.",
     )
     bench.add_argument(
-        "--workload", action="append", metavar="NAME",
+        "--workload", action="extend", metavar="NAME", type=comma_names(WORKLOADS),
         help=f"repeatable or comma list of {', '.join(WORKLOADS)} (default: the six models on a GPU, cpu-small on CPU)",
     )
     bench.add_argument(
-        "--backend", action="append", metavar="NAME",
+        "--backend", action="extend", metavar="NAME", type=comma_names(TIMED_BACKENDS),
         help=f"repeatable or comma list of {', '.join(TIMED_BACKENDS)} "
         f"(default: torch and triton where they run; {BASELINE} always runs, as the baseline)",
     )
     bench.add_argument(
-        "--peers", action="append", metavar="NAME",
+        "--peers", action="extend", metavar="NAME", type=comma_names(PEERS),
         help=f"repeatable or comma list of {', '.join(PEERS)}: other MoE implementations timed too when installed "
         "(one GPU only; an absent one is a note, not an error). liger autotunes at run time: minutes per shape",
     )
@@ -166,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             bench.error(f"--warmup must be >= 0, got {args.warmup}")
         try:
             return run_bench(
-                workloads=_names(args.workload, WORKLOADS, "--workload", bench),
-                backends=_names(args.backend, TIMED_BACKENDS, "--backend", bench),
+                workloads=args.workload,
+                backends=args.backend,
                 routing=args.routing,
                 tokens=args.tokens,
                 iters=args.iters,
@@ -176,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                 experts_per_gpu=args.experts_per_gpu,
                 json_path=args.json,
                 plot_path=args.plot,
-                peers=_names(args.peers, PEERS, "--peers", bench),
+                peers=args.peers,
                 rounds=args.rounds,
             )
         except BenchUsageError as e:  # e.g. --experts-per-gpu below a workload's k: raised before any timing

@@ -733,13 +733,19 @@ def test_mem_trace_names_the_megamoe_frames_of_the_blocks_live_at_the_peak():
     (["torch_path_ab.py", "--workload", "cpu-small", "--tokens", "0", "--iters", "1", "--warmup", "0"],
      "--tokens must be >= 1, got 0"),
     (["torch_path_ab.py", "--workload", "cpu-small", "--iters", "0"], "--iters must be >= 1 and --warmup >= 0"),
+    (["gemm_bench.py", "--workload", "qwen3-30b-a3b", "--workload", "deepseek-v3,mixtral"],
+     "--workload: unknown 'mixtral'"),  # repeated and comma lists alike
+    (["inference_bench.py", "--workload", "all,mixtral"], "--workload: unknown 'mixtral'; choose from"),
+    (["layer_ab.py", "qwen3-30b-a3b", "default", "out.json", "--pass", "fwd,bwd"], "--pass: unknown 'bwd'"),
+    (["comm_bench.py", "--workload", "mixtral"], "argument --workload: invalid choice: 'mixtral'"),
 ], ids=["layer_ab-workload", "layer_ab-routing", "layer_ab-group_m", "layer_ab-gemm", "gemm_bench",
         "graph_vs_eager", "recompute_bench", "mem_trace", "mem_trace-mode", "one_step", "sustained",
         "bwd_sweep", "gather_ab", "profile_layer", "profile_layer-graph", "host_time", "kernel_breakdown",
         "kernel_breakdown-tokens", "kernel_breakdown-experts", "gemm_bench-tokens",
         "overlap_bench", "overlap_rounds",
         "pull_bench", "pull_rounds", "combine_bench", "combine_rounds", "dw_gather_bench", "dw_gather_rounds",
-        "inference_tokens", "torch_path_tokens", "torch_path_iters"])
+        "inference_tokens", "torch_path_tokens", "torch_path_iters", "gemm_bench-comma", "inference_bench-all",
+        "layer_ab-pass", "comm_bench"])
 def test_benchmark_scripts_check_their_options_before_timing(args, message):
     """A name the script does not know (or no rounds) is a usage error before anything runs: found at a later
     workload or routing it would end the run after the earlier ones were timed, before the JSON is written."""

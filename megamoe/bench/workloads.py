@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 PASSES = ("fwd", "fwd+bwd")
@@ -60,6 +61,23 @@ def footprint_bytes(w: Workload, num_tokens: int, experts_per_gpu: int, world_si
     activations = rows * (2 * w.hidden + 3 * w.intermediate)  # gathered x, gate|up, h, y
     inputs = NUM_INPUT_SETS * num_tokens * 2 * w.hidden
     return (2 * weights + 3 * activations + inputs) * dtype_bytes
+
+
+def comma_names(allowed):
+    """An argparse type: a comma-separated list of names from `allowed`, checked as the command line is parsed
+    (with action="extend" the option may also repeat), so a run with a misspelt name stops before anything is timed.
+    An empty list (e.g. "" or ",") is an error too, not a silent fall-back to the defaults."""
+
+    def parse(text: str) -> list[str]:
+        names = [name for name in text.split(",") if name]
+        if not names:
+            raise argparse.ArgumentTypeError(f"no name given; choose from {', '.join(allowed)}")
+        for name in names:
+            if name not in allowed:
+                raise argparse.ArgumentTypeError(f"unknown {name!r}; choose from {', '.join(allowed)}")
+        return names
+
+    return parse
 
 
 class BenchUsageError(ValueError):
