@@ -151,6 +151,33 @@ def test_reference_backend_is_the_reference(rng):
     outputs_equal(run_experts(p, config=MoEConfig(backend="reference")), run_reference(p))
 
 
+# A token may pick one expert in several slots (every slot, for token 1); experts 3 and 4 get no token.
+REPEATED_IDS = torch.tensor([[1, 1, 2], [0, 0, 0], [2, 5, 2], [5, 1, 5], [1, 1, 1]])
+
+
+def test_repeated_expert_in_token_passes_gradcheck(rng):
+    """Each of a token's slots on one expert is a pair of its own (its own row): both contributions and both
+    gradients, with respect to every input, as finite differences (fp64: the GEMM loop)."""
+    p = make_problem(rng, 5, 6, 3, 6, 3, shared_intermediate=2, topk_ids=REPEATED_IDS)
+    inputs = [getattr(p, n).clone().requires_grad_() for n in p.float_names]
+
+    def fn(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down):
+        return megamoe.experts(x, p.topk_ids, topk_weights, w_gate_up, w_down, shared_gate_up=shared_gate_up,
+                               shared_down=shared_down, config=TORCH)
+
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("block_m", [None, 1], ids=["B16", "B1"])
+def test_repeated_expert_in_token_fp32_matches_reference(rng, block_m):
+    """The same routing in fp32 (torch._grouped_mm on the CPU) against the fp64 reference."""
+    p = make_problem(rng, 5, 16, 8, 6, 3, shared_intermediate=4, topk_ids=REPEATED_IDS)
+    ours = run_experts(p.cast(torch.float32), config=MoEConfig(backend="torch", block_m=block_m))
+    ref = run_reference(p)
+    for name in ref:
+        assert_close_tight(name, ours[name], ref[name], 1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_nan_token_does_not_leak(rng, dtype):
     """A NaN in one token's input poisons only that token's output: no other row (nor padding) reads it."""

@@ -14,7 +14,8 @@ bf16 too). Checked:
 - the one-GPU driver (experts_fwd / experts_bwd on CPU tensors) and the public `megamoe.experts` with the
   Triton backend forced ("auto" picks the torch path on CPU) against megamoe.reference: fp16
   topk_weights within the error budget, d_topk_weights in topk_weights' dtype (what the backward op's
-  fake implementation promises torch.compile); T = 0: an empty out and d_x, exact-zero weight gradients;
+  fake implementation promises torch.compile); a token picking one expert in several slots, every gradient
+  within the error budget; T = 0: an empty out and d_x, exact-zero weight gradients;
 - the expert-parallel driver (ep.py) on a one-rank group, fused and unfused: d_topk_weights in fp16
   topk_weights' dtype; T = 0 (on every rank) the same empty results without touching the workspace;
 - the Triton placement kernels at T = 0 give the torch placement.
@@ -225,6 +226,21 @@ def test_public_experts_retain_graph_backward_twice(triton_backend):
     for n, leaf in leaves.items():
         assert_equal(f"d_{n} after two backwards", leaf.grad, 2 * first[n])
     assert_equal("d_topk_weights of autograd.grad([topk_weights])", some, first["topk_weights"])
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+def test_public_experts_repeated_expert_in_token(dtype, triton_backend):
+    """A token that picks one expert in several slots (token 1 in all three; experts 3 and 4 get no token):
+    each slot a row of its own, every gradient within the error budget of the reference."""
+    num_tokens, hidden, inter, num_experts, top_k, shared_inter = SHAPE
+    ids = torch.tensor([[1, 1, 2], [0, 0, 0], [2, 1, 2], [1, 0, 1]]).repeat(6, 1)[:num_tokens]
+    p64 = make_problem(torch.Generator().manual_seed(23), num_tokens, hidden, inter, num_experts, top_k,
+                       shared_intermediate=shared_inter, topk_ids=ids)
+    low = p64.cast(dtype)
+    ours, ref64, ref_low = run_experts(low), run_reference(p64), run_reference(low)
+    for name in ref64:
+        assert_close_budget(name, ours[name], ref64[name], ref_low[name])
 
 
 # ----------------------------------------------------------------------------------------------------
