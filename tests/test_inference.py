@@ -257,10 +257,10 @@ def test_compile_fullgraph(case, monkeypatch):
              shared_gate_up=leaves["shared_gate_up"], shared_down=leaves["shared_down"], config=CONFIG)
     out.backward(p.d_out)
     assert [kwargs["needs_grad"] for _, kwargs, _ in spy.calls["experts_bwd"]] == [tuple(n in trainable for n in NAMES)]
-    torch.testing.assert_close(out.detach(), want_out, rtol=1e-5, atol=1e-6)
+    assert_equal("out", out.detach(), want_out)  # the same ops as eager, inside the custom ops: the same bits
     for name, t in leaves.items():
         if name in trainable:
-            torch.testing.assert_close(t.grad, want[name], rtol=1e-5, atol=1e-6, msg=name)
+            assert_equal(f"d_{name}", t.grad, want[name])
         else:
             assert t.grad is None, name
 
