@@ -20,6 +20,7 @@ import zlib
 
 import pytest
 import torch
+import torch._functorch.config as functorch_config
 
 import megamoe
 
@@ -30,6 +31,12 @@ def pytest_configure(config) -> None:
     # 25 ms with 2 threads on a loaded 2-core runner, 3 us with 1). Bitwise checks compare runs made
     # under the same setting.
     torch.set_num_threads(1)
+    # AOTAutograd's on-disk cache keys a compiled graph by the graph that calls megamoe's custom ops, not by
+    # the ops' Python backward formula (autograd.py): after an edit to it, the torch.compile tests would run the
+    # backward traced by an earlier session. Off here and in the processes the tests start (inductor's own
+    # cache, keyed by the traced ops, stays on).
+    os.environ["TORCHINDUCTOR_AUTOGRAD_CACHE"] = "0"
+    functorch_config.enable_autograd_cache = False
 
 
 # --------------------------------------------------------------------------------------------- seeding
