@@ -277,9 +277,8 @@ def test_weight_grads(dtype, routing):
         rows = expert == e
         want_d[e] = d_y[:used][rows].double().t() @ h[:used][rows].double()
         want_gu[e] = d_gu[:used][rows].double().t() @ x_rows[:used][rows].double()
-    atol, rtol = tol_for(dtype)
-    assert_close("d_w_down", dw_d, want_d, atol * 10, rtol)
-    assert_close("d_w_gate_up", dw_gu, want_gu, atol * 10, rtol)
+    assert_close("d_w_down", dw_d, want_d, *tol_for(dtype))
+    assert_close("d_w_gate_up", dw_gu, want_gu, *tol_for(dtype))
     if routing == "sparse":
         assert (dw_d[0] == 0).all() and (dw_gu[0] == 0).all(), "empty expert 0 must get exact zero grads"
 
@@ -682,11 +681,12 @@ def test_capacity_cut_pairs_count_as_zero():
         out, saved = experts_fwd(x, weights, wgu, wd, None, None, s, None)
         grads = experts_bwd(d_out, x, weights, wgu, wd, None, None, s, None, None, saved)
     out64, grads64 = run_reference(x, ids, weights * kept, wgu, wd, None, None, d_out, torch.float64)
-    assert_close("out", out, out64, 1e-4, 1e-4)
-    assert_close("d_x", grads[0], grads64[0], 1e-4, 1e-4)
-    assert_close("d_topk_weights", grads[1], grads64[1] * kept, 1e-4, 1e-4)
-    assert_close("d_w_gate_up", grads[2], grads64[2], 1e-4, 1e-4)
-    assert_close("d_w_down", grads[3], grads64[3], 1e-4, 1e-4)
+    tol = tol_for(torch.float32)
+    assert_close("out", out, out64, *tol)
+    assert_close("d_x", grads[0], grads64[0], *tol)
+    assert_close("d_topk_weights", grads[1], grads64[1] * kept, *tol)
+    assert_close("d_w_gate_up", grads[2], grads64[2], *tol)
+    assert_close("d_w_down", grads[3], grads64[3], *tol)
 
 
 @interpreted
