@@ -18,7 +18,8 @@ CONFIG = megamoe.MoEConfig(backend="torch")
 
 def _inputs(gen, tokens=T, experts=E, dtype=torch.float32, shared=False):
     x = torch.randn(tokens, H, generator=gen, dtype=dtype)
-    ids = torch.stack([torch.randperm(experts, generator=gen)[:K] for _ in range(tokens)])
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:K] for _ in range(tokens)]) if tokens else (
+        torch.empty(0, K, dtype=torch.int64))
     w = torch.rand(tokens, K, generator=gen)
     wgu = torch.randn(experts, 2 * I, H, generator=gen, dtype=dtype) / H**0.5
     wd = torch.randn(experts, H, I, generator=gen, dtype=dtype) / I**0.5
@@ -27,8 +28,8 @@ def _inputs(gen, tokens=T, experts=E, dtype=torch.float32, shared=False):
     return x, ids, w, wgu, wd, sgu, sd
 
 
-def _static(block_m=16):
-    config = megamoe.MoEConfig(backend="torch", block_m=block_m)
+def _static(block_m=16, capacity_factor=None):
+    config = megamoe.MoEConfig(backend="torch", block_m=block_m, capacity_factor=capacity_factor)
     return [getattr(config, name) for name in A.CONFIG_FIELDS] + [None]
 
 
@@ -48,6 +49,31 @@ def test_opcheck_experts_ops(shared, dtype):
     d_out = torch.randn(T, H, generator=gen, dtype=dtype)
     bwd_args = (d_out, *tensors, list(outs[1:-n]), list(outs[-n:]), *_static(), A.ALL_GRADS_MASK)
     torch.library.opcheck(torch.ops.megamoe.experts_bwd.default, bwd_args, test_utils=utils + ("test_aot_dispatch_dynamic",))
+
+
+@pytest.mark.parametrize("tokens, dtype, weights_in_x_dtype, capacity_factor, masks", [
+    (0, torch.float32, False, None, (A.ALL_GRADS_MASK,)),  # the empty batch
+    (T, torch.float16, True, None, (0b000001, 0b000010, 0b001100, 0b110000)),  # single gradients and pairs
+    (T, torch.bfloat16, True, 2.0, (0b000010, 0b100001)),
+], ids=["T0", "fp16-weights-in-x-dtype", "bf16-capacity"])
+def test_opcheck_experts_ops_edge_cases(tokens, dtype, weights_in_x_dtype, capacity_factor, masks):
+    """opcheck as above where the fake implementations take other branches: T = 0, topk_weights in x's dtype (its
+    gradient's dtype), a capacity_factor (the schedule's rows), and backward masks asking for some gradients only."""
+    gen = torch.Generator().manual_seed(3)
+    x, ids, w, wgu, wd, sgu, sd = _inputs(gen, tokens=tokens, dtype=dtype, shared=True)
+    tensors = (x, ids, w.to(dtype) if weights_in_x_dtype else w, wgu, wd, sgu, sd)
+    static = _static(capacity_factor=capacity_factor)
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+    fwd = torch.ops.megamoe.experts_fwd.default
+    torch.library.opcheck(fwd, (*tensors, *static, False), test_utils=utils + ("test_aot_dispatch_dynamic",))
+    torch.library.opcheck(fwd, (*tensors, *static, True), test_utils=utils)
+    outs = fwd(*tensors, *static, True)
+    n = len(A.SCHEDULE_TENSORS)
+    d_out = torch.randn(tokens, H, generator=gen, dtype=dtype)
+    for mask in masks:
+        bwd_args = (d_out, *tensors, list(outs[1:-n]), list(outs[-n:]), *static, mask)
+        torch.library.opcheck(torch.ops.megamoe.experts_bwd.default, bwd_args,
+                              test_utils=utils + ("test_aot_dispatch_dynamic",))
 
 
 def test_fake_impls_match_real_strides_for_non_contiguous_inputs():
