@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megamoe.autograd import AUTOCAST_CASTS, AUTOCAST_DEVICE_TYPES, announce_rejection, experts
-from megamoe.config import MoEConfig, check_group, check_positive_int
+from megamoe.config import MoEConfig, _type_name, check_group, check_positive_int
 from megamoe.expert_state import expert_state_names, load_expert_shards, shard_expert_state
 from megamoe.schedule import FLOAT_DTYPES, not_dense
 
@@ -90,7 +90,7 @@ class MoELayer(nn.Module):
         if score_func not in SCORE_FUNCS:
             raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
         if not isinstance(norm_topk_prob, bool):  # a string such as "false" would be truthy
-            raise TypeError(f"norm_topk_prob must be a bool, got {type(norm_topk_prob).__name__} {norm_topk_prob!r}")
+            raise TypeError(f"norm_topk_prob must be a bool, got {_type_name(norm_topk_prob)} {norm_topk_prob!r}")
         if dtype is not None and dtype not in FLOAT_DTYPES:  # what forward's x may be
             raise TypeError(f"dtype must be torch.float16, bfloat16, float32, float64 or None, got {dtype!r}")
         if config is not None and not isinstance(config, MoEConfig):

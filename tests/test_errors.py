@@ -344,6 +344,13 @@ def test_layer_norm_topk_prob_must_be_bool(value):
     assert re.search(r"\bnorm_topk_prob\b", message) and "bool" in message and repr(value) in message, message
 
 
+def test_layer_norm_topk_prob_numpy_bool_names_its_type():
+    """NumPy's bool is no bool to the check; its type was shown as plain "bool": "must be a bool, got bool np.True_"."""
+    np = pytest.importorskip("numpy")
+    with pytest.raises(TypeError, match=r"norm_topk_prob must be a bool, got numpy\.bool"):
+        MoELayer(H, I, E, K, norm_topk_prob=np.True_)
+
+
 def test_layer_bad_config_type():
     with pytest.raises(TypeError, match=r"\bconfig\b"):
         MoELayer(H, I, E, K, config="torch")
