@@ -13,9 +13,11 @@ Precision (bf16/fp16 inputs; fp32 and fp64 run the same ops in their own dtype):
 - Forward slot sum: out[t] = sum_j w[t, j] * y[t, j] + shared[t], products and sums in fp32 (fp64 for
   fp64), j = 0..k-1 in order, one chain of in-place fp32 ops (the documented math).
 - Backward: d_y = w * d_out in fp32, rounded once; d_x[t] = sum_j d_x_pairs[t, j] by one torch.sum with
-  fp32 accumulation, whose order is fixed by the shapes (j = 0..k-1 on CPU and for k <= 4 on CUDA;
-  CUDA's reduction kernel pairs slots j and j+4 for larger k); d_topk_weights[t, j] = <d_out[t], y[t, j]>
-  summed in fp32 over products rounded once to the input dtype (fp16: fp32 products, past fp16's range).
+  fp32 accumulation, whose order is fixed by the shapes and the device, not j = 0..k-1 for every k (CUDA's
+  reduction kernel pairs slots j and j+4 for k > 4; the CPU's regroups the slots by H and its vector width:
+  torch 2.13 on an AVX-512 CPU from k = 5 at H = 1000, from k = 18 at H = 4096); d_topk_weights[t, j] =
+  <d_out[t], y[t, j]> summed in fp32 over products rounded once to the input dtype (fp16: fp32 products, past
+  fp16's range).
 Deterministic: no atomics, no index_add_/scatter_add_; every scatter (index_copy_) has unique targets.
 No host sync on the one-process path where torch._grouped_mm runs (bf16 on NVIDIA GPUs of compute capability
 9.x and 10.x; fp32 / bf16 / fp16 on the CPU); elsewhere the loop of GEMMs reads the segment ends on the host. With a group, the split sizes go to the host once per forward
