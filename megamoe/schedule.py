@@ -96,7 +96,8 @@ def receive_rows(
     """R, the receive rows of one rank: the worst case, or the declared capacity if smaller.
 
     Worst case: all W*T*k pairs of the group land on this rank, each non-empty expert padded to B.
-    Capacity c: c*T*k rows (c times the balanced load), plus one block of padding per local expert.
+    Capacity c: ceil(c*T*k) rows (c times the balanced load) rounded up to whole blocks of B, plus one block of
+    padding per local expert (at most one per pair), never more than the worst case.
     block_m: the B the schedule is built with (MoEConfig.block_m, or where that is None the backend's: 128 on
     the triton path, 16 on the torch path); capacity_factor: MoEConfig.capacity_factor (None: dropless).
     """
