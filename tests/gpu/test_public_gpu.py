@@ -10,8 +10,9 @@ tile-table entries run) with T = 512 tokens and at most 16 experts (so that the 
 expert fits), weights and routing made as the bench makes them (megamoe.bench.problem, balanced and skewed
 routing of megamoe.bench.routing): the output and every gradient (x, topk_weights, w_gate_up, w_down and
 the shared expert's) within the error budget of docs/design.md (with conftest's one-ulp noise floor),
-and a second run with the same bits. Also through the public path: topk_weights in bf16, and the empty
-batch; and MoELayer (router included) forward and backward at a small size.
+and a second run with the same bits. Also through the public path: topk_weights in bf16, the empty batch,
+and backend "torch" (torch._grouped_mm) at two workloads; and MoELayer (router included) forward and backward at a
+small size.
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ def bench_problem(name: str, routing: str, num_tokens: int = NUM_TOKENS):
     return weights, make_tokens(w, num_tokens, num_experts, routing, DTYPE, generator)
 
 
-def check_public_experts(weights, tokens) -> None:
-    ours = forward_backward(megamoe.experts, weights, tokens)
-    again = forward_backward(megamoe.experts, weights, tokens)
+def check_public_experts(weights, tokens, config: megamoe.MoEConfig | None = None) -> None:
+    ours = forward_backward(megamoe.experts, weights, tokens, config=config)
+    again = forward_backward(megamoe.experts, weights, tokens, config=config)
     ref64 = forward_backward(megamoe.reference.experts, *cast(weights, tokens, torch.float64))
     ref_low = forward_backward(megamoe.reference.experts, *cast(weights, tokens, DTYPE))
     for name, leaf in (("out", tokens.x_TH), ("d_x", tokens.x_TH), ("d_topk_weights", tokens.topk_weights_TK)):
@@ -202,6 +203,14 @@ def test_x_at_an_unaligned_base(auto_is_triton, recompute):
 
     for name, a, b in zip(["out", "d_topk_weights", "d_w_gate_up", "d_w_down"], run(x), run(unaligned)):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3"])
+def test_torch_backend_matches_reference_and_repeats_its_bits(name):
+    """backend "torch" on the GPU (torch._grouped_mm, whose fixed reduction order (no split-K varying run to run) the
+    torch path's determinism rests on), with and without a shared expert: within the error budget of the fp64
+    reference, and a second run with the same bits. (Written without a GPU to run it on.)"""
+    check_public_experts(*bench_problem(name, "balanced"), config=megamoe.MoEConfig(backend="torch"))
 
 
 def test_torch_backend_at_unaligned_bases():
