@@ -316,7 +316,12 @@ class MoELayer(nn.Module):
                 announce_rejection(self.group, error, (weights["w_gate_up"],), self.config)
             raise error
         x_TH = x.reshape(-1, self.hidden_size)
-        topk_ids, topk_weights, probs = self._route(x_TH, weights["router.weight"].dtype)
+        try:
+            topk_ids, topk_weights, probs = self._route(x_TH, weights["router.weight"].dtype)
+        except ValueError as error:  # a router scoring another number of experts than E: the peers are told too
+            if self.group is not None:
+                announce_rejection(self.group, error, (weights["w_gate_up"],), self.config)
+            raise
         # Integer scatter-add: exact and order-independent, no host sync.
         counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
         counts.scatter_add_(0, topk_ids.reshape(-1), torch.ones_like(topk_ids.reshape(-1), dtype=torch.int32))

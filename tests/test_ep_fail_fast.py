@@ -63,6 +63,8 @@ REJECTIONS = {
     "ids-dtype": (dict(topk_ids=torch.float32), "TypeError: topk_ids must be int32 or int64"),
     "w_down-shape": (dict(w_down="transposed"), "ValueError: w_down must be [E_local, H, I]"),
     "layer-x": ({}, f"ValueError: x must be [..., H={H}]"),  # MoELayer's check (the scenario cuts x itself)
+    # MoELayer's check of the logits (the scenario puts a router of E + 1 experts in the layer's place)
+    "layer-router": ({}, f"ValueError: router must give [T, E={E_LOCAL * WORLD}] logits"),
 }
 
 
@@ -91,7 +93,7 @@ def _scenarios(rank: int) -> dict:
     results = {}
     timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
     groups = {name: dist.new_group(list(range(WORLD)), timeout=timeout)
-              for name in ("first", "warm", "fused", "absent-torch", "absent-fused", "empty-fused")}
+              for name in ("first", "warm", "router", "fused", "absent-torch", "absent-fused", "empty-fused")}
     good = _local(rank)
 
     def run(name, fn):
@@ -112,6 +114,12 @@ def _scenarios(rank: int) -> dict:
     run("warm-layer", lambda: layer(good["x"][:, : H - 1] if rank == 1 else good["x"]))
     # The collectives are still in step: a good call matches the reference.
     run("warm-after", lambda: _experts(warm, good))
+    # A router that scores another number of experts than E, on rank 1 only: the layer's routing rejects it.
+    layer = MoELayer(H, I, E_LOCAL * WORLD, K, group=groups["router"], config=TORCH, dtype=torch.float64)
+    run("router-good", lambda: layer(good["x"]))
+    if rank == 1:
+        layer.router = torch.nn.Linear(H, E_LOCAL * WORLD + 1, bias=False, dtype=torch.float64)
+    run("router-wrong", lambda: layer(good["x"]))
 
     # Peers on the fused path's check of a new shape (called directly, after the group's host gather that
     # megamoe.experts runs first: the fused path needs GPUs) learn of a rank that rejected its arguments too.
@@ -211,6 +219,12 @@ def test_rejected_arguments_after_warm_up(fail_fast):
     _assert_peers_name(fail_fast, "warm-one", {2: "ids-dtype"})
     _assert_peers_name(fail_fast, "warm-two", {0: "w_down-shape", 1: "weights-dtype"})
     _assert_peers_name(fail_fast, "warm-layer", {1: "layer-x"})
+
+
+def test_rejected_router_after_warm_up(fail_fast):
+    for rank in range(WORLD):
+        assert fail_fast[rank]["router-good"]["error"] is None, fail_fast[rank]["router-good"]["error"]
+    _assert_peers_name(fail_fast, "router-wrong", {1: "layer-router"})
 
 
 def test_still_in_step_after_rejections(fail_fast):
