@@ -498,3 +498,25 @@ def test_memory_kernels_compile_without_spills(case):
     report = ptxas_report(compiled.asm["ptx"], arch)
     assert report["spill_stores"] == 0 and report["spill_loads"] == 0 and report["stack"] == 0, (
         f"sm{arch} {name} spills:\n{report['log']}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPUs with ~100 KB of shared memory a block (compute capability 12.x: RTX 50xx / RTX PRO Blackwell; also 8.6 / 8.9)
+# run the _DEFAULT table too (configs: "tiles that fit 100 KB of shared memory"), fp32 inputs at its K step of 32
+# (twice bf16's bytes a stage).
+SM120_SMEM_LIMIT = 99 * 1024
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("name", list(SM100_GEMM_KERNELS))
+def test_default_table_fits_sm120_shared_memory(name, dtype):
+    from megamoe.backends.triton import configs
+
+    fn, field, extra = SM100_GEMM_KERNELS[name]
+    cfg = getattr(configs._kernel_configs(4096, 1536, dtype, (12, 0), configs.block_m_for(4096, 1536, dtype)), field)
+    constexprs = _gemm_constexprs(fn, cfg, extra)
+    element = "*fp32" if dtype == torch.float32 else "*bf16"
+    signature = {k: element if v == "*bf16" else v for k, v in _signature(fn, constexprs).items()}
+    compiled = compile_triton(fn, signature, constexprs, _attrs(fn, signature), cfg.num_warps, cfg.num_stages, 120)
+    assert compiled.metadata.shared <= SM120_SMEM_LIMIT, (
+        f"{name}[sm120, {dtype}] at {cfg} needs {compiled.metadata.shared} B of shared memory, over {SM120_SMEM_LIMIT}")
