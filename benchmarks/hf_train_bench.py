@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 import megamoe.integrations.hf  # noqa: F401  (registers experts_implementation="megamoe")
+from megamoe.bench.workloads import comma_names
 
 WARMUP_STEPS = 2
 VOCAB = 32000
@@ -74,16 +75,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=16384, help=f"tokens per step (sequences of {SEQ_LEN})")
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--impl", default="megamoe,grouped_mm,eager")
+    parser.add_argument("--impl", default="megamoe,grouped_mm,eager", type=comma_names(("eager", *ALL_EXPERTS_FUNCTIONS)))
     parser.add_argument("--tiny", action="store_true", help="tiny layer sizes (CPU smoke test)")
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.steps <= WARMUP_STEPS:
         parser.error(f"--steps must be > {WARMUP_STEPS} (the first {WARMUP_STEPS} are not timed), got {args.steps}")
-    implementations = ("eager", *ALL_EXPERTS_FUNCTIONS)
-    for impl in args.impl.split(","):
-        if impl not in implementations:
-            parser.error(f"--impl: unknown {impl!r}; choose from {', '.join(implementations)}")
     if args.tokens < 1 or (args.tokens > SEQ_LEN and args.tokens % SEQ_LEN):
         parser.error(f"--tokens must be at most {SEQ_LEN} or a multiple of it (sequences of {SEQ_LEN}), "
                      f"got {args.tokens}")
@@ -96,7 +93,7 @@ def main() -> None:
                for _ in range(args.steps)]
     import transformers
 
-    results = [train(impl, config, batches, device, dtype) for impl in args.impl.split(",")]
+    results = [train(impl, config, batches, device, dtype) for impl in args.impl]
     header = (f"transformers {transformers.__version__}, torch {torch.__version__}, "
               f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, Qwen3-MoE {args.layers} layers "
               f"{'(tiny)' if args.tiny else '(Qwen3-30B-A3B sizes)'}, {args.tokens} tokens/step, {dtype}")
