@@ -181,7 +181,7 @@ def test_layer_matches_reference():
 def test_x_at_an_unaligned_base(auto_is_triton, recompute):
     """A contiguous x whose base is 2 bytes off 16-byte alignment (a view at an odd offset of a larger buffer), H a
     multiple of 8 and <= 2048 (gate_up_fwd gathers x in its loads; with recompute dw_gate_up too): the same bits
-    as an aligned copy of x, not the launchers' TMA ValueError. (Written without a GPU to run it on.)"""
+    as an aligned copy of x, not the launchers' TMA ValueError."""
     torch.manual_seed(0)
     T, H, I, E, k = 300, 256, 128, 8, 2
     dev, dt = "cuda", torch.bfloat16
@@ -209,14 +209,14 @@ def test_x_at_an_unaligned_base(auto_is_triton, recompute):
 def test_torch_backend_matches_reference_and_repeats_its_bits(name):
     """backend "torch" on the GPU (torch._grouped_mm, whose fixed reduction order (no split-K varying run to run) the
     torch path's determinism rests on), with and without a shared expert: within the error budget of the fp64
-    reference, and a second run with the same bits. (Written without a GPU to run it on.)"""
+    reference, and a second run with the same bits."""
     check_public_experts(*bench_problem(name, "balanced"), config=megamoe.MoEConfig(backend="torch"))
 
 
 def test_torch_backend_at_unaligned_bases():
     """backend "torch" on the GPU (torch._grouped_mm, which needs 16-byte-aligned bases off the CPU) with x and both
     weights 2 bytes off alignment (views at an odd offset of larger buffers): the same bits as on aligned copies,
-    not torch's "expected data_ptr to be aligned to 16 bytes". (Written without a GPU to run it on.)"""
+    not torch's "expected data_ptr to be aligned to 16 bytes"."""
     torch.manual_seed(0)
     T, H, I, E, k = 300, 256, 128, 8, 2
     dev, dt = "cuda", torch.bfloat16
