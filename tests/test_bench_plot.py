@@ -178,8 +178,18 @@ def test_records_of_two_problem_sizes_in_one_bar_are_an_error(tmp_path):
     silently replace one another: an error naming both sizes."""
     records = make_records(ep=1)
     other = [dict(r, tokens=4096) for r in records]
-    with pytest.raises(ValueError, match=r"different problem sizes.*\(16384, 128\) and \(4096, 128\)"):
+    with pytest.raises(ValueError, match=r"different problems.*\(16384, 128, 'bf16'\) and \(4096, 128, 'bf16'\)"):
         plot_records(records + other, tmp_path / "x.png")
+
+
+def test_records_of_two_dtypes_in_one_bar_are_an_error(tmp_path):
+    """A bf16 run and an fp32 run of the same workload (e.g. `--from-json bf16.json fp32.json`) are two problems: one
+    bar cannot stand for both, and neither the labels nor the title name the dtype (the fp32 record silently replaced
+    the bf16 one)."""
+    records = make_records(ep=1)
+    fp32 = [dict(r, dtype="fp32", tflops=r["tflops"] / 10) for r in records]
+    with pytest.raises(ValueError, match=r"different problems.*\(16384, 128, 'bf16'\) and \(16384, 128, 'fp32'\)"):
+        plot_records(records + fp32, tmp_path / "x.png")
 
 
 @pytest.mark.parametrize(

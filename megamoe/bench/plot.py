@@ -107,7 +107,8 @@ def plot_records(records: list[dict], path: str | Path, *, title: str | None = N
     matplotlib's default format, whose suffix is appended: "bench" -> "bench.png").
 
     A later record with the same (workload, series, pass, routing) as an earlier one replaces it, so
-    `--from-json old.json new.json` shows the newer measurement. Records without tflops are skipped.
+    `--from-json old.json new.json` shows the newer measurement; a ValueError if the two differ in tokens,
+    experts_per_gpu or dtype (one bar cannot stand for two problems). Records without tflops are skipped.
     title: the figure's title (default: default_title). Returns the path of the file written.
     Raises ValueError when no record has a measured tflops.
     """
@@ -128,11 +129,11 @@ def plot_records(records: list[dict], path: str | Path, *, title: str | None = N
     tflops, problem = {}, {}
     for r in measured:
         key = (r["workload"], (r["backend"], r["ep"], r["gpu"]), r["pass"], r["routing"])
-        size = (r.get("tokens"), r.get("experts_per_gpu"))
-        if problem.setdefault(key, size) != size:  # one bar cannot stand for two problem sizes
+        size = (r.get("tokens"), r.get("experts_per_gpu"), r.get("dtype"))
+        if problem.setdefault(key, size) != size:  # one bar cannot stand for two problems
             raise ValueError(
-                f"records of {r['workload']} ({r['backend']}, ep={r['ep']}, {r['pass']}, {r['routing']}) with different "
-                f"problem sizes, (tokens, experts_per_gpu) {problem[key]} and {size}: plot them separately"
+                f"records of {r['workload']} ({r['backend']}, ep={r['ep']}, {r['pass']}, {r['routing']}) of different "
+                f"problems, (tokens, experts_per_gpu, dtype) {problem[key]} and {size}: plot them separately"
             )
         tflops[key] = r["tflops"]  # the same problem measured twice: the later record's bar
     # One line per GPU: runs merged from several files each measured their own ceiling; the highest is what
