@@ -237,6 +237,18 @@ def test_group_created_again_under_a_cached_name_gets_its_own_workspace(cpu_symm
     assert len(ws_module._WORKSPACES) == 1, "the destroyed group's workspace is still cached"
 
 
+def test_readme_declaring_call_names_the_whole_cache_key():
+    """The README's get_workspace call, which declares the maximum, passes every part of the cache key but the group:
+    device, hidden_size and dtype. dtype defaults to bf16, so an fp16 or fp32 layer that followed a call without it
+    declared a bf16 workspace that it never uses, and allocated its own at its first step anyway."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    call = re.search(r"`megamoe\.get_workspace\(([^`]*)\)`", readme).group(1)
+    assert {"device", "hidden_size", "dtype"} <= set(re.findall(r"(\w+)=", call)), call
+
+
 def test_readme_workspace_table_is_the_sizing():
     """The README's table of workspace sizes per GPU (bf16, EP=2 and EP=8; default directions / push dispatch or pull
     combine) is what get_workspace allocates for each workload: WorkspaceSizes.nbytes, with R the fused path's receive
