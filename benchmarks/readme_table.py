@@ -84,7 +84,7 @@ def main() -> None:
     args = parser.parse_args()
     readme = args.readme
     text = readme.read_text()
-    if START not in text or END not in text:
+    if START not in text or END not in text.split(START, 1)[1]:
         raise SystemExit(f"{readme} has no {START} ... {END} block")
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import re
+import sys
 import traceback
 from pathlib import Path
 
@@ -380,6 +381,19 @@ def test_readme_cites_result_files_that_exist():
     assert cited
     results = REPO / "benchmarks" / "results"
     assert [name for name in sorted(cited) if not list(results.glob(name))] == []
+
+
+def test_readme_table_needs_its_end_marker_after_the_start_marker(tmp_path, monkeypatch):
+    """A README whose end marker comes only before the start marker has no block to rewrite: the script says so
+    (was a ValueError about unpacking) and leaves the file as it was."""
+    module = _readme_table_module()
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{module.END}\ntext\n{module.START}\n")
+    monkeypatch.setattr(sys, "argv", ["readme_table.py", str(REPO / "benchmarks/results/h200-1gpu-v23.json"),
+                                      "--readme", str(readme)])
+    with pytest.raises(SystemExit, match="has no"):
+        module.main()
+    assert readme.read_text() == f"{module.END}\ntext\n{module.START}\n"
 
 
 def test_readme_perf_table_is_what_readme_table_makes_of_the_files_it_names():
