@@ -19,6 +19,7 @@ from megamoe.schedule import (
     AUTOCAST_DEVICE_TYPES,
     FLOAT_DTYPES,
     SCHEDULE_TENSORS,
+    TRITON_DTYPES,
     Schedule,
     build_schedule,
     schedule_from_tensors,
@@ -26,7 +27,6 @@ from megamoe.schedule import (
     validate,
 )
 
-TRITON_DTYPES = FLOAT_DTYPES[:3]  # the fused kernels accumulate in fp32: no float64 path
 AUTOCAST_CASTS = (torch.float32, torch.float16, torch.bfloat16)  # what autocast casts for a matmul; not float64
 
 

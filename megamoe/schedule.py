@@ -20,6 +20,7 @@ from megamoe.config import DEFAULT_CONFIG, MoEConfig, check_block_m, check_group
 
 DEFAULT_BLOCK_M = 128
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what x may be
+TRITON_DTYPES = FLOAT_DTYPES[:3]  # the fused kernels accumulate in fp32: no float64 path
 AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "hpu", "mps")  # where torch.is_autocast_enabled(device_type) may be asked
 INT32_MAX = torch.iinfo(torch.int32).max  # the schedule's indices and counts are int32
 

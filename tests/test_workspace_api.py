@@ -20,6 +20,17 @@ def test_bad_sizes_name_the_argument(name, value):
         megamoe.get_workspace(None, device="cuda", **sizes)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "torch.bfloat16", "float64"])
+def test_bad_dtype_names_the_argument(dtype):
+    """dtype is part of the cache key and the buffers' dtype: a string (or float64, which the fused path never
+    runs) is a TypeError naming it, not an error from inside torch's allocation."""
+    import torch
+
+    bad = getattr(torch, dtype) if dtype == "float64" else dtype
+    with pytest.raises(TypeError, match=r"dtype must be one of .*got " + ("torch.float64" if dtype == "float64" else f"'{dtype}'")):
+        megamoe.get_workspace(None, device="cuda", dtype=bad, **SIZES)
+
+
 def test_symmetric_memory_needs_cuda():
     with pytest.raises(ValueError, match="CUDA"):
         megamoe.get_workspace(None, device="cpu", **SIZES)

@@ -19,6 +19,7 @@ import dataclasses
 import torch
 
 from megamoe.config import MAX_COMM_TIMEOUT_MS, check_positive_int, note_group, on_group_recreated
+from megamoe.schedule import TRITON_DTYPES
 
 DEFAULT_TIMEOUT_MS = 30_000
 # The barrier channel of each exchange (see the module docstring): the routing all-gather, the dispatch of
@@ -211,6 +212,8 @@ def get_workspace(
     check_positive_int("get_workspace: comm_timeout_ms", comm_timeout_ms)
     if comm_timeout_ms > MAX_COMM_TIMEOUT_MS:
         raise ValueError(f"get_workspace: comm_timeout_ms must be at most {MAX_COMM_TIMEOUT_MS}, got {comm_timeout_ms}")
+    if dtype not in TRITON_DTYPES:  # the activations' dtype of the layer it serves
+        raise TypeError(f"get_workspace: dtype must be one of {', '.join(map(str, TRITON_DTYPES))}, got {dtype!r}")
     if device.type != "cuda":
         raise ValueError(f"get_workspace: symmetric memory needs a CUDA device, got {device}")
     if not isinstance(getattr(group, "group_name", None), str):  # the cache key and the rendezvous' name
