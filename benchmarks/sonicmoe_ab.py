@@ -43,11 +43,10 @@ quack's `quack/` (3d0ab3ec) on PYTHONPATH (`git archive` of each).
 import argparse, contextlib, dataclasses, functools, json, statistics, torch
 from megamoe.bench.gate import backend_weights, experts_fn
 from megamoe.bench.measure import (
-    CEILING_FLOPS, call_times_ms, ceiling_matmul, cuda_graph, git_commit, kernel_times, round_order,
+    CEILING_FLOPS, call_times_ms, ceiling_matmul, cuda_graph, kernel_times, round_order, run_facts,
 )
 from megamoe.bench.problem import Tokens, forward_TH, forward_backward, make_tokens, make_weights, megamoe_layout
 from megamoe.bench.routing import ROUTINGS
-from megamoe.bench.run import triton_version
 from megamoe.bench.workloads import WORKLOADS, layer_flops
 from megamoe.config import BACKENDS
 
@@ -289,9 +288,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                      f"on {device.type}")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     # What ran, on every record: the code, the machine, the versions, the dtype and megamoe's backend.
-    args.facts = dict(commit=git_commit(), gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                      torch=torch.__version__, triton=triton_version(), dtype=str(dtype).removeprefix("torch."),
-                      megamoe_backend=args.backend)
+    args.facts = dict(run_facts(device), dtype=str(dtype).removeprefix("torch."), megamoe_backend=args.backend)
     out = []
     # --graph: every call on one side stream, the capturing one (measure.cuda_graph: the backward's leaves).
     with torch.cuda.stream(torch.cuda.Stream()) if args.graph else contextlib.nullcontext():

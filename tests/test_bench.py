@@ -18,7 +18,7 @@ import torch
 
 import megamoe
 from megamoe.__main__ import main
-from megamoe.bench import gate, problem, run
+from megamoe.bench import gate, measure, problem, run
 from megamoe.bench.gate import gate_backends, rel_err
 from megamoe.bench.measure import alternating_rounds, kernel_times, round_order
 from megamoe.bench.problem import cast, forward_backward, make_tokens, make_weights, megamoe_layout, torchtitan_weights
@@ -478,13 +478,21 @@ def test_git_commit_marks_uncommitted_code(tmp_path):
     assert git_commit(tmp_path) == f"{head}-dirty"
 
 
+def test_run_facts_on_the_cpu():
+    """run_facts: the four facts every JSON result records, "cpu" as the GPU on the CPU device."""
+    facts = measure.run_facts(torch.device("cpu"))
+    assert facts == {"gpu": "cpu", "torch": torch.__version__, "triton": measure.triton_version(),
+                     "commit": facts["commit"]}
+    assert facts["commit"] == "unknown" or re.fullmatch(r"[0-9a-f]{40}(-dirty)?", facts["commit"]), facts
+
+
 def test_titles_keep_the_dirty_mark(monkeypatch, capsys):
     """The printed title and a plot's default title cut the commit to 12 characters but keep "-dirty": a run of
     uncommitted code does not read as a run of HEAD."""
     from megamoe.bench.plot import default_title
 
     commit = "0123456789abcdef0123456789abcdef01234567-dirty"
-    monkeypatch.setattr(run, "git_commit", lambda: commit)
+    monkeypatch.setattr(measure, "git_commit", lambda: commit)
     monkeypatch.setattr(run, "time_pass", lambda *args, **kwargs: {
         "ms": 1.0, "peak_mem_bytes": None, "peak_mem_above_inputs_bytes": None, "workspace_bytes": None})
     run.run_bench(workloads=["cpu-small"], backends=["torch"], routing="balanced", tokens=16, iters=1, warmup=0,

@@ -1,5 +1,5 @@
 """Timing (median over iterations of the max over ranks), GPU time per kernel, the bf16 matmul ceiling, and
-git/version facts."""
+git/version facts (run_facts: what every JSON result of the bench and of benchmarks/*.py records)."""
 
 from __future__ import annotations
 
@@ -174,3 +174,19 @@ def git_commit(checkout: Path = Path(__file__).parent) -> str:
         return "unknown"
     changes = git("status", "--porcelain", "--untracked-files=no")
     return head if changes == "" else f"{head}-dirty"
+
+
+def triton_version() -> str | None:
+    """Triton's version, or None where it is not installed."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+def run_facts(device: torch.device) -> dict:
+    """What produced a result, for every JSON record: "gpu" (the CUDA device's name, "cpu" on the CPU), "torch",
+    "triton" (None without Triton) and "commit" (git_commit). device: the one this process (rank) runs on."""
+    return {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "triton": triton_version(), "commit": git_commit()}

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from megamoe.bench.baselines import PEERS
 from megamoe.bench.gate import backend_weights, experts_fn, gate_backends, unavailable_reason
 from megamoe.bench.measure import (
-    CEILING_FLOPS, alternating_rounds, ceiling_matmul, git_commit, median_ms, reduce_over_ranks, short_commit,
+    CEILING_FLOPS, alternating_rounds, ceiling_matmul, median_ms, reduce_over_ranks, run_facts, short_commit,
 )
 from megamoe.bench.plot import format_tflops, plot_records
 from megamoe.bench.problem import Weights, forward_backward, forward_TH, make_tokens, make_weights
@@ -64,14 +64,6 @@ def init_distributed() -> tuple[object, torch.device]:
 
 def default_backends(device: torch.device, group) -> list[str]:
     return [b for b in ("torch", "triton") if not unavailable_reason(b, device, group)]
-
-
-def triton_version() -> str | None:
-    try:
-        import triton
-    except ImportError:
-        return None
-    return triton.__version__
 
 
 def _workspace_api(group):
@@ -232,10 +224,7 @@ def run_bench(
 
     facts = {
         "dtype": dtype_name,
-        "gpu": torch.cuda.get_device_name(device) if on_gpu else "cpu",
-        "torch": torch.__version__,
-        "triton": triton_version(),
-        "commit": git_commit(),
+        **run_facts(device),
         "iters": iters,  # each round's ms is the median of iters calls after warmup untimed ones
         "warmup": warmup,
     }
