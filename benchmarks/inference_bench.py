@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 import megamoe
+from megamoe.bench.measure import run_facts
 from megamoe.bench.problem import forward_TH, make_tokens, make_weights
 from megamoe.bench.run import DTYPES
 from megamoe.bench.workloads import GPU_WORKLOADS, NUM_INPUT_SETS, WORKLOADS, comma_names, choose_experts_per_gpu
@@ -122,10 +123,9 @@ def main(argv=None) -> int:
     if device.type != "cuda":
         print("note: no CUDA device: CPU smoke run (perf_counter times, no memory figures)", file=sys.stderr)
     dtype = DTYPES[args.dtype]
-    facts = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-             "torch": torch.__version__, "dtype": args.dtype, "routing": args.routing, "iters": args.iters,
+    facts = {**run_facts(device), "dtype": args.dtype, "routing": args.routing, "iters": args.iters,
              "warmup": args.warmup, "config": repr(megamoe.MoEConfig())}
-    print(f"inference forward: {facts['device']}, {args.dtype}, {args.routing}, median of {args.iters} after "
+    print(f"inference forward: {facts['gpu']}, {args.dtype}, {args.routing}, median of {args.iters} after "
           f"{args.warmup} warm-up, modes {', '.join(args.mode_list)}, torch {torch.__version__}")
 
     records = []

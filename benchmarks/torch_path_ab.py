@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 import megamoe
 import megamoe.autograd
+from megamoe.bench.measure import run_facts
 from megamoe.bench.problem import forward_backward, make_tokens, make_weights, torchtitan_weights
 from megamoe.bench.run import DTYPES, unused_weight_bytes
 from megamoe.bench.workloads import NUM_INPUT_SETS, WORKLOADS, comma_names, choose_experts_per_gpu
@@ -192,10 +193,9 @@ def main() -> int:
     old_module = load_old_backend(args.old_ref, args.old_file)
     steps = variants(old_module, titan)
     say = print if rank == 0 else (lambda *a, **k: None)
-    facts = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-             "torch": torch.__version__, "ep": world, "dtype": dtype_name, "routing": args.routing,
+    facts = {**run_facts(device), "ep": world, "dtype": dtype_name, "routing": args.routing,
              "iters": args.iters, "warmup": args.warmup, "old": args.old_file or args.old_ref}
-    say(f"torch path A/B: {facts['device']}, ep={world}, {dtype_name}, {args.routing}, median of {args.iters} "
+    say(f"torch path A/B: {facts['gpu']}, ep={world}, {dtype_name}, {args.routing}, median of {args.iters} "
         f"(alternating {'/'.join(steps)}), torch {torch.__version__}, old = {facts['old']}")
 
     records = []

@@ -646,6 +646,22 @@ def test_torch_path_ab_peaks_leave_out_the_other_layouts_gate_up(monkeypatch, ca
     assert left_out == {"megamoe": gate_up_bytes, "titan": gate_up_bytes}, left_out
 
 
+@pytest.mark.parametrize("script", ["inference_bench", "torch_path_ab"])
+def test_cpu_benchmark_scripts_record_what_produced_their_json(script, monkeypatch, tmp_path, capsys):
+    """Every record of benchmarks/inference_bench.py's and torch_path_ab.py's JSON carries measure.run_facts' gpu,
+    torch, triton and commit (they called the GPU "device" and had no Triton nor commit)."""
+    spec = importlib.util.spec_from_file_location(script, REPO / "benchmarks" / f"{script}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    path = tmp_path / "out.json"
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--workload", "cpu-small", "--tokens", "16", "--iters", "1",
+                                      "--warmup", "0", "--json", str(path)])
+    assert module.main() == 0, capsys.readouterr().out
+    facts = measure.run_facts(torch.device("cpu"))
+    records = json.loads(path.read_text())
+    assert records and all({key: r.get(key) for key in facts} == facts and "device" not in r for r in records), records
+
+
 def test_kernel_times_idle_counts_only_time_no_kernel_runs(monkeypatch):
     """Kernels that overlap (e.g. on two streams): a gap is idle only where no kernel started before it is still
     running, and it names the kernel that ran last into it."""
