@@ -10,6 +10,7 @@ import argparse, json, torch, triton
 from megamoe.backends.triton import kernels
 from megamoe.backends.triton.configs import TileConfig, block_m_for
 from megamoe.backends.triton.experts import one_gpu_configs
+from megamoe.bench.measure import run_facts
 from megamoe.bench.workloads import WORKLOADS, comma_names
 from megamoe.schedule import build_schedule
 
@@ -19,6 +20,7 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("workloads", metavar="WORKLOAD", type=comma_names(WORKLOADS), help="comma-separated workload names")
 parser.add_argument("json_path")
 args = parser.parse_args()
+facts = run_facts(torch.device("cuda"))
 out = []
 for name in args.workloads:
     w = WORKLOADS[name]; T, H, I, k = w.tokens_per_gpu, w.hidden, w.intermediate, w.top_k
@@ -42,7 +44,7 @@ for name in args.workloads:
 
     def rec(kernel, tile, fn, flops):
         ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-        r = dict(workload=name, kernel=kernel, tile=tile, ms=ms, tflops=flops / ms / 1e9 if flops else None)
+        r = dict(workload=name, kernel=kernel, tile=tile, ms=ms, tflops=flops / ms / 1e9 if flops else None, **facts)
         out.append(r); print(json.dumps(r), flush=True)
 
     rec("down_dgrad (no router, table)", str(cfg.down_dgrad), lambda: kernels.down_dgrad(d_rows, wd, gate_up, *blocks, config=cfg.down_dgrad), gemm)

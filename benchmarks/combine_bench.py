@@ -25,7 +25,7 @@ import triton
 
 from megamoe.backends.triton import configs, kernels
 from megamoe.backends.triton.kernels import gather
-from megamoe.bench.measure import alternating_rounds
+from megamoe.bench.measure import alternating_rounds, run_facts
 from megamoe.bench.problem import one_gpu_problem
 from megamoe.bench.workloads import WORKLOADS, comma_names
 from megamoe.schedule import build_schedule
@@ -110,8 +110,7 @@ def main() -> None:
         records += bench_workload(name, args.rounds)
         torch.cuda.empty_cache()
     with open(args.json_path, "w") as f:
-        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                       records=records), f, indent=1)
+        json.dump(dict(run_facts(torch.device("cuda")), records=records), f, indent=1)
     bad = [r for r in records if r["kind"] == "check" and not r["ok"]]
     for r in bad:
         print(f"BITS DIFFER: {r}")

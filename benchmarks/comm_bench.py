@@ -25,7 +25,7 @@ from megamoe.backends.triton.comm.exchange import (
 )
 from megamoe.backends.triton.comm.workspace import get_workspace
 from megamoe.backends.triton.kernels.row_copy import COPY_SHAPE, CopyShape
-from megamoe.bench.measure import median_ms
+from megamoe.bench.measure import median_ms, run_facts
 from megamoe.bench.workloads import WORKLOADS
 from megamoe.schedule import build_schedule
 
@@ -70,6 +70,7 @@ def main() -> None:
     }
     records = []
     device = torch.device("cuda", rank)
+    facts = run_facts(device)
 
     def timed(fn) -> float:
         return median_ms(lambda i: fn(), iters=args.iters, warmup=2, device=device, group=group)
@@ -83,7 +84,7 @@ def main() -> None:
         moved = torch.tensor([payload_rows * H * 2], device="cuda", dtype=torch.float64)
         dist.all_reduce(moved, op=dist.ReduceOp.MIN)
         base = {"workload": args.workload, "ep": world, "tokens": T, "op": op, "direction": direction,
-                "payload_bytes_per_rank": int(moved.item())}
+                "payload_bytes_per_rank": int(moved.item()), **facts}
         ms = timed(fn)
         records.append({**base, "what": "exchange", "ms": ms, "gbps": moved.item() / ms / 1e6})
         publish(ws, [(ws.tokens, x), (ws.rows_out, rows)], "dispatch")  # (the exchange above may have reused them)

@@ -34,7 +34,7 @@ from megamoe.backends.triton import kernels
 from megamoe.backends.triton.experts import all_blocks, one_gpu_configs
 from megamoe.backends.triton.kernels import gluon_dw
 from megamoe.backends.triton.kernels.gluon_common import ConsumerTile
-from megamoe.bench.measure import alternating_rounds
+from megamoe.bench.measure import alternating_rounds, run_facts
 from megamoe.bench.workloads import WORKLOADS, comma_names
 from megamoe.schedule import build_schedule
 
@@ -116,7 +116,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
-    records = [dict(kind="env", gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)]
+    records = [dict(kind="env", **run_facts(torch.device("cuda")))]
     for name in args.workloads:
         records += run_workload(name, args.rounds)
         with open(args.json_path, "w") as f:

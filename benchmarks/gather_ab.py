@@ -10,6 +10,7 @@ import argparse, dataclasses, json, torch, triton
 from megamoe.backends.triton import kernels
 from megamoe.backends.triton.configs import block_m_for, triton_tile
 from megamoe.backends.triton.experts import one_gpu_configs
+from megamoe.bench.measure import run_facts
 from megamoe.bench.workloads import WORKLOADS, comma_names
 from megamoe.schedule import build_schedule
 
@@ -18,6 +19,7 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("workloads", metavar="WORKLOAD", type=comma_names(WORKLOADS), help="comma-separated workload names")
 parser.add_argument("json_path")
 args = parser.parse_args()
+facts = run_facts(torch.device("cuda"))
 out = []
 for name in args.workloads:
     w = WORKLOADS[name]; T, H, I, k = w.tokens_per_gpu, w.hidden, w.intermediate, w.top_k
@@ -48,7 +50,7 @@ for name in args.workloads:
         same = v is None or all(torch.equal(a[:used], b[:used]) for a, b in zip(got, want))
         ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
         r = dict(workload=name, mode="spread_rows + gemm" if v is None else "gather in loads", tile=str(c),
-                 ms=ms, tflops=flops / ms / 1e9, bitwise_equal=same)
+                 ms=ms, tflops=flops / ms / 1e9, bitwise_equal=same, **facts)
         out.append(r); print(json.dumps(r), flush=True)
     torch.cuda.empty_cache()
 json.dump(out, open(args.json_path, "w"), indent=1)

@@ -40,7 +40,7 @@ import triton
 from megamoe.backends.triton import kernels
 from megamoe.backends.triton.configs import TileConfig, block_m_for, kernel_configs, tma_kernel_configs, triton_tile
 from megamoe.backends.triton.kernels._common import range_of
-from megamoe.bench.measure import alternating_rounds
+from megamoe.bench.measure import alternating_rounds, run_facts
 from megamoe.bench.routing import route
 from megamoe.bench.workloads import WORKLOADS, comma_names
 from megamoe.schedule import build_schedule
@@ -261,8 +261,7 @@ def main() -> None:
     print(summary(records))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": triton.__version__, "records": records}, f, indent=1)
+            json.dump({**run_facts(torch.device("cuda")), "records": records}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -306,7 +306,8 @@ def _kill(proc) -> None:
 
 def parent(args) -> int:
     import torch
-    import triton
+
+    from megamoe.bench.measure import run_facts
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         _log("needs a Hopper GPU (sm_90): the kernels use wgmma, TMA and setmaxnreg")
@@ -316,7 +317,7 @@ def parent(args) -> int:
     if "router-h_w" in variants:
         jobs.append(("small-range", "router-h_w"))
     jobs += [(w, v) for w in (args.workload or list(WORKLOAD_NAMES)) for v in variants]
-    result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, jobs=jobs)
+    result = dict(run_facts(torch.device("cuda")), jobs=jobs)
     t_start = time.time()
     skip: list[str] = []  # Gluon variants that crashed, hung or hit a CUDA error after their production side ran
     done: dict = {}

@@ -51,6 +51,7 @@ from megamoe.backends.triton import kernels  # noqa: E402
 from megamoe.backends.triton.configs import tma_kernel_configs, triton_tile  # noqa: E402
 from megamoe.backends.triton.kernels import gluon_dw  # noqa: E402
 from megamoe.backends.triton.kernels.gluon_common import ConsumerTile  # noqa: E402
+from megamoe.bench.measure import run_facts  # noqa: E402
 from megamoe.bench.routing import route  # noqa: E402
 from megamoe.schedule import build_schedule  # noqa: E402
 
@@ -310,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_worker(args.worker, workloads, args.json_path)
 
     configs = args.config or list(gluon_dw.CONFIGS)
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+    result = {**run_facts(torch.device("cuda")),
               "configs": {n: dataclasses.asdict(gluon_dw.CONFIGS[n]) for n in configs},
               "workers": {}, "checks": [], "records": []}
 

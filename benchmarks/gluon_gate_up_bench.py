@@ -23,7 +23,7 @@ gathering kernel):
     (H 4096, I 1536), the schedules megamoe.schedule.build_schedule builds;
 then times the variants (triton.testing.do_bench, median) in ROUNDS alternating rounds on the two workloads.
 TF/s counts 2 x rows x H x 2I over the rows in use, padding included (every variant computes it). The table
-comes last; OUT.json holds every record.
+comes last; OUT.json holds every record, and in "env" the GPU, torch, Triton and commit (measure.run_facts).
 """
 
 from __future__ import annotations
@@ -254,8 +254,6 @@ def run_part(part: str) -> int:
         return 2
     device = torch.device("cuda")
     if part == "triton":
-        emit(dict(kind="env", gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                  triton=__import__("triton").__version__))
         for name in WORKLOADS:
             time_triton_workload(name, device)
             torch.cuda.empty_cache()
@@ -343,6 +341,11 @@ def main(argv: list[str] | None = None) -> int:
         return run_part(args.part)
     if not args.json_path:
         parser.error("the JSON output path is required")
+    import torch
+
+    from megamoe.bench.measure import run_facts
+
+    env = run_facts(torch.device("cuda" if torch.cuda.is_available() else "cpu"))  # the parts' device
     t0 = time.time()
     records: list = []
     failures: list = []
@@ -352,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = (not failures and bool(checks) and all(c["ok"] for c in checks)
           and all(r["status"] == "ok" for r in records if r["kind"] == "time"))
     result = dict(all_ok=ok, wall_s=time.time() - t0, variants=GLUON_VARIANTS, failures=failures,
-                  env=next((r for r in records if r["kind"] == "env"), None), records=records)
+                  env=env, records=records)
     with open(args.json_path, "w") as f:
         json.dump(result, f, indent=1)
     print()

@@ -23,8 +23,8 @@ the baselines (Triton kernel, torch._grouped_mm) and "coop", then the ping-pong 
 record as a JSON line when it has it and exits as soon as its CUDA context is lost (a kernel fault); the
 parent gives each worker a time limit (the watchdog: a hung worker is killed, its records so far kept),
 starts a new worker for the tiles a dead one had not started, and starts none once the overall budget is
-spent; so a kernel that faults or deadlocks loses only its own results. The parent writes OUT.json and
-prints the table last.
+spent; so a kernel that faults or deadlocks loses only its own results. The parent writes OUT.json (with the GPU,
+torch, Triton and commit of measure.run_facts) and prints the table last.
 """
 
 from __future__ import annotations
@@ -316,7 +316,10 @@ def _table(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import torch
+
     from megamoe.backends.triton.kernels.gluon_rows import TILES  # CPU-safe: builds no GPU state
+    from megamoe.bench.measure import run_facts
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json_path", nargs="?", help="where to write the records (JSON)")
@@ -337,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     # The baselines with the tiles that have run on a GPU before (coop), then the ping-pong tiles; after a
     # crash or a hang, the tiles the dead worker had not started get a new one.
     queue = [([t for t in tiles if not TILES[t].pingpong], True), ([t for t in tiles if TILES[t].pingpong], False)]
-    result = dict(tiles={t: dataclasses.asdict(TILES[t]) for t in tiles}, workloads=workloads, workers=[], checks=[],
+    result = dict(run_facts(torch.device("cuda" if torch.cuda.is_available() else "cpu")),  # the workers' device
+                  tiles={t: dataclasses.asdict(TILES[t]) for t in tiles}, workloads=workloads, workers=[], checks=[],
                   timings=[])
     t_start = time.time()
     while queue:

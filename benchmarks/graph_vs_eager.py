@@ -11,7 +11,7 @@ import json
 import torch
 
 import megamoe
-from megamoe.bench.measure import cuda_graph, median_ms
+from megamoe.bench.measure import cuda_graph, median_ms, run_facts
 from megamoe.bench.problem import forward_backward, one_gpu_problem
 from megamoe.bench.workloads import WORKLOADS, comma_names
 
@@ -38,9 +38,10 @@ def main() -> None:
     parser.add_argument("json_path")
     args = parser.parse_args()
     device = torch.device("cuda")
+    facts = run_facts(device)
     out = []
     for name in args.workloads:
-        record = measure(name, device)
+        record = {**measure(name, device), **facts}
         out.append(record)
         print(f"{name}: eager {record['eager_ms']:.3f} ms, graph replay {record['graph_ms']:.3f} ms, "
               f"eager again {record['eager_again_ms']:.3f} ms", flush=True)

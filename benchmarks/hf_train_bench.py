@@ -8,7 +8,7 @@ picks an implementation; importing megamoe.integrations.hf registers "megamoe". 
 (hidden 2048, 128 experts of 768, top-8; 32 query / 4 KV heads of 128) unless --tiny (a CPU smoke test). Every
 implementation starts from the same weights and sees the same batches. Reported per implementation: the median
 step time (forward, backward, optimizer step; CUDA synchronised around each step) after the first two steps, the
-peak memory, and the losses.
+peak memory, and the losses; the JSON adds the GPU, torch, Triton and commit (megamoe.bench.measure.run_facts).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 import megamoe.integrations.hf  # noqa: F401  (registers experts_implementation="megamoe")
+from megamoe.bench.measure import run_facts
 from megamoe.bench.workloads import comma_names
 
 WARMUP_STEPS = 2
@@ -85,6 +86,7 @@ def main() -> None:
         parser.error(f"--tokens must be at most {SEQ_LEN} or a multiple of it (sequences of {SEQ_LEN}), "
                      f"got {args.tokens}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    facts = run_facts(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = model_config(args.layers, args.tiny)
     seq = min(SEQ_LEN, args.tokens)
@@ -94,8 +96,8 @@ def main() -> None:
     import transformers
 
     results = [train(impl, config, batches, device, dtype) for impl in args.impl]
-    header = (f"transformers {transformers.__version__}, torch {torch.__version__}, "
-              f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, Qwen3-MoE {args.layers} layers "
+    header = (f"transformers {transformers.__version__}, torch {facts['torch']}, {facts['gpu']}, "
+              f"Qwen3-MoE {args.layers} layers "
               f"{'(tiny)' if args.tiny else '(Qwen3-30B-A3B sizes)'}, {args.tokens} tokens/step, {dtype}")
     print(header)
     print(f"{'impl':12} {'step ms':>9} {'peak GiB':>9}  losses")
@@ -104,7 +106,7 @@ def main() -> None:
         print(f"{r['impl']:12} {r['step_ms']:9.2f} {peak}  {' '.join(f'{x:.4f}' for x in r['losses'])}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"setup": header, "results": results}, f, indent=1)
+            json.dump({**facts, "setup": header, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

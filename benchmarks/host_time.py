@@ -16,6 +16,7 @@ import time
 import torch
 
 import megamoe
+from megamoe.bench.measure import run_facts
 from megamoe.bench.problem import forward_backward, one_gpu_problem
 from megamoe.bench.workloads import WORKLOADS, comma_names
 
@@ -26,6 +27,7 @@ def main() -> None:
     parser.add_argument("json_path")
     args = parser.parse_args()
     device = torch.device("cuda")
+    facts = run_facts(device)
     out = []
     for name in args.workloads:
         w = WORKLOADS[name]
@@ -53,7 +55,7 @@ def main() -> None:
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(45)
         record = {"workload": name, "host_ms": statistics.median(host), "gpu_ms": statistics.median(gpu),
-                  "profile": text.getvalue()}
+                  "profile": text.getvalue(), **facts}
         out.append(record)
         print(f"{name}: host {record['host_ms']:.2f} ms per fwd+bwd call, GPU {record['gpu_ms']:.2f} ms "
               "(each iteration starting on an idle GPU)")

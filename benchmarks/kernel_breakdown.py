@@ -2,9 +2,10 @@
 
 Usage: python benchmarks/kernel_breakdown.py [--workload NAME ...] [--json PATH]
 Prints, per kernel, ms and TFLOP/s (GEMMs) or GB/s (memory-bound kernels), and the fwd/bwd sums, so
-docs/perf-notes.md can say where the time goes. Balanced routing, bf16. The kernels are the ones experts.py runs
-for this problem, each timed alone: the tiles and core it picks (experts.one_gpu_configs: the Gluon kernels on
-Hopper), gate_up_fwd gathering x in its loads where the tile says so (then no gather pass), x's rows spread beside
+docs/perf-notes.md can say where the time goes; the JSON's records add the GPU, torch, Triton and commit
+(megamoe.bench.measure.run_facts). Balanced routing, bf16. The kernels are the ones experts.py runs for this
+problem, each timed alone: the tiles and core it picks (experts.one_gpu_configs: the Gluon kernels on Hopper),
+gate_up_fwd gathering x in its loads where the tile says so (then no gather pass), x's rows spread beside
 gate_up_dgrad where its kernel has room (then only their padding zeroed by a pass), the weight grads given row_src
 (their padding-only row steps skipped). Passes the path does not run here are timed as phase "alt", outside the
 totals. benchmarks/gemm_bench.py compares the GEMMs with cuBLAS; benchmarks/profile_layer.py profiles the layer whole.
@@ -22,6 +23,7 @@ from megamoe.backends.triton import kernels
 from megamoe.backends.triton.configs import block_m_for
 from megamoe.backends.triton.experts import one_gpu_configs
 from megamoe.backends.triton.kernels.schedule import place_routing
+from megamoe.bench.measure import run_facts
 from megamoe.bench.workloads import WORKLOADS, comma_names
 from megamoe.schedule import build_schedule
 
@@ -115,9 +117,10 @@ def main() -> None:
     top_k = max(WORKLOADS[n].top_k for n in names)
     if args.experts_per_gpu is not None and args.experts_per_gpu < top_k:
         parser.error(f"--experts-per-gpu must be >= the workloads' k ({top_k}), got {args.experts_per_gpu}")
+    facts = run_facts(torch.device("cuda"))
     records = []
     for name in names:
-        records += breakdown(name, args.tokens, args.experts_per_gpu)
+        records += [{**r, **facts} for r in breakdown(name, args.tokens, args.experts_per_gpu)]
     print(f"{'workload':16} {'kernel':18} {'ms':>8} {'TFLOP/s':>8} {'GB/s':>8}")
     for r in records:
         tf = f"{r['tflops']:.0f}" if r["tflops"] else ""

@@ -4,7 +4,8 @@ median per variant (and each round's), and the peak memory above the inputs (wei
 iterations: allocated, and reserved by the caching allocator from an emptied cache (steady state after the untimed
 warmup). Before the timing, every variant's output (and, fwd+bwd, gradients) on one token set is compared bit for bit
 with the first variant's (bitwise_equal_to_first), and the first variant's are recorded as sha256 digests (digests), to
-compare runs in different processes (e.g. under two Triton releases; each record names its Triton).
+compare runs in different processes (e.g. under two Triton releases; each record names its GPU, torch, Triton and
+commit: megamoe.bench.measure.run_facts).
 
 Usage: python benchmarks/layer_ab.py WORKLOAD[,WORKLOAD...] VARIANT,VARIANT[,...] OUT.json [--pass fwd+bwd,fwd]
        [--rounds N] [--routing balanced,skewed]   (an sm_90 GPU)
@@ -23,11 +24,11 @@ Variants (each a change to the tile choice that every run reads through the publ
   group_m:N every GEMM's tiles swept N row blocks per column block (the table: 8)
   GEMM.group_m:N  the same for one GEMM of the table (e.g. down_dgrad.group_m:4)
 """
-import argparse, dataclasses, functools, hashlib, json, statistics, torch, triton, megamoe
+import argparse, dataclasses, functools, hashlib, json, statistics, torch, megamoe
 from megamoe.backends.triton import configs
 from megamoe.backends.triton import experts as te
 from megamoe.backends.triton import kernels
-from megamoe.bench.measure import round_order
+from megamoe.bench.measure import round_order, run_facts
 from megamoe.bench.problem import make_weights, make_tokens, forward_backward, forward_TH
 from megamoe.bench.routing import ROUTINGS
 from megamoe.bench.workloads import PASSES, WORKLOADS, comma_names, layer_flops
@@ -136,6 +137,7 @@ def step(pass_name, weights, tokens, cfg):
         forward_backward(megamoe.experts, weights, tokens, config=cfg)
 
 
+facts = run_facts(torch.device("cuda"))
 out = []
 variants = args.variants.split(",")
 for name in args.workloads:
@@ -187,7 +189,7 @@ for name in args.workloads:
             rec = dict(workload=name, routing=routing, pass_name=pass_name, variant=v, ms=ms,
                        tflops=layer_flops(w, T, pass_name) / ms / 1e9, peak_above_inputs_gib=peak[v] / 2**30,
                        reserved_above_inputs_gib=reserved[v] / 2**30, experts=E, round_medians_ms=round_medians[v],
-                       bitwise_equal_to_first=equal[v], digests=digests, triton=triton.__version__)
+                       bitwise_equal_to_first=equal[v], digests=digests, **facts)
             out.append(rec); print(json.dumps(rec), flush=True)
     del weights; torch.cuda.empty_cache()
 json.dump(out, open(args.json_path, "w"), indent=1)

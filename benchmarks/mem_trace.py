@@ -12,6 +12,7 @@ import os
 import torch
 
 import megamoe
+from megamoe.bench.measure import run_facts
 from megamoe.bench.problem import forward_backward, one_gpu_problem
 from megamoe.bench.workloads import WORKLOADS, comma_names
 
@@ -52,6 +53,7 @@ def main() -> None:
     config = megamoe.MoEConfig(backend="triton", recompute=args.mode == "recompute")
     out = []
     device = torch.device("cuda")
+    facts = run_facts(device)
     for name in args.workloads:
         w = WORKLOADS[name]
         weights, tokens = one_gpu_problem(w, device)
@@ -67,7 +69,7 @@ def main() -> None:
         peak, blocks = peak_blocks(snapshot)
         record = {"workload": name, "recompute": config.recompute,
                   "peak_above_inputs_bytes": torch.cuda.max_memory_allocated(device) - inputs,
-                  "trace_peak_bytes": peak, "blocks": blocks}
+                  "trace_peak_bytes": peak, "blocks": blocks, **facts}
         out.append(record)
         print(f"\n{name}: max_memory_allocated above inputs {record['peak_above_inputs_bytes'] / 2**30:.3f} GiB, "
               f"traced peak {peak / 2**30:.3f} GiB")

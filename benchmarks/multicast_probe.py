@@ -52,7 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.backends.triton.kernels.gluon_common import cp_async_load, tma_load, tma_store
-from megamoe.bench.measure import alternating_rounds
+from megamoe.bench.measure import alternating_rounds, run_facts
 
 # Per CTA: BLOCK_M x BLOCK_N; a consumer warpgroup owns half the columns. 3 ring stages of 48 KB + two 32 KB output
 # buffers (208 KB).
@@ -309,8 +309,7 @@ def main() -> None:
         records += probe_shape(name, N, K, gather, args.rounds)
         torch.cuda.empty_cache()
     with open(args.json_path, "w") as f:
-        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                       records=records), f, indent=1)
+        json.dump(dict(run_facts(torch.device("cuda")), records=records), f, indent=1)
     for r in records:
         if r["kind"] == "time":
             print(f"{r['shape']:20} {r['variant']:13} {r['ms']:8.3f} ms {r['tflops']:6.0f} TF/s")

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from megamoe.backends.triton import ep, experts
 from megamoe.backends.triton.configs import block_m_for
-from megamoe.bench.measure import alternating_rounds, kernel_times, median_ms
+from megamoe.bench.measure import alternating_rounds, kernel_times, median_ms, run_facts
 from megamoe.bench.routing import ROUTINGS, route
 from megamoe.bench.workloads import WORKLOADS, comma_names
 from megamoe.config import MoEConfig
@@ -148,6 +148,7 @@ def main() -> None:
     device = torch.device("cuda", rank)
     dist.init_process_group("nccl", device_id=device)
     group, world = dist.group.WORLD, dist.get_world_size()
+    facts = run_facts(device)
     if world > 1:  # the one-GPU path takes a group of one only
         probes = [p for p in probes if p != "one_gpu"]
     records = []
@@ -179,7 +180,7 @@ def main() -> None:
                 "blocks_per_flag": ep.group_blocks(schedule, config),
                 **{f"{k}_ms": v for k, v in ms.items()}, "rounds_ms": rounds,
                 "hidden_ms": hidden, "hidden_frac": hidden / ms["comm"],
-                "exposed_ms": ms["fused"] - ms["compute"], "speedup_vs_serial": ms["serial"] / ms["fused"],
+                "exposed_ms": ms["fused"] - ms["compute"], "speedup_vs_serial": ms["serial"] / ms["fused"], **facts,
             })
         if args.profile:
             profiled = [what for what in ("fused", "one_gpu") if what in probes]

@@ -12,7 +12,7 @@ import json
 import torch
 
 import megamoe
-from megamoe.bench.measure import cuda_graph, kernel_times
+from megamoe.bench.measure import cuda_graph, kernel_times, run_facts
 from megamoe.bench.problem import forward_backward, one_gpu_problem
 from megamoe.bench.workloads import WORKLOADS, comma_names
 
@@ -42,9 +42,10 @@ def main() -> None:
     parser.add_argument("--graph", action="store_true", help="profile a CUDA graph of the iteration, replayed")
     args = parser.parse_args()
     device = torch.device("cuda")
+    facts = run_facts(device)
     out = []
     for name in args.workloads:
-        record = profile_one(name, device, args.graph)
+        record = {**profile_one(name, device, args.graph), **facts}
         out.append(record)
         print(f"\n{name}: {record['gpu_us_per_iteration']:.0f} us of kernels and {record['idle_us_per_iteration']:.0f} us "
               "idle between them per fwd+bwd")

@@ -29,7 +29,7 @@ from megamoe.backends.triton import kernels
 from megamoe.backends.triton.configs import block_m_for, ep_tma_kernel_configs, tma_kernel_configs
 from megamoe.backends.triton.kernels import gluon_ep
 from megamoe.backends.triton.kernels._common import range_of
-from megamoe.bench.measure import alternating_rounds
+from megamoe.bench.measure import alternating_rounds, run_facts
 from megamoe.bench.problem import one_gpu_problem
 from megamoe.bench.workloads import WORKLOADS, comma_names
 from megamoe.schedule import build_schedule
@@ -113,9 +113,10 @@ def measure(name: str) -> list[dict]:
     return records
 
 
+facts = run_facts(torch.device("cuda"))
 records = []
 for name in args.workloads:
-    records += measure(name)
+    records += [{**r, **facts} for r in measure(name)]
     torch.cuda.empty_cache()
 
 json.dump(records, open(args.json_path, "w"), indent=1)

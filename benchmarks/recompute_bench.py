@@ -9,6 +9,7 @@ holds from its forward to its backward, which is what recompute trades for time.
 Usage: python benchmarks/recompute_bench.py WORKLOAD[,WORKLOAD...] OUT.json   (a CUDA GPU)
 """
 import argparse, json, statistics, torch, megamoe
+from megamoe.bench.measure import run_facts
 from megamoe.bench.problem import make_weights, make_tokens, forward_backward, forward_TH
 from megamoe.bench.workloads import WORKLOADS, comma_names, layer_flops
 
@@ -17,6 +18,7 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("workloads", metavar="WORKLOAD", type=comma_names(WORKLOADS), help="comma-separated workload names")
 parser.add_argument("json_path")
 args = parser.parse_args()
+facts = run_facts(torch.device("cuda"))
 out = []
 for name in args.workloads:
     w = WORKLOADS[name]; E = w.one_gpu_experts or w.num_experts; T = w.tokens_per_gpu
@@ -48,7 +50,8 @@ for name in args.workloads:
     for mode, t in times.items():
         ms = statistics.median(t)
         rec = dict(workload=name, routing="balanced", mode=mode, ms=ms, tflops=layer_flops(w, T, "fwd+bwd") / ms / 1e9,
-                   peak_mem_above_inputs_bytes=peaks[mode], kept_for_backward_bytes=kept[mode], experts=E, tokens=T)
+                   peak_mem_above_inputs_bytes=peaks[mode], kept_for_backward_bytes=kept[mode], experts=E, tokens=T,
+                   **facts)
         out.append(rec); print(json.dumps(rec), flush=True)
     del weights, toks; torch.cuda.empty_cache()
 json.dump(out, open(args.json_path, "w"), indent=1)

@@ -9,6 +9,8 @@ about a minute a workload.
 Usage: python benchmarks/stall_profile.py WORKLOAD[,WORKLOAD...] OUT.json [--ncu PATH]   (a CUDA GPU and ncu)
 
 Under ncu the kernels run serialised, replayed and at locked clocks: compare stall shares, not durations.
+OUT.json: each workload's launches under its name, beside "gpu", "torch", "triton" and "commit"
+(megamoe.bench.measure.run_facts).
 """
 from __future__ import annotations
 
@@ -106,15 +108,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("json_path")
     parser.add_argument("--ncu", default="ncu", help="the Nsight Compute command line (default: ncu on PATH)")
     args = parser.parse_args(argv)
+    import torch
+
+    from megamoe.bench.measure import run_facts
     from megamoe.bench.workloads import WORKLOADS
 
     names = args.workloads.split(",")
     unknown = [name for name in names if name not in WORKLOADS]
     if unknown:
         parser.error(f"unknown workloads {unknown}; known: {', '.join(WORKLOADS)}")
+    facts = run_facts(torch.device("cuda"))  # one_step.py's device
     results = {name: profile(name, args.ncu) for name in names}
     with open(args.json_path, "w") as f:
-        json.dump(results, f, indent=1)
+        json.dump({**facts, **results}, f, indent=1)
     for name, launches in results.items():
         print(f"{name}: kernel, ms under ncu, stall shares (the three largest)")
         for launch in launches:

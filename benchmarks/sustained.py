@@ -14,6 +14,7 @@ import time
 import torch
 
 import megamoe
+from megamoe.bench.measure import run_facts
 from megamoe.bench.problem import forward_backward, one_gpu_problem
 from megamoe.bench.workloads import WORKLOADS
 
@@ -46,7 +47,8 @@ def main() -> None:
     samples = [line.split(", ") for line in smi.communicate()[0].splitlines() if line.strip()]
     ms = [a.elapsed_time(b) for a, b in events]
     windows = [sum(ms[i:i + WINDOW]) / WINDOW for i in range(0, ITERS, WINDOW)]
-    record = {"workload": args.workload, "window": WINDOW, "window_ms": windows, "iteration_ms": ms,
+    record = {"workload": args.workload, **run_facts(device), "window": WINDOW, "window_ms": windows,
+              "iteration_ms": ms,
               "smi": [{"time": s[0], "sm_mhz": float(s[1]), "power_w": float(s[2]), "temp_c": float(s[3])}
                       for s in samples if len(s) == 4]}
     with open(args.json_path, "w") as f:

@@ -662,6 +662,15 @@ def test_cpu_benchmark_scripts_record_what_produced_their_json(script, monkeypat
     assert records and all({key: r.get(key) for key in facts} == facts and "device" not in r for r in records), records
 
 
+def test_every_benchmark_that_writes_json_records_run_facts():
+    """A JSON result says which GPU, torch, Triton and commit produced it: every script of benchmarks/ that writes
+    JSON takes them from measure.run_facts (kernel_breakdown.py's JSON named no GPU at all, others no commit)."""
+    writers = {path.name: path.read_text() for path in (REPO / "benchmarks").glob("*.py")
+               if "json.dump" in path.read_text()}
+    assert "kernel_breakdown.py" in writers
+    assert sorted(name for name, source in writers.items() if "run_facts(" not in source) == []
+
+
 def test_kernel_times_idle_counts_only_time_no_kernel_runs(monkeypatch):
     """Kernels that overlap (e.g. on two streams): a gap is idle only where no kernel started before it is still
     running, and it names the kernel that ran last into it."""
