@@ -5,7 +5,7 @@
     python benchmarks/inference_bench.py --workload cpu-small          # CPU smoke test (perf_counter, no memory)
 
 One GPU, megamoe.experts with the default config (backend "auto": the fused Triton path on Hopper) in
---dtype (default bf16), problems from the bench harness (megamoe.bench.problem.make_weights / make_tokens,
+--dtype (default bf16 on a GPU, fp32 on CPU, as the bench), problems from the bench harness (megamoe.bench.problem.make_weights / make_tokens,
 weights and x leaves that require grad, as in training). Modes:
     grad            grad enabled: the forward saves what its backward needs (the graph is dropped unused)
     no_grad         under torch.no_grad()
@@ -95,8 +95,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"repeatable or comma list of {', '.join(WORKLOADS)}, or 'all' (the GPU workloads)")
     parser.add_argument("--tokens", type=int, help="tokens (default: the workload's tokens per GPU)")
     parser.add_argument("--routing", default="balanced", choices=("balanced", "skewed"))
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
-    parser.add_argument("--modes", default="grad,inference_mode",
+    parser.add_argument("--dtype", choices=tuple(DTYPES), help="default bf16 on a GPU, fp32 on CPU")
+    parser.add_argument("--modes", default=["grad", "inference_mode"], type=comma_names(MODES),
                         help=f"comma list of {', '.join(MODES)} (default grad,inference_mode; grad always runs first)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
@@ -104,16 +104,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", help="write the records here")
     args = parser.parse_args(argv)
     names = [g for n in args.workload for g in (GPU_WORKLOADS if n == "all" else (n,))]
-    modes = [m for m in args.modes.split(",") if m]
-    for m in modes:
-        if m not in MODES:
-            parser.error(f"--modes: unknown {m!r}; choose from {', '.join(MODES)}")
     if args.iters < 1 or args.warmup < 0:
         parser.error("--iters must be >= 1 and --warmup >= 0")
     if args.tokens is not None and args.tokens < 1:
         parser.error(f"--tokens must be >= 1, got {args.tokens}")
     args.workloads = names
-    args.mode_list = ["grad"] + [m for m in modes if m != "grad"]
+    args.mode_list = ["grad"] + [m for m in args.modes if m != "grad"]
     return args
 
 
@@ -122,10 +118,11 @@ def main(argv=None) -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if device.type != "cuda":
         print("note: no CUDA device: CPU smoke run (perf_counter times, no memory figures)", file=sys.stderr)
-    dtype = DTYPES[args.dtype]
-    facts = {**run_facts(device), "dtype": args.dtype, "routing": args.routing, "iters": args.iters,
+    dtype_name = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    dtype = DTYPES[dtype_name]
+    facts = {**run_facts(device), "dtype": dtype_name, "routing": args.routing, "iters": args.iters,
              "warmup": args.warmup, "config": repr(megamoe.MoEConfig())}
-    print(f"inference forward: {facts['gpu']}, {args.dtype}, {args.routing}, median of {args.iters} after "
+    print(f"inference forward: {facts['gpu']}, {dtype_name}, {args.routing}, median of {args.iters} after "
           f"{args.warmup} warm-up, modes {', '.join(args.mode_list)}, torch {torch.__version__}")
 
     records = []

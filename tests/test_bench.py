@@ -649,7 +649,8 @@ def test_torch_path_ab_peaks_leave_out_the_other_layouts_gate_up(monkeypatch, ca
 @pytest.mark.parametrize("script", ["inference_bench", "torch_path_ab"])
 def test_cpu_benchmark_scripts_record_what_produced_their_json(script, monkeypatch, tmp_path, capsys):
     """Every record of benchmarks/inference_bench.py's and torch_path_ab.py's JSON carries measure.run_facts' gpu,
-    torch, triton and commit (they called the GPU "device" and had no Triton nor commit)."""
+    torch, triton and commit (they called the GPU "device" and had no Triton nor commit), and on the CPU their dtype
+    defaults to fp32, as the bench's (inference_bench.py ran bf16 there)."""
     spec = importlib.util.spec_from_file_location(script, REPO / "benchmarks" / f"{script}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -660,6 +661,7 @@ def test_cpu_benchmark_scripts_record_what_produced_their_json(script, monkeypat
     facts = measure.run_facts(torch.device("cpu"))
     records = json.loads(path.read_text())
     assert records and all({key: r.get(key) for key in facts} == facts and "device" not in r for r in records), records
+    assert {r["dtype"] for r in records} == {"fp32"}, records
 
 
 def test_every_benchmark_that_writes_json_records_run_facts():
@@ -769,6 +771,7 @@ def test_mem_trace_names_the_megamoe_frames_of_the_blocks_live_at_the_peak():
     (["gemm_bench.py", "--workload", "qwen3-30b-a3b", "--workload", "deepseek-v3,mixtral"],
      "--workload: unknown 'mixtral'"),  # repeated and comma lists alike
     (["inference_bench.py", "--workload", "all,mixtral"], "--workload: unknown 'mixtral'; choose from"),
+    (["inference_bench.py", "--workload", "cpu-small", "--modes", "grad,no-grad"], "--modes: unknown 'no-grad'"),
     (["layer_ab.py", "qwen3-30b-a3b", "default", "out.json", "--pass", "fwd,bwd"], "--pass: unknown 'bwd'"),
     (["comm_bench.py", "--workload", "mixtral"], "argument --workload: invalid choice: 'mixtral'"),
 ], ids=["layer_ab-workload", "layer_ab-routing", "layer_ab-group_m", "layer_ab-gemm", "gemm_bench",
@@ -778,7 +781,7 @@ def test_mem_trace_names_the_megamoe_frames_of_the_blocks_live_at_the_peak():
         "overlap_bench", "overlap_rounds",
         "pull_bench", "pull_rounds", "combine_bench", "combine_rounds", "dw_gather_bench", "dw_gather_rounds",
         "inference_tokens", "torch_path_tokens", "torch_path_iters", "gemm_bench-comma", "inference_bench-all",
-        "layer_ab-pass", "comm_bench"])
+        "inference_bench-modes", "layer_ab-pass", "comm_bench"])
 def test_benchmark_scripts_check_their_options_before_timing(args, message):
     """A name the script does not know (or no rounds) is a usage error before anything runs: found at a later
     workload or routing it would end the run after the earlier ones were timed, before the JSON is written."""
