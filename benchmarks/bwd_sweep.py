@@ -16,7 +16,7 @@ from megamoe.schedule import build_schedule
 
 DOWN_DGRAD = [(128, 128, 64, 8, 4, False), (128, 128, 64, 8, 4, True), (128, 128, 64, 8, 3, False),
               (128, 64, 64, 4, 4, False), (128, 64, 64, 4, 6, True), (128, 256, 64, 8, 3, False)]
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("workloads", metavar="WORKLOAD", type=comma_names(WORKLOADS), help="comma-separated workload names")
 parser.add_argument("json_path")
 args = parser.parse_args()

@@ -98,7 +98,7 @@ def bench_workload(name: str, rounds: int) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("json_path")
     parser.add_argument("--workload", action="extend", type=comma_names(WORKLOADS), metavar="NAME")
     parser.add_argument("--rounds", type=int, default=5)

@@ -34,7 +34,7 @@ SHAPES = [CopyShape(p, b, w) for p in (1, 2, 4, 8) for b in (8192, 16384, 32768)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", default="qwen3-30b-a3b", choices=list(WORKLOADS))
     parser.add_argument("--tokens", type=int, default=None)
     parser.add_argument("--iters", type=int, default=20)

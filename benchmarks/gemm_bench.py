@@ -242,7 +242,7 @@ def summary(records: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", action="extend", type=comma_names(WORKLOADS), metavar="NAME")
     parser.add_argument("--routing", default="balanced", choices=("balanced", "skewed"))
     parser.add_argument("--tokens", type=int)

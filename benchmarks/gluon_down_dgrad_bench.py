@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "--child":
         return child([tuple(j) for j in json.loads(argv[1])], json.loads(argv[2]), argv[3], json.loads(argv[4]),
                      int(argv[5]))
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("json_path", help="where to write the records (JSON)")
     parser.add_argument("--workload", action="append", choices=list(WORKLOAD_NAMES) + ["gpt-oss-120b", "deepseek-v3"],
                         help="default: qwen3-30b-a3b and qwen3-235b-a22b")

@@ -297,7 +297,7 @@ def _table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("json_path", help="where to write the records (JSON)")
     parser.add_argument("--config", action="append", choices=list(gluon_dw.CONFIGS), help="default: all, coop first")
     parser.add_argument("--workload", action="append", choices=list(WORKLOADS), help="default: both")

@@ -327,7 +327,7 @@ def table(records: list) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("json_path", nargs="?", help="where to write the records (JSON)")
     parser.add_argument("--parts", default=",".join(PART_SECONDS),
                         help=f"comma-separated parts to run, of {', '.join(PART_SECONDS)} (default: all)")

@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     from megamoe.backends.triton.kernels.gluon_rows import TILES  # CPU-safe: builds no GPU state
     from megamoe.bench.measure import run_facts
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("json_path", nargs="?", help="where to write the records (JSON)")
     parser.add_argument("--tile", action="append", choices=list(TILES), help="Gluon tiles (default: all)")
     parser.add_argument("--workload", action="append", choices=list(WORKLOADS), help="default: both")

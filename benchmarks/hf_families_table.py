@@ -61,7 +61,7 @@ def table(results, version: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--readme", type=pathlib.Path, help="rewrite this file's hf-families block")
     parser.add_argument("--rtol", type=float, default=1e-4)
     args = parser.parse_args()

@@ -72,7 +72,7 @@ def train(impl: str, config: Qwen3MoeConfig, batches: list[torch.Tensor], device
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=16384, help=f"tokens per step (sequences of {SEQ_LEN})")
     parser.add_argument("--steps", type=int, default=8)

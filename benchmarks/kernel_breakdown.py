@@ -105,7 +105,7 @@ def breakdown(name: str, tokens: int | None, experts_cap: int | None) -> list[di
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", action="extend", type=comma_names(WORKLOADS), metavar="NAME")
     parser.add_argument("--tokens", type=int, default=None)
     parser.add_argument("--experts-per-gpu", type=int, default=None)

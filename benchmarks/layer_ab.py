@@ -110,7 +110,7 @@ def select(variant: str) -> None:
         raise ValueError(variant_error(variant))
 
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("workloads", metavar="WORKLOAD", type=comma_names(WORKLOADS))
 parser.add_argument("variants")
 parser.add_argument("json_path")

@@ -45,7 +45,7 @@ def peak_blocks(snapshot: dict) -> tuple[int, list[dict]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("workloads", metavar="WORKLOAD", type=comma_names(WORKLOADS), help="comma-separated workload names")
     parser.add_argument("json_path")
     parser.add_argument("mode", nargs="?", choices=("recompute",), help="MoEConfig(recompute=True)")

@@ -299,7 +299,7 @@ def probe_shape(name: str, N: int, K: int, gather: bool, rounds: int) -> list[di
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("json_path")
     parser.add_argument("--rounds", type=int, default=12)
     args = parser.parse_args()

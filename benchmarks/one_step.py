@@ -14,7 +14,7 @@ from megamoe.bench.workloads import WORKLOADS
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("workload", choices=WORKLOADS)
     parser.add_argument("iterations", nargs="?", type=int, default=2)
     args = parser.parse_args()

@@ -124,7 +124,7 @@ def _run(p, schedule, group, config, probe: str, backward: bool):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", default="qwen3-30b-a3b,qwen3-235b-a22b", type=comma_names(WORKLOADS))
     parser.add_argument("--tokens", type=int, default=None, help="tokens per GPU (default: the workload's)")
     parser.add_argument("--num-comm-sms", type=int, default=None)

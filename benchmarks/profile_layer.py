@@ -36,7 +36,7 @@ def profile_one(name: str, device: torch.device, graphed: bool) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("workloads", metavar="WORKLOAD", type=comma_names(WORKLOADS), help="comma-separated workload names")
     parser.add_argument("json_path")
     parser.add_argument("--graph", action="store_true", help="profile a CUDA graph of the iteration, replayed")

@@ -34,7 +34,7 @@ from megamoe.bench.problem import one_gpu_problem
 from megamoe.bench.workloads import WORKLOADS, comma_names
 from megamoe.schedule import build_schedule
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("json_path")
 parser.add_argument("--workloads", default="qwen3-235b-a22b,mixtral-8x7b", type=comma_names(WORKLOADS))
 parser.add_argument("--rounds", type=int, default=4)

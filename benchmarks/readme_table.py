@@ -78,7 +78,7 @@ def table(records: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", nargs="+", type=pathlib.Path)
     parser.add_argument("--readme", type=pathlib.Path, default=pathlib.Path("README.md"))
     args = parser.parse_args()

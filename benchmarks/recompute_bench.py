@@ -14,7 +14,7 @@ from megamoe.bench.problem import make_weights, make_tokens, forward_backward, f
 from megamoe.bench.workloads import WORKLOADS, comma_names, layer_flops
 
 MODES = {"default": megamoe.MoEConfig(backend="triton"), "recompute": megamoe.MoEConfig(backend="triton", recompute=True)}
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("workloads", metavar="WORKLOAD", type=comma_names(WORKLOADS), help="comma-separated workload names")
 parser.add_argument("json_path")
 args = parser.parse_args()

@@ -250,7 +250,7 @@ def run_workload(name: str, pass_name: str, args, device: torch.device, dtype: t
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("workloads", help="comma-separated workload names")
     parser.add_argument("json_path")
     parser.add_argument("--routing", default="balanced,skewed")

@@ -103,7 +103,7 @@ def profile(workload: str, ncu: str) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("workloads", help="comma-separated workload names")
     parser.add_argument("json_path")
     parser.add_argument("--ncu", default="ncu", help="the Nsight Compute command line (default: ncu on PATH)")

@@ -22,7 +22,7 @@ ITERS, WINDOW = 300, 10
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("workload", choices=WORKLOADS)
     parser.add_argument("json_path")
     args = parser.parse_args()

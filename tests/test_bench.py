@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import collections
 import dataclasses
 import importlib.util
@@ -811,3 +812,19 @@ def test_hf_train_bench_checks_its_options_before_training(args, message):
     done = subprocess.run([sys.executable, REPO / "benchmarks" / "hf_train_bench.py", "--tiny", "--tokens", "64",
                            "--steps", "3", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and message in done.stderr, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_every_benchmark_help_describes_it_in_whole_sentences():
+    """`python benchmarks/X.py --help` prints the script's description: its docstring's first paragraph, not its first
+    line, which in most scripts ended mid-sentence (recompute_bench.py's read "... default (gate_up kept for the")."""
+    cut = {}
+    for path in sorted((REPO / "benchmarks").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "ArgumentParser":
+                description = next(keyword.value for keyword in node.keywords if keyword.arg == "description")
+                text = eval(compile(ast.Expression(description), str(path), "eval"),
+                            {"__doc__": ast.get_docstring(tree, clean=False)})
+                if not text.rstrip().endswith((".", "?")):
+                    cut[path.name] = text[-60:]
+    assert cut == {}
