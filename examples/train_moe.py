@@ -72,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                      "rotary embeddings need an even number >= 2; use a multiple of 8")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch finds no CUDA GPU here; use auto or cpu")
+    if args.backend == "triton" and (args.device == "cpu" or not torch.cuda.is_available()):
+        parser.error("--backend triton: the fused kernels need an NVIDIA GPU and this run is on the CPU; use auto or "
+                     "torch")
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
     for name in ("lr", "max_grad_norm"):

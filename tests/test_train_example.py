@@ -91,6 +91,7 @@ BAD_OPTIONS = [
     (["--hidden", "36"], "--hidden 36: its 4 attention heads get hidden // 4 = 9 dims each"),
     (["--device", "gpu"], "argument --device: invalid choice: 'gpu'"),
     (["--backend", "fused"], "argument --backend: invalid choice: 'fused'"),
+    (["--backend", "triton", "--device", "cpu"], "--backend triton: the fused kernels need an NVIDIA GPU and this run"),
     (["--lr", "-0.1"], "--lr must be >= 0, got -0.1"),
     (["--max-grad-norm", "-1"], "--max-grad-norm must be >= 0, got -1.0"),
     (["--max-grad-norm", "nan"], "--max-grad-norm must be >= 0, got nan"),
