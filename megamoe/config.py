@@ -26,6 +26,10 @@ MAX_COMM_TIMEOUT_MS = 2**31 - 1
 # more than this (one ready flag for the whole batch); a far larger one, e.g. 10**23, would fail with an
 # OverflowError in the launch of the fused expert-parallel kernels (their blocks-per-flag argument).
 MAX_MINIBATCH_TOKENS = 2**31 - 1
+# The largest num_comm_sms: far more than any GPU's SMs, which the fused path checks it against. A larger one, e.g.
+# 2**63, would fail every call of every backend (the torch path ignores it) as an argument the custom ops' int64
+# cannot hold ("Expected a value of type 'Optional[int]'").
+MAX_COMM_SMS = 2**31 - 1
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -137,7 +141,7 @@ class MoEConfig:
             first GEMM) two warps of each of those CTAs pull beside its GEMM work; None: every CTA, at
             most one per SM. Elsewhere (the pointer-load core's fused kernels, forward and backward)
             each takes an SM, pulls, then joins the GEMM programs, which start on the other SMs; None:
-            32 (ep.DEFAULT_COMM_SMS); must be smaller than the GPU's SM count.
+            32 (ep.DEFAULT_COMM_SMS); must be smaller than the GPU's SM count (and at most MAX_COMM_SMS, 2**31 - 1).
         minibatch_tokens: the overlap granularity: the rows of about minibatch_tokens tokens
             (minibatch_tokens * k rows, whole blocks of block_m) share one ready flag, raised when
             they have all landed; a GEMM tile starts when its rows' flag is up. None: one flag per
@@ -201,13 +205,11 @@ class MoEConfig:
                 f"MoEConfig.comm_timeout_ms must be at most {MAX_COMM_TIMEOUT_MS} (about 24.8 days), "
                 f"got {self.comm_timeout_ms}"
             )
-        for name in ("num_comm_sms", "minibatch_tokens"):
-            check_positive_int(f"MoEConfig.{name}", getattr(self, name), allow_none=True)
-        if self.minibatch_tokens is not None and self.minibatch_tokens > MAX_MINIBATCH_TOKENS:
-            raise ValueError(
-                f"MoEConfig.minibatch_tokens must be None or at most {MAX_MINIBATCH_TOKENS}, "
-                f"got {self.minibatch_tokens}"
-            )
+        for name, most in (("num_comm_sms", MAX_COMM_SMS), ("minibatch_tokens", MAX_MINIBATCH_TOKENS)):
+            value = getattr(self, name)
+            check_positive_int(f"MoEConfig.{name}", value, allow_none=True)
+            if value is not None and value > most:
+                raise ValueError(f"MoEConfig.{name} must be None or at most {most}, got {value}")
         for name in ("dispatch", "combine"):
             value = getattr(self, name)
             if value not in COMM_DIRECTIONS:

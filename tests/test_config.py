@@ -30,6 +30,9 @@ INVALID = [
     ("num_comm_sms", -4, ValueError),
     ("num_comm_sms", 2.5, ValueError),
     ("num_comm_sms", True, ValueError),
+    # Past the custom ops' int64: was accepted, then every call failed there, even the torch path's that ignores it.
+    ("num_comm_sms", 2**63, ValueError),
+    ("num_comm_sms", 2**31, ValueError),
     ("minibatch_tokens", 0, ValueError),
     ("minibatch_tokens", "64", ValueError),
     ("minibatch_tokens", False, ValueError),
@@ -67,7 +70,7 @@ VALID = [
     ("backend", "auto"), ("backend", "reference"), ("backend", "torch"), ("backend", "triton"),
     ("capacity_factor", None), ("capacity_factor", 1), ("capacity_factor", 0.01), ("capacity_factor", 8.0),
     ("block_m", None), ("block_m", 1), ("block_m", 64), ("block_m", 1024),
-    ("num_comm_sms", 1), ("minibatch_tokens", 4096), ("minibatch_tokens", 2**31 - 1),
+    ("num_comm_sms", 1), ("num_comm_sms", 2**31 - 1), ("minibatch_tokens", 4096), ("minibatch_tokens", 2**31 - 1),
     ("dispatch", "pull"), ("dispatch", "push"), ("combine", "push"), ("combine", "auto"),
     ("comm_timeout_ms", 1), ("comm_timeout_ms", 2**31 - 1),
 ]
