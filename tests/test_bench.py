@@ -392,6 +392,40 @@ def test_bench_sh_runs_in_the_callers_folder(tmp_path):
     assert done.stdout.strip() == str(caller), f"bench ran in {done.stdout.strip()}, not the caller's {caller}"
 
 
+def test_triton_next_sh_installs_each_triton_beside_torch(tmp_path):
+    """scripts/test_triton_next.sh runs the compile tests under each tracked Triton beside torch 2.13.0, whose Linux
+    wheels on PyPI require triton==3.7.1: asked for in one pip command with torch, 3.8.0 and 3.9.0 cannot resolve
+    (they did beside a CPU wheel only, which pins none). The real script, with stand-in venvs whose python answers
+    as pip does with that pin, and whose pytest reports the Triton it would run under."""
+    script = (REPO / "scripts" / "test_triton_next.sh").read_text()
+    versions = re.search(r"for version in ([\d. ]+); do", script).group(1).split()
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "test_triton_next.sh").write_text(script)
+    stand_in = f"""#!{sys.executable}
+import pathlib, sys
+args, installed = sys.argv[1:], pathlib.Path(sys.argv[0]).with_name("triton")
+asked = [arg.partition("==")[2] for arg in args if arg.startswith("triton==")]
+if args[:2] == ["-m", "pip"]:
+    if "torch==2.13.0" in args:
+        if asked not in ([], ["3.7.1"]):
+            sys.exit("ResolutionImpossible: torch 2.13.0 depends on triton==3.7.1")
+        installed.write_text("3.7.1")
+    if asked:
+        installed.write_text(asked[0])
+elif args[:2] == ["-m", "pytest"]:
+    print("pytest under Triton", installed.read_text())
+"""
+    for version in versions:
+        python = tmp_path / f".venv-triton-{version}" / "bin" / "python"
+        python.parent.mkdir(parents=True)
+        python.write_text(stand_in)
+        python.chmod(0o755)
+    done = subprocess.run(["bash", str(tmp_path / "scripts" / "test_triton_next.sh")], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert re.findall(r"pytest under Triton (\S+)", done.stdout) == versions
+
+
 def test_readme_bench_options_exist(capsys):
     """The options the README shows for `python -m megamoe bench` (those `./scripts/bench.sh --help` lists, and
     --rounds) are the bench's own."""
