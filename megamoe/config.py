@@ -179,7 +179,8 @@ class MoEConfig:
             # Any real number (NumPy's scalars too), but not a bool (an int to Python, a flag to a reader).
             if isinstance(self.capacity_factor, bool) or not isinstance(self.capacity_factor, numbers.Real):
                 raise TypeError(
-                    f"MoEConfig.capacity_factor must be None or a number > 0, got {type(self.capacity_factor).__name__}"
+                    f"MoEConfig.capacity_factor must be None or a real number > 0 (an int or a float), "
+                    f"got {_type_name(self.capacity_factor)} {self.capacity_factor!r}"
                 )
             try:
                 value = float(self.capacity_factor)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import re
 
 import pytest
@@ -100,6 +101,17 @@ def test_capacity_factor_numpy_scalar_rejected(kind, value, exc):
     scalar = getattr(np, kind)(value if kind in ("str_", "bool_") else float(value))
     with pytest.raises(exc, match=r"\bcapacity_factor\b"):
         MoEConfig(capacity_factor=scalar)
+
+
+@pytest.mark.parametrize("value", ["1.5", decimal.Decimal("1.5"), [2.0]], ids=repr)
+def test_capacity_factor_type_error_shows_the_value(value):
+    """A capacity_factor of the wrong type is shown with its value: "got str" said not what was passed, and for a
+    Decimal ("must be None or a number > 0, got Decimal") not why a number was refused."""
+    with pytest.raises(TypeError) as info:
+        MoEConfig(capacity_factor=value)
+    allowed, _, given = str(info.value).partition(", got ")
+    assert allowed.endswith("capacity_factor must be None or a real number > 0 (an int or a float)"), info.value
+    assert repr(value) in given, info.value
 
 
 def test_reference_backend_takes_no_capacity():
