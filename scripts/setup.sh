@@ -1,6 +1,6 @@
 # Sourced by scripts/bench.sh and scripts/test.sh: a virtual environment with megamoe and its test tools.
-# Reuses a torch that is already installed (GPU machines); otherwise installs the CPU-friendly torch 2.13.0
-# (an unpinned `pip install torch` would pull a multi-GB CUDA build).
+# Reuses a torch that is already installed (GPU machines); otherwise installs torch 2.13.0: a CPU build where pip
+# finds one (a local wheel, or PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu), else PyPI's CUDA build.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ ! -x .venv/bin/python ]; then
