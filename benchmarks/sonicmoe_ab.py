@@ -267,16 +267,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after timing, each path's GPU time per kernel over N calls (torch.profiler; a CUDA GPU)")
     args = parser.parse_args(argv)
+    # A name given twice runs once (twice, its records would repeat and the speed line read the later one only).
     args.sonic = [] if args.sonic == "none" else args.sonic.split(",")
-    args.routing = args.routing.split(",")
-    args.passes = args.passes.split(",")
+    args.routing = list(dict.fromkeys(args.routing.split(",")))
+    args.passes = list(dict.fromkeys(args.passes.split(",")))
+    workloads = list(dict.fromkeys(args.workloads.split(",")))
     if unknown := set(args.passes) - set(PASSES):
         parser.error(f"--pass: unknown passes {sorted(unknown)}; allowed: {', '.join(PASSES)}")
     if unknown := set(args.routing) - set(ROUTINGS):
         parser.error(f"--routing: unknown routings {sorted(unknown)}; allowed: {', '.join(ROUTINGS)}")
     if unknown := set(args.sonic) - set(SONIC_PATHS):
         parser.error(f"--sonic: unknown entry points {sorted(unknown)}; allowed: {', '.join(SONIC_PATHS)} or none")
-    if unknown := set(args.workloads.split(",")) - set(WORKLOADS):
+    if unknown := set(workloads) - set(WORKLOADS):
         parser.error(f"unknown workloads {sorted(unknown)}; allowed: {', '.join(WORKLOADS)}")
     if args.rounds < 1 or args.iters < 1:
         parser.error(f"--rounds and --iters must be >= 1, got {args.rounds} and {args.iters}")
@@ -292,7 +294,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out = []
     # --graph: every call on one side stream, the capturing one (measure.cuda_graph: the backward's leaves).
     with torch.cuda.stream(torch.cuda.Stream()) if args.graph else contextlib.nullcontext():
-        for name in args.workloads.split(","):
+        for name in workloads:
             if args.sonic and WORKLOADS[name].shared_intermediate:
                 print(f"{name}: its routed experts only (SonicMoE runs no shared expert)", flush=True)
             for pass_name in args.passes:

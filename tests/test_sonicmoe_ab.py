@@ -77,6 +77,15 @@ def test_swapped_gate_and_up_rows_are_caught(ab, monkeypatch, tmp_path):
     assert [r["agrees"] for r in records if r["path"] == "sonicmoe-swapped"] == [False]
 
 
+def test_a_name_given_twice_runs_once(ab, capsys, tmp_path):
+    """A workload, pass or routing named twice is timed once: run twice, its records repeated and the speed line
+    read the later run's times only."""
+    records = ab.main(["tiny,tiny", str(tmp_path / "ab.json"), "--sonic", "none", "--torchtitan", "--pass", "fwd,fwd",
+                       "--routing", "balanced,balanced", "--rounds", "1", "--iters", "1"])
+    assert sorted(r["path"] for r in records) == ["megamoe", "torchtitan"]
+    assert capsys.readouterr().out.count("megamoe's speed") == 1
+
+
 def test_bad_arguments_are_usage_errors(ab, capsys):
     for argv, message in ((["tiny", "x.json", "--sonic", "fast"], "unknown entry points ['fast']"),
                           (["tiny", "x.json", "--pass", "fwd,bwd"], "unknown passes ['bwd']"),
