@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"{r['tflops']:6.1f} TF/s {mfu} agrees {r['agrees']}")
     for key in dict.fromkeys((r["workload"], r["routing"], r["pass_name"]) for r in timed):
         ms = {r["path"]: r["ms"] for r in timed if (r["workload"], r["routing"], r["pass_name"]) == key}
-        if "megamoe" in ms:
+        if "megamoe" in ms and len(ms) > 1:  # against the other paths timed (with --graph, those captured)
             print(f"{key[0]:16} {key[1]:9} {key[2]:7} megamoe's speed: " + ", ".join(
                 f"{t / ms['megamoe']:.3f}x {p}'s" for p, t in ms.items() if p != "megamoe"))
     return out

@@ -86,6 +86,14 @@ def test_a_name_given_twice_runs_once(ab, capsys, tmp_path):
     assert capsys.readouterr().out.count("megamoe's speed") == 1
 
 
+def test_no_speed_line_without_a_path_to_compare(ab, capsys, tmp_path):
+    """megamoe timed alone (--sonic none without --torchtitan; with --graph, every other path not captured) has no
+    speed to state against another path: no line that names none."""
+    ab.main(["tiny", str(tmp_path / "ab.json"), "--sonic", "none", "--pass", "fwd", "--routing", "balanced",
+             "--rounds", "1", "--iters", "1"])
+    assert "megamoe's speed" not in capsys.readouterr().out
+
+
 def test_bad_arguments_are_usage_errors(ab, capsys):
     for argv, message in ((["tiny", "x.json", "--sonic", "fast"], "unknown entry points ['fast']"),
                           (["tiny", "x.json", "--pass", "fwd,bwd"], "unknown passes ['bwd']"),
