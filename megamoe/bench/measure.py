@@ -102,7 +102,8 @@ def kernel_times(run, iters: int) -> dict:
     for event in on_gpu:
         per_kernel[event.name][0] += event.device_time / iters
         per_kernel[event.name][1] += 1
-        if last is not None:  # idle only once every earlier kernel ended (kernels on other streams overlap)
+        # Idle only once every earlier kernel ended (kernels on other streams overlap): no gap where one still runs.
+        if last is not None and event.time_range.start > last.time_range.end:
             gaps.append({"us": event.time_range.start - last.time_range.end, "after": last.name[:60],
                          "before": event.name[:60]})
         if last is None or event.time_range.end > last.time_range.end:
@@ -111,7 +112,7 @@ def kernel_times(run, iters: int) -> dict:
     kernels = sorted(({"kernel": k, "us": v[0], "launches": v[1] // iters} for k, v in per_kernel.items()),
                      key=lambda r: -r["us"])
     return {"gpu_us_per_iteration": sum(r["us"] for r in kernels),
-            "idle_us_per_iteration": sum(max(g["us"], 0) for g in gaps) / iters,
+            "idle_us_per_iteration": sum(g["us"] for g in gaps) / iters,
             "kernels": kernels, "largest_gaps": gaps[:20]}
 
 
