@@ -21,7 +21,7 @@ import megamoe
 from megamoe.__main__ import main
 from megamoe.bench import gate, measure, problem, run
 from megamoe.bench.gate import gate_backends, rel_err
-from megamoe.bench.measure import alternating_rounds, kernel_times, round_order
+from megamoe.bench.measure import alternating_rounds, kernel_times, median_ms, round_order
 from megamoe.bench.problem import cast, forward_backward, make_tokens, make_weights, megamoe_layout, torchtitan_weights
 from megamoe.bench.routing import expert_load_E, route
 from megamoe.bench.run import RECORD_FIELDS
@@ -578,6 +578,12 @@ def test_alternating_rounds_runs_the_round_order():
     times = alternating_rounds({"a": "A", "b": "B", "c": "C"}, 4, lambda call: ran.append(call) or len(ran))
     assert ran == list("ABC" "BCA" "CAB" "CBA")
     assert times == {"a": [1, 6, 8, 12], "b": [2, 4, 9, 11], "c": [3, 5, 7, 10]}
+
+
+def test_median_of_no_timed_calls_names_iters():
+    """iters 0 times nothing: an error naming iters, before any call (median_ms said 'no median for empty data')."""
+    with pytest.raises(ValueError, match="iters must be >= 1 \\(timed calls\\), got 0"):
+        median_ms(lambda i: None, iters=0, warmup=1, device=torch.device("cpu"))
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])

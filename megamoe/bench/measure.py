@@ -59,6 +59,8 @@ def median_ms(step, *, iters: int, warmup: int, device: torch.device, group=None
 def call_times_ms(step, *, iters: int, warmup: int, device: torch.device, group=None) -> list[float]:
     """Each of iters timed calls step(i) (after warmup untimed ones), in ms, each the max over the ranks of
     group. CUDA events on GPUs (back to back, one synchronisation at the end), time.perf_counter on CPU."""
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1 (timed calls), got {iters}")
     for i in range(warmup):
         step(i)
     on_gpu = device.type == "cuda"
