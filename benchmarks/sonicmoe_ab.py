@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 out += run_workload(name, pass_name, args, device, dtype)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-            json.dump(out, open(args.json_path, "w"), indent=1)  # after each workload: a run cut short keeps what it has
+                json.dump(out, open(args.json_path, "w"), indent=1)  # after each pass: a run cut short keeps what it has
     timed = [r for r in out if "ms" in r]
     for r in out:
         if "ms" not in r:

@@ -94,6 +94,26 @@ def test_no_speed_line_without_a_path_to_compare(ab, capsys, tmp_path):
     assert "megamoe's speed" not in capsys.readouterr().out
 
 
+def test_a_run_stopped_by_a_later_pass_keeps_the_records_it_finished(ab, monkeypatch, tmp_path):
+    """The JSON is written after every pass: SonicMoE out of memory in a workload's second pass kept nothing of its
+    first (one workload, the usual run, wrote its JSON only once all its passes were timed)."""
+    timed = ab.sonic_run
+
+    def out_of_memory_in_fwd(entry, backward, *args, **kwargs):
+        if not backward:
+            raise torch.OutOfMemoryError("out of memory")
+        return timed(entry, backward, *args, **kwargs)
+
+    monkeypatch.setattr(ab, "SONIC_PATHS", {"model": sonic_layout_model})
+    monkeypatch.setattr(ab, "sonic_run", out_of_memory_in_fwd)
+    out_json = tmp_path / "ab.json"
+    with pytest.raises(torch.OutOfMemoryError):
+        ab.main(["tiny", str(out_json), "--sonic", "model", "--pass", "fwd+bwd,fwd", "--routing", "balanced",
+                 "--rounds", "1", "--iters", "1"])
+    kept = json.loads(out_json.read_text())
+    assert sorted((r["pass_name"], r["path"]) for r in kept) == [("fwd+bwd", "megamoe"), ("fwd+bwd", "sonicmoe-model")]
+
+
 def test_bad_arguments_are_usage_errors(ab, capsys):
     for argv, message in ((["tiny", "x.json", "--sonic", "fast"], "unknown entry points ['fast']"),
                           (["tiny", "x.json", "--pass", "fwd,bwd"], "unknown passes ['bwd']"),
