@@ -37,7 +37,8 @@ def experts(
     w_down [E, H, I]; shared_gate_up [2I_s, H]; shared_down [H, I_s]. Returns [T, H] in x's dtype.
     Differentiable (autograd) with respect to every floating-point input (T = 0 included: zero gradients).
     Arguments are checked as megamoe.experts checks them (ValueError/TypeError naming the argument; an id
-    outside [0, E) too; inputs on the meta device too, which hold no routing to gather by). `config` is accepted
+    outside [0, E) too; inputs on the meta device too, which hold no routing to gather by; a TypeError for topk_ids
+    batched by torch.vmap, whose values pick the tokens: vmap over the other inputs only). `config` is accepted
     for signature parity with megamoe.experts and ignored. Under torch.autocast, as megamoe.experts: the
     float32/float16/bfloat16 inputs (but topk_weights) cast to the autocast dtype, float64 ones not.
     """
@@ -58,6 +59,14 @@ def experts(
             "megamoe.reference.experts (MoEConfig.backend='reference') needs the routing's values to pick each "
             "expert's tokens, and x and the other inputs are on the meta device, which holds none; run it on "
             "the CPU or a GPU, or use MoEConfig(backend='torch') (or 'auto'), which runs on meta (shapes only)"
+        )
+    if not torch.compiler.is_compiling() and torch._C._functorch.is_batchedtensor(topk_ids):
+        # The range check and the loop below read the ids' values (nonzero): torch.vmap fails on either with
+        # "data-dependent control flow ... please file an issue".
+        raise TypeError(
+            "megamoe.reference.experts: topk_ids is batched by torch.vmap, which cannot batch the routing (each "
+            "expert's tokens are picked by the ids' values); vmap over x, topk_weights or the weights only, or loop "
+            "over the routings"
         )
     check_topk_ids(topk_ids, w_gate_up.shape[0])
     num_tokens, top_k = topk_ids.shape

@@ -52,6 +52,22 @@ def test_reference_backend_still_supports_jvp():
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("call", ["experts", "reference.experts"])
+def test_reference_vmap_over_topk_ids_is_a_type_error(call):
+    """The reference backend (which the fast paths' TypeError recommends for transforms, "though vmap cannot batch
+    topk_ids") under torch.vmap: over x it runs, over topk_ids a TypeError naming it (was torch's "data-dependent
+    control flow ... please file an issue" from inside the ids' range check)."""
+    x, ids, w, wgu, wd = _problem()
+    if call == "experts":
+        f = lambda x, ids: megamoe.experts(x, ids, w, wgu, wd, config=MoEConfig(backend="reference"))
+    else:
+        f = lambda x, ids: reference.experts(x, ids, w, wgu, wd)
+    xs = torch.stack([x, 2 * x])
+    torch.testing.assert_close(torch.vmap(f, in_dims=(0, None))(xs, ids), torch.stack([f(x, ids), f(2 * x, ids)]))
+    with pytest.raises(TypeError, match=r"topk_ids is batched by torch\.vmap"):
+        torch.vmap(f, in_dims=(None, 0))(x, torch.stack([ids, ids.flip(1)]))
+
+
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_second_derivative_is_a_clear_error(backend):
     """A backward with create_graph=True works (its first-order gradients are exact); differentiating it again raises
