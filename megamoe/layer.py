@@ -103,6 +103,9 @@ class MoELayer(nn.Module):
             world_size = dist.get_world_size(group)
         if num_experts % world_size != 0:
             raise ValueError(f"num_experts ({num_experts}) must be divisible by the group size ({world_size})")
+        if config is not None and config.backend == "reference" and world_size > 1:  # refused here, not at forward
+            raise ValueError("MoEConfig.backend='reference' computes all experts in one process; it takes no group "
+                             f"(group of size {world_size} given)")
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.shared_intermediate_size = shared_intermediate_size
         self.num_experts, self.top_k = num_experts, top_k

@@ -178,6 +178,9 @@ def _run_errors(sc, rank, world, group):
         "experts-id-out-of-range": _error_of(
             lambda: megamoe.experts(x, bad, weights, w_gate_up, w_down, group=group, config=MoEConfig(backend="torch"))
         ),
+        "layer-reference-with-group": _error_of(
+            lambda: MoELayer(H, I, num_experts, K, group=group, config=MoEConfig(backend="reference"))
+        ),
         "reference-with-group": _error_of(
             lambda: megamoe.experts(x, ids, weights, w_gate_up, w_down, group=group, config=MoEConfig(backend="reference"))
         ),
@@ -394,6 +397,7 @@ def test_layer_matches_single_process_layer(ep, name):
         ("experts-id-out-of-range", "ValueError", ["topk_ids"]),
         ("schedule-id-beyond-int32", "ValueError", ["topk_ids", "2147483647", "[0, "]),
         ("reference-with-group", "ValueError", ["reference", "group"]),
+        ("layer-reference-with-group", "ValueError", ["reference", "group of size"]),
     ],
 )
 def test_errors_under_a_group(ep, case, exc, words):
