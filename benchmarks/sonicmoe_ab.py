@@ -34,7 +34,9 @@ Usage: python benchmarks/sonicmoe_ab.py WORKLOAD[,WORKLOAD...] OUT.json [--routi
 --graph: each path's call (on the first input set) captured once as a CUDA graph and the replays timed: the
 kernels without the host's launch work, as in a training step captured whole; a path that cannot be captured (a
 host synchronisation) is reported with its error instead of a time, as is one whose replay's results differ from
-an eager call's (beyond the comparison's tolerance); no peak memory (the graphs' pools count).
+an eager call's (beyond the comparison's tolerance), checked once right after its capture and, for the
+token-sized results, again after every other path's replay (the graphs share one memory pool); no peak memory
+(the pool counts).
 Set-up for SonicMoE (an sm_90 GPU): `pip install nvidia-cutlass-dsl==4.2.1` (its `cutlass` package lives in
 nvidia_cutlass_dsl/python_packages, which a .pth file adds to the path; with `pip install --target DIR` put
 DIR/nvidia_cutlass_dsl/python_packages on PYTHONPATH yourself), and sonic-moe's `sonicmoe/` (8565e84) and
@@ -51,6 +53,7 @@ from megamoe.bench.workloads import WORKLOADS, layer_flops
 from megamoe.config import BACKENDS
 
 PASSES = ("fwd+bwd", "fwd")
+TOKEN_KEYS = ("out", "d_x", "d_topk_weights")  # the results of one row per token (not the weight gradients)
 MAX_REL_DIFF = 2e-2  # bf16 paths with fp32 accumulation in different orders; NaN fails
 WARMUP = 3
 PROFILE_TOP = 12  # kernels printed per path with --profile (the JSON has all)
@@ -137,6 +140,16 @@ def _replay_diff(replay, captured: dict[str, torch.Tensor], eager: dict[str, tor
     return {key: rel_diff(captured[key], eager[key]) for key in eager}
 
 
+def _capture(run, tokens, pool) -> tuple:
+    """run(tokens) captured as a CUDA graph in pool: (its replay, the replay's relative difference per key to an
+    eager call, {key: (the replay's result, the eager call's on the CPU)} for the TOKEN_KEYS). The weight gradients'
+    memory is left to the pool: later captures reuse it."""
+    replay, captured = cuda_graph(functools.partial(run, tokens), pool=pool)
+    eager = run(tokens)
+    diff = _replay_diff(replay, captured, eager)
+    return replay, diff, {key: (captured[key], eager[key].cpu()) for key in TOKEN_KEYS if key in captured}
+
+
 def round_turns(paths: list[str], rnd: int, on_gpu: bool) -> list[str]:
     """Round rnd's turns: on GPUs the ceiling's first, then the paths in round_order's order. The rounds run back to
     back, so a round's first turn follows the last turn of the round before; with the ceiling opening every round,
@@ -184,11 +197,14 @@ def run_workload(name: str, pass_name: str, args, device: torch.device, dtype: t
         turns = dict(paths)
         graph_errors = {}
         if args.graph:
-            turns = {}
+            turns, kept = {}, {}
+            # One memory pool for all the paths' graphs (they never replay concurrently): a graph's intermediates and
+            # weight gradients reuse the memory of those captured before it. Three pools side by side did not fit
+            # gpt-oss-120b's fwd+bwd beside each other on an 80 GB H100.
+            pool = torch.cuda.graph_pool_handle()
             for p, run in paths.items():
                 try:
-                    replay, captured = cuda_graph(functools.partial(run, toks[0]))
-                    replay_diff = _replay_diff(replay, captured, run(toks[0]))
+                    replay, replay_diff, kept[p] = _capture(run, toks[0], pool)
                 except Exception as error:  # e.g. a host synchronisation inside the path: reported, not timed
                     graph_errors[p] = f"{type(error).__name__}: {error}"
                     print(f"{name} {routing} {pass_name} {p}: not captured as a CUDA graph: {graph_errors[p]}",
@@ -200,6 +216,18 @@ def run_workload(name: str, pass_name: str, args, device: torch.device, dtype: t
                     print(f"{name} {routing} {pass_name} {p}: {graph_errors[p]}; not timed", flush=True)
                     continue
                 turns[p] = lambda tokens, replay=replay: replay()
+            for p in list(turns):  # each replay again after every other graph's, against its eager call's results
+                for q in turns:
+                    if q != p:
+                        turns[q](None)
+                turns[p](None)
+                diff = {key: rel_diff(got, want.to(device)) for key, (got, want) in kept[p].items()}
+                if not all(d <= MAX_REL_DIFF for d in diff.values()):
+                    graph_errors[p] = "its replay after the other graphs' differs from its eager call: " + ", ".join(
+                        f"{key} {d:.1e}" for key, d in diff.items())
+                    print(f"{name} {routing} {pass_name} {p}: {graph_errors[p]}; not timed", flush=True)
+                    del turns[p]
+            del kept
         timed = list(turns)
         times = {p: [] for p in timed}
         peak = dict.fromkeys(timed, 0)

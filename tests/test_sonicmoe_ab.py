@@ -1,6 +1,7 @@
 """benchmarks/sonicmoe_ab.py on CPU: the side-by-side harness with the TorchTitan-style path, and its SonicMoE
 weight layout (gate and up rows interleaved, the gradients mapped back) checked against a torch model of that
 layout, since SonicMoE's own kernels need a Hopper GPU."""
+import argparse
 import collections
 import dataclasses
 import importlib.util
@@ -182,3 +183,32 @@ def test_replay_check_catches_a_graph_that_left_work_out(ab):
     stale = {key: torch.zeros_like(t) for key, t in eager.items()}
     diffs = ab._replay_diff(lambda: None, stale, eager)
     assert diffs == {"out": 1.0, "d_x": 1.0} and all(d > ab.MAX_REL_DIFF for d in diffs.values())
+
+
+def test_a_graph_that_another_graphs_replay_breaks_is_not_timed(ab, monkeypatch):
+    """--graph captures every path into one memory pool; a path is timed only if its replay, after every other
+    graph's, still gives its eager call's token results. Here (a stand-in for CUDA graphs on the CPU) the second
+    graph's replay overwrites what the first graph's replay reads, as a pool handing memory one graph still reads
+    to another would: the first graph's replays then compute zeros; the first path is reported, the second timed."""
+    captures, overwritten = [], []
+
+    def stand_in_graph(step, warmup=2, pool=None):
+        assert pool == "the pool"
+        index, result = len(captures), step()
+        captures.append(index)
+
+        def replay():
+            for key, t in step().items():
+                if isinstance(t, torch.Tensor):
+                    result[key].copy_(t.zero_() if index in overwritten else t)
+            if index == 1:
+                overwritten.append(0)
+        return replay, result
+
+    monkeypatch.setattr(ab, "cuda_graph", stand_in_graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "the pool")
+    args = argparse.Namespace(sonic=[], torchtitan=True, backend="auto", routing=["balanced"], graph=True, rounds=1,
+                              iters=1, profile=0, facts={})
+    records = ab.run_workload("tiny", "fwd+bwd", args, torch.device("cpu"), torch.float32)
+    assert [(r["path"], "ms" in r) for r in records] == [("torchtitan", True), ("megamoe", False)]
+    assert records[1]["graph_error"].startswith("its replay after the other graphs' differs from its eager call: out")

@@ -118,7 +118,7 @@ def kernel_times(run, iters: int) -> dict:
             "kernels": kernels, "largest_gaps": gaps[:20]}
 
 
-def cuda_graph(step, warmup: int = 2):
+def cuda_graph(step, warmup: int = 2, pool=None):
     """step() captured once as a CUDA graph: (the graph's replay, what step returned while captured). The replay
     re-runs step's kernels on the tensors the capture saw, without the host's launch work, and refreshes the
     returned tensors in place (check them after a replay: a kernel launched outside the capture, e.g. on another
@@ -126,7 +126,9 @@ def cuda_graph(step, warmup: int = 2):
     pools and compiled kernels settled); warm-up and capture run on the current stream, or on a new side stream
     where that is the default stream (which cannot capture). A backward captured on a stream other than the one its
     leaves' gradient nodes were made on syncs with that stream and fails the capture: run the eager calls on the
-    capturing stream too. A step that synchronises with the host raises here (torch's error)."""
+    capturing stream too. A step that synchronises with the host raises here (torch's error). pool: a
+    torch.cuda.graph_pool_handle() shared with other graphs (None: the graph's own pool); graphs sharing one must not
+    replay concurrently."""
     caller = torch.cuda.current_stream()
     stream = torch.cuda.Stream() if caller == torch.cuda.default_stream() else caller
     stream.wait_stream(caller)
@@ -134,7 +136,7 @@ def cuda_graph(step, warmup: int = 2):
     with torch.cuda.stream(stream):
         for _ in range(warmup):
             step()
-        with torch.cuda.graph(graph, stream=stream):
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
             result = step()
     caller.wait_stream(stream)
     return graph.replay, result
