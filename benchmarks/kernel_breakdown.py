@@ -1,9 +1,9 @@
 """Per-kernel times of the fused one-GPU path (CUDA events via triton.testing.do_bench, median).
 
-Usage: python benchmarks/kernel_breakdown.py [--workload NAME ...] [--json PATH]
+Usage: python benchmarks/kernel_breakdown.py [--workload NAME ...] [--routing balanced|skewed] [--json PATH]
 Prints, per kernel, ms and TFLOP/s (GEMMs) or GB/s (memory-bound kernels), and the fwd/bwd sums, so
 docs/perf-notes.md can say where the time goes; the JSON's records add the GPU, torch, Triton and commit
-(megamoe.bench.measure.run_facts). Balanced routing, bf16. The kernels are the ones experts.py runs for this
+(megamoe.bench.measure.run_facts). Balanced routing unless --routing skewed (megamoe.bench.routing), bf16. The kernels are the ones experts.py runs for this
 problem, each timed alone: the tiles and core it picks (experts.one_gpu_configs: the Gluon kernels on Hopper),
 gate_up_fwd gathering x in its loads where the tile says so (then no gather pass), x's rows spread beside
 gate_up_dgrad where its kernel has room (then only their padding zeroed by a pass), the weight grads given row_src
@@ -24,11 +24,12 @@ from megamoe.backends.triton.configs import block_m_for
 from megamoe.backends.triton.experts import one_gpu_configs
 from megamoe.backends.triton.kernels.schedule import place_routing
 from megamoe.bench.measure import run_facts
+from megamoe.bench.routing import ROUTINGS, route
 from megamoe.bench.workloads import WORKLOADS, comma_names
 from megamoe.schedule import build_schedule
 
 
-def breakdown(name: str, tokens: int | None, experts_cap: int | None) -> list[dict]:
+def breakdown(name: str, tokens: int | None, experts_cap: int | None, routing: str = "balanced") -> list[dict]:
     w = WORKLOADS[name]
     T = tokens or w.tokens_per_gpu
     H, I, k = w.hidden, w.intermediate, w.top_k
@@ -36,8 +37,7 @@ def breakdown(name: str, tokens: int | None, experts_cap: int | None) -> list[di
     dev, dt = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(T, H, device=dev, generator=g).to(dt)
-    ids = torch.rand(T, E, device=dev, generator=g).topk(k, dim=-1).indices
-    tw = torch.rand(T, k, device=dev, generator=g).softmax(-1)
+    ids, tw = route(routing, T, E, k, g)
     wgu = (torch.randn(E, 2 * I, H, device=dev, generator=g) * H**-0.5).to(dt)
     wd = (torch.randn(E, H, I, device=dev, generator=g) * I**-0.5).to(dt)
     d_out = torch.randn(T, H, device=dev, generator=g).to(dt)
@@ -99,7 +99,7 @@ def breakdown(name: str, tokens: int | None, experts_cap: int | None) -> list[di
     records = []
     for kernel, (fn, flops, nbytes, phase) in steps.items():
         ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-        records.append({"workload": name, "tokens": T, "experts": E, "kernel": kernel, "phase": phase, "ms": ms,
+        records.append({"workload": name, "routing": routing, "tokens": T, "experts": E, "kernel": kernel, "phase": phase, "ms": ms,
                         "tflops": flops / ms / 1e9 if flops else None, "gbps": nbytes / ms / 1e6 if nbytes else None})
     return records
 
@@ -109,6 +109,7 @@ def main() -> None:
     parser.add_argument("--workload", action="extend", type=comma_names(WORKLOADS), metavar="NAME")
     parser.add_argument("--tokens", type=int, default=None)
     parser.add_argument("--experts-per-gpu", type=int, default=None)
+    parser.add_argument("--routing", choices=ROUTINGS, default="balanced")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     names = args.workload or ["qwen3-30b-a3b", "qwen3-235b-a22b"]
@@ -120,7 +121,7 @@ def main() -> None:
     facts = run_facts(torch.device("cuda"))
     records = []
     for name in names:
-        records += [{**r, **facts} for r in breakdown(name, args.tokens, args.experts_per_gpu)]
+        records += [{**r, **facts} for r in breakdown(name, args.tokens, args.experts_per_gpu, args.routing)]
     print(f"{'workload':16} {'kernel':18} {'ms':>8} {'TFLOP/s':>8} {'GB/s':>8}")
     for r in records:
         tf = f"{r['tflops']:.0f}" if r["tflops"] else ""
