@@ -212,3 +212,24 @@ def test_a_graph_that_another_graphs_replay_breaks_is_not_timed(ab, monkeypatch)
     records = ab.run_workload("tiny", "fwd+bwd", args, torch.device("cpu"), torch.float32)
     assert [(r["path"], "ms" in r) for r in records] == [("torchtitan", True), ("megamoe", False)]
     assert records[1]["graph_error"].startswith("its replay after the other graphs' differs from its eager call: out")
+
+
+def test_no_path_left_to_time_reports_every_paths_error(ab, monkeypatch):
+    """--graph with every path's replay differing from its eager call (here a stand-in graph on the CPU whose
+    replay zeroes its results): no path is timed, and each is reported with its error."""
+    def zeroing_graph(step, warmup=2, pool=None):
+        result = step()
+
+        def replay():
+            for t in result.values():
+                if isinstance(t, torch.Tensor):  # not TorchTitan's pair of gate/up gradients
+                    t.zero_()
+        return replay, result
+
+    monkeypatch.setattr(ab, "cuda_graph", zeroing_graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    args = argparse.Namespace(sonic=[], torchtitan=True, backend="auto", routing=["balanced"], graph=True, rounds=1,
+                              iters=1, profile=0, facts={})
+    records = ab.run_workload("tiny", "fwd+bwd", args, torch.device("cpu"), torch.float32)
+    assert [r["path"] for r in records] == ["megamoe", "torchtitan"] and not any("ms" in r for r in records)
+    assert all(r["graph_error"].startswith("its replay differs from its eager call: out 1.0e+00") for r in records)

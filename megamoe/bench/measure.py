@@ -33,6 +33,8 @@ def round_order(names: list, r: int) -> list:
     only: run back to back, a round's first turn follows the round before's last, pairs the design does not
     balance (benchmarks/sonicmoe_ab.py opens every round with the same turn, its ceiling matmul, for that)."""
     n = len(names)
+    if n == 0:  # nothing to run (sonicmoe_ab.py --graph when no path's graph passed its checks)
+        return []
     first = [0] + [(j + 1) // 2 if j % 2 else n - j // 2 for j in range(1, n)]  # 0, 1, n-1, 2, n-2, ...
     row = [(i + r) % n for i in first]
     if n % 2 and (r // n) % 2:  # odd n: the second n rounds run the mirrored square
