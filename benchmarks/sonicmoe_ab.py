@@ -274,6 +274,8 @@ def run_workload(name: str, pass_name: str, args, device: torch.device, dtype: t
             print(json.dumps(records[-1]), flush=True)
         records += [dict(workload=name, routing=routing, pass_name=pass_name, path=p, graph=True, graph_error=error,
                          **args.facts) for p, error in graph_errors.items()]
+        # This routing's graphs go now: one still held would keep their whole pool through the next routing.
+        turns = replay = None
     return records
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 import json
 import pathlib
+import weakref
 
 import pytest
 import torch
@@ -233,3 +234,35 @@ def test_no_path_left_to_time_reports_every_paths_error(ab, monkeypatch):
     records = ab.run_workload("tiny", "fwd+bwd", args, torch.device("cpu"), torch.float32)
     assert [r["path"] for r in records] == ["megamoe", "torchtitan"] and not any("ms" in r for r in records)
     assert all(r["graph_error"].startswith("its replay differs from its eager call: out 1.0e+00") for r in records)
+
+
+def test_a_routings_graphs_are_gone_before_the_next_routing_runs(ab, monkeypatch):
+    """--graph over several routings: a routing's graphs share one memory pool, kept (every path's memory in it)
+    while any of them lives, so none may outlive its routing into the next one's eager calls and captures. Stand-in
+    graphs on the CPU: none is alive when the next routing makes its tokens."""
+    graphs, alive = [], []
+
+    def stand_in_graph(step, warmup=2, pool=None):
+        result = step()
+
+        def replay():
+            for key, t in step().items():
+                if isinstance(t, torch.Tensor):
+                    result[key].copy_(t)
+        graphs.append(weakref.ref(replay))
+        return replay, result
+
+    make_tokens = ab.make_tokens
+
+    def make_tokens_counting_graphs(*args):
+        alive.append(sum(graph() is not None for graph in graphs))
+        return make_tokens(*args)
+
+    monkeypatch.setattr(ab, "make_tokens", make_tokens_counting_graphs)
+    monkeypatch.setattr(ab, "cuda_graph", stand_in_graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    args = argparse.Namespace(sonic=[], torchtitan=True, backend="auto", routing=["balanced", "skewed"], graph=True,
+                              rounds=1, iters=1, profile=0, facts={})
+    records = ab.run_workload("tiny", "fwd+bwd", args, torch.device("cpu"), torch.float32)
+    assert len(graphs) == 4 and [r["routing"] for r in records if "ms" in r] == ["balanced"] * 2 + ["skewed"] * 2
+    assert alive == [0] * 6  # three token sets per routing
