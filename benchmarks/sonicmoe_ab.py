@@ -209,6 +209,9 @@ def run_workload(name: str, pass_name: str, args, device: torch.device, dtype: t
                     graph_errors[p] = f"{type(error).__name__}: {error}"
                     print(f"{name} {routing} {pass_name} {p}: not captured as a CUDA graph: {graph_errors[p]}",
                           flush=True)
+                    # A capture that failed part-way may never give its claim on the pool back (torch releases it
+                    # when a graph is reset after a completed capture): the later paths take a new pool.
+                    pool = torch.cuda.graph_pool_handle()
                     continue
                 if not all(d <= MAX_REL_DIFF for d in replay_diff.values()):
                     graph_errors[p] = "its replay differs from its eager call: " + ", ".join(

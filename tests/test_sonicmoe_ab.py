@@ -266,3 +266,23 @@ def test_a_routings_graphs_are_gone_before_the_next_routing_runs(ab, monkeypatch
     records = ab.run_workload("tiny", "fwd+bwd", args, torch.device("cpu"), torch.float32)
     assert len(graphs) == 4 and [r["routing"] for r in records if "ms" in r] == ["balanced"] * 2 + ["skewed"] * 2
     assert alive == [0] * 6  # three token sets per routing
+
+
+def test_the_paths_after_a_failed_capture_take_a_new_pool(ab, monkeypatch):
+    """A capture that raised may keep its claim on the shared pool: the paths captured after it use a new one."""
+    handles, pools = iter(range(100)), []
+
+    def stand_in_graph(step, warmup=2, pool=None):
+        pools.append(pool)
+        if len(pools) == 1:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        result = step()
+        return (lambda: None), result
+
+    monkeypatch.setattr(ab, "cuda_graph", stand_in_graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(handles))
+    args = argparse.Namespace(sonic=[], torchtitan=True, backend="auto", routing=["balanced"], graph=True, rounds=1,
+                              iters=1, profile=0, facts={})
+    records = ab.run_workload("tiny", "fwd", args, torch.device("cpu"), torch.float32)
+    assert pools == [0, 1]
+    assert [(r["path"], "ms" in r) for r in records] == [("torchtitan", True), ("megamoe", False)]
