@@ -342,11 +342,12 @@ def _fwd_bwd_balanced(records: list[dict]) -> dict:
     return {(r["workload"], r["backend"]): r for r in records if r["pass"] == "fwd+bwd" and r["routing"] == "balanced"}
 
 
-def test_readme_layer_speed_and_memory_rows_quote_their_result_file():
-    """The README's "Layer speed" and "Memory (one GPU)" rows quote the bench file they name: each workload's triton
-    ms, MFU and peak above the inputs, the range of speed-ups over torchtitan, and the range of the MFU ceilings to
-    within 10 TF/s (was: 670-790 TF/s, v22's range, left when the row moved to v23, whose ceilings go down to 663)."""
-    row = _readme_row("Layer speed, one H200")
+@pytest.mark.parametrize("gpu", ["H200", "H100 80GB"])
+def test_readme_layer_speed_rows_quote_their_result_file(gpu):
+    """The README's "Layer speed" row of each GPU quotes the bench file it names: each workload's triton ms and MFU,
+    the range of speed-ups over torchtitan, and the range of the MFU ceilings to within 10 TF/s (was: 670-790 TF/s,
+    v22's range, left when the row moved to v23, whose ceilings go down to 663)."""
+    row = _readme_row(f"Layer speed, one {gpu} ")
     source = re.search(r"fwd\+bwd balanced \(([\w.-]+\.json)\)", row).group(1)
     records = json.loads((REPO / "benchmarks" / "results" / source).read_text())
     by = _fwd_bwd_balanced(records)
@@ -363,6 +364,9 @@ def test_readme_layer_speed_and_memory_rows_quote_their_result_file():
     low, high = map(int, re.search(r"\((\d+)-(\d+) TF/s", row).groups())
     assert low <= lowest < low + 10 and high - 10 < highest < high + 10, (lowest, highest)
 
+
+def test_readme_memory_row_quotes_its_result_file():
+    """The README's "Memory (one GPU)" row quotes each workload's triton peak above the inputs from the file it names."""
     row = _readme_row("Memory (one GPU)")
     source, figures = re.search(r"weight gradients included \(([\w.-]+\.json)\): ([^(]*) \(SonicMoE", row).groups()
     by = _fwd_bwd_balanced(json.loads((REPO / "benchmarks" / "results" / source).read_text()))
