@@ -1,7 +1,8 @@
 """Per-kernel times of the fused one-GPU path (CUDA events via triton.testing.do_bench, median).
 
 Usage: python benchmarks/kernel_breakdown.py [--workload NAME ...] [--routing balanced|skewed] [--json PATH]
-Prints, per kernel, ms and TFLOP/s (GEMMs) or GB/s (memory-bound kernels), and the fwd/bwd sums, so
+Prints, per kernel, ms and TFLOP/s (GEMMs: 2 * T * k * H * I per GEMM, gate and up two, padding rows not counted,
+unlike benchmarks/gemm_bench.py) or GB/s (memory-bound kernels: row_pass_bytes), and the fwd/bwd sums, so
 docs/perf-notes.md can say where the time goes; the JSON's records add the GPU, torch, Triton and commit
 (megamoe.bench.measure.run_facts). Balanced routing unless --routing skewed (megamoe.bench.routing), bf16. The kernels are the ones experts.py runs for this
 problem, each timed alone: the tiles and core it picks (experts.one_gpu_configs: the Gluon kernels on Hopper),
@@ -27,6 +28,13 @@ from megamoe.bench.measure import run_facts
 from megamoe.bench.routing import ROUTINGS, route
 from megamoe.bench.workloads import WORKLOADS, comma_names
 from megamoe.schedule import build_schedule
+
+
+def row_pass_bytes(tokens: int, top_k: int, hidden: int, rows_in_use: int) -> dict:
+    """Bytes a 16-bit row pass moves, each once (as benchmarks/combine_bench.py counts them): spread_rows reads
+    [T, H] (each token row once, stored to its k rows) and writes the rows in use, padding (zeros) included;
+    combine reads the T * k pairs' rows and writes [T, H]."""
+    return {"spread_rows": 2 * (tokens + rows_in_use) * hidden, "combine": 2 * (tokens * top_k + tokens) * hidden}
 
 
 def breakdown(name: str, tokens: int | None, experts_cap: int | None, routing: str = "balanced") -> list[dict]:
@@ -69,10 +77,9 @@ def breakdown(name: str, tokens: int | None, experts_cap: int | None, routing: s
         spread_x = (x, s.dest_row, x_rows) if spreads else None
         return kernels.gate_up_dgrad(d_gu, wgu, *blocks, config=cfg.gate_up_dgrad, spread_x=spread_x)
 
-    pairs = T * k
-    gemm = 2 * pairs * H * I  # one GEMM of the three (gate and up count as two)
-    rows_bytes = 2 * 2 * pairs * H  # a gather reads and writes one [P, H] 16-bit row set (padding not counted)
-    combine_bytes = 2 * pairs * H + 2 * T * H
+    gemm = 2 * T * k * H * I  # one GEMM of the three (gate and up count as two); padding rows not counted
+    moved = row_pass_bytes(T, k, H, int(in_use))  # host read: outside anything timed
+    rows_bytes, combine_bytes = moved["spread_rows"], moved["combine"]
     # phase "alt": timed for comparison, not in the totals.
     steps = {
         "schedule": (lambda: build_schedule(ids, E, block_m=bm, place_routing=place_routing), 0, 0, "fwd"),

@@ -26,6 +26,7 @@ from megamoe.bench.problem import cast, forward_backward, make_tokens, make_weig
 from megamoe.bench.routing import expert_load_E, route
 from megamoe.bench.run import RECORD_FIELDS
 from megamoe.bench.workloads import WORKLOADS, choose_experts_per_gpu, footprint_bytes, layer_flops
+from megamoe.schedule import build_schedule
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_RUN = ["bench", "--workload", "cpu-small", "--tokens", "64", "--iters", "2", "--warmup", "1", "--rounds", "2"]
@@ -39,6 +40,24 @@ def test_layer_flops_counts_as_design_md():
     assert layer_flops(WORKLOADS["mixtral-8x7b"], 10, "fwd") == 6 * 10 * 2 * 4096 * 14336
     with pytest.raises(ValueError, match="pass_name"):
         layer_flops(w, 1, "bwd")
+
+
+def test_kernel_breakdown_counts_the_bytes_a_row_pass_moves():
+    """benchmarks/kernel_breakdown.py's GB/s: spread_rows reads each of x's T rows once (storing it to its k rows) and
+    writes the rows in use, padding included; combine reads the T * k pairs' rows and writes T. It counted T * k rows
+    read for a spread and no padding, ~1.8x the bytes at k = 8 (4.5 TB/s on an H100, whose HBM gives 3.35)."""
+    pytest.importorskip("triton")
+    spec = importlib.util.spec_from_file_location("kernel_breakdown", REPO / "benchmarks" / "kernel_breakdown.py")
+    breakdown = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(breakdown)
+    T, k, H, E = 64, 8, 32, 16
+    ids, _ = route("balanced", T, E, k, torch.Generator().manual_seed(0))
+    rows = int(build_schedule(ids, E, block_m=16).expert_offsets[-1])
+    assert rows > T * k  # padding rows in use
+    x = torch.zeros(T, H, dtype=torch.bfloat16)
+    moved = breakdown.row_pass_bytes(T, k, H, rows)
+    assert moved["spread_rows"] == x.nbytes + rows * H * x.element_size()
+    assert moved["combine"] == (T * k + T) * H * x.element_size()
 
 
 def test_workload_shapes_are_the_models_published_ones():
