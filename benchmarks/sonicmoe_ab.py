@@ -42,7 +42,7 @@ nvidia_cutlass_dsl/python_packages, which a .pth file adds to the path; with `pi
 DIR/nvidia_cutlass_dsl/python_packages on PYTHONPATH yourself), and sonic-moe's `sonicmoe/` (8565e84) and
 quack's `quack/` (3d0ab3ec) on PYTHONPATH (`git archive` of each).
 """
-import argparse, contextlib, dataclasses, functools, json, statistics, torch
+import argparse, contextlib, dataclasses, functools, importlib.util, json, statistics, torch
 from megamoe.bench.gate import backend_weights, experts_fn
 from megamoe.bench.measure import (
     CEILING_FLOPS, call_times_ms, ceiling_matmul, cuda_graph, kernel_times, round_order, run_facts,
@@ -321,6 +321,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.profile < 0 or (args.profile and device.type != "cuda"):
         parser.error(f"--profile takes a count >= 0 of profiled calls and needs a CUDA GPU, got {args.profile} "
                      f"on {device.type}")
+    # SonicMoE's own entry points (not a stand-in put in SONIC_PATHS) need its stack and a GPU: said before any set-up.
+    if (sonic := [e for e in args.sonic if SONIC_PATHS[e] in (sonic_fixed_k, sonic_general)]) and (
+            device.type != "cuda" or importlib.util.find_spec("sonicmoe") is None):
+        parser.error(f"--sonic {','.join(sonic)} runs SonicMoE, which needs a CUDA GPU (sm_90) and sonic-moe importable "
+                     f"(set-up: this script's docstring); here: {device.type}, sonicmoe "
+                     f"{'found' if importlib.util.find_spec('sonicmoe') else 'not found'}; --sonic none times without it")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     # What ran, on every record: the code, the machine, the versions, the dtype and megamoe's backend.
     args.facts = dict(run_facts(device), dtype=str(dtype).removeprefix("torch."), megamoe_backend=args.backend)

@@ -127,7 +127,9 @@ def test_bad_arguments_are_usage_errors(ab, capsys):
                           (["tiny", "x.json", "--sonic", "none", "--backend", "torchtitan"],
                            "argument --backend: invalid choice: 'torchtitan'"),
                           (["tiny", "x.json", "--profile", "2"], "needs a CUDA GPU, got 2 on cpu"),
-                          (["tiny", "x.json", "--graph"], "--graph needs a CUDA GPU")):
+                          (["tiny", "x.json", "--graph"], "--graph needs a CUDA GPU"),
+                          # the default --sonic fixed-k: SonicMoE's own kernels, which a CPU cannot run
+                          (["tiny", "x.json"], "--sonic fixed-k runs SonicMoE, which needs a CUDA GPU (sm_90)")):
         with pytest.raises(SystemExit):
             ab.main(argv)
         assert message in capsys.readouterr().err
