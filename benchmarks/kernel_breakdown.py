@@ -4,11 +4,11 @@ Usage: python benchmarks/kernel_breakdown.py [--workload NAME ...] [--routing ba
 Prints, per kernel, ms and TFLOP/s (GEMMs: 2 * T * k * H * I per GEMM, gate and up two, padding rows not counted,
 unlike benchmarks/gemm_bench.py) or GB/s (memory-bound kernels: row_pass_bytes), and the fwd/bwd sums, so
 docs/perf-notes.md can say where the time goes; the JSON's records add the GPU, torch, Triton and commit
-(megamoe.bench.measure.run_facts). Balanced routing unless --routing skewed (megamoe.bench.routing), bf16. The kernels are the ones experts.py runs for this
-problem, each timed alone: the tiles and core it picks (experts.one_gpu_configs: the Gluon kernels on Hopper),
-gate_up_fwd gathering x in its loads where the tile says so (then no gather pass), x's rows spread beside
-gate_up_dgrad where its kernel has room (then only their padding zeroed by a pass), the weight grads given row_src
-(their padding-only row steps skipped). Passes the path does not run here are timed as phase "alt", outside the
+(megamoe.bench.measure.run_facts). Balanced routing unless --routing skewed (megamoe.bench.routing), bf16. The
+kernels are the ones experts.py runs for this problem, each timed alone: the tiles and core it picks
+(experts.one_gpu_configs: the Gluon kernels on Hopper), gate_up_fwd gathering x in its loads where the tile says so
+(then no gather pass), x's rows spread beside gate_up_dgrad where its kernel has room (then only their padding
+zeroed by a pass), the weight grads given row_src (their padding-only row steps skipped). Passes the path does not run here are timed as phase "alt", outside the
 totals. benchmarks/gemm_bench.py compares the GEMMs with cuBLAS; benchmarks/profile_layer.py profiles the layer whole.
 """
 
@@ -106,8 +106,9 @@ def breakdown(name: str, tokens: int | None, experts_cap: int | None, routing: s
     records = []
     for kernel, (fn, flops, nbytes, phase) in steps.items():
         ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-        records.append({"workload": name, "routing": routing, "tokens": T, "experts": E, "kernel": kernel, "phase": phase, "ms": ms,
-                        "tflops": flops / ms / 1e9 if flops else None, "gbps": nbytes / ms / 1e6 if nbytes else None})
+        records.append({"workload": name, "routing": routing, "tokens": T, "experts": E, "kernel": kernel,
+                        "phase": phase, "ms": ms, "tflops": flops / ms / 1e9 if flops else None,
+                        "gbps": nbytes / ms / 1e6 if nbytes else None})
     return records
 
 

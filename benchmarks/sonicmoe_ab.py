@@ -322,11 +322,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error(f"--profile takes a count >= 0 of profiled calls and needs a CUDA GPU, got {args.profile} "
                      f"on {device.type}")
     # SonicMoE's own entry points (not a stand-in put in SONIC_PATHS) need its stack and a GPU: said before any set-up.
-    if (sonic := [e for e in args.sonic if SONIC_PATHS[e] in (sonic_fixed_k, sonic_general)]) and (
-            device.type != "cuda" or importlib.util.find_spec("sonicmoe") is None):
-        parser.error(f"--sonic {','.join(sonic)} runs SonicMoE, which needs a CUDA GPU (sm_90) and sonic-moe importable "
-                     f"(set-up: this script's docstring); here: {device.type}, sonicmoe "
-                     f"{'found' if importlib.util.find_spec('sonicmoe') else 'not found'}; --sonic none times without it")
+    sonic = [e for e in args.sonic if SONIC_PATHS[e] in (sonic_fixed_k, sonic_general)]
+    sonic_found = importlib.util.find_spec("sonicmoe") is not None
+    if sonic and (device.type != "cuda" or not sonic_found):
+        parser.error(f"--sonic {','.join(sonic)} runs SonicMoE, which needs a CUDA GPU (sm_90) and sonic-moe "
+                     f"importable (set-up: this script's docstring); here: {device.type}, sonicmoe "
+                     f"{'found' if sonic_found else 'not found'}; --sonic none times without it")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     # What ran, on every record: the code, the machine, the versions, the dtype and megamoe's backend.
     args.facts = dict(run_facts(device), dtype=str(dtype).removeprefix("torch."), megamoe_backend=args.backend)
