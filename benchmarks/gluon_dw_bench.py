@@ -2,7 +2,7 @@
 production Triton TMA kernel (kernels.dw_down / kernels.dw_gate_up with the TMA tile config).
 
 Usage (one H200, torch + Triton 3.6):  PYTHONPATH=$PWD python3 benchmarks/gluon_dw_bench.py OUT.json
-    [--config NAME ...] [--workload NAME ...]
+    [--config NAME ...] [--workload NAME ...] [--routing balanced|skewed]
 Compile-only checks of the same kernel (no GPU): tests/test_gluon_dw_compile.py.
 
 The production kernel is timed first, in this process; then every Gluon config runs in its own subprocess (a
@@ -16,8 +16,10 @@ the pingpong ones after it. A worker:
      into a NaN-filled buffer (every element must be written; empty experts zeros), against the production
      kernel's, bitwise (torch.equal on the values and on the 16-bit patterns), repeatable, and both against
      an fp32 per-expert reference;
-  2. qwen3-30b-a3b and qwen3-235b-a22b (16384 tokens, 128 experts, top-8, balanced routing, the schedule of
-     megamoe.schedule.build_schedule with block_m 128; random operand rows, zero on padding rows): dw_down
+  2. qwen3-30b-a3b, qwen3-235b-a22b (16384 tokens, 128 experts, top-8) and gpt-oss-120b (top-4) under the
+     --routing of megamoe.bench.routing (balanced by default; skewed: uneven rows per expert, so uneven tile
+     costs), the schedule of megamoe.schedule.build_schedule with block_m 128; random operand rows, zero on
+     padding rows): dw_down
      (d_y [R, H]^T h [R, I]) and dw_gate_up (d_gate_up [R, 2I]^T x_rows [R, H]) bitwise against the
      production kernel, then timed with triton.testing.do_bench (median).
 A watchdog in each worker writes what it has and exits if a step hangs; the parent also kills a worker that
@@ -52,12 +54,13 @@ from megamoe.backends.triton.configs import tma_kernel_configs, triton_tile  # n
 from megamoe.backends.triton.kernels import gluon_dw  # noqa: E402
 from megamoe.backends.triton.kernels.gluon_common import ConsumerTile  # noqa: E402
 from megamoe.bench.measure import run_facts  # noqa: E402
-from megamoe.bench.routing import route  # noqa: E402
+from megamoe.bench.routing import ROUTINGS, route  # noqa: E402
 from megamoe.schedule import build_schedule  # noqa: E402
 
 WORKLOADS = {  # name: (tokens, experts, top_k, hidden H, intermediate I), as megamoe.bench.workloads has them
     "qwen3-30b-a3b": (16384, 128, 8, 2048, 768),
     "qwen3-235b-a22b": (16384, 128, 8, 4096, 1536),
+    "gpt-oss-120b": (16384, 128, 4, 2880, 2880),
 }
 SCHEDULE_BLOCK_M = 128
 SMALL_COUNTS = [0, 128, 1152, 256, 0, 640, 384]  # rows per expert (multiples of 128, as the schedule pads them)
@@ -138,15 +141,15 @@ def small_problem(device) -> dict:
     return p
 
 
-def workload_problem(name: str, device) -> dict:
-    """Operand rows of the fused path's weight gradients under the schedule of balanced routing."""
+def workload_problem(name: str, routing: str, device) -> dict:
+    """Operand rows of the fused path's weight gradients under the schedule of this routing."""
     T, E, k, H, I = WORKLOADS[name]
     g = torch.Generator(device=device).manual_seed(0)
-    ids, _ = route("balanced", T, E, k, g)
+    ids, _ = route(routing, T, E, k, g)
     s = build_schedule(ids, E, block_m=SCHEDULE_BLOCK_M)
     rows = s.row_src.numel()
     valid = s.row_src >= 0
-    p = dict(name=name, E=E, H=H, I=I, offsets=s.expert_offsets, used=int(s.expert_offsets[-1].item()),
+    p = dict(name=name, routing=routing, E=E, H=H, I=I, offsets=s.expert_offsets, used=int(s.expert_offsets[-1].item()),
              tma_cfgs=tma_kernel_configs(H, I, torch.bfloat16, device, SCHEDULE_BLOCK_M))
     for n, cols in (("d_y", H), ("h", I), ("d_gu", 2 * I), ("x_rows", H)):
         p[n] = _random_rows(rows, cols, valid, g, device)
@@ -198,11 +201,11 @@ def _time(fn) -> float:
 
 def _record(p: dict, gemm: str, variant: str) -> dict:
     a, b, _, _ = _args(gemm, p)
-    return dict(workload=p["name"], gemm=gemm, variant=variant, rows=p["used"], M=a.shape[1], N=b.shape[1],
-                experts=p["E"], flops=2 * p["used"] * a.shape[1] * b.shape[1])
+    return dict(workload=p["name"], routing=p.get("routing"), gemm=gemm, variant=variant, rows=p["used"],
+                M=a.shape[1], N=b.shape[1], experts=p["E"], flops=2 * p["used"] * a.shape[1] * b.shape[1])
 
 
-def run_worker(config: str, workloads: list[str], path: str) -> int:
+def run_worker(config: str, workloads: list[str], routing: str, path: str) -> int:
     """One Gluon config: the small problem's checks, then per workload and GEMM the bitwise check and the timing."""
     cfg = gluon_dw.CONFIGS[config]
     device = torch.device("cuda")
@@ -230,7 +233,7 @@ def run_worker(config: str, workloads: list[str], path: str) -> int:
     for gemm in ("dw_down", "dw_gate_up"):
         checked(p, gemm, with_reference=True)
     for name in workloads:
-        p = workload_problem(name, device)
+        p = workload_problem(name, routing, device)
         for gemm in ("dw_down", "dw_gate_up"):
             check = checked(p, gemm, with_reference=False)
             rec = _record(p, gemm, f"gluon-{config}")
@@ -256,12 +259,12 @@ def run_worker(config: str, workloads: list[str], path: str) -> int:
 # Parent: the production kernel's timings, one worker per Gluon config, then the table
 
 
-def time_production(workloads: list[str], device) -> list[dict]:
+def time_production(workloads: list[str], routing: str, device) -> list[dict]:
     """megamoe-tma: kernels.dw_down / dw_gate_up with the TMA tile config, in the parent (no Gluon kernel
     runs in this process, so its CUDA context stays healthy whatever the workers do)."""
     records = []
     for name in workloads:
-        p = workload_problem(name, device)
+        p = workload_problem(name, routing, device)
         for gemm in ("dw_down", "dw_gate_up"):
             production, args = _gemm_fns(gemm)[0], _args(gemm, p)
             tile = triton_tile(getattr(p["tma_cfgs"], gemm))
@@ -300,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("json_path", help="where to write the records (JSON)")
     parser.add_argument("--config", action="append", choices=list(gluon_dw.CONFIGS), help="default: all, coop first")
-    parser.add_argument("--workload", action="append", choices=list(WORKLOADS), help="default: both")
+    parser.add_argument("--workload", action="append", choices=list(WORKLOADS), help="default: all")
+    parser.add_argument("--routing", choices=ROUTINGS, default="balanced")
     parser.add_argument("--worker", choices=list(gluon_dw.CONFIGS), help=argparse.SUPPRESS)  # internal
     args = parser.parse_args(argv)
     workloads = args.workload or list(WORKLOADS)
@@ -308,10 +312,10 @@ def main(argv: list[str] | None = None) -> int:
         _log("needs a Hopper GPU (sm_90): the kernels use wgmma, TMA and setmaxnreg")
         return 2
     if args.worker:
-        return run_worker(args.worker, workloads, args.json_path)
+        return run_worker(args.worker, workloads, args.routing, args.json_path)
 
     configs = args.config or list(gluon_dw.CONFIGS)
-    result = {**run_facts(torch.device("cuda")),
+    result = {**run_facts(torch.device("cuda")), "routing": args.routing,
               "configs": {n: dataclasses.asdict(gluon_dw.CONFIGS[n]) for n in configs},
               "workers": {}, "checks": [], "records": []}
 
@@ -320,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(result, f, indent=1)
 
     t_start = time.time()
-    result["records"] += time_production(workloads, torch.device("cuda"))
+    result["records"] += time_production(workloads, args.routing, torch.device("cuda"))
     torch.cuda.empty_cache()  # the workers need the memory
     save()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
@@ -332,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
                 _log(f"--- worker {config}: skipped (time budget)")
                 continue
             out = os.path.join(tmp, f"{config}.json")
-            cmd = [sys.executable, __file__, out, "--worker", config] + sum((["--workload", w] for w in workloads), [])
+            cmd = [sys.executable, __file__, out, "--worker", config, "--routing", args.routing]
+            cmd += sum((["--workload", w] for w in workloads), [])
             _log(f"--- worker {config}")
             t0 = time.time()
             try:

@@ -29,7 +29,10 @@ TRITON = tuple(int(n) for n in re.findall(r"\d+", triton.__version__)[:2])  # (m
 KNOWN_SPILLS = {
     (3, 7): {"s4b1-gu fp16": dict(spills=4, stack=8, local=2), "ep_bwd sm100": dict(spills=308)},
     (3, 8): {"tma down_dgrad": dict(spills=4), "down_dgrad router-h_w": dict(spills=192, stack=128, local=96),
-             "gate_up_fwd_pull_handoff": dict(spills=16, stack=16, local=8)},
+             "gate_up_fwd_pull_handoff": dict(spills=16, stack=16, local=8),
+             # the weight-grad kernel's gathering producer (a warpgroup at 40 registers) since it claims tiles
+             "dw coop-gather": dict(spills=24, stack=16, local=10),
+             "dw fp16 gathering": dict(spills=24, stack=16, local=10)},
 }.get(TRITON, {})
 SMEM_LIMIT = SMEM_PER_CTA  # bytes of shared memory one CTA may use on sm_90
 

