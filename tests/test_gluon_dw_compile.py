@@ -24,13 +24,14 @@ gluon_dw.CONFIGS is compiled with the launcher's constexprs; the assertions are 
 
 The protocol model runs the kernel's three partitions (producer, two consumers) of every CTA of a small grid as
 Python generators with the same index arithmetic (the tiles dealt round-robin, then claimed from one counter
-shared by the CTAs, a claim a tile ahead; the tile ring; slot counters, parities, the pingpong skip and order
-barrier) over mbarriers that behave like the hardware's (a parity wait passes when the phase of that parity is
-the last completed one), interleaved at random, with asynchronous TMA completions, on tile lists with empty
-experts. It checks that every tile is run by exactly one CTA, that no wait passes on a phase that has not
-completed (the aliasing that crashed the prototype's pingpong), that every step reads the (tile, row step) the
-producer filled into its slot and every tile entry the one published for it, that no slot or entry is refilled
-before its readers are done, and that nothing deadlocks.
+shared by the CTAs, a claim a tile ahead, the gathering producer's a tile further ahead with its row sources
+loaded a step ahead; the tile ring; slot counters, parities, the pingpong skip and order barrier) over mbarriers
+that behave like the hardware's (a parity wait passes when the phase of that parity is the last completed one),
+interleaved at random, with asynchronous TMA completions, on tile lists with empty experts. It checks that every
+tile is run by exactly one CTA, that no wait passes on a phase that has not completed (the aliasing that crashed
+the prototype's pingpong), that every step reads the (tile, row step) the producer filled into its slot and every
+tile entry the one published for it, that a gathered step uses its own rows' sources, that no slot or entry is
+refilled before its readers are done, and that nothing deadlocks.
 
 Run: pytest tests/test_gluon_dw_compile.py -s  (prints registers, shared memory and instruction counts).
 """
@@ -305,36 +306,59 @@ def _take(st, wg, j):
     return entry
 
 
-def _producer(st, shared, p_id, nprog, num_m, num_n, num_experts, offsets, padded_last, cfg):
+def _producer(st, shared, p_id, nprog, num_m, num_n, num_experts, offsets, padded_last, cfg, gather):
     """Yields ("wait", barrier, parity, phase it must have completed) or ("do", action). Tiles: p_id, p_id +
     nprog, ... below the kernel's _static_end, then static_end + the counter's value at each claim, a claim
-    issued a tile before its value is used."""
+    issued a tile before its value is used (gather: _producer_gather's order, the tile after next known a tile
+    ahead, and its row sources loaded a step ahead: `src` the row whose sources it holds)."""
     stages, p, j = cfg.stages, 0, 0
     num_tiles = num_experts * num_m * num_n
     static_end = max(num_tiles // nprog * G.STATIC_QUARTERS // 4, 1) * nprog
 
-    def claim(tile):  # the kernel's _claim: only where the next dealt tile is past static_end
+    def claim(tile):  # the kernel's _claim: the counter bumped only where the next dealt tile is past static_end
         if tile + nprog < static_end:
-            return None
+            return 0  # (the masked atomic's value)
         shared["counter"] += 1
         return shared["counter"] - 1
 
+    def next_tile(tile, claimed):  # the kernel's _next_tile
+        return tile + nprog if tile + nprog < static_end else static_end + claimed
+
     tile = p_id
-    pending = claim(tile)
+    if gather:
+        following, src, src_row = next_tile(tile, claim(tile)), None, -1
+    else:
+        pending = claim(tile)
     while tile < num_tiles:
+        if gather:
+            pending = claim(following)
         expert, _, _ = _tile_of(tile, num_m, num_n, cfg.group_m)
-        _, k_steps = _expert_rows(offsets, expert, cfg.block_k, padded_last)
+        start, k_steps = _expert_rows(offsets, expert, cfg.block_k, padded_last)
         yield from _publish(st, j, (tile, k_steps))
         shared["claimed"].append(tile)
+        if gather:
+            next_start, next_steps = _expert_rows(offsets, _tile_of(min(following, num_tiles - 1), num_m, num_n,
+                                                                    cfg.group_m)[0], cfg.block_k, padded_last)
+            next_ok = following < num_tiles and next_steps > 0
+            if src_row != start and k_steps > 0:
+                src = start
         for ki in range(k_steps):
+            if gather:
+                row = start + ki * cfg.block_k
+                assert src == row, f"tile {tile} step {ki} gathered with the row sources of row {src}, not {row}"
+                ahead = row + cfg.block_k if ki + 1 < k_steps else next_start
+                src = src_row = ahead if ki + 1 < k_steps or next_ok else -1
             s = p % stages
             yield ("wait", st["empty"][s], ((p // stages) & 1) ^ 1, p // stages - 1)
             assert not st["holders"][s], f"slot {s} refilled while read by {st['holders'][s]}"
             st["in_flight"].append((s, (tile, ki)))  # the TMA copies land later (the scheduler decides when)
             p += 1
             yield ("do", None)
-        tile = tile + nprog if pending is None else static_end + pending
-        pending = claim(tile)
+        if gather:
+            tile, following = following, next_tile(following, pending)
+        else:
+            tile = next_tile(tile, pending)
+            pending = claim(tile)
         j += 1
         yield ("do", None)
     yield from _publish(st, j, (num_tiles, 0))
@@ -373,9 +397,10 @@ def _consumer(st, wg, num_m, num_n, num_experts, cfg, reads):
         tile, k_steps = yield from _take(st, wg, j)
 
 
-def _simulate(cfg, offsets, padded_last, num_m, num_n, nprog, seed):
-    """Run the three partitions of each of nprog CTAs, claiming tiles from one counter, in a random
-    interleaving; returns the tiles each CTA published and the (tile, step, wg, CTA-local tile) reads of each."""
+def _simulate(cfg, offsets, padded_last, num_m, num_n, nprog, seed, gather=False):
+    """Run the three partitions of each of nprog CTAs (gather: with the gathering producer), claiming tiles
+    from one counter, in a random interleaving; returns the tiles each CTA published and the (tile, step, wg,
+    CTA-local tile) reads of each."""
     rng = random.Random(seed)
     num_experts = len(offsets) - 1
     shared = dict(counter=0)
@@ -389,7 +414,8 @@ def _simulate(cfg, offsets, padded_last, num_m, num_n, nprog, seed):
                   tile_empty=[_MBarrier(2) for _ in range(G.TILE_SLOTS)], tile_data=[None] * G.TILE_SLOTS)
         cta = dict(st=st, claimed=[], reads=[])
         view = _SharedCounter(shared, cta["claimed"])
-        agents.append(_producer(st, view, p_id, nprog, num_m, num_n, num_experts, offsets, padded_last, cfg))
+        agents.append(_producer(st, view, p_id, nprog, num_m, num_n, num_experts, offsets, padded_last, cfg,
+                                gather))
         agents += [_consumer(st, wg, num_m, num_n, num_experts, cfg, cta["reads"]) for wg in range(2)]
         ctas.append(cta)
     blocked = {i: None for i in range(len(agents))}  # agent -> the wait it is blocked on
@@ -445,8 +471,9 @@ def _random_offsets(rng, num_experts, block_k, max_steps):
     return offsets
 
 
+@pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathering"])
 @pytest.mark.parametrize("name", list(G.CONFIGS))
-def test_barrier_protocol_model(name):
+def test_barrier_protocol_model(name, gather):
     cfg = G.CONFIGS[name]
     rng = random.Random(0)
     for trial in range(60):
@@ -455,10 +482,10 @@ def test_barrier_protocol_model(name):
         padded_last = {e for e in range(num_experts) if rng.random() < 0.5}  # SKIP_PADDING's trimmed experts
         num_m, num_n = rng.randint(1, 3), rng.randint(1, 3)
         nprog = min(rng.randint(1, 4) if trial % 2 else rng.randint(1, 2), num_experts * num_m * num_n)  # <= tiles
-        ctas = _simulate(cfg, offsets, padded_last, num_m, num_n, nprog, seed=trial)
+        ctas = _simulate(cfg, offsets, padded_last, num_m, num_n, nprog, seed=trial, gather=gather)
         # Every tile published by exactly one CTA (claims neither lose nor repeat one).
         claimed = sorted(t for tiles, _ in ctas for t in tiles)
-        assert claimed == list(range(num_experts * num_m * num_n)), (name, trial, claimed)
+        assert claimed == list(range(num_experts * num_m * num_n)), (name, gather, trial, claimed)
         # Every (tile, row step) of a CTA read by its consumers: both (coop) or the tile's warpgroup.
         for tiles, reads in ctas:
             want = []
@@ -467,7 +494,7 @@ def test_barrier_protocol_model(name):
                 readers = [j % 2] if cfg.pingpong else [0, 1]
                 steps = _expert_rows(offsets, expert, cfg.block_k, padded_last)[1]
                 want += [(tile, ki, wg, j) for ki in range(steps) for wg in readers]
-            assert sorted(reads) == sorted(want), (name, trial)
+            assert sorted(reads) == sorted(want), (name, gather, trial)
 
 
 @pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathering"])
