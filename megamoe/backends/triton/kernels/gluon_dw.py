@@ -17,7 +17,7 @@ of the full waves round-robin (CTA p: tiles p, p + grid, ...; at least the first
 rest one at a time from a device counter (tile = static_end + atomic_add(counter, 1), the counter zeroed per
 launch), a tile ahead of need so the atomic's latency hides behind a tile's copies: whichever CTA is free
 takes the next tile, so the hot experts' costly tiles even out over the CTAs. (Claiming every tile evened
-skewed routing out as well but cost balanced routing 1-5% in the weight-grad kernels on an H100, dealing them
+skewed routing out as well but cost balanced routing 1-6% in the weight-grad kernels on an H100, dealing them
 all none: docs/perf-notes.md, "Forty-seventh session".) Which CTA runs a tile does not change its sum, so the
 bits do not depend on the claims. The row range comes from expert_offsets on the device: nothing is read
 back to the host. With SKIP_PADDING (the launch given the schedule's row_src, as the one-GPU path does) an
@@ -57,22 +57,23 @@ Structure of a CTA (gl.warp_specialize, 12 warps):
     rows [64 w, 64 w + 64) (the a tile's columns: a slice of the MN-major operand along M). Each slot is
     read by both, so its "empty" mbarrier counts 2 arrivals. A 128 x 256 tile is 128 fp32 accumulator
     registers per thread, the production tile.
-  * "pingpong": each warpgroup owns whole tiles, alternating (the CTA's local tile j -> warpgroup j % 2),
-    so one warpgroup's epilogue overlaps the other's main loop. The producer fills the ring in tile order;
-    a consumer's slot counter at its tile is the sum of the row steps of all the CTA's earlier tiles (both
-    read every entry of the tile ring and add the other warpgroup's tiles' steps). Each slot is read once
-    ("empty" counts 1). An order barrier pair makes the main loops take turns: warpgroup w starts a tile's
-    main loop only after the other one has waited for every slot of the tile before it. Without it the
-    second warpgroup would wait on slots more than one mbarrier phase ahead of the producer, where the parity wait cannot tell phase n from phase n - 2
-    (the crash of the pingpong of the first prototype, commit fbd1888, benchmarks/gluon_gemm.py). With the
-    order barrier, a consumer waiting for slot counter c knows that counter c - 1 was filled, hence
+  * "pingpong": each warpgroup owns whole tiles, alternating (the CTA's local tile j -> warpgroup j % 2), so one
+    warpgroup's epilogue overlaps the other's main loop. The producer fills the ring in tile order; a consumer's
+    slot counter at its tile is the sum of the row steps of all the CTA's earlier tiles (both read every entry
+    of the tile ring and add the other warpgroup's tiles' steps). Each slot is read once ("empty" counts 1). An
+    order barrier pair makes the main loops take turns: warpgroup w starts a tile's main loop only after the
+    other one has waited for every slot of the tile before it. Without it the second warpgroup would wait on
+    slots more than one mbarrier phase ahead of the producer, where the parity wait cannot tell phase n from
+    phase n - 2 (the crash of the pingpong of the first prototype, commit fbd1888, benchmarks/gluon_gemm.py).
+    With the order barrier, a consumer waiting for slot counter c knows that counter c - 1 was filled, hence
     c - STAGES: the slot's ready barrier is exactly one phase short of the one it waits for.
 
-Barriers: ready[s] (count 1: the producer's expect_tx, completed by the copies' bytes), empty[s] (count:
-readers of a slot), tile_ready[t] (count 1) and tile_empty[t] (count 2: both consumers read every entry),
-order[2] (pingpong only, count 1). A fresh mbarrier counts as having completed the phase before phase 0,
-so the producer's first pass over each ring (parity 1) and warpgroup 0's first tile do not wait. Gluon issues an mbarrier arrive from one thread after a named barrier over the partition's
-warps, so one arrive stands for the whole warpgroup.
+Barriers: ready[s] (count 1: the producer's expect_tx, completed by the copies' bytes), empty[s] (count: readers
+of a slot), tile_ready[t] (count 1) and tile_empty[t] (count 2: both consumers read every entry), order[2]
+(pingpong only, count 1). A fresh mbarrier counts as having completed the phase before phase 0, so the
+producer's first pass over each ring (parity 1) and warpgroup 0's first tile do not wait. Gluon issues an
+mbarrier arrive from one thread after a named barrier over the partition's warps, so one arrive stands for the
+whole warpgroup.
 
 Numerics: per output element the same sum as the Triton kernel, which Triton also compiles to wgmma
 m64nNk16 with an fp32 register accumulator: products of one 16-row chunk summed by the tensor core, chunks
@@ -244,7 +245,7 @@ def _producer_gather(a_desc, b_desc, a_bufs, b_bufs, ready_bars, empty_bars, til
                      counter_ptr, expert_offsets_ptr, row_src_ptr, num_experts, src_ptr, top_k, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, SKIP_PADDING: gl.constexpr):
     """One warpgroup: claims and publishes this CTA's tiles as _producer does, a tile further ahead (the next
-    tile's first rows are gathered from the current tile's last step); per (tile, row step), in order, the a
+    tile's first row sources are loaded during the current tile's last step); per (tile, row step), in order, the a
     tile by TMA (one thread) and the gathered b tile [BLOCK_K, BLOCK_N] by cp.async (every thread, 16-byte
     copies): row r of it is src[row_src[r] // top_k], zeros where row_src[r] is -1 (padding) and past column N."""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[0]
