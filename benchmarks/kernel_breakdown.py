@@ -1,10 +1,13 @@
 """Per-kernel times of the fused one-GPU path (CUDA events via triton.testing.do_bench, median).
 
-Usage: python benchmarks/kernel_breakdown.py [--workload NAME ...] [--routing balanced|skewed] [--json PATH]
+Usage: python benchmarks/kernel_breakdown.py [--workload NAME ...] [--routing balanced|skewed]
+    [--weights routing|uniform|balanced|skewed] [--json PATH]
 Prints, per kernel, ms and TFLOP/s (GEMMs: 2 * T * k * H * I per GEMM, gate and up two, padding rows not counted,
 unlike benchmarks/gemm_bench.py) or GB/s (memory-bound kernels: row_pass_bytes), and the fwd/bwd sums, so
 docs/perf-notes.md can say where the time goes; the JSON's records add the GPU, torch, Triton and commit
-(megamoe.bench.measure.run_facts). Balanced routing unless --routing skewed (megamoe.bench.routing), bf16. The
+(megamoe.bench.measure.run_facts). Balanced routing unless --routing skewed (megamoe.bench.routing), bf16;
+--weights keeps the routing's expert ids but swaps its weights, to tell what the ids cost from what the weights'
+values do (routing_weights). The
 kernels are the ones experts.py runs for this problem, each timed alone: the tiles and core it picks
 (experts.one_gpu_configs: the Gluon kernels on Hopper), gate_up_fwd gathering x in its loads where the tile says so
 (then no gather pass), x's rows spread beside gate_up_dgrad where its kernel has room (then only their padding
@@ -37,7 +40,28 @@ def row_pass_bytes(tokens: int, top_k: int, hidden: int, rows_in_use: int) -> di
     return {"spread_rows": 2 * (tokens + rows_in_use) * hidden, "combine": 2 * (tokens * top_k + tokens) * hidden}
 
 
-def breakdown(name: str, tokens: int | None, experts_cap: int | None, routing: str = "balanced") -> list[dict]:
+WEIGHTS = ("routing", "uniform") + ROUTINGS
+
+
+def routing_weights(routing: str, weights: str, T: int, E: int, k: int, generator: torch.Generator):
+    """(topk_ids, topk_weights) of route(routing, ...), with the weights replaced where `weights` says: "routing"
+    its own, "uniform" 1 / k each, a routing name the weights that routing draws from the same generator state
+    (so "balanced" ids with "skewed" weights are the ids of one draw and the weights of the other)."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    state = generator.get_state()
+    ids, tw = route(routing, T, E, k, generator)
+    if weights == "uniform":
+        tw = torch.full_like(tw, 1.0 / k)
+    elif weights not in ("routing", routing):
+        other = torch.Generator(device=generator.device)
+        other.set_state(state)
+        tw = route(weights, T, E, k, other)[1]
+    return ids, tw
+
+
+def breakdown(name: str, tokens: int | None, experts_cap: int | None, routing: str = "balanced",
+              weights: str = "routing") -> list[dict]:
     w = WORKLOADS[name]
     T = tokens or w.tokens_per_gpu
     H, I, k = w.hidden, w.intermediate, w.top_k
@@ -45,7 +69,7 @@ def breakdown(name: str, tokens: int | None, experts_cap: int | None, routing: s
     dev, dt = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(T, H, device=dev, generator=g).to(dt)
-    ids, tw = route(routing, T, E, k, g)
+    ids, tw = routing_weights(routing, weights, T, E, k, g)
     wgu = (torch.randn(E, 2 * I, H, device=dev, generator=g) * H**-0.5).to(dt)
     wd = (torch.randn(E, H, I, device=dev, generator=g) * I**-0.5).to(dt)
     d_out = torch.randn(T, H, device=dev, generator=g).to(dt)
@@ -106,8 +130,8 @@ def breakdown(name: str, tokens: int | None, experts_cap: int | None, routing: s
     records = []
     for kernel, (fn, flops, nbytes, phase) in steps.items():
         ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-        records.append({"workload": name, "routing": routing, "tokens": T, "experts": E, "kernel": kernel,
-                        "phase": phase, "ms": ms, "tflops": flops / ms / 1e9 if flops else None,
+        records.append({"workload": name, "routing": routing, "weights": weights, "tokens": T, "experts": E,
+                        "kernel": kernel, "phase": phase, "ms": ms, "tflops": flops / ms / 1e9 if flops else None,
                         "gbps": nbytes / ms / 1e6 if nbytes else None})
     return records
 
@@ -118,6 +142,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=None)
     parser.add_argument("--experts-per-gpu", type=int, default=None)
     parser.add_argument("--routing", choices=ROUTINGS, default="balanced")
+    parser.add_argument("--weights", choices=WEIGHTS, default="routing",
+                        help="the routing's own weights, 1/k each, or another routing's (the same expert ids)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     names = args.workload or ["qwen3-30b-a3b", "qwen3-235b-a22b"]
@@ -129,7 +155,8 @@ def main() -> None:
     facts = run_facts(torch.device("cuda"))
     records = []
     for name in names:
-        records += [{**r, **facts} for r in breakdown(name, args.tokens, args.experts_per_gpu, args.routing)]
+        records += [{**r, **facts}
+                    for r in breakdown(name, args.tokens, args.experts_per_gpu, args.routing, args.weights)]
     print(f"{'workload':16} {'kernel':18} {'ms':>8} {'TFLOP/s':>8} {'GB/s':>8}")
     for r in records:
         tf = f"{r['tflops']:.0f}" if r["tflops"] else ""

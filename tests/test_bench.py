@@ -42,6 +42,33 @@ def test_layer_flops_counts_as_design_md():
         layer_flops(w, 1, "bwd")
 
 
+def test_kernel_breakdown_swaps_the_routing_weights_and_keeps_the_ids():
+    """benchmarks/kernel_breakdown.py --weights: the routing's expert ids with its own weights, 1/k each, or the
+    weights another routing draws from the same generator state (how the H100's skew probe told the ids' cost from
+    the weights'); an unknown choice is a ValueError naming the argument."""
+    pytest.importorskip("triton")
+    spec = importlib.util.spec_from_file_location("kernel_breakdown", REPO / "benchmarks" / "kernel_breakdown.py")
+    breakdown = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(breakdown)
+    T, E, k = 64, 16, 4
+
+    def draw(routing, weights):
+        return breakdown.routing_weights(routing, weights, T, E, k, torch.Generator().manual_seed(0))
+
+    balanced_ids, balanced_w = route("balanced", T, E, k, torch.Generator().manual_seed(0))
+    skewed_ids, skewed_w = route("skewed", T, E, k, torch.Generator().manual_seed(0))
+    assert not torch.equal(balanced_ids, skewed_ids) and not torch.equal(balanced_w, skewed_w)
+    for weights in ("routing", "balanced"):
+        ids, tw = draw("balanced", weights)
+        assert torch.equal(ids, balanced_ids) and torch.equal(tw, balanced_w)
+    ids, tw = draw("balanced", "skewed")
+    assert torch.equal(ids, balanced_ids) and torch.equal(tw, skewed_w)
+    ids, tw = draw("skewed", "uniform")
+    assert torch.equal(ids, skewed_ids) and torch.equal(tw, torch.full((T, k), 1.0 / k))
+    with pytest.raises(ValueError, match="weights must be one of"):
+        draw("balanced", "zipf")
+
+
 def test_kernel_breakdown_counts_the_bytes_a_row_pass_moves():
     """benchmarks/kernel_breakdown.py's GB/s: spread_rows reads each of x's T rows once (storing it to its k rows) and
     writes the rows in use, padding included; combine reads the T * k pairs' rows and writes T. It counted T * k rows
@@ -813,6 +840,7 @@ def test_mem_trace_names_the_megamoe_frames_of_the_blocks_live_at_the_peak():
     (["kernel_breakdown.py", "--workload", "qwen3-30b-a3b", "--workload", "mixtral"], "--workload: unknown 'mixtral'"),
     (["kernel_breakdown.py", "--tokens", "0"], "--tokens must be >= 1, got 0"),
     (["kernel_breakdown.py", "--routing", "skewd"], "--routing: invalid choice: 'skewd'"),
+    (["kernel_breakdown.py", "--weights", "zipf"], "--weights: invalid choice: 'zipf'"),
     (["kernel_breakdown.py", "--workload", "mixtral-8x7b", "--workload", "qwen3-30b-a3b", "--experts-per-gpu", "4"],
      "--experts-per-gpu must be >= the workloads' k (8), got 4"),
     (["gemm_bench.py", "--tokens", "0"], "--tokens must be >= 1, got 0"),
@@ -839,8 +867,8 @@ def test_mem_trace_names_the_megamoe_frames_of_the_blocks_live_at_the_peak():
 ], ids=["layer_ab-workload", "layer_ab-routing", "layer_ab-group_m", "layer_ab-gemm", "gemm_bench",
         "graph_vs_eager", "recompute_bench", "mem_trace", "mem_trace-mode", "one_step", "sustained",
         "bwd_sweep", "gather_ab", "profile_layer", "profile_layer-graph", "host_time", "kernel_breakdown",
-        "kernel_breakdown-tokens", "kernel_breakdown-routing", "kernel_breakdown-experts", "gemm_bench-tokens",
-        "overlap_bench", "overlap_rounds",
+        "kernel_breakdown-tokens", "kernel_breakdown-routing", "kernel_breakdown-weights", "kernel_breakdown-experts",
+        "gemm_bench-tokens", "overlap_bench", "overlap_rounds",
         "pull_bench", "pull_rounds", "combine_bench", "combine_rounds", "dw_gather_bench", "dw_gather_rounds",
         "inference_tokens", "torch_path_tokens", "torch_path_iters", "gemm_bench-comma", "inference_bench-all",
         "inference_bench-modes", "layer_ab-pass", "comm_bench"])
