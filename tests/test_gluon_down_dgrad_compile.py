@@ -176,14 +176,14 @@ def test_gluon_down_dgrad_sm90a(name):
     # 12 warps start at 168 registers a thread (65536 / 384 threads, rounded down to 8), 504 over the three
     # warpgroups; the default partition (consumer 0) keeps what the other two leave.
     consumer0 = 3 * (65536 // (meta.num_warps * 32) // 8 * 8) - cfg.consumer_regs - cfg.producer_regs
-    assert consumer0 == 232 and ("dec", str(consumer0)) in r["setmaxnreg"], f"{name}: {r['setmaxnreg']}"
+    assert consumer0 == 240 and ("dec", str(consumer0)) in r["setmaxnreg"], f"{name}: {r['setmaxnreg']}"
     assert_register_split(name, r, cfg.producer_regs, cfg.consumer_regs)
     # One copy of the epilogue's pieces per consumer: the code stays far below the unrolled kernel's 10,144
     # instructions, whose warps stalled on instruction fetch.
     assert r["instructions"] <= 6500, f"{name}: {r['instructions']} SASS instructions"
     # Nothing serialised, and no local memory in plain down_dgrad. The router variants keep a few scalars in local
-    # memory: with Triton 3.6's ptxas, 16 bytes with h_w (set-up values and one counter loaded and stored once a
-    # tile: 8 instructions), none without; with Triton 3.9's, no spill but the thread index, stored once at entry and
+    # memory: with Triton 3.6's ptxas, 4 bytes with h_w (2 instructions; 16 bytes and 8 instructions while consumer
+    # 0 had 232 registers), none without; with Triton 3.9's, no spill but the thread index, stored once at entry and
     # reloaded where the d_w_part stores' row offsets need it (8 instructions; 18 with h_w); Triton 3.8's spills with
     # h_w are in compile_checks.KNOWN_SPILLS.
     if r["router"]:
@@ -531,8 +531,8 @@ def test_config_fits_and_matches_the_triton_tile():
 
 # fp16 operands run the same kernel on Hopper (configs.tma_kernel_configs takes float16). With Triton 3.6's ptxas
 # the router variants spill more in fp16 than in bf16 (a known gap of the fp16 path, not fixed: bf16 is the speed
-# path): router-h_w 20/20 B (stack 16, 10 local instructions), router (no h_w: d_w_down not needed) 112/112 B
-# (stack 72, 56 local instructions); Triton 3.9's: router-h_w none (16 local instructions), router 8/6 B (stack 8,
+# path): router (no h_w: d_w_down not needed) 88/88 B (stack 56, 44 local instructions), router-h_w none (with
+# consumer 0 at 232 registers: 112/112 B and 20/20 B); Triton 3.9's: router-h_w none (16 local instructions), router 8/6 B (stack 8,
 # 32 local). Their bounds (spill bytes, stack bytes, local instructions) are the larger of the two, so that more
 # fails; the variants without the router spill nothing, as in bf16.
 FP16_SPILL_BOUNDS = {"router-h_w": (20, 16, 16), "router": (112, 72, 56)}

@@ -21,6 +21,7 @@ programs inside the fused kernels, rows per ready flag), and match its own unfus
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -872,6 +873,98 @@ def test_ep_largest_minibatch_tokens(monkeypatch):
     serial, _ = run_ep(x, weights, wgu, wd, None, None, s, d_out, config, overlap=False)
     for name, a, b in zip(["out", "d_x", "d_topk_weights", "d_w_gate_up", "d_w_down"], got, serial):
         assert torch.equal(a, b), f"{name}: fused ep.py differs from the serial run"
+
+
+if INTERPRET:
+    import triton
+    import triton.language as tl
+
+    from megamoe.backends.triton.kernels._common import expert_segments, expert_tile_coords
+
+    @triton.jit
+    def tile_order_kernel(block_expert_ptr, offsets_ptr, out_ptr, first_m, num_m, num_n, SPLIT: tl.constexpr,
+                          BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
+        """out[t] = expert_tile_coords(t) (row block, column block, expert) for every tile t of the range."""
+        for tile in range(0, num_m * num_n):
+            m, n, e = expert_tile_coords(tile, first_m, num_m, num_n, block_expert_ptr, offsets_ptr, SPLIT, BLOCK_M,
+                                         GROUP_M)
+            tl.store(out_ptr + 3 * tile, m)
+            tl.store(out_ptr + 3 * tile + 1, n)
+            tl.store(out_ptr + 3 * tile + 2, e)
+
+
+def _expert_tile_order(block_expert, offsets, first_m, end_m, num_n, split, block_m, group_m):
+    """The documented order of _common.expert_tile_coords, built from its definition: the row blocks [first_m,
+    end_m) cut into runs of one expert, each run into groups of group_m blocks from its start, a group's tiles
+    column by column, each column down the group's blocks."""
+    order = []
+    m = first_m
+    while m < end_m:
+        expert = block_expert[m // split]
+        run_end = min(offsets[expert + 1] // block_m, end_m)
+        for start in range(m, run_end, group_m):
+            size = min(group_m, run_end - start)
+            order += [(start + i, n, expert) for n in range(num_n) for i in range(size)]
+        m = run_end
+    return order
+
+
+@interpreted
+@pytest.mark.parametrize("split,first,end", [(1, 0, 9), (1, 2, 7), (2, 1, 8)], ids=["whole", "range", "split"])
+def test_expert_tile_coords_groups_inside_one_expert(split, first, end):
+    """expert_tile_coords (the one-GPU row GEMMs' tile order): tile t of the range's num_m x num_n tiles is the t-th
+    of the documented order (groups of GROUP_M row blocks inside one expert's run, clipped to the range), so every
+    tile is visited once, with its block's expert."""
+    # Schedule blocks of 16 rows: expert 0 has 7, expert 1 none, expert 2 one, expert 3 four, then 2 unused blocks.
+    block_expert = torch.tensor([0] * 7 + [2] + [3] * 4 + [-1, -1], dtype=torch.int32)
+    offsets = expert_segments(None, block_expert, 4, 16 * block_expert.numel())
+    assert offsets.tolist() == [0, 112, 112, 128, 192]
+    block_m, group_m, num_n = 16 // split, 3, 2
+    first_m, end_m = first * split, end * split
+    out = torch.full(((end_m - first_m) * num_n, 3), -7, dtype=torch.int32)
+    tile_order_kernel[(1,)](block_expert, offsets, out, first_m, end_m - first_m, num_n, SPLIT=split,
+                            BLOCK_M=block_m, GROUP_M=group_m)
+    want = _expert_tile_order(block_expert.tolist(), offsets.tolist(), first_m, end_m, num_n, split, block_m, group_m)
+    assert [tuple(t) for t in out.tolist()] == want
+    assert sorted((m, n) for m, n, _ in want) == [(m, n) for m in range(first_m, end_m) for n in range(num_n)]
+
+
+@interpreted
+@pytest.mark.parametrize("routing", ["random", "one", "sparse"])
+@pytest.mark.parametrize("world_size,rank,capacity", [(1, 0, None), (2, 1, None), (1, 0, 48)],
+                         ids=["one-gpu", "ep-rank1", "capacity"])
+def test_expert_segments_derives_the_schedule_offsets(routing, world_size, rank, capacity):
+    """Without the schedule's expert_offsets the row GEMMs derive them from block_expert: the same tensor, for
+    empty experts, an expert-parallel rank's local experts and a capacity cut alike."""
+    from megamoe.schedule import place_routing_torch
+
+    E, k, block_m = 6, 2, 16
+    _, ids, _, _, _, _, _ = make_problem(40, 8, 8, E, k, torch.float32, routing=routing)
+    rows = capacity or 2 * 40 * k + E * block_m
+    flat = torch.cat([ids.flatten()] * world_size)
+    p = place_routing_torch(flat, num_experts=E, world_size=world_size, rank=rank, block_m=block_m, num_rows=rows)
+    derived = expert_segments(None, p.block_expert, E // world_size, rows)
+    assert torch.equal(derived, p.expert_offsets), (derived, p.expert_offsets)
+
+
+@interpreted
+def test_row_block_gemms_refuse_bad_expert_offsets():
+    """The schedule's expert_offsets, when given, must be the contiguous int32 [E_l + 1] tensor the tile order
+    reads: anything else is a ValueError naming it (before: no such argument)."""
+    x, ids, _, wgu, _, _, _ = make_problem(10, 32, 16, 3, 2, torch.float32)
+    s = build_schedule(ids, 3, block_m=16)
+    rows = rows_of(x, s, 2)
+    for bad, shown in [(s.expert_offsets.long(), "torch.int64 (4,) on cpu"), (s.expert_offsets[:3], "torch.int32 (3,)"),
+                       ([0, 16, 32, 48], "list")]:
+        with pytest.raises(ValueError, match=re.escape(f"expert_offsets must be a contiguous int32 [4] tensor on cpu, got "
+                                                       f"{shown}")):
+            kernels.gate_up_fwd(rows, wgu, s.block_expert, s.num_blocks, store_gate_up=False, config=SMALL,
+                                expert_offsets=bad)
+    given, _ = kernels.gate_up_fwd(rows, wgu, s.block_expert, s.num_blocks, store_gate_up=False, config=SMALL,
+                                   expert_offsets=s.expert_offsets)
+    derived, _ = kernels.gate_up_fwd(rows, wgu, s.block_expert, s.num_blocks, store_gate_up=False, config=SMALL)
+    used = s.num_blocks.item() * s.block_m
+    assert torch.equal(given[:used], derived[:used])
 
 
 @interpreted

@@ -211,7 +211,8 @@ def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
         if cfg.gate_up_fwd.gluon:  # two Gluon kernels: gate_up_fwd pulling its rows, down_fwd pushing its own
             h, gate_up = kernels.gate_up_fwd_pull(x_rows, w_gate_up, schedule.block_expert, blocks, row_pull,
                                                   config=cfg.gate_up_fwd)
-            kernels.down_fwd(h, w_down, schedule.block_expert, blocks, config=cfg.down_fwd, push=row_push)
+            kernels.down_fwd(h, w_down, schedule.block_expert, blocks, config=cfg.down_fwd, push=row_push,
+                             expert_offsets=schedule.expert_offsets)
         else:  # one persistent Triton kernel (the pointer-load core)
             h, gate_up = kernels.ep_forward(x_rows, w_gate_up, w_down, schedule.block_expert, blocks, row_pull,
                                             row_push, gate_up_config=cfg.gate_up_fwd, down_config=cfg.down_fwd)
@@ -220,8 +221,9 @@ def experts_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
         if pull:
             pull_rows(ws.tokens, maps, x_rows, by_token=True)
         h, gate_up = kernels.gate_up_fwd(x_rows, w_gate_up, schedule.block_expert, blocks, store_gate_up=True,
-                                         config=cfg.gate_up_fwd)
-        y_rows = kernels.down_fwd(h, w_down, schedule.block_expert, blocks, config=cfg.down_fwd)
+                                         config=cfg.gate_up_fwd, expert_offsets=schedule.expert_offsets)
+        y_rows = kernels.down_fwd(h, w_down, schedule.block_expert, blocks, config=cfg.down_fwd,
+                                  expert_offsets=schedule.expert_offsets)
         y_pairs = combine(ws, y_rows, schedule, "push" if push else "pull")
     out = kernels.combine(y_pairs, topk_weights, _pair_index(schedule), shared_out, config=cfg.combine)
     if not save_for_backward:
@@ -288,9 +290,10 @@ def experts_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, share
         # The router weight in the epilogue: d_gate_up, h_w = w * h (for d_w_down) and the router weight's partials.
         d_gate_up, h_w, d_w_part = kernels.down_dgrad_router(
             d_out_rows, w_down, gate_up, row_index, weight_rows, schedule.block_expert, blocks,
-            store_h_w=need_w_down, config=cfg.down_dgrad)
+            store_h_w=need_w_down, config=cfg.down_dgrad, expert_offsets=schedule.expert_offsets)
         d_x_rows = kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad,
-                                         push=_push(ws, maps) if fused else None)
+                                         push=_push(ws, maps) if fused else None,
+                                         expert_offsets=schedule.expert_offsets)
         # the weight grads need every row of an expert: kernels of their own here (local: skipped when not needed),
         # before the final barrier, while the peers' pushes land
         d_w_down = d_w_gate_up = None

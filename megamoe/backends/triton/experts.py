@@ -117,7 +117,8 @@ def _gate_up(x, w_gate_up, schedule: Schedule, blocks: torch.Tensor, cfg: Kernel
     else:
         a, gather = kernels.spread_rows(x, schedule.dest_row, schedule.row_src, rows_in_use(schedule)), None
     return kernels.gate_up_fwd(a, w_gate_up, schedule.block_expert, blocks,
-                               store_gate_up=store_gate_up, config=cfg.gate_up_fwd, gather=gather)
+                               store_gate_up=store_gate_up, config=cfg.gate_up_fwd, gather=gather,
+                               expert_offsets=schedule.expert_offsets)
 
 
 def experts_fwd(
@@ -152,7 +153,8 @@ def experts_fwd(
     else:
         blocks = all_blocks(schedule)
         h, gate_up = _gate_up(x, w_gate_up, schedule, blocks, cfg, store_gate_up=store_gate_up)
-        y_rows = kernels.down_fwd(h, w_down, schedule.block_expert, blocks, config=cfg.down_fwd)
+        y_rows = kernels.down_fwd(h, w_down, schedule.block_expert, blocks, config=cfg.down_fwd,
+                                  expert_offsets=schedule.expert_offsets)
         del h  # lowers the peak: the combine allocates out
     shared_out, shared_saved = shared_fwd(x, shared_gate_up, shared_down)
     out = kernels.combine(y_rows, topk_weights, schedule.dest_row, shared_out, config=cfg.combine)
@@ -225,7 +227,7 @@ def experts_bwd(
         d_out_rows = kernels.spread_rows(d_out, schedule.dest_row, schedule.row_src, in_use)
         d_gate_up, h_w, d_w_part = kernels.down_dgrad_router(
             d_out_rows, w_down, gate_up, schedule.row_src, topk_weights.contiguous(), schedule.block_expert, blocks,
-            store_h_w=need_w_down, config=cfg.down_dgrad,
+            store_h_w=need_w_down, config=cfg.down_dgrad, expert_offsets=schedule.expert_offsets,
         )
         if kept:
             _release(gate_up)
@@ -250,7 +252,8 @@ def experts_bwd(
                 x_rows = kernels.spread_rows(x, schedule.dest_row, schedule.row_src, in_use, padding_only=True)
                 spread_x = (x, schedule.dest_row, x_rows)
             d_x_rows = kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks,
-                                             config=cfg.gate_up_dgrad, spread_x=spread_x)
+                                             config=cfg.gate_up_dgrad, spread_x=spread_x,
+                                             expert_offsets=schedule.expert_offsets)
             d_x = kernels.combine(d_x_rows, None, schedule.dest_row, d_x_shared, config=cfg.combine)
             del d_x_rows
         if need_w_gate_up:

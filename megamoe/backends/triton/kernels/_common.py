@@ -70,6 +70,27 @@ def tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
     return first_m + in_group % size_m, in_group // size_m
 
 
+@triton.jit
+def expert_tile_coords(tile, first_m, num_m, num_n, block_expert_ptr, expert_offsets_ptr, SPLIT: tl.constexpr,
+                       BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row block, column block, expert) of a linear tile index over the row blocks [first_m, first_m + num_m) of
+    a row-block GEMM: groups of up to GROUP_M row blocks of one expert, swept column block by column block.
+
+    A group never spans two experts, so the tiles running at once read one expert's weight columns, each once
+    per group (an expert of 1-8 row blocks is one group: its weights are read once). Row block m belongs to
+    expert block_expert[m // SPLIT], whose rows are [expert_offsets[e], expert_offsets[e + 1]) (multiples of
+    BLOCK_M * SPLIT). The group of tile t is the one holding row block first_m + t // num_n: the groups
+    partition the range in order, each owning num_n tiles per row block."""
+    m = first_m + tile // num_n
+    expert = tl.load(block_expert_ptr + m // SPLIT)
+    lo = tl.maximum(tl.load(expert_offsets_ptr + expert) // BLOCK_M, first_m)
+    hi = tl.minimum(tl.load(expert_offsets_ptr + expert + 1) // BLOCK_M, first_m + num_m)
+    start = lo + (m - lo) // GROUP_M * GROUP_M
+    size = tl.minimum(hi - start, GROUP_M)
+    in_group = tile - (start - first_m) * num_n
+    return start + in_group % size, in_group // size, expert
+
+
 # ----------------------------------------------------------------------------------------------------
 # The SwiGLU epilogues, shared by both GEMM cores (grouped_gemm.py, tma_gemm.py).
 
@@ -147,6 +168,24 @@ def check_rows(rows: int, block_expert: torch.Tensor, blocks: torch.Tensor, bloc
     sched_block = rows // block_expert.numel()
     check(sched_block % block_m == 0, f"kernel row tile {block_m} must divide the schedule's block_m {sched_block}")
     return sched_block // block_m, range_of(blocks, "blocks")
+
+
+def expert_segments(expert_offsets: torch.Tensor | None, block_expert: torch.Tensor, num_experts: int,
+                    rows: int) -> torch.Tensor:
+    """The int32 [E_l + 1] expert_offsets a row-block GEMM's tile order reads (expert_tile_coords): the schedule's
+    (checked), or with None derived from block_expert (sorted, -1 past the blocks in use) by device ops, no host
+    sync (the same tensor: expert e's rows start at [e], in multiples of the schedule's block_m)."""
+    if expert_offsets is None:
+        key = torch.where(block_expert < 0, num_experts, block_expert)
+        experts = torch.arange(num_experts + 1, dtype=torch.int32, device=block_expert.device)
+        return torch.searchsorted(key, experts, out_int32=True) * (rows // block_expert.numel())
+    check(isinstance(expert_offsets, torch.Tensor) and expert_offsets.dtype == torch.int32
+          and tuple(expert_offsets.shape) == (num_experts + 1,) and expert_offsets.is_contiguous()
+          and expert_offsets.device == block_expert.device,
+          f"expert_offsets must be a contiguous int32 [{num_experts + 1}] tensor on {block_expert.device}, got "
+          + (f"{expert_offsets.dtype} {tuple(expert_offsets.shape)} on {expert_offsets.device}"
+             if isinstance(expert_offsets, torch.Tensor) else type(expert_offsets).__name__))
+    return expert_offsets
 
 
 def check_row_src(row_src: torch.Tensor, rows: int) -> None:

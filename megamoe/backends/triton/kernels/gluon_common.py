@@ -14,7 +14,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
 from megamoe.backends.triton.configs import TileConfig
-from megamoe.backends.triton.kernels._common import tile_coords
+from megamoe.backends.triton.kernels._common import expert_tile_coords, tile_coords
 
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}  # the 16-bit operands wgmma and TMA take
 SMEM_PER_CTA = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KB)
@@ -36,10 +36,21 @@ thread_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 @gluon.jit
 def tile_origin(tile, first_m, num_m, num_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
     """(first row, first column, kernel row block) of a linear tile index over the block range [first_m,
-    first_m + num_m), in the order of _common.tile_coords."""
+    first_m + num_m), in the order of _common.tile_coords (groups across expert boundaries: the expert-parallel
+    pull kernel's order, gluon_ep.py; the one-GPU row GEMMs take expert_tile_origin's)."""
     pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
     m = first_m + pid_m
     return m * BLOCK_M, pid_n * BLOCK_N, m
+
+
+@gluon.jit
+def expert_tile_origin(tile, first_m, num_m, num_n, block_expert_ptr, expert_offsets_ptr, SPLIT: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """(first row, first column, expert) of a linear tile index of a one-GPU row-block GEMM, in the order of
+    _common.expert_tile_coords (groups inside one expert's row blocks)."""
+    m, pid_n, expert = expert_tile_coords(tile, first_m, num_m, num_n, block_expert_ptr, expert_offsets_ptr, SPLIT,
+                                          BLOCK_M, GROUP_M)
+    return m * BLOCK_M, pid_n * BLOCK_N, expert
 
 
 def nvmma_layout(block: list[int], dtype: torch.dtype) -> gl.NVMMASharedLayout:

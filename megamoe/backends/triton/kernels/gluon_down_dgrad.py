@@ -17,8 +17,8 @@ on the layout the Triton kernel's epilogue has (HALF_LAYOUT: each row's 64 colum
 lanes), so the row sums of d_w_part are reduced in the same order (tests/test_gluon_down_dgrad_compile.py
 compares the layouts and the fused multiply-adds).
 
-Structure of a CTA (persistent: one per SM, tiles in the order of _common.tile_coords, local tile j to consumer
-j % 2; tiles past the device block range are never visited, so no host sync):
+Structure of a CTA (persistent: one per SM, tiles in the order of _common.expert_tile_coords, local tile j to
+consumer j % 2; tiles past the device block range are never visited, so no host sync):
 
   * producer (1 warp): per (tile, K step) waits for a free slot of the STAGES-deep operand ring ("empty"
     mbarrier), arms the slot's "ready" mbarrier with the byte count and issues two TMA copies: the d_y rows
@@ -54,12 +54,11 @@ Shared memory (bf16): operand ring 5 x (128 x 64 + 64 x 128) x 2 B = 160 KB, eac
 (g, u) x 64 x 64 x 2 B = 32 KB, the weights 2 x 2 x 64 x 4 B = 1 KB, barriers: 230,840 B (225.4 KiB; 1 KiB less
 without the router) of the 227 KiB an SM allows.
 Registers: 12 warps start at 168 a thread (65536 / 384, rounded down to 8), 504 over the three warpgroups;
-setmaxnreg gives consumer 1 240 and the warpgroup of the producer, the two z producers and one idle warp 32, which
-leaves consumer 0 (the default partition) 232; the accumulator takes 128 of them. In the router variant with h_w
-Triton 3.6's ptxas keeps a few scalars of consumer 0 in local memory (16 bytes, one counter loaded and stored once a
-tile); Triton 3.9's keeps the thread index there instead, in both router variants
-(tests/test_gluon_down_dgrad_compile.py bounds both). With producer_regs 24 consumer 0 would get 240 and compile
-without local memory; not yet measured.
+setmaxnreg gives consumer 1 240 and the warpgroup of the producer, the two z producers and one idle warp 24, which
+leaves consumer 0 (the default partition) 240; the accumulator takes 128 of them. In the router variant with h_w
+Triton 3.6's ptxas keeps 4 bytes in local memory; Triton 3.9's keeps the thread index there instead, in both router
+variants (tests/test_gluon_down_dgrad_compile.py bounds both). With the producers at 32 (consumer 0 at 232), the
+expert-grouped tile order (each partition loading its tile's expert and offsets) had consumer 0 keep 20 bytes there.
 
 Barrier protocol (phase parities; a fresh mbarrier counts as having completed the phase before phase 0):
   ready[s] (count 1: expect + TMA bytes)   consumer waits parity (c // STAGES) & 1 for slot counter c
@@ -90,11 +89,11 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import (
-    check, check_matrix, check_row_src, check_rows, check_weight, column_halves, load_range, num_sms, pair_weights,
-    router_epilogue, swiglu_bwd, tile_coords,
+    check, check_matrix, check_row_src, check_rows, check_weight, column_halves, expert_segments, load_range, num_sms,
+    pair_weights, router_epilogue, swiglu_bwd,
 )
 from megamoe.backends.triton.kernels.gluon_common import (
-    nvmma_layout, smem_reinterpret, thread_barrier, tma_load, tma_store,
+    expert_tile_origin, nvmma_layout, smem_reinterpret, thread_barrier, tma_load, tma_store,
 )
 from megamoe.backends.triton.kernels.tma_gemm import check_tma
 
@@ -123,8 +122,8 @@ def row_halves(acc):
 
 
 @gluon.jit
-def _producer(d_y_desc, w_desc, a_bufs, b_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr,
-              SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
+def _producer(d_y_desc, w_desc, a_bufs, b_bufs, ready_bars, empty_bars, block_expert_ptr, expert_offsets_ptr,
+              block_range_ptr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
     """One warp: TMA copies of every (tile, K step) of this CTA into the slot ring, in order."""
     BLOCK_M: gl.constexpr = d_y_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = d_y_desc.block_type.shape[1]
@@ -137,11 +136,8 @@ def _producer(d_y_desc, w_desc, a_bufs, b_bufs, ready_bars, empty_bars, block_ex
     k_steps = gl.cdiv(d_y_desc.shape[1], BLOCK_K)
     p = 0  # slot counter: slot p % STAGES, its use number p // STAGES
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-        m = first_m + pid_m
-        expert = gl.load(block_expert_ptr + m // SPLIT)
-        row = m * BLOCK_M
-        col = pid_n * BLOCK_N
+        row, col, expert = expert_tile_origin(tile, first_m, num_m, num_n, block_expert_ptr, expert_offsets_ptr, SPLIT,
+                                              BLOCK_M, BLOCK_N, GROUP_M)
         for ki in range(k_steps):
             s = p % STAGES
             mbarrier.wait(empty_bars.index(s), ((p // STAGES) & 1) ^ 1)
@@ -169,7 +165,8 @@ def _k_step(a_bufs, b_bufs, ready_bars, empty_bars, acc, c, ki):
 
 
 @gluon.jit
-def _z_producer(gu_desc, z_bufs, weight_bufs, z_ready, z_empty, row_src_ptr, weights_ptr, block_range_ptr, I,
+def _z_producer(gu_desc, z_bufs, weight_bufs, z_ready, z_empty, row_src_ptr, weights_ptr, block_expert_ptr,
+                expert_offsets_ptr, block_range_ptr, I,
                 WG: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr, ROUTER: gl.constexpr):
     """One warp per consumer WG: g and u of every piece of WG's tiles (the CTA's local tiles WG, WG + 2, ...),
@@ -184,11 +181,12 @@ def _z_producer(gu_desc, z_bufs, weight_bufs, z_ready, z_empty, row_src_ptr, wei
     num_n = gl.cdiv(I, BLOCK_N)
     q = 0  # pieces of WG's tiles so far: stage q % Z, its use number q // Z
     for tile in range(gl.program_id(0) + WG * gl.num_programs(0), num_m * num_n, 2 * gl.num_programs(0)):
-        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+        tile_row, tile_col, _ = expert_tile_origin(tile, first_m, num_m, num_n, block_expert_ptr, expert_offsets_ptr,
+                                                   SPLIT, BLOCK_M, BLOCK_N, GROUP_M)
         for piece in gl.static_range(PIECES):
             s = WG * Z + q % Z
-            row = (first_m + pid_m) * BLOCK_M + (piece // 2) * PIECE_M
-            col = pid_n * BLOCK_N + (piece % 2) * HALF_N
+            row = tile_row + (piece // 2) * PIECE_M
+            col = tile_col + (piece % 2) * HALF_N
             if ROUTER:  # loaded while the stage may still be in use
                 weight = pair_weights(row_src_ptr, weights_ptr, row + gl.arange(0, PIECE_M, layout=w_layout))
             mbarrier.wait(z_empty.index(s), ((q // Z) & 1) ^ 1)
@@ -250,9 +248,9 @@ def _epilogue_piece(acc, z_bufs, weight_bufs, z_ready, z_empty, q, d_gu_desc, h_
 
 @gluon.jit
 def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, order_bars, z_bufs, weight_bufs, z_ready, z_empty, d_gu_desc,
-              h_w_desc, d_w_part_ptr, block_range_ptr, H, I, WG: gl.constexpr, SPLIT: gl.constexpr,
-              GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROUTER: gl.constexpr,
-              STORE_H_W: gl.constexpr):
+              h_w_desc, d_w_part_ptr, block_expert_ptr, expert_offsets_ptr, block_range_ptr, H, I, WG: gl.constexpr,
+              SPLIT: gl.constexpr, GROUP_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              ROUTER: gl.constexpr, STORE_H_W: gl.constexpr):
     """Consumer warpgroup WG: the CTA's local tiles WG, WG + 2, ..., each a [128, 128] main loop over the ring (in
     turn with the other consumer) and then its epilogue on the accumulator in registers, piece by piece."""
     STAGES: gl.constexpr = a_bufs.shape[0]
@@ -268,9 +266,8 @@ def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, order_bars, z_bufs, weight
     turn = 0  # tiles of this consumer so far
     q = 0  # pieces so far (the z producer's counter)
     for tile in range(gl.program_id(0) + WG * gl.num_programs(0), num_m * num_n, 2 * gl.num_programs(0)):
-        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-        row = (first_m + pid_m) * BLOCK_M
-        col = pid_n * BLOCK_N
+        row, col, _ = expert_tile_origin(tile, first_m, num_m, num_n, block_expert_ptr, expert_offsets_ptr, SPLIT,
+                                         BLOCK_M, BLOCK_N, GROUP_M)
         # Turn `turn` = phase `turn` (consumer 1) or `turn - 1` (consumer 0, whose turn 0 passes on the fresh
         # barrier) of order[WG], completed when the other consumer has issued its previous tile's K loop.
         mbarrier.wait(order_bars.index(WG), (turn & 1) ^ (1 - WG))
@@ -304,7 +301,7 @@ def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, order_bars, z_bufs, weight
                                         col + HALF_N, WG, ROUTER, STORE_H_W)
             if ROUTER:
                 rows = r + gl.arange(0, PIECE_M, layout=ROWS_LAYOUT)
-                gl.store(d_w_part_ptr + rows * num_n + pid_n, d_w_part)
+                gl.store(d_w_part_ptr + rows * num_n + col // BLOCK_N, d_w_part)
             q += 2
             piece0, piece1 = piece2, piece3
     tma.store_wait(pendings=0)  # the last stores have read their boxes before the CTA exits
@@ -312,9 +309,9 @@ def _consumer(a_bufs, b_bufs, ready_bars, empty_bars, order_bars, z_bufs, weight
 
 @gluon.jit
 def down_dgrad_ws_kernel(d_y_desc, w_desc, gu_desc, d_gu_desc, h_w_desc, row_src_ptr, weights_ptr, d_w_part_ptr,
-                         block_expert_ptr, block_range_ptr, ROUTER: gl.constexpr, STORE_H_W: gl.constexpr,
-                         SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, Z_STAGES: gl.constexpr,
-                         PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                         block_expert_ptr, expert_offsets_ptr, block_range_ptr, ROUTER: gl.constexpr,
+                         STORE_H_W: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                         Z_STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """down_dgrad (ROUTER: down_dgrad_router) on [128, 128] tiles. d_y_desc: the rows [R, H], box [128, 64];
     w_desc: w_down [E, H, I], box [1, 64, 128]; gu_desc / d_gu_desc: gate_up / d_gate_up [R, 2I] as [R, 2, I], box
     [64, 1, 64]; h_w_desc: h_w [R, I] (a placeholder without STORE_H_W), box [64, 64]; row_src_ptr, weights_ptr:
@@ -351,16 +348,18 @@ def down_dgrad_ws_kernel(d_y_desc, w_desc, gu_desc, d_gu_desc, h_w_desc, row_src
     I = w_desc.shape[2]
     gl.warp_specialize([
         (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, order_bars, z_bufs, weight_bufs, z_ready, z_empty, d_gu_desc,
-                     h_w_desc, d_w_part_ptr, block_range_ptr, H, I, 0, SPLIT, GROUP_M, BLOCK_M, BLOCK_N, ROUTER,
-                     STORE_H_W)),
+                     h_w_desc, d_w_part_ptr, block_expert_ptr, expert_offsets_ptr, block_range_ptr, H, I, 0, SPLIT,
+                     GROUP_M, BLOCK_M, BLOCK_N, ROUTER, STORE_H_W)),
         (_consumer, (a_bufs, b_bufs, ready_bars, empty_bars, order_bars, z_bufs, weight_bufs, z_ready, z_empty, d_gu_desc,
-                     h_w_desc, d_w_part_ptr, block_range_ptr, H, I, 1, SPLIT, GROUP_M, BLOCK_M, BLOCK_N, ROUTER,
-                     STORE_H_W)),
-        (_producer, (d_y_desc, w_desc, a_bufs, b_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr,
-                     SPLIT, GROUP_M)),
-        (_z_producer, (gu_desc, z_bufs, weight_bufs, z_ready, z_empty, row_src_ptr, weights_ptr, block_range_ptr, I, 0,
+                     h_w_desc, d_w_part_ptr, block_expert_ptr, expert_offsets_ptr, block_range_ptr, H, I, 1, SPLIT,
+                     GROUP_M, BLOCK_M, BLOCK_N, ROUTER, STORE_H_W)),
+        (_producer, (d_y_desc, w_desc, a_bufs, b_bufs, ready_bars, empty_bars, block_expert_ptr, expert_offsets_ptr,
+                     block_range_ptr, SPLIT, GROUP_M)),
+        (_z_producer, (gu_desc, z_bufs, weight_bufs, z_ready, z_empty, row_src_ptr, weights_ptr, block_expert_ptr,
+                       expert_offsets_ptr, block_range_ptr, I, 0,
                        SPLIT, GROUP_M, BLOCK_M, BLOCK_N, ROUTER)),
-        (_z_producer, (gu_desc, z_bufs, weight_bufs, z_ready, z_empty, row_src_ptr, weights_ptr, block_range_ptr, I, 1,
+        (_z_producer, (gu_desc, z_bufs, weight_bufs, z_ready, z_empty, row_src_ptr, weights_ptr, block_expert_ptr,
+                       expert_offsets_ptr, block_range_ptr, I, 1,
                        SPLIT, GROUP_M, BLOCK_M, BLOCK_N, ROUTER)),
     ], [4, 1, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
@@ -378,7 +377,7 @@ class GluonDownDgradConfig:
     stages: int = 5
     z_stages: int = 2
     group_m: int = 8
-    producer_regs: int = 32
+    producer_regs: int = 24
     consumer_regs: int = 240
     block_m: int = 128
     block_n: int = 128
@@ -429,13 +428,13 @@ def descriptors(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, h_w_RI, cfg: 
 
 
 def _run(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, row_src, weights, h_w_RI, d_w_part, block_expert,
-         block_range, split, cfg, router: bool, store_h_w: bool):
+         expert_offsets, block_range, split, cfg, router: bool, store_h_w: bool):
     check_tma(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, h_w_RI)
     descs = descriptors(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, h_w_RI, cfg)
     tiles = d_rows_RH.shape[0] // cfg.block_m * triton.cdiv(w_down_EHI.shape[2], cfg.block_n)
     return down_dgrad_ws_kernel[(max(1, min(num_sms(d_rows_RH.device), tiles)), )](
         descs["d_y_desc"], descs["w_desc"], descs["gu_desc"], descs["d_gu_desc"], descs["h_w_desc"], row_src, weights,
-        d_w_part, block_expert, block_range, **constexprs(cfg, split, router, store_h_w), num_warps=4)
+        d_w_part, block_expert, expert_offsets, block_range, **constexprs(cfg, split, router, store_h_w), num_warps=4)
 
 
 def _launch(d_rows_RH, w_down_EHI, gate_up_R2I, router, block_expert, blocks, store_h_w, cfg, return_kernel):
@@ -455,20 +454,22 @@ def _launch(d_rows_RH, w_down_EHI, gate_up_R2I, router, block_expert, blocks, st
     d_w_part = torch.empty(rows if router else 1, triton.cdiv(inter, cfg.block_n), dtype=torch.float32,
                            device=d_rows_RH.device)
     row_src, weights = router if router else (block_expert, d_w_part)
-    kernel = _run(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up, row_src, weights, h_w, d_w_part, block_expert,
+    offsets = expert_segments(None, block_expert, w_down_EHI.shape[0], rows)
+    kernel = _run(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up, row_src, weights, h_w, d_w_part, block_expert, offsets,
                   block_range, split, cfg, router is not None, store_h_w)
     out = d_gate_up, (h_w if store_h_w else None), d_w_part
     return (out, kernel) if return_kernel else out
 
 
 def launch_down_dgrad(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, row_src, weights, h_w_RI, d_w_part, block_expert,
-                      block_range, split, config: TileConfig, *, router: bool, store_h_w: bool) -> None:
+                      expert_offsets, block_range, split, config: TileConfig, *, router: bool, store_h_w: bool) -> None:
     """grouped_gemm._down_dgrad's Gluon branch (config.gluon): operands validated and outputs allocated there
-    (its placeholders where router / store_h_w are off); the tile table's entry as this kernel's tile."""
+    (its placeholders where router / store_h_w are off; expert_offsets: _common.expert_segments'); the tile table's
+    entry as this kernel's tile."""
     cfg = GluonDownDgradConfig(stages=config.num_stages, group_m=config.group_m, block_m=config.block_m,
                                block_n=config.block_n, block_k=config.block_k)
     _run(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, row_src, weights, h_w_RI, d_w_part, block_expert,
-         block_range, split, cfg, router, store_h_w)
+         expert_offsets, block_range, split, cfg, router, store_h_w)
 
 
 def down_dgrad_router_gluon(d_out_rows_RH: torch.Tensor, w_down_EHI: torch.Tensor, gate_up_R2I: torch.Tensor,

@@ -10,7 +10,7 @@ The computation (grouped_gemm.gate_up_fwd with the TMA tile config):
 for the rows of the schedule blocks in the device range `blocks` (e = block_expert[r // 128]); x_rows [R, H]
 by TMA, or with GATHER the token rows x [T, H] gathered in the loads: row r reads x[row_src[r] // top_k], zeros
 where row_src[r] is -1 (padding). Tiles of 128 rows x BLOCK_N gate columns (and the BLOCK_N matching up
-columns), in the order of _common.tile_coords, over a persistent grid; tiles past the range exit, so the
+columns), in the order of _common.expert_tile_coords (groups inside one expert), over a persistent grid; tiles past the range exit, so the
 block count never leaves the device.
 
 Structure of a CTA (gl.warp_specialize, 12 warps):
@@ -70,7 +70,7 @@ proxy and wgmma reads it through the async proxy, so the consumers fence (fence.
 Numerics, against the Triton kernel: the same fp32 accumulation (zero-initialised accumulators, wgmma k16
 steps over K in order, gate then up per step, each element summed by the same instruction sequence),
 the same rounding (cvt.rn to the dtype), the same SwiGLU (the production swiglu function itself, called
-from Gluon, as are tile_coords and load_range: 0 - g, exp as ex2.approx of x * log2(e), 1 + e, div.full, two
+from Gluon, as are expert_tile_coords and load_range: 0 - g, exp as ex2.approx of x * log2(e), 1 + e, div.full, two
 multiplies), and the same zero-filled operands (TMA or cp.async zero-fill): h and gate_up are bitwise equal.
 
 Compile-only checks (CPU): tests/test_gluon_gate_up_compile.py. GPU check and timing against the Triton
@@ -92,10 +92,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import (
-    check, check_matrix, check_row_src, check_rows, check_weight, load_range, persistent_grid, swiglu,
+    check, check_matrix, check_row_src, check_rows, check_weight, expert_segments, load_range, persistent_grid, swiglu,
 )
 from megamoe.backends.triton.kernels.gluon_common import (
-    cp_async_load, nvmma_layout, tile_origin, tma_load, tma_store,
+    cp_async_load, expert_tile_origin, nvmma_layout, tma_load, tma_store,
 )
 from megamoe.backends.triton.kernels.tma_gemm import check_tma
 
@@ -115,7 +115,7 @@ _EPILOGUE_WARPS = gl.constexpr(EPILOGUE_WARPS)
 
 @gluon.jit
 def _producer_tma(x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, block_expert_ptr,
-                  block_range_ptr, H, I, SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
+                  expert_offsets_ptr, block_range_ptr, H, I, SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
     """One warp: TMA copies of the A, gate and up tiles of every (tile, K step) of this CTA, in order."""
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_N: gl.constexpr = gate_bufs.shape[2]
@@ -124,8 +124,8 @@ def _producer_tma(x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_
     num_n = gl.cdiv(I, BLOCK_N)
     p = 0  # slot counter: slot p % STAGES, its use number p // STAGES
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        row, col, m = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
-        expert = gl.load(block_expert_ptr + m // SPLIT)
+        row, col, expert = expert_tile_origin(tile, first_m, num_m, num_n, block_expert_ptr, expert_offsets_ptr, SPLIT,
+                                              BLOCK_M, BLOCK_N, GROUP_M)
         p = produce_tile(x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, row, col, expert, p, H, I)
 
 
@@ -153,7 +153,8 @@ def produce_tile(x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_b
 
 @gluon.jit
 def _producer_gather(x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars,
-                     block_expert_ptr, block_range_ptr, H, I, top_k, SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
+                     block_expert_ptr, expert_offsets_ptr, block_range_ptr, H, I, top_k, SPLIT: gl.constexpr,
+                     GROUP_M: gl.constexpr):
     """One warpgroup: the weight tiles by TMA (one thread) and the gathered A tile by cp.async (every thread,
     8 16-byte copies per K step), x_rows[r] = x[row_src[r] // top_k] or zeros where row_src[r] = -1."""
     STAGES: gl.constexpr = a_bufs.shape[0]
@@ -177,8 +178,8 @@ def _producer_gather(x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, rea
     k_steps = gl.cdiv(H, BLOCK_K)
     p = 0  # slot counter, as in _producer_tma
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        row, col, m = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
-        expert = gl.load(block_expert_ptr + m // SPLIT)
+        row, col, expert = expert_tile_origin(tile, first_m, num_m, num_n, block_expert_ptr, expert_offsets_ptr, SPLIT,
+                                              BLOCK_M, BLOCK_N, GROUP_M)
         src = gl.load(row_src_ptr + row + tile_rows)
         has_src = gl.expand_dims(src >= 0, 1)
         row_ptrs = gl.expand_dims(x_ptr + (gl.where(src >= 0, src, 0) // top_k).to(gl.int64) * H, 1)
@@ -246,9 +247,9 @@ def _stage_store(desc, row, plane, col, value, out_bufs, n_stored):
 
 
 @gluon.jit
-def _consumer(h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs, ready_bars, empty_bars, block_range_ptr, H, I,
-              WG: gl.constexpr, STORE_GATE_UP: gl.constexpr, GATHER: gl.constexpr, SPLIT: gl.constexpr,
-              GROUP_M: gl.constexpr):
+def _consumer(h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs, ready_bars, empty_bars, block_expert_ptr,
+              expert_offsets_ptr, block_range_ptr, H, I, WG: gl.constexpr, STORE_GATE_UP: gl.constexpr,
+              GATHER: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
     """One warpgroup: rows [64 WG, 64 WG + 64) of every tile of this CTA: the gate and up wgmma over the ring's
     slots, then the epilogue (g, u rounded, h = swiglu(g, u), TMA stores)."""
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
@@ -261,7 +262,8 @@ def _consumer(h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs, ready_bars,
     c = 0  # slot counter: the producer's p for the same (tile, K step)
     n_stored = 0
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        row, col, _ = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
+        row, col, _ = expert_tile_origin(tile, first_m, num_m, num_n, block_expert_ptr, expert_offsets_ptr, SPLIT,
+                                         BLOCK_M, BLOCK_N, GROUP_M)
         acc_g, acc_u, c = consumer_main_loop(a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, c, k_steps, WG, GATHER)
         n_stored = consumer_epilogue(h_desc, gu_desc, acc_g, acc_u, row, col, out_bufs, n_stored, WG, STORE_GATE_UP)
     tma.store_wait(pendings=0)
@@ -318,7 +320,8 @@ def hand_off(acc_g, acc_u, g_buf, u_buf, gu_ready, gu_free, t, WG: gl.constexpr)
 
 
 @gluon.jit
-def _epilogue(h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, block_range_ptr, I, STORE_GATE_UP: gl.constexpr,
+def _epilogue(h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, block_expert_ptr, expert_offsets_ptr, block_range_ptr,
+              I, STORE_GATE_UP: gl.constexpr,
               SPLIT: gl.constexpr, GROUP_M: gl.constexpr, ROWS: gl.constexpr):
     """EPILOGUE_WARPS warps: epilogue_tile for every tile of this CTA, in order."""
     BLOCK_M: gl.constexpr = g_buf.shape[0]
@@ -328,7 +331,8 @@ def _epilogue(h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, block_range_ptr,
     num_n = gl.cdiv(I, BLOCK_N)
     t = 0
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        row, col, _ = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
+        row, col, _ = expert_tile_origin(tile, first_m, num_m, num_n, block_expert_ptr, expert_offsets_ptr, SPLIT,
+                                         BLOCK_M, BLOCK_N, GROUP_M)
         epilogue_tile(h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, row, col, t, STORE_GATE_UP, ROWS)
         t += 1
 
@@ -383,7 +387,8 @@ def handoff_smem(x_desc, w_desc, h_desc, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def gate_up_fwd_handoff_kernel(x_desc, w_desc, h_desc, gu_desc, block_expert_ptr, block_range_ptr, H, I,
+def gate_up_fwd_handoff_kernel(x_desc, w_desc, h_desc, gu_desc, block_expert_ptr, expert_offsets_ptr, block_range_ptr,
+                               H, I,
                                STORE_GATE_UP: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr,
                                STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                EPILOGUE_ROWS: gl.constexpr):
@@ -400,15 +405,15 @@ def gate_up_fwd_handoff_kernel(x_desc, w_desc, h_desc, gu_desc, block_expert_ptr
         (_consumer_handoff, (a_bufs, gate_bufs, up_bufs, g_buf, u_buf, ready_bars, empty_bars, gu_ready, gu_free,
                              block_range_ptr, H, I, 1, SPLIT)),
         (_producer_tma, (x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, block_expert_ptr,
-                         block_range_ptr, H, I, SPLIT, GROUP_M)),
-        (_epilogue, (h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, block_range_ptr, I, STORE_GATE_UP, SPLIT,
-                     GROUP_M, EPILOGUE_ROWS)),
+                         expert_offsets_ptr, block_range_ptr, H, I, SPLIT, GROUP_M)),
+        (_epilogue, (h_desc, gu_desc, g_buf, u_buf, gu_ready, gu_free, block_expert_ptr, expert_offsets_ptr,
+                     block_range_ptr, I, STORE_GATE_UP, SPLIT, GROUP_M, EPILOGUE_ROWS)),
     ], [4, 1, _EPILOGUE_WARPS], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
 
 
 @gluon.jit
-def gate_up_fwd_ws_kernel(x_desc, w_desc, h_desc, gu_desc, x_ptr, row_src_ptr, block_expert_ptr, block_range_ptr,
-                          H, I, top_k,
+def gate_up_fwd_ws_kernel(x_desc, w_desc, h_desc, gu_desc, x_ptr, row_src_ptr, block_expert_ptr, expert_offsets_ptr,
+                          block_range_ptr, H, I, top_k,
                           STORE_GATE_UP: gl.constexpr, GATHER: gl.constexpr, SPLIT: gl.constexpr,
                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, OUT_BUFS: gl.constexpr,
                           PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
@@ -432,21 +437,25 @@ def gate_up_fwd_ws_kernel(x_desc, w_desc, h_desc, gu_desc, x_ptr, row_src_ptr, b
     fence_async_shared()  # the initialised barriers are visible to the async proxy (TMA) before use
     if GATHER:
         gl.warp_specialize([
-            (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs0, ready_bars, empty_bars, block_range_ptr,
-                         H, I, 0, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
-            (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs1, ready_bars, empty_bars, block_range_ptr,
-                         H, I, 1, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
+            (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs0, ready_bars, empty_bars,
+                         block_expert_ptr, expert_offsets_ptr, block_range_ptr, H, I, 0, STORE_GATE_UP, GATHER, SPLIT,
+                         GROUP_M)),
+            (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs1, ready_bars, empty_bars,
+                         block_expert_ptr, expert_offsets_ptr, block_range_ptr, H, I, 1, STORE_GATE_UP, GATHER, SPLIT,
+                         GROUP_M)),
             (_producer_gather, (x_ptr, row_src_ptr, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars,
-                                block_expert_ptr, block_range_ptr, H, I, top_k, SPLIT, GROUP_M)),
+                                block_expert_ptr, expert_offsets_ptr, block_range_ptr, H, I, top_k, SPLIT, GROUP_M)),
         ], [4, _GATHER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs0, ready_bars, empty_bars, block_range_ptr,
-                         H, I, 0, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
-            (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs1, ready_bars, empty_bars, block_range_ptr,
-                         H, I, 1, STORE_GATE_UP, GATHER, SPLIT, GROUP_M)),
+            (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs0, ready_bars, empty_bars,
+                         block_expert_ptr, expert_offsets_ptr, block_range_ptr, H, I, 0, STORE_GATE_UP, GATHER, SPLIT,
+                         GROUP_M)),
+            (_consumer, (h_desc, gu_desc, a_bufs, gate_bufs, up_bufs, out_bufs1, ready_bars, empty_bars,
+                         block_expert_ptr, expert_offsets_ptr, block_range_ptr, H, I, 1, STORE_GATE_UP, GATHER, SPLIT,
+                         GROUP_M)),
             (_producer_tma, (x_desc, w_desc, a_bufs, gate_bufs, up_bufs, ready_bars, empty_bars, block_expert_ptr,
-                             block_range_ptr, H, I, SPLIT, GROUP_M)),
+                             expert_offsets_ptr, block_range_ptr, H, I, SPLIT, GROUP_M)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -528,10 +537,11 @@ def tile_of(config: TileConfig) -> GateUpTile:
                       group_m=config.group_m, handoff=config.handoff)
 
 
-def launch_gate_up_fwd(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, block_expert, block_range, split, config: TileConfig,
-                       store_gate_up: bool, gather: tuple[torch.Tensor, int] | None) -> None:
+def launch_gate_up_fwd(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, block_expert, expert_offsets, block_range, split,
+                       config: TileConfig, store_gate_up: bool, gather: tuple[torch.Tensor, int] | None) -> None:
     """grouped_gemm.gate_up_fwd's Gluon branch (config.gluon): operands validated and outputs allocated there
-    (gate_up_R2I unread without store_gate_up); the tile table's entry as this kernel's tile (tile_of)."""
+    (gate_up_R2I unread without store_gate_up; expert_offsets: _common.expert_segments'); the tile table's entry
+    as this kernel's tile (tile_of)."""
     check(config.block_m == BLOCK_M and config.block_k == BLOCK_K,
           f"the Gluon gate_up_fwd runs {BLOCK_M} x n x {BLOCK_K} tiles, got {config}")
     check(not config.handoff or (gather is None and config.num_stages == 3),
@@ -542,11 +552,12 @@ def launch_gate_up_fwd(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, block_expert, bl
     descs = descriptors(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I if store_gate_up else None, tile)
     grid = persistent_grid(x_RH.device, h_RI.shape[0] // BLOCK_M * triton.cdiv(h_RI.shape[1], tile.block_n))
     if tile.handoff:
-        gate_up_fwd_handoff_kernel[grid](*descs, block_expert, block_range, x_RH.shape[1], h_RI.shape[1],
-                                         **constexprs(tile, split, store_gate_up, False), num_warps=4)
+        gate_up_fwd_handoff_kernel[grid](*descs, block_expert, expert_offsets, block_range, x_RH.shape[1],
+                                         h_RI.shape[1], **constexprs(tile, split, store_gate_up, False), num_warps=4)
     else:
-        gate_up_fwd_ws_kernel[grid](*descs, x_RH, row_src, block_expert, block_range, x_RH.shape[1], h_RI.shape[1],
-                                    top_k, **constexprs(tile, split, store_gate_up, gather is not None), num_warps=4)
+        gate_up_fwd_ws_kernel[grid](*descs, x_RH, row_src, block_expert, expert_offsets, block_range, x_RH.shape[1],
+                                    h_RI.shape[1], top_k, **constexprs(tile, split, store_gate_up, gather is not None),
+                                    num_warps=4)
 
 
 def gate_up_fwd_gluon(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_expert: torch.Tensor,
@@ -585,11 +596,12 @@ def gate_up_fwd_gluon(x_RH: torch.Tensor, w_gate_up_E2IH: torch.Tensor, block_ex
     check_tma(x_RH, w_gate_up_E2IH, h, *([gate_up] if store_gate_up else []))
     descs = descriptors(x_RH, w_gate_up_E2IH, h, gate_up if store_gate_up else None, tile)
     grid = persistent_grid(x_RH.device, rows // BLOCK_M * triton.cdiv(inter, tile.block_n))
+    offsets = expert_segments(None, block_expert, w_gate_up_E2IH.shape[0], rows)
     if tile.handoff:
         check(gather is None, "the hand-off tile reads x rows by TMA (it has no gathering producer)")
-        gate_up_fwd_handoff_kernel[grid](*descs, block_expert, block_range, hidden, inter,
+        gate_up_fwd_handoff_kernel[grid](*descs, block_expert, offsets, block_range, hidden, inter,
                                          **constexprs(tile, split, store_gate_up, False), num_warps=4)
     else:
-        gate_up_fwd_ws_kernel[grid](*descs, x_RH, row_src, block_expert, block_range, hidden, inter, top_k,
+        gate_up_fwd_ws_kernel[grid](*descs, x_RH, row_src, block_expert, offsets, block_range, hidden, inter, top_k,
                                     **constexprs(tile, split, store_gate_up, gather is not None), num_warps=4)
     return h, (gate_up if store_gate_up else None)

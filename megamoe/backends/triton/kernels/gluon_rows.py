@@ -11,7 +11,8 @@ buffers and barriers instead of leaving the pipeline to the Triton compiler:
                                                                          an MN-major B operand)
 
 e = block_expert[row block // SPLIT]. Tiles (row block m, column block n) cover the device block range
-[first, end) (kernels/_common.load_range, times SPLIT) in the order of kernels/_common.tile_coords (both
+[first, end) (kernels/_common.load_range, times SPLIT) in the order of kernels/_common.expert_tile_coords
+(groups of GROUP_M row blocks inside one expert, so an expert's weight columns are read once per group; both
 called from here, so the tile order is the Triton kernel's); the grid is persistent (one CTA per SM, at
 most one per tile) and sized for the worst case, and a CTA whose tiles lie past the range does nothing:
 no host synchronisation. Rows outside the range are never written.
@@ -111,11 +112,11 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import (
-    check, check_matrix, check_rows, check_weight, load_range, persistent_grid,
+    check, check_matrix, check_rows, check_weight, expert_segments, load_range, persistent_grid,
 )
 from megamoe.backends.triton.kernels.comm_tiles import RowPush, check_push
 from megamoe.backends.triton.kernels.gluon_common import (
-    GL_DTYPES, SMEM_PER_CTA, ConsumerTile, nvmma_layout, thread_barrier, tile_origin, tma_load, tma_store,
+    GL_DTYPES, SMEM_PER_CTA, ConsumerTile, expert_tile_origin, nvmma_layout, thread_barrier, tma_load, tma_store,
 )
 from megamoe.backends.triton.kernels.tma_gemm import check_tma, tma_addressable
 
@@ -125,8 +126,8 @@ from megamoe.backends.triton.kernels.tma_gemm import check_tma, tma_addressable
 
 
 @gluon.jit
-def _producer(a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr, N, K,
-              W_NK: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
+def _producer(a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, block_expert_ptr, expert_offsets_ptr,
+              block_range_ptr, N, K, W_NK: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr):
     """One warp: the TMA copies of every (tile, K step) of this CTA, in order, into the slot ring."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -139,8 +140,8 @@ def _producer(a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, block_expe
     k_steps = gl.cdiv(K, BLOCK_K)
     p = 0  # the ring's fill counter: slot p % STAGES, its use number p // STAGES
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        row, col, m = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
-        expert = gl.load(block_expert_ptr + m // SPLIT)
+        row, col, expert = expert_tile_origin(tile, first_m, num_m, num_n, block_expert_ptr, expert_offsets_ptr, SPLIT,
+                                              BLOCK_M, BLOCK_N, GROUP_M)
         for ki in range(k_steps):
             s = p % STAGES
             # Wait for the release of the slot's previous use; a fresh barrier counts as having completed
@@ -158,8 +159,8 @@ def _producer(a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, block_expe
 
 
 @gluon.jit
-def _consumer(out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_smem, block_range_ptr, N, K,
-              push_table_ptr, push_rank_ptr, push_pair_ptr,
+def _consumer(out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_smem, block_expert_ptr,
+              expert_offsets_ptr, block_range_ptr, N, K, push_table_ptr, push_rank_ptr, push_pair_ptr,
               WG: gl.constexpr, PINGPONG: gl.constexpr, W_NK: gl.constexpr, SPLIT: gl.constexpr,
               GROUP_M: gl.constexpr, PUSH: gl.constexpr):
     """Consumer warpgroup WG (0 or 1): async wgmma over the slots of its tiles, then the epilogue: a TMA store,
@@ -189,7 +190,8 @@ def _consumer(out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_
         skip = 0
     turn = 0  # PINGPONG: tiles of this warpgroup so far
     for tile in range(first, num_m * num_n, stride):
-        row, col, _ = tile_origin(tile, first_m, num_m, num_n, BLOCK_M, BLOCK_N, GROUP_M)
+        row, col, _ = expert_tile_origin(tile, first_m, num_m, num_n, block_expert_ptr, expert_offsets_ptr, SPLIT,
+                                         BLOCK_M, BLOCK_N, GROUP_M)
         if PINGPONG:
             # Turn `turn` of this warpgroup = phase `turn` (warpgroup 1) or `turn - 1` (warpgroup 0, whose
             # turn 0 passes on the fresh barrier) of order[WG], completed when the other warpgroup has
@@ -300,8 +302,8 @@ def _spread_x(x_desc, x_rows_desc, bufs, bars, dest_row_ptr, T, top_k):
 
 
 @gluon.jit
-def row_gemm_ws_kernel(a_desc, w_desc, out_desc, block_expert_ptr, block_range_ptr, x_desc, x_rows_desc, dest_row_ptr,
-                       T, top_k, push_table_ptr, push_rank_ptr, push_pair_ptr,
+def row_gemm_ws_kernel(a_desc, w_desc, out_desc, block_expert_ptr, expert_offsets_ptr, block_range_ptr, x_desc,
+                       x_rows_desc, dest_row_ptr, T, top_k, push_table_ptr, push_rank_ptr, push_pair_ptr,
                        W_NK: gl.constexpr, SPLIT: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                        PINGPONG: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                        SPREAD: gl.constexpr, PUSH: gl.constexpr):
@@ -342,25 +344,25 @@ def row_gemm_ws_kernel(a_desc, w_desc, out_desc, block_expert_ptr, block_range_p
     if SPREAD:
         gl.warp_specialize([
             (_consumer, (out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_bufs.index(0),
-                         block_range_ptr, N, K, push_table_ptr, push_rank_ptr, push_pair_ptr, 0, PINGPONG, W_NK,
-                         SPLIT, GROUP_M, PUSH)),
+                         block_expert_ptr, expert_offsets_ptr, block_range_ptr, N, K, push_table_ptr, push_rank_ptr,
+                         push_pair_ptr, 0, PINGPONG, W_NK, SPLIT, GROUP_M, PUSH)),
             (_consumer, (out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_bufs.index(1),
-                         block_range_ptr, N, K, push_table_ptr, push_rank_ptr, push_pair_ptr, 1, PINGPONG, W_NK,
-                         SPLIT, GROUP_M, PUSH)),
-            (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr, N,
-                         K, W_NK, SPLIT, GROUP_M)),
+                         block_expert_ptr, expert_offsets_ptr, block_range_ptr, N, K, push_table_ptr, push_rank_ptr,
+                         push_pair_ptr, 1, PINGPONG, W_NK, SPLIT, GROUP_M, PUSH)),
+            (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, block_expert_ptr,
+                         expert_offsets_ptr, block_range_ptr, N, K, W_NK, SPLIT, GROUP_M)),
             (_spread_x, (x_desc, x_rows_desc, x_bufs, x_bars, dest_row_ptr, T, top_k)),
         ], [4, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_bufs.index(0),
-                         block_range_ptr, N, K, push_table_ptr, push_rank_ptr, push_pair_ptr, 0, PINGPONG, W_NK,
-                         SPLIT, GROUP_M, PUSH)),
+                         block_expert_ptr, expert_offsets_ptr, block_range_ptr, N, K, push_table_ptr, push_rank_ptr,
+                         push_pair_ptr, 0, PINGPONG, W_NK, SPLIT, GROUP_M, PUSH)),
             (_consumer, (out_desc, a_bufs, w_bufs, ready_bars, empty_bars, order_bars, out_bufs.index(1),
-                         block_range_ptr, N, K, push_table_ptr, push_rank_ptr, push_pair_ptr, 1, PINGPONG, W_NK,
-                         SPLIT, GROUP_M, PUSH)),
-            (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, block_expert_ptr, block_range_ptr, N,
-                         K, W_NK, SPLIT, GROUP_M)),
+                         block_expert_ptr, expert_offsets_ptr, block_range_ptr, N, K, push_table_ptr, push_rank_ptr,
+                         push_pair_ptr, 1, PINGPONG, W_NK, SPLIT, GROUP_M, PUSH)),
+            (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready_bars, empty_bars, block_expert_ptr,
+                         expert_offsets_ptr, block_range_ptr, N, K, W_NK, SPLIT, GROUP_M)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -427,10 +429,11 @@ def _is_hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
 
 
-def _launch(a_RK, w, out_RN, w_nk, block_expert, blocks, tile, spread=None, push: RowPush | None = None):
+def _launch(a_RK, w, out_RN, w_nk, block_expert, blocks, tile, spread=None, push: RowPush | None = None,
+            expert_offsets=None):
     """Validated operands -> row_gemm_ws_kernel over the worst-case tiles (out_RN's rows x columns); spread: (x
     [T, H], dest_row [T, k], x_rows [R, H]) to spread beside the GEMM (gate_up_dgrad only); push: the rows go to
-    their token owners instead (out_RN None)."""
+    their token owners instead (out_RN None); expert_offsets: the schedule's (_common.expert_segments)."""
     device = a_RK.device
     if push is not None:
         check(out_RN is None and spread is None, "a pushing GEMM has no local output and spreads nothing")
@@ -468,26 +471,30 @@ def _launch(a_RK, w, out_RN, w_nk, block_expert, blocks, tile, spread=None, push
         spread_args = (*spread_descriptors(x_TH, x_rows_RH), dest_row_TK, x_TH.shape[0], dest_row_TK.shape[1])
     push_args = (block_expert,) * 3 if push is None else (push.table, push.dst_rank, push.dst_pair)  # unused without
     max_tiles = a_RK.shape[0] // tile.block_m * triton.cdiv(out_RN.shape[1], tile.block_n)
+    offsets = expert_segments(expert_offsets, block_expert, w.shape[0], a_RK.shape[0])
     row_gemm_ws_kernel[persistent_grid(device, max_tiles)](
-        *descs, block_expert, block_range, *spread_args, *push_args,
+        *descs, block_expert, offsets, block_range, *spread_args, *push_args,
         **constexprs(tile, w_nk, split, spread is not None, push is not None), num_warps=4,
     )
     return out_RN
 
 
 def launch(a_RK: torch.Tensor, w: torch.Tensor, out_RN: torch.Tensor, w_nk: bool, block_expert: torch.Tensor,
-           blocks: torch.Tensor, config: TileConfig, spread: tuple | None = None) -> torch.Tensor:
+           expert_offsets: torch.Tensor, blocks: torch.Tensor, config: TileConfig,
+           spread: tuple | None = None) -> torch.Tensor:
     """grouped_gemm.down_fwd's and gate_up_dgrad's Gluon branch (config.gluon): the tile table's entry as this
     kernel's tile; operands validated there; spread as in _launch."""
-    return _launch(a_RK, w, out_RN, w_nk, block_expert, blocks, ConsumerTile.of(config), spread)
+    return _launch(a_RK, w, out_RN, w_nk, block_expert, blocks, ConsumerTile.of(config), spread,
+                   expert_offsets=expert_offsets)
 
 
-def launch_push(a_RK: torch.Tensor, w: torch.Tensor, w_nk: bool, block_expert: torch.Tensor, blocks: torch.Tensor,
-                config: TileConfig, push: RowPush) -> None:
+def launch_push(a_RK: torch.Tensor, w: torch.Tensor, w_nk: bool, block_expert: torch.Tensor,
+                expert_offsets: torch.Tensor, blocks: torch.Tensor, config: TileConfig, push: RowPush) -> None:
     """The expert-parallel path's down_fwd (w_nk, w_down) or gate_up_dgrad (w_gate_up): launch's GEMM with every
     result row of the block range pushed into its (token, slot) row of its token owner's pairs buffer (padding
     rows dropped) instead of stored locally; the same bits. Operands validated by the caller."""
-    _launch(a_RK, w, None, w_nk, block_expert, blocks, ConsumerTile.of(config), push=push)
+    _launch(a_RK, w, None, w_nk, block_expert, blocks, ConsumerTile.of(config), push=push,
+            expert_offsets=expert_offsets)
 
 
 # Shared by both launchers (as grouped_gemm.down_fwd / gate_up_dgrad with a TMA config):

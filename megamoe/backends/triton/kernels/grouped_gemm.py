@@ -30,7 +30,7 @@ import triton.language as tl
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import (
     check, check_matrix, check_row_src, check_rows, check_weight, column_halves, load_range, mma, pair_weights,
-    persistent_grid, router_epilogue, swiglu, swiglu_bwd, tile_coords,
+    expert_segments, expert_tile_coords, persistent_grid, router_epilogue, swiglu, swiglu_bwd,
 )
 from megamoe.backends.triton.kernels import gluon_down_dgrad, gluon_gate_up, gluon_rows, tma_gemm
 from megamoe.backends.triton.kernels.gluon_common import ConsumerTile
@@ -227,7 +227,7 @@ def gate_up_dgrad_tile(
 
 @triton.jit
 def gate_up_fwd_kernel(
-    a_ptr, w_ptr, block_expert_ptr, block_range_ptr, h_ptr, gate_up_ptr,
+    a_ptr, w_ptr, block_expert_ptr, expert_offsets_ptr, block_range_ptr, h_ptr, gate_up_ptr,
     H, I,
     STORE_GATE_UP: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
@@ -238,14 +238,15 @@ def gate_up_fwd_kernel(
     num_m = end_m - first_m
     num_n = tl.cdiv(I, BLOCK_N)
     for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
-        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-        gate_up_fwd_tile(first_m + pid_m, pid_n, a_ptr, w_ptr, block_expert_ptr, h_ptr, gate_up_ptr,
+        pid_m, pid_n, _ = expert_tile_coords(tile, first_m, num_m, num_n, block_expert_ptr, expert_offsets_ptr, SPLIT,
+                                             BLOCK_M, GROUP_M)
+        gate_up_fwd_tile(pid_m, pid_n, a_ptr, w_ptr, block_expert_ptr, h_ptr, gate_up_ptr,
                          H, I, STORE_GATE_UP, EVEN_K, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
 
 
 @triton.jit
 def down_fwd_kernel(
-    h_ptr, w_ptr, block_expert_ptr, block_range_ptr, y_ptr,
+    h_ptr, w_ptr, block_expert_ptr, expert_offsets_ptr, block_range_ptr, y_ptr,
     H, I,
     EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
@@ -255,14 +256,15 @@ def down_fwd_kernel(
     num_m = end_m - first_m
     num_n = tl.cdiv(H, BLOCK_N)
     for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
-        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-        down_fwd_tile(first_m + pid_m, pid_n, h_ptr, w_ptr, block_expert_ptr, y_ptr, y_ptr, y_ptr, y_ptr, H, I,
+        pid_m, pid_n, _ = expert_tile_coords(tile, first_m, num_m, num_n, block_expert_ptr, expert_offsets_ptr, SPLIT,
+                                             BLOCK_M, GROUP_M)
+        down_fwd_tile(pid_m, pid_n, h_ptr, w_ptr, block_expert_ptr, y_ptr, y_ptr, y_ptr, y_ptr, H, I,
                       EVEN_K, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, False, False)
 
 
 @triton.jit
 def down_dgrad_kernel(
-    d_y_ptr, w_ptr, gate_up_ptr, block_expert_ptr, block_range_ptr, d_gate_up_ptr,
+    d_y_ptr, w_ptr, gate_up_ptr, block_expert_ptr, expert_offsets_ptr, block_range_ptr, d_gate_up_ptr,
     row_src_ptr, weights_ptr, h_w_ptr, d_w_part_ptr, H, I,
     EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
@@ -273,15 +275,16 @@ def down_dgrad_kernel(
     num_m = end_m - first_m
     num_n = tl.cdiv(I, BLOCK_N)
     for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
-        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-        down_dgrad_tile(first_m + pid_m, pid_n, d_y_ptr, w_ptr, gate_up_ptr, block_expert_ptr, d_gate_up_ptr,
+        pid_m, pid_n, _ = expert_tile_coords(tile, first_m, num_m, num_n, block_expert_ptr, expert_offsets_ptr, SPLIT,
+                                             BLOCK_M, GROUP_M)
+        down_dgrad_tile(pid_m, pid_n, d_y_ptr, w_ptr, gate_up_ptr, block_expert_ptr, d_gate_up_ptr,
                         row_src_ptr, weights_ptr, h_w_ptr, d_w_part_ptr, H, I,
                         EVEN_K, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, ROUTER, STORE_H_W)
 
 
 @triton.jit
 def gate_up_dgrad_kernel(
-    d_gate_up_ptr, w_ptr, block_expert_ptr, block_range_ptr, d_x_ptr,
+    d_gate_up_ptr, w_ptr, block_expert_ptr, expert_offsets_ptr, block_range_ptr, d_x_ptr,
     H, I,
     EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, STAGES: tl.constexpr,
@@ -291,8 +294,9 @@ def gate_up_dgrad_kernel(
     num_m = end_m - first_m
     num_n = tl.cdiv(H, BLOCK_N)
     for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
-        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-        gate_up_dgrad_tile(first_m + pid_m, pid_n, d_gate_up_ptr, w_ptr, block_expert_ptr, d_x_ptr, d_x_ptr, d_x_ptr, d_x_ptr,
+        pid_m, pid_n, _ = expert_tile_coords(tile, first_m, num_m, num_n, block_expert_ptr, expert_offsets_ptr, SPLIT,
+                                             BLOCK_M, GROUP_M)
+        gate_up_dgrad_tile(pid_m, pid_n, d_gate_up_ptr, w_ptr, block_expert_ptr, d_x_ptr, d_x_ptr, d_x_ptr, d_x_ptr,
                            H, I, EVEN_K, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, False, False)
 
 
@@ -318,6 +322,8 @@ def _meta(config: TileConfig, k_dim: int, split: int) -> dict:
 #   config: the tile; with config.tma the kernel of tma_gemm.py runs (operands TMA can address, checked).
 #   blocks: int32 [2] on the device, the schedule blocks (first, end) to compute (or int32 [1]: the
 #       count, first = 0; schedule.num_blocks covers every row in use). Rows outside are left unwritten.
+#   expert_offsets: the schedule's int32 [E_l + 1], which the tile order reads (tiles grouped inside one expert's
+#       row blocks, _common.expert_tile_coords); None derives it from block_expert (a few small device ops).
 
 
 def gate_up_fwd(
@@ -329,6 +335,7 @@ def gate_up_fwd(
     store_gate_up: bool,
     config: TileConfig,
     gather: tuple[torch.Tensor, int] | None = None,
+    expert_offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """h [R, I] = SwiGLU of the rows' gate/up projections; gate_up [R, 2I] too if store_gate_up.
 
@@ -346,22 +353,23 @@ def gate_up_fwd(
     inter = w_gate_up_E2IH.shape[1] // 2
     check_weight(w_gate_up_E2IH, x_rows_RH, (w_gate_up_E2IH.shape[0], 2 * inter, hidden), "w_gate_up")
     split, blocks = check_rows(rows, block_expert, blocks, config.block_m)
+    offsets = expert_segments(expert_offsets, block_expert, w_gate_up_E2IH.shape[0], rows)
     h = torch.empty(rows, inter, dtype=x_rows_RH.dtype, device=x_rows_RH.device)
     if config.gluon:
         gate_up = h.new_empty(rows, 2 * inter) if store_gate_up else None
-        gluon_gate_up.launch_gate_up_fwd(x_rows_RH, w_gate_up_E2IH, h, gate_up, block_expert, blocks, split, config,
-                                         store_gate_up, gather)
+        gluon_gate_up.launch_gate_up_fwd(x_rows_RH, w_gate_up_E2IH, h, gate_up, block_expert, offsets, blocks, split,
+                                         config, store_gate_up, gather)
         return h, gate_up
     if config.tma:
         # Without store_gate_up the TMA kernel never writes gate_up, but takes a descriptor of one block.
         gate_up = h.new_empty(rows if store_gate_up else config.block_m, 2 * inter)
-        tma_gemm.launch_gate_up_fwd(x_rows_RH, w_gate_up_E2IH, h, gate_up, block_expert, blocks, split, config,
+        tma_gemm.launch_gate_up_fwd(x_rows_RH, w_gate_up_E2IH, h, gate_up, block_expert, offsets, blocks, split, config,
                                     store_gate_up, gather)
         return h, (gate_up if store_gate_up else None)
     gate_up = h.new_empty(rows, 2 * inter) if store_gate_up else h.new_empty(0, 2 * inter)
     max_tiles = rows // config.block_m * triton.cdiv(inter, config.block_n)
     gate_up_fwd_kernel[persistent_grid(h.device, max_tiles)](
-        x_rows_RH, w_gate_up_E2IH, block_expert, blocks, h, gate_up,
+        x_rows_RH, w_gate_up_E2IH, block_expert, offsets, blocks, h, gate_up,
         hidden, inter,
         STORE_GATE_UP=store_gate_up,
         **_meta(config, hidden, split),
@@ -377,6 +385,7 @@ def down_fwd(
     *,
     config: TileConfig,
     push: RowPush | None = None,
+    expert_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """y_rows [R, H] = h[r] @ w_down[e]^T; with push (the expert-parallel path, the Gluon kernel only) each row
     goes to its (token, slot) row of its token owner's pairs buffer instead, and None is returned."""
@@ -386,18 +395,19 @@ def down_fwd(
     hidden = w_down_EHI.shape[1]
     check_weight(w_down_EHI, h_RI, (w_down_EHI.shape[0], hidden, inter), "w_down")
     split, blocks = check_rows(rows, block_expert, blocks, config.block_m)
+    offsets = expert_segments(expert_offsets, block_expert, w_down_EHI.shape[0], rows)
     if push is not None:
         check(config.gluon, f"only the Gluon kernel pushes its rows, got {config}")
-        return gluon_rows.launch_push(h_RI, w_down_EHI, True, block_expert, blocks, config, push)
+        return gluon_rows.launch_push(h_RI, w_down_EHI, True, block_expert, offsets, blocks, config, push)
     y_rows = torch.empty(rows, hidden, dtype=h_RI.dtype, device=h_RI.device)
     if config.gluon:
-        return gluon_rows.launch(h_RI, w_down_EHI, y_rows, True, block_expert, blocks, config)
+        return gluon_rows.launch(h_RI, w_down_EHI, y_rows, True, block_expert, offsets, blocks, config)
     if config.tma:
-        tma_gemm.launch_down_fwd(h_RI, w_down_EHI, y_rows, block_expert, blocks, split, config)
+        tma_gemm.launch_down_fwd(h_RI, w_down_EHI, y_rows, block_expert, offsets, blocks, split, config)
         return y_rows
     max_tiles = rows // config.block_m * triton.cdiv(hidden, config.block_n)
     down_fwd_kernel[persistent_grid(h_RI.device, max_tiles)](
-        h_RI, w_down_EHI, block_expert, blocks, y_rows,
+        h_RI, w_down_EHI, block_expert, offsets, blocks, y_rows,
         hidden, inter,
         **_meta(config, inter, split),
     )
@@ -412,13 +422,15 @@ def down_dgrad(
     blocks: torch.Tensor,
     *,
     config: TileConfig,
+    expert_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """d_gate_up [R, 2I] (d_y_rows' dtype): SwiGLU backward of d_h = d_y_rows[r] @ w_down[e].
 
     d_y_rows [R, H]: the weighted upstream gradient of each row (zero for padding; the expert-parallel
     path's rows); gate_up [R, 2I] the saved pre-activation (zero for padding, as gate_up_fwd writes it).
     """
-    return _down_dgrad(d_y_rows_RH, w_down_EHI, gate_up_R2I, None, block_expert, blocks, False, config)[0]
+    return _down_dgrad(d_y_rows_RH, w_down_EHI, gate_up_R2I, None, block_expert, blocks, False, config,
+                       expert_offsets)[0]
 
 
 def down_dgrad_router(
@@ -432,6 +444,7 @@ def down_dgrad_router(
     *,
     store_h_w: bool,
     config: TileConfig,
+    expert_offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """down_dgrad for unweighted rows, with the router weight applied in the epilogue (router_epilogue):
     (d_gate_up [R, 2I], h_w [R, I] = w * h or None without store_h_w, d_w_part fp32
@@ -445,10 +458,10 @@ def down_dgrad_router(
     check_row_src(row_src, d_out_rows_RH.shape[0])
     check(weights_TK.is_floating_point() and weights_TK.is_contiguous(), "weights must be a contiguous float tensor")
     return _down_dgrad(d_out_rows_RH, w_down_EHI, gate_up_R2I, (row_src, weights_TK), block_expert, blocks, store_h_w,
-                       config)
+                       config, expert_offsets)
 
 
-def _down_dgrad(d_rows_RH, w_down_EHI, gate_up_R2I, router, block_expert, blocks, store_h_w, config):
+def _down_dgrad(d_rows_RH, w_down_EHI, gate_up_R2I, router, block_expert, blocks, store_h_w, config, expert_offsets):
     """router: None (weighted rows) or (row_src, weights) (down_dgrad_router)."""
     check_matrix(d_rows_RH, None, None, "d_y_rows")
     rows, hidden = d_rows_RH.shape
@@ -459,6 +472,7 @@ def _down_dgrad(d_rows_RH, w_down_EHI, gate_up_R2I, router, block_expert, blocks
     check(gate_up_R2I.dtype == d_rows_RH.dtype,
           f"gate_up ({gate_up_R2I.dtype}) must have the rows' dtype ({d_rows_RH.dtype})")
     split, blocks = check_rows(rows, block_expert, blocks, config.block_m)
+    offsets = expert_segments(expert_offsets, block_expert, w_down_EHI.shape[0], rows)
     d_gate_up = torch.empty(rows, 2 * inter, dtype=d_rows_RH.dtype, device=d_rows_RH.device)
     # Unused outputs still take a pointer (a TMA descriptor: of one tile's rows).
     h_w = d_gate_up.new_empty(rows if store_h_w else config.block_m, inter)
@@ -467,16 +481,17 @@ def _down_dgrad(d_rows_RH, w_down_EHI, gate_up_R2I, router, block_expert, blocks
     row_src, weights = router if router else (block_expert, d_w_part)
     if config.gluon:
         gluon_down_dgrad.launch_down_dgrad(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up, row_src, weights, h_w, d_w_part,
-                                           block_expert, blocks, split, config, router=router is not None,
+                                           block_expert, offsets, blocks, split, config, router=router is not None,
                                            store_h_w=store_h_w)
     elif config.tma:
         tma_gemm.launch_down_dgrad(d_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up, row_src, weights, h_w, d_w_part,
-                                   block_expert, blocks, split, config, router=router is not None, store_h_w=store_h_w)
+                                   block_expert, offsets, blocks, split, config, router=router is not None,
+                                   store_h_w=store_h_w)
     else:
         max_tiles = rows // config.block_m * triton.cdiv(inter, config.block_n)
         down_dgrad_kernel[persistent_grid(d_rows_RH.device, max_tiles)](
-            d_rows_RH, w_down_EHI, gate_up_R2I, block_expert, blocks, d_gate_up, row_src, weights, h_w, d_w_part,
-            hidden, inter,
+            d_rows_RH, w_down_EHI, gate_up_R2I, block_expert, offsets, blocks, d_gate_up, row_src, weights, h_w,
+            d_w_part, hidden, inter,
             ROUTER=router is not None, STORE_H_W=store_h_w,
             **_meta(config, hidden, split),
         )
@@ -499,6 +514,7 @@ def gate_up_dgrad(
     config: TileConfig,
     spread_x: tuple | None = None,
     push: RowPush | None = None,
+    expert_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """d_x_rows [R, H] = d_gate_up[r] @ w_gate_up[e]. spread_x: (x [T, H], dest_row [T, k], x_rows [R, H]) to fill
     x_rows[dest_row[t, j]] = x[t] beside the GEMM, on a warp of the Gluon kernel (config.gluon and
@@ -510,21 +526,24 @@ def gate_up_dgrad(
     hidden = w_gate_up_E2IH.shape[2]
     check_weight(w_gate_up_E2IH, d_gate_up_R2I, (w_gate_up_E2IH.shape[0], inter2, hidden), "w_gate_up")
     split, blocks = check_rows(rows, block_expert, blocks, config.block_m)
+    offsets = expert_segments(expert_offsets, block_expert, w_gate_up_E2IH.shape[0], rows)
     if push is not None:
         check(config.gluon and spread_x is None, f"only the Gluon kernel pushes its rows, spreading nothing; got {config}")
-        return gluon_rows.launch_push(d_gate_up_R2I, w_gate_up_E2IH, False, block_expert, blocks, config, push)
+        return gluon_rows.launch_push(d_gate_up_R2I, w_gate_up_E2IH, False, block_expert, offsets, blocks, config, push)
     d_x_rows = torch.empty(rows, hidden, dtype=d_gate_up_R2I.dtype, device=d_gate_up_R2I.device)
     if config.gluon:
         check(spread_x is None or (isinstance(spread_x, tuple) and len(spread_x) == 3),
               f"spread_x must be None or (x, dest_row, x_rows), got {type(spread_x).__name__}")
-        return gluon_rows.launch(d_gate_up_R2I, w_gate_up_E2IH, d_x_rows, False, block_expert, blocks, config, spread_x)
+        return gluon_rows.launch(d_gate_up_R2I, w_gate_up_E2IH, d_x_rows, False, block_expert, offsets, blocks, config,
+                                 spread_x)
     check(spread_x is None, f"only the Gluon kernel spreads x beside gate_up_dgrad, got {config}")
     if config.tma:
-        tma_gemm.launch_gate_up_dgrad(d_gate_up_R2I, w_gate_up_E2IH, d_x_rows, block_expert, blocks, split, config)
+        tma_gemm.launch_gate_up_dgrad(d_gate_up_R2I, w_gate_up_E2IH, d_x_rows, block_expert, offsets, blocks, split,
+                                      config)
         return d_x_rows
     max_tiles = rows // config.block_m * triton.cdiv(hidden, config.block_n)
     gate_up_dgrad_kernel[persistent_grid(d_gate_up_R2I.device, max_tiles)](
-        d_gate_up_R2I, w_gate_up_E2IH, block_expert, blocks, d_x_rows,
+        d_gate_up_R2I, w_gate_up_E2IH, block_expert, offsets, blocks, d_x_rows,
         hidden, inter2 // 2,
         **_meta(config, inter2, split),
     )

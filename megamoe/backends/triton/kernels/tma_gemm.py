@@ -28,17 +28,17 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megamoe.backends.triton.configs import TileConfig
 from megamoe.backends.triton.kernels._common import (
-    check, column_halves, load_range, mma, pair_weights, persistent_grid, router_epilogue, swiglu, swiglu_bwd, tile_coords,
+    check, column_halves, expert_tile_coords, load_range, mma, pair_weights, persistent_grid, router_epilogue, swiglu,
+    swiglu_bwd, tile_coords,
 )
 
 
 @triton.jit
-def _tile_origin(tile, first_m, num_m, num_n, block_expert_ptr,
+def _tile_origin(tile, first_m, num_m, num_n, block_expert_ptr, expert_offsets_ptr,
                  SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(first row, first column, expert) of a linear tile index over the block range."""
-    pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
-    m = first_m + pid_m
-    expert = tl.load(block_expert_ptr + m // SPLIT)
+    """(first row, first column, expert) of a linear tile index over the block range (_common.expert_tile_coords)."""
+    m, pid_n, expert = expert_tile_coords(tile, first_m, num_m, num_n, block_expert_ptr, expert_offsets_ptr, SPLIT,
+                                          BLOCK_M, GROUP_M)
     return m * BLOCK_M, pid_n * BLOCK_N, expert
 
 
@@ -60,7 +60,8 @@ def _k_loop(a_desc, w_desc, row, col, expert, K,
 
 @triton.jit
 def gate_up_fwd_tma_kernel(
-    x_desc, w_desc, h_desc, gu_desc, x_ptr, row_src_ptr, block_expert_ptr, block_range_ptr, H, I, top_k,
+    x_desc, w_desc, h_desc, gu_desc, x_ptr, row_src_ptr, block_expert_ptr, expert_offsets_ptr, block_range_ptr, H, I,
+    top_k,
     STORE_GATE_UP: tl.constexpr, GATHER: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
 ):
@@ -72,7 +73,8 @@ def gate_up_fwd_tma_kernel(
     num_n = tl.cdiv(I, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=FLATTEN):
-        row, col, expert = _tile_origin(tile, first_m, num_m, num_n, block_expert_ptr, SPLIT, BLOCK_M, BLOCK_N, GROUP_M)
+        row, col, expert = _tile_origin(tile, first_m, num_m, num_n, block_expert_ptr, expert_offsets_ptr, SPLIT,
+                                        BLOCK_M, BLOCK_N, GROUP_M)
         if GATHER:
             src = tl.load(row_src_ptr + row + tl.arange(0, BLOCK_M))
             has_src = src >= 0
@@ -98,7 +100,7 @@ def gate_up_fwd_tma_kernel(
 
 @triton.jit
 def row_gemm_tma_kernel(
-    a_desc, w_desc, out_desc, block_expert_ptr, block_range_ptr, N, K,
+    a_desc, w_desc, out_desc, block_expert_ptr, expert_offsets_ptr, block_range_ptr, N, K,
     W_NK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
 ):
@@ -109,7 +111,8 @@ def row_gemm_tma_kernel(
     num_m = end_m - first_m
     num_n = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=FLATTEN):
-        row, col, expert = _tile_origin(tile, first_m, num_m, num_n, block_expert_ptr, SPLIT, BLOCK_M, BLOCK_N, GROUP_M)
+        row, col, expert = _tile_origin(tile, first_m, num_m, num_n, block_expert_ptr, expert_offsets_ptr, SPLIT,
+                                        BLOCK_M, BLOCK_N, GROUP_M)
         acc = _k_loop(a_desc, w_desc, row, col, expert, K, W_NK, BLOCK_M, BLOCK_N, BLOCK_K)
         out_desc.store([row, col], acc.to(out_desc.dtype))
 
@@ -137,7 +140,7 @@ def _down_dgrad_half(acc, gu_desc, d_gu_desc, h_w_desc, row_src_ptr, weights_ptr
 @triton.jit
 def down_dgrad_tma_kernel(
     d_y_desc, w_desc, gu_desc, d_gu_desc, row_src_ptr, weights_ptr, h_w_desc, d_w_part_ptr, block_expert_ptr,
-    block_range_ptr, H, I,
+    expert_offsets_ptr, block_range_ptr, H, I,
     ROUTER: tl.constexpr, STORE_H_W: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
 ):
@@ -149,7 +152,8 @@ def down_dgrad_tma_kernel(
     num_m = end_m - first_m
     num_n = tl.cdiv(I, BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=FLATTEN):
-        row, col, expert = _tile_origin(tile, first_m, num_m, num_n, block_expert_ptr, SPLIT, BLOCK_M, BLOCK_N, GROUP_M)
+        row, col, expert = _tile_origin(tile, first_m, num_m, num_n, block_expert_ptr, expert_offsets_ptr, SPLIT,
+                                        BLOCK_M, BLOCK_N, GROUP_M)
         acc = _k_loop(d_y_desc, w_desc, row, col, expert, H, False, BLOCK_M, BLOCK_N, BLOCK_K)
         acc0, acc1 = column_halves(acc)
         d_w_part = _down_dgrad_half(acc0, gu_desc, d_gu_desc, h_w_desc, row_src_ptr, weights_ptr, row, col,
@@ -219,8 +223,8 @@ def _row_block_launch(kernel, rows_RK: torch.Tensor, out_cols: int, split: int, 
     )
 
 
-def launch_gate_up_fwd(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, block_expert, blocks, split, config, store_gate_up,
-                       gather=None):
+def launch_gate_up_fwd(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, block_expert, expert_offsets, blocks, split, config,
+                       store_gate_up, gather=None):
     """gate_up_R2I: written if store_gate_up; otherwise any [*, 2I] tensor (the kernel needs a descriptor).
     x_RH: the rows, or with gather = (row_src [R], top_k) the token rows x [T, H] that the kernel gathers."""
     check_tma(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I)
@@ -230,12 +234,13 @@ def launch_gate_up_fwd(x_RH, w_gate_up_E2IH, h_RI, gate_up_R2I, block_expert, bl
         gate_up_fwd_tma_kernel, h_RI, h_RI.shape[1], split, c,
         [_rows_desc(x_RH, c.block_m, c.block_k), TensorDescriptor.from_tensor(w_gate_up_E2IH, [1, c.block_n, c.block_k]),
          _rows_desc(h_RI, c.block_m, c.block_n), _pairs_desc(gate_up_R2I, c.block_m, c.block_n)],
-        x_RH, row_src, block_expert, blocks, x_RH.shape[1], h_RI.shape[1], top_k, STORE_GATE_UP=store_gate_up,
+        x_RH, row_src, block_expert, expert_offsets, blocks, x_RH.shape[1], h_RI.shape[1], top_k,
+        STORE_GATE_UP=store_gate_up,
         GATHER=gather is not None,
     )
 
 
-def _launch_row_gemm(a_RK, w, out_RN, w_nk: bool, block_expert, blocks, split, config):
+def _launch_row_gemm(a_RK, w, out_RN, w_nk: bool, block_expert, expert_offsets, blocks, split, config):
     """row_gemm_tma_kernel: out_RN = a_RK @ w[e] per row block; w is [E_l, N, K] if w_nk, else [E_l, K, N]."""
     check_tma(a_RK, w, out_RN)
     c = config
@@ -244,16 +249,16 @@ def _launch_row_gemm(a_RK, w, out_RN, w_nk: bool, block_expert, blocks, split, c
         row_gemm_tma_kernel, a_RK, out_RN.shape[1], split, c,
         [_rows_desc(a_RK, c.block_m, c.block_k), TensorDescriptor.from_tensor(w, w_block),
          _rows_desc(out_RN, c.block_m, c.block_n)],
-        block_expert, blocks, out_RN.shape[1], a_RK.shape[1], W_NK=w_nk,
+        block_expert, expert_offsets, blocks, out_RN.shape[1], a_RK.shape[1], W_NK=w_nk,
     )
 
 
-def launch_down_fwd(h_RI, w_down_EHI, y_rows_RH, block_expert, blocks, split, config):
-    _launch_row_gemm(h_RI, w_down_EHI, y_rows_RH, True, block_expert, blocks, split, config)
+def launch_down_fwd(h_RI, w_down_EHI, y_rows_RH, block_expert, expert_offsets, blocks, split, config):
+    _launch_row_gemm(h_RI, w_down_EHI, y_rows_RH, True, block_expert, expert_offsets, blocks, split, config)
 
 
 def launch_down_dgrad(d_y_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, row_src, weights, h_w_RI, d_w_part, block_expert,
-                      blocks, split, config, *, router, store_h_w):
+                      expert_offsets, blocks, split, config, *, router, store_h_w):
     """row_src, weights, h_w, d_w_part: see grouped_gemm.down_dgrad_router (placeholders without router)."""
     check_tma(d_y_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, h_w_RI)
     c = config
@@ -262,12 +267,15 @@ def launch_down_dgrad(d_y_rows_RH, w_down_EHI, gate_up_R2I, d_gate_up_R2I, row_s
         [_rows_desc(d_y_rows_RH, c.block_m, c.block_k), TensorDescriptor.from_tensor(w_down_EHI, [1, c.block_k, c.block_n]),
          _pairs_desc(gate_up_R2I, c.block_m, c.block_n // 2), _pairs_desc(d_gate_up_R2I, c.block_m, c.block_n // 2),
          row_src, weights, _rows_desc(h_w_RI, c.block_m, c.block_n // 2), d_w_part],
-        block_expert, blocks, d_y_rows_RH.shape[1], gate_up_R2I.shape[1] // 2, ROUTER=router, STORE_H_W=store_h_w,
+        block_expert, expert_offsets, blocks, d_y_rows_RH.shape[1], gate_up_R2I.shape[1] // 2, ROUTER=router,
+        STORE_H_W=store_h_w,
     )
 
 
-def launch_gate_up_dgrad(d_gate_up_R2I, w_gate_up_E2IH, d_x_rows_RH, block_expert, blocks, split, config):
-    _launch_row_gemm(d_gate_up_R2I, w_gate_up_E2IH, d_x_rows_RH, False, block_expert, blocks, split, config)
+def launch_gate_up_dgrad(d_gate_up_R2I, w_gate_up_E2IH, d_x_rows_RH, block_expert, expert_offsets, blocks, split,
+                         config):
+    _launch_row_gemm(d_gate_up_R2I, w_gate_up_E2IH, d_x_rows_RH, False, block_expert, expert_offsets, blocks, split,
+                     config)
 
 
 def launch_dw(a_RM, b_RN, dw_EMN, expert_offsets, config, grid):
