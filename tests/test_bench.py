@@ -87,6 +87,40 @@ def test_kernel_breakdown_counts_the_bytes_a_row_pass_moves():
     assert moved["combine"] == (T * k + T) * H * x.element_size()
 
 
+def _tile_order_model():
+    spec = importlib.util.spec_from_file_location("tile_order_model", REPO / "benchmarks" / "tile_order_model.py")
+    model = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = model  # its dataclass looks its module up there
+    spec.loader.exec_module(model)
+    return model
+
+
+def test_tile_order_model_orders_and_bytes():
+    """benchmarks/tile_order_model.py: both orders visit every tile once; the experts order's groups stay inside
+    one expert (the kernels' _common.expert_tile_coords, here over the whole range); with a cache that holds
+    everything each box is read once, whatever the order; with a small one the groups that straddle experts read
+    the straddled experts' weights again."""
+    model = _tile_order_model()
+    block_expert = [0] * 5 + [1] * 4 + [2] * 3  # 12 row blocks; groups of 4: across 0-3, 4-7, 8-11
+    assert model.tile_order(block_expert, 2, 4, "across")[:8] == [(0, 0), (1, 0), (2, 0), (3, 0),
+                                                                  (0, 1), (1, 1), (2, 1), (3, 1)]
+    experts = model.tile_order(block_expert, 2, 4, "experts")
+    assert experts[8:12] == [(4, 0), (4, 1), (5, 0), (6, 0)]  # expert 0's last block alone, then expert 1's four
+    for order in model.ORDERS:
+        tiles = model.tile_order(block_expert, 2, 4, order)
+        assert sorted(tiles) == [(m, n) for m in range(12) for n in range(2)]
+    gemm = model.RowGemm("down_fwd", k=128, n=512, block_n=256, w_step_bytes=256 * 64 * 2)
+    a_boxes, w_boxes = 12 * 2, 3 * 2 * 2  # (row block, K step); (expert, column block, K step)
+    everything = a_boxes * 128 * 64 * 2 + w_boxes * gemm.w_step_bytes
+    for order in model.ORDERS:
+        assert model.modelled_reads(block_expert, gemm, order, 2**30, group_m=4, sms=3) == everything
+    small = 3 * gemm.w_step_bytes  # not even one expert's weights
+    assert (model.modelled_reads(block_expert, gemm, "experts", small, group_m=4, sms=3)
+            < model.modelled_reads(block_expert, gemm, "across", small, group_m=4, sms=3))
+    with pytest.raises(ValueError, match="order must be one of"):
+        model.tile_order(block_expert, 2, 4, "rows")
+
+
 def test_workload_shapes_are_the_models_published_ones():
     rows = {name: (w.hidden, w.intermediate, w.num_experts, w.top_k, w.shared_intermediate, w.tokens_per_gpu)
             for name, w in WORKLOADS.items()}  # fmt: skip
@@ -864,6 +898,8 @@ def test_mem_trace_names_the_megamoe_frames_of_the_blocks_live_at_the_peak():
     (["inference_bench.py", "--workload", "cpu-small", "--modes", "grad,no-grad"], "--modes: unknown 'no-grad'"),
     (["layer_ab.py", "qwen3-30b-a3b", "default", "out.json", "--pass", "fwd,bwd"], "--pass: unknown 'bwd'"),
     (["comm_bench.py", "--workload", "mixtral"], "argument --workload: invalid choice: 'mixtral'"),
+    (["tile_order_model.py", "--workload", "mixtral"], "--workload: unknown 'mixtral'"),
+    (["tile_order_model.py", "--group-m", "0"], "--group-m and --sms must be >= 1 and --l2-mib > 0, got 0, 132, 30.0"),
 ], ids=["layer_ab-workload", "layer_ab-routing", "layer_ab-group_m", "layer_ab-gemm", "gemm_bench",
         "graph_vs_eager", "recompute_bench", "mem_trace", "mem_trace-mode", "one_step", "sustained",
         "bwd_sweep", "gather_ab", "profile_layer", "profile_layer-graph", "host_time", "kernel_breakdown",
@@ -871,7 +907,7 @@ def test_mem_trace_names_the_megamoe_frames_of_the_blocks_live_at_the_peak():
         "gemm_bench-tokens", "overlap_bench", "overlap_rounds",
         "pull_bench", "pull_rounds", "combine_bench", "combine_rounds", "dw_gather_bench", "dw_gather_rounds",
         "inference_tokens", "torch_path_tokens", "torch_path_iters", "gemm_bench-comma", "inference_bench-all",
-        "inference_bench-modes", "layer_ab-pass", "comm_bench"])
+        "inference_bench-modes", "layer_ab-pass", "comm_bench", "tile_order_model", "tile_order_model-group_m"])
 def test_benchmark_scripts_check_their_options_before_timing(args, message):
     """A name the script does not know (or no rounds) is a usage error before anything runs: found at a later
     workload or routing it would end the run after the earlier ones were timed, before the JSON is written."""
