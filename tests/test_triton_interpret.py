@@ -950,12 +950,14 @@ def test_expert_segments_derives_the_schedule_offsets(routing, world_size, rank,
 @interpreted
 def test_row_block_gemms_refuse_bad_expert_offsets():
     """The schedule's expert_offsets, when given, must be the contiguous int32 [E_l + 1] tensor the tile order
-    reads: anything else is a ValueError naming it (before: no such argument)."""
+    reads: anything else is a ValueError naming it and what was given (a strided view: "not contiguous"; before: no
+    such argument)."""
     x, ids, _, wgu, _, _, _ = make_problem(10, 32, 16, 3, 2, torch.float32)
     s = build_schedule(ids, 3, block_m=16)
     rows = rows_of(x, s, 2)
+    strided = torch.stack([s.expert_offsets, s.expert_offsets], 1)[:, 0]  # the right values, every other element
     for bad, shown in [(s.expert_offsets.long(), "torch.int64 (4,) on cpu"), (s.expert_offsets[:3], "torch.int32 (3,)"),
-                       ([0, 16, 32, 48], "list")]:
+                       (strided, "torch.int32 (4,) on cpu (not contiguous)"), ([0, 16, 32, 48], "list")]:
         with pytest.raises(ValueError, match=re.escape(f"expert_offsets must be a contiguous int32 [4] tensor on cpu, got "
                                                        f"{shown}")):
             kernels.gate_up_fwd(rows, wgu, s.block_expert, s.num_blocks, store_gate_up=False, config=SMALL,

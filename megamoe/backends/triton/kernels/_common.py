@@ -184,6 +184,7 @@ def expert_segments(expert_offsets: torch.Tensor | None, block_expert: torch.Ten
           and expert_offsets.device == block_expert.device,
           f"expert_offsets must be a contiguous int32 [{num_experts + 1}] tensor on {block_expert.device}, got "
           + (f"{expert_offsets.dtype} {tuple(expert_offsets.shape)} on {expert_offsets.device}"
+             f"{'' if expert_offsets.is_contiguous() else ' (not contiguous)'}"
              if isinstance(expert_offsets, torch.Tensor) else type(expert_offsets).__name__))
     return expert_offsets
 
