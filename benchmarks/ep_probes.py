@@ -36,8 +36,9 @@ def compute_fwd(x, topk_weights, w_gate_up, w_down, shared_gate_up, shared_down,
     shared_out, shared_saved = shared_fwd(x, shared_gate_up, shared_down)
     x_rows = x.new_empty(schedule.num_rows, x.shape[1])
     h, gate_up = kernels.gate_up_fwd(x_rows, w_gate_up, schedule.block_expert, blocks, store_gate_up=True,
-                                     config=cfg.gate_up_fwd)
-    kernels.down_fwd(h, w_down, schedule.block_expert, blocks, config=cfg.down_fwd)
+                                     config=cfg.gate_up_fwd, expert_offsets=schedule.expert_offsets)
+    kernels.down_fwd(h, w_down, schedule.block_expert, blocks, config=cfg.down_fwd,
+                     expert_offsets=schedule.expert_offsets)
     y_pairs = ws.pairs.local
     out = kernels.combine(y_pairs, topk_weights, ep._pair_index(schedule), shared_out, config=cfg.combine)
     return out, (x_rows, gate_up, *shared_saved)
@@ -54,8 +55,9 @@ def compute_bwd(d_out, x, topk_weights, w_gate_up, w_down, shared_gate_up, share
     weight_rows = torch.zeros(schedule.num_rows, dtype=torch.float32, device=x.device)
     d_gate_up, h_w, d_w_part = kernels.down_dgrad_router(
         d_out_rows, w_down, gate_up, row_index, weight_rows, schedule.block_expert, blocks, store_h_w=True,
-        config=cfg.down_dgrad)
-    kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad)
+        config=cfg.down_dgrad, expert_offsets=schedule.expert_offsets)
+    kernels.gate_up_dgrad(d_gate_up, w_gate_up, schedule.block_expert, blocks, config=cfg.gate_up_dgrad,
+                          expert_offsets=schedule.expert_offsets)
     d_w_down = kernels.dw_down(d_out_rows, h_w, schedule.expert_offsets, experts, config=cfg.dw_down,
                                row_src=schedule.row_src)
     d_w_gate_up = kernels.dw_gate_up(d_gate_up, x_rows, schedule.expert_offsets, experts, config=cfg.dw_gate_up,

@@ -102,17 +102,19 @@ def problem(name: str, routing: str, tokens: int | None):
     cfg = kernel_configs(H, I, dt, dev, bm)
     tma_cfg = tma_kernel_configs(H, I, dt, dev, bm)
     blocks = (s.block_expert, range_of(s.num_blocks, "num_blocks"))
-    h, gate_up = kernels.gate_up_fwd(x_rows, wgu, *blocks, store_gate_up=True, config=cfg.gate_up_fwd)
-    d_gu = kernels.down_dgrad(d_y, wd, gate_up, *blocks, config=cfg.down_dgrad)
+    order = dict(expert_offsets=s.expert_offsets)  # the schedule's, as experts.py passes them (the tile order's)
+    h, gate_up = kernels.gate_up_fwd(x_rows, wgu, *blocks, **order, store_gate_up=True, config=cfg.gate_up_fwd)
+    d_gu = kernels.down_dgrad(d_y, wd, gate_up, *blocks, **order, config=cfg.down_dgrad)
     rows = int(in_use)  # host read: a benchmark, outside anything timed
     return dict(w=w, E=E, rows=rows, x=x, x_rows=x_rows, d_out_rows=d_out_rows, row_w=row_w, tw=tw, d_y=d_y, wgu=wgu,
                 wd=wd, h=h, gate_up=gate_up, d_gu=d_gu,
-                s=s, cfg=cfg, tma_cfg=tma_cfg, blocks=blocks, offs=s.expert_offsets[1:].contiguous())
+                s=s, cfg=cfg, tma_cfg=tma_cfg, blocks=blocks, order=order, offs=s.expert_offsets[1:].contiguous())
 
 
 def gemms(p, sweep: bool) -> dict:
     """{gemm: (flops, {variant: fn})}: each fn returns the GEMM's output (rows past the rows in use ignored)."""
     w, s, cfg, tma_cfg, blocks, offs = p["w"], p["s"], p["cfg"], p["tma_cfg"], p["blocks"], p["offs"]
+    order = p["order"]
     H, I, E, R = w.hidden, w.intermediate, p["E"], p["rows"]
     x_rows, d_y, wgu, wd, h, gate_up, d_gu = (p[n] for n in ("x_rows", "d_y", "wgu", "wd", "h", "gate_up", "d_gu"))
     d_out_rows, row_w, tw = p["d_out_rows"], p["row_w"], p["tw"]
@@ -123,13 +125,13 @@ def gemms(p, sweep: bool) -> dict:
         """gate_up_fwd with tile c as the one-GPU path runs it: on x with the rows gathered in its loads where c
         gathers (experts._gate_up), else on the spread rows."""
         a, gather = (x, (s.row_src, k)) if c.gather else (x_rows, None)
-        return lambda: kernels.gate_up_fwd(a, wgu, *blocks, store_gate_up=True, config=c, gather=gather)[0]
+        return lambda: kernels.gate_up_fwd(a, wgu, *blocks, **order, store_gate_up=True, config=c, gather=gather)[0]
 
     def down_dgrad_router(c):
         """down_dgrad with tile c as the one-GPU path runs it: on the unweighted d_out rows, the router epilogue
         storing h_w (experts.py, for d_w_down)."""
-        return lambda: kernels.down_dgrad_router(d_out_rows, wd, gate_up, s.row_src, tw, *blocks, store_h_w=True,
-                                                 config=c)[0]
+        return lambda: kernels.down_dgrad_router(d_out_rows, wd, gate_up, s.row_src, tw, *blocks, **order,
+                                                 store_h_w=True, config=c)[0]
 
     def torch_gather():
         """x's row of every schedule row (zeros for padding), as a torch index: what cuBLAS needs where the fused
@@ -141,24 +143,25 @@ def gemms(p, sweep: bool) -> dict:
 
     table = {
         "gate_up_fwd": (2 * 2 * R * H * I, {
-            "pointer": lambda: kernels.gate_up_fwd(x_rows, wgu, *blocks, store_gate_up=True, config=cfg.gate_up_fwd)[0],
+            "pointer": lambda: kernels.gate_up_fwd(x_rows, wgu, *blocks, **order, store_gate_up=True,
+                                                   config=cfg.gate_up_fwd)[0],
             "cublas": lambda: swiglu_torch(torch._grouped_mm(x_rows, wgu_t, offs=offs)),
             "cublas-gemm": lambda: torch._grouped_mm(x_rows, wgu_t, offs=offs),
             "cublas+gather": lambda: swiglu_torch(torch._grouped_mm(torch_gather(), wgu_t, offs=offs)),
         }, gate_up_fwd),
         "down_fwd": (2 * R * H * I, {
-            "pointer": lambda: kernels.down_fwd(h, wd, *blocks, config=cfg.down_fwd),
+            "pointer": lambda: kernels.down_fwd(h, wd, *blocks, **order, config=cfg.down_fwd),
             "cublas": lambda: torch._grouped_mm(h, wd_t, offs=offs),
-        }, lambda c: lambda: kernels.down_fwd(h, wd, *blocks, config=c)),
+        }, lambda c: lambda: kernels.down_fwd(h, wd, *blocks, **order, config=c)),
         "down_dgrad": (2 * R * H * I, {
             "pointer": down_dgrad_router(cfg.down_dgrad),
             "cublas": lambda: down_dgrad_router_torch(d_out_rows, wd, gate_up, row_w, offs)[0],
             "cublas-gemm": lambda: torch._grouped_mm(d_out_rows, wd, offs=offs),
         }, down_dgrad_router),
         "gate_up_dgrad": (2 * 2 * R * H * I, {
-            "pointer": lambda: kernels.gate_up_dgrad(d_gu, wgu, *blocks, config=cfg.gate_up_dgrad),
+            "pointer": lambda: kernels.gate_up_dgrad(d_gu, wgu, *blocks, **order, config=cfg.gate_up_dgrad),
             "cublas": lambda: torch._grouped_mm(d_gu, wgu, offs=offs),
-        }, lambda c: lambda: kernels.gate_up_dgrad(d_gu, wgu, *blocks, config=c)),
+        }, lambda c: lambda: kernels.gate_up_dgrad(d_gu, wgu, *blocks, **order, config=c)),
         "dw_down": (2 * R * H * I, {
             "pointer": lambda: kernels.dw_down(d_y, h, s.expert_offsets, E, config=cfg.dw_down),
             "cublas": lambda: torch._grouped_mm(d_y.t(), h, offs=offs),

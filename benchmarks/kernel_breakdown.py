@@ -78,28 +78,29 @@ def breakdown(name: str, tokens: int | None, experts_cap: int | None, routing: s
     cfg = one_gpu_configs(x, wgu, wd, s)  # the tiles (and core) the one-GPU backend runs here: TMA on Hopper
     in_use = s.expert_offsets[-1:]
     blocks = (s.block_expert, s.num_blocks)
+    order = dict(expert_offsets=s.expert_offsets)  # the schedule's, as experts.py passes them (the tile order's)
     x_rows = kernels.spread_rows(x, s.dest_row, s.row_src, in_use)
     d_out_rows = kernels.spread_rows(d_out, s.dest_row, s.row_src, in_use)
-    h, gate_up = kernels.gate_up_fwd(x_rows, wgu, *blocks, store_gate_up=True, config=cfg.gate_up_fwd)
-    y = kernels.down_fwd(h, wd, *blocks, config=cfg.down_fwd)
+    h, gate_up = kernels.gate_up_fwd(x_rows, wgu, *blocks, **order, store_gate_up=True, config=cfg.gate_up_fwd)
+    y = kernels.down_fwd(h, wd, *blocks, **order, config=cfg.down_fwd)
 
     def down_dgrad():
-        return kernels.down_dgrad_router(d_out_rows, wd, gate_up, s.row_src, tw, *blocks, store_h_w=True,
+        return kernels.down_dgrad_router(d_out_rows, wd, gate_up, s.row_src, tw, *blocks, **order, store_h_w=True,
                                          config=cfg.down_dgrad)
 
     d_gu, h_w, d_w_part = down_dgrad()
-    d_x_rows = kernels.gate_up_dgrad(d_gu, wgu, *blocks, config=cfg.gate_up_dgrad)
+    d_x_rows = kernels.gate_up_dgrad(d_gu, wgu, *blocks, **order, config=cfg.gate_up_dgrad)
     gathers = cfg.gate_up_fwd.gather  # experts._gate_up: x's rows gathered in gate_up_fwd's loads
     # experts_bwd: x's rows spread beside gate_up_dgrad's GEMM where its kernel has room (and R <= 2 E I)
     spreads = s.num_rows <= E * 2 * I and kernels.gate_up_dgrad_spreads_x(cfg.gate_up_dgrad, x)
 
     def gate_up_fwd():
         a, gather = (x, (s.row_src, k)) if gathers else (x_rows, None)
-        return kernels.gate_up_fwd(a, wgu, *blocks, store_gate_up=True, config=cfg.gate_up_fwd, gather=gather)
+        return kernels.gate_up_fwd(a, wgu, *blocks, **order, store_gate_up=True, config=cfg.gate_up_fwd, gather=gather)
 
     def gate_up_dgrad():
         spread_x = (x, s.dest_row, x_rows) if spreads else None
-        return kernels.gate_up_dgrad(d_gu, wgu, *blocks, config=cfg.gate_up_dgrad, spread_x=spread_x)
+        return kernels.gate_up_dgrad(d_gu, wgu, *blocks, **order, config=cfg.gate_up_dgrad, spread_x=spread_x)
 
     gemm = 2 * T * k * H * I  # one GEMM of the three (gate and up count as two); padding rows not counted
     moved = row_pass_bytes(T, k, H, int(in_use))  # host read: outside anything timed
@@ -111,7 +112,7 @@ def breakdown(name: str, tokens: int | None, experts_cap: int | None, routing: s
         "gather_x": (lambda: kernels.spread_rows(x, s.dest_row, s.row_src, in_use), 0, rows_bytes,
                      "alt" if gathers else "fwd"),
         "gate_up_fwd": (gate_up_fwd, 2 * gemm, 0, "fwd"),
-        "down_fwd": (lambda: kernels.down_fwd(h, wd, *blocks, config=cfg.down_fwd), gemm, 0, "fwd"),
+        "down_fwd": (lambda: kernels.down_fwd(h, wd, *blocks, **order, config=cfg.down_fwd), gemm, 0, "fwd"),
         "combine": (lambda: kernels.combine(y, tw, s.dest_row, None, config=cfg.combine), 0, combine_bytes, "fwd"),
         "gather_d_out": (lambda: kernels.spread_rows(d_out, s.dest_row, s.row_src, in_use), 0, rows_bytes, "bwd"),
         "down_dgrad": (down_dgrad, gemm, 0, "bwd"),

@@ -67,7 +67,8 @@ class ConsumerTile:
     the output tile block_m x block_n of one tile index ("coop": both warpgroups on its row halves;
     "pingpong": one warpgroup's whole tile, the two alternating), block_k per K step (the Triton kernel's
     BLOCK_K: the K steps must match for equal bits), a ring of `stages` slots, group_m row blocks swept per
-    column block (tile_coords), the register split (setmaxnreg) between the producer's warpgroup and the
+    column block (gluon_rows: expert_tile_coords, inside one expert; gluon_dw: tile_coords over an expert's weight
+    tile grid), the register split (setmaxnreg) between the producer's warpgroup and the
     consumers."""
 
     block_m: int

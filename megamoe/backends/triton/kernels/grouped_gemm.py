@@ -320,8 +320,9 @@ def _meta(config: TileConfig, k_dim: int, split: int) -> dict:
 
 # Shared by every launcher below:
 #   config: the tile; with config.tma the kernel of tma_gemm.py runs (operands TMA can address, checked).
-#   blocks: int32 [2] on the device, the schedule blocks (first, end) to compute (or int32 [1]: the
-#       count, first = 0; schedule.num_blocks covers every row in use). Rows outside are left unwritten.
+#   blocks: int32 [2] on the device, the schedule blocks (first, end) to compute, inside [0, num_blocks] (or int32
+#       [1]: the count, first = 0; schedule.num_blocks covers every row in use; blocks past it have no expert, whose
+#       offsets the tile order would read). Rows outside are left unwritten.
 #   expert_offsets: the schedule's int32 [E_l + 1], which the tile order reads (tiles grouped inside one expert's
 #       row blocks, _common.expert_tile_coords); None derives it from block_expert (a few small device ops).
 
