@@ -22,7 +22,8 @@ from megamoe.config import TRITON_MIN_BLOCK_M
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
     """One kernel's launch shape. block_m: rows (or output rows of a weight-grad tile); block_n: output
-    columns; block_k: reduction step; group_m: row blocks swept together (L2 reuse of weight tiles);
+    columns; block_k: reduction step; group_m: row blocks swept together (L2 reuse of weight tiles; the row
+    GEMMs' groups stay inside one expert, kernels/_common.expert_tile_coords);
     tma: the kernel of kernels/tma_gemm.py runs (operands and outputs by TMA copies) instead of the
     pointer-load one; flatten (tma only): Triton flattens the persistent tile loop with the K loop, so the
     next tile's first copies are issued during this tile's epilogue; gather (gate_up_fwd on the TMA core):
