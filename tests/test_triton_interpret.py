@@ -956,12 +956,15 @@ def test_row_block_gemms_refuse_bad_expert_offsets():
     s = build_schedule(ids, 3, block_m=16)
     rows = rows_of(x, s, 2)
     strided = torch.stack([s.expert_offsets, s.expert_offsets], 1)[:, 0]  # the right values, every other element
-    for bad, shown in [(s.expert_offsets.long(), "torch.int64 (4,) on cpu"), (s.expert_offsets[:3], "torch.int32 (3,)"),
-                       (strided, "torch.int32 (4,) on cpu (not contiguous)"), ([0, 16, 32, 48], "list")]:
-        with pytest.raises(ValueError, match=re.escape(f"expert_offsets must be a contiguous int32 [4] tensor on cpu, got "
+    for bad, shown in [(s.expert_offsets.long(), "torch.int64 (4,)"), (s.expert_offsets[:3], "torch.int32 (3,)"),
+                       (strided, "torch.int32 (4,) (not contiguous)"), ([0, 16, 32, 48], "list")]:
+        with pytest.raises(ValueError, match=re.escape(f"expert_offsets must be a contiguous int32 [4] tensor, got "
                                                        f"{shown}")):
             kernels.gate_up_fwd(rows, wgu, s.block_expert, s.num_blocks, store_gate_up=False, config=SMALL,
                                 expert_offsets=bad)
+    with pytest.raises(ValueError, match=re.escape("expert_offsets must be on block_expert's device (cpu), got meta")):
+        kernels.gate_up_fwd(rows, wgu, s.block_expert, s.num_blocks, store_gate_up=False, config=SMALL,
+                            expert_offsets=s.expert_offsets.to("meta"))
     given, _ = kernels.gate_up_fwd(rows, wgu, s.block_expert, s.num_blocks, store_gate_up=False, config=SMALL,
                                    expert_offsets=s.expert_offsets)
     derived, _ = kernels.gate_up_fwd(rows, wgu, s.block_expert, s.num_blocks, store_gate_up=False, config=SMALL)

@@ -179,13 +179,9 @@ def expert_segments(expert_offsets: torch.Tensor | None, block_expert: torch.Ten
         key = torch.where(block_expert < 0, num_experts, block_expert)
         experts = torch.arange(num_experts + 1, dtype=torch.int32, device=block_expert.device)
         return torch.searchsorted(key, experts, out_int32=True) * (rows // block_expert.numel())
-    check(isinstance(expert_offsets, torch.Tensor) and expert_offsets.dtype == torch.int32
-          and tuple(expert_offsets.shape) == (num_experts + 1,) and expert_offsets.is_contiguous()
-          and expert_offsets.device == block_expert.device,
-          f"expert_offsets must be a contiguous int32 [{num_experts + 1}] tensor on {block_expert.device}, got "
-          + (f"{expert_offsets.dtype} {tuple(expert_offsets.shape)} on {expert_offsets.device}"
-             f"{'' if expert_offsets.is_contiguous() else ' (not contiguous)'}"
-             if isinstance(expert_offsets, torch.Tensor) else type(expert_offsets).__name__))
+    check_offsets_tensor(expert_offsets, num_experts)
+    check(expert_offsets.device == block_expert.device,
+          f"expert_offsets must be on block_expert's device ({block_expert.device}), got {expert_offsets.device}")
     return expert_offsets
 
 
@@ -218,9 +214,17 @@ def check_row_operands(a: torch.Tensor, b: torch.Tensor, names: tuple[str, str])
     check(a.dtype == b.dtype, f"{names[0]} ({a.dtype}) and {names[1]} ({b.dtype}) must have one dtype")
 
 
+def check_offsets_tensor(expert_offsets, num_experts: int) -> None:
+    """The schedule's expert_offsets as the kernels read them: a contiguous int32 [E_l + 1] tensor."""
+    check(isinstance(expert_offsets, torch.Tensor) and expert_offsets.dtype == torch.int32
+          and tuple(expert_offsets.shape) == (num_experts + 1,) and expert_offsets.is_contiguous(),
+          f"expert_offsets must be a contiguous int32 [{num_experts + 1}] tensor, got "
+          + (f"{expert_offsets.dtype} {tuple(expert_offsets.shape)}"
+             f"{'' if expert_offsets.is_contiguous() else ' (not contiguous)'}"
+             if isinstance(expert_offsets, torch.Tensor) else type(expert_offsets).__name__))
+
+
 def check_expert_offsets(expert_offsets: torch.Tensor, rows: int, num_experts: int, block_k: int) -> None:
-    check(expert_offsets.dtype == torch.int32 and tuple(expert_offsets.shape) == (num_experts + 1,)
-          and expert_offsets.is_contiguous(),
-          f"expert_offsets must be a contiguous int32 [{num_experts + 1}] tensor, got {expert_offsets.dtype} "
-          f"{tuple(expert_offsets.shape)}{'' if expert_offsets.is_contiguous() else ' (not contiguous)'}")
+    """The weight grads' expert_offsets (check_offsets_tensor) and their row step dividing the rows."""
+    check_offsets_tensor(expert_offsets, num_experts)
     check(rows % block_k == 0, f"the row step {block_k} must divide R={rows} (and block_m)")
