@@ -40,7 +40,8 @@ token-sized results, again after every other path's replay (the graphs share one
 Set-up for SonicMoE (an sm_90 GPU): `pip install nvidia-cutlass-dsl==4.2.1` (its `cutlass` package lives in
 nvidia_cutlass_dsl/python_packages, which a .pth file adds to the path; with `pip install --target DIR` put
 DIR/nvidia_cutlass_dsl/python_packages on PYTHONPATH yourself), and sonic-moe's `sonicmoe/` (8565e84) and
-quack's `quack/` (3d0ab3ec) on PYTHONPATH (`git archive` of each).
+quack's `quack/` (3d0ab3ec) on PYTHONPATH (`git archive` of each). For a GPU machine without a package index,
+scripts/sonicmoe_pack.sh packs all of it into one folder to copy there (its header says how to unpack it).
 """
 import argparse, contextlib, dataclasses, functools, importlib.util, json, statistics, torch
 from megamoe.bench.gate import backend_weights, experts_fn
