@@ -930,6 +930,37 @@ def test_expert_tile_coords_groups_inside_one_expert(split, first, end):
 
 
 @interpreted
+@pytest.mark.parametrize("split,group_m", [(1, 3), (2, 2), (4, 8)])
+@pytest.mark.parametrize("routing,world_size,rank,capacity", [("random", 1, 0, None), ("sparse", 1, 0, None),
+                                                             ("sparse", 1, 0, 192), ("sparse", 2, 0, None)],
+                         ids=["random", "empty-experts", "capacity", "ep-rank0"])
+def test_expert_tile_coords_covers_schedule_layouts(routing, world_size, rank, capacity, split, group_m):
+    """expert_tile_coords over the layouts a schedule gives (empty experts, a capacity cutting an expert's run, an
+    expert-parallel rank's local experts), with the schedule's expert_offsets and block_m 32: over the blocks in
+    use and over a range that clips the first and last runs, every tile is visited once, in the documented order,
+    with its block's expert."""
+    from megamoe.schedule import place_routing_torch
+
+    E, k, block_m, num_n = 6, 2, 32, 3
+    _, ids, _, _, _, _, _ = make_problem(100, 8, 8, E, k, torch.float32, routing=routing, seed=3)
+    rows = capacity or (2 * 100 * k // block_m + E) * block_m
+    flat = torch.cat([ids.flatten()] * world_size)
+    p = place_routing_torch(flat, num_experts=E, world_size=world_size, rank=rank, block_m=block_m, num_rows=rows)
+    block_expert, offsets, used = p.block_expert, p.expert_offsets, int(p.num_blocks)
+    assert used >= 3
+    for first, end in [(0, used), (1, used - 1)]:
+        first_m, end_m = first * split, end * split
+        out = torch.full(((end_m - first_m) * num_n, 3), -7, dtype=torch.int32)
+        tile_order_kernel[(1,)](block_expert, offsets, out, first_m, end_m - first_m, num_n, SPLIT=split,
+                                BLOCK_M=block_m // split, GROUP_M=group_m)
+        got = [tuple(t) for t in out.tolist()]
+        assert got == _expert_tile_order(block_expert.tolist(), offsets.tolist(), first_m, end_m, num_n, split,
+                                         block_m // split, group_m)
+        assert sorted((m, n) for m, n, _ in got) == [(m, n) for m in range(first_m, end_m) for n in range(num_n)]
+        assert all(e == block_expert[m // split] for m, _, e in got)
+
+
+@interpreted
 @pytest.mark.parametrize("routing", ["random", "one", "sparse"])
 @pytest.mark.parametrize("world_size,rank,capacity", [(1, 0, None), (2, 1, None), (1, 0, 48)],
                          ids=["one-gpu", "ep-rank1", "capacity"])
