@@ -48,7 +48,8 @@ def row_gemms(w: Workload) -> list[RowGemm]:
     """The four row GEMMs at the Hopper tile table's tiles (configs._SM90_TMA): gate_up_fwd 128 gate + 128 up
     columns, down_fwd and gate_up_dgrad 256, down_dgrad 128."""
     h, i = w.hidden, w.intermediate
-    return [RowGemm("gate_up_fwd", h, i, 128, 2 * 128 * BLOCK_K * ELEM), RowGemm("down_fwd", i, h, 256, 256 * BLOCK_K * ELEM),
+    return [RowGemm("gate_up_fwd", h, i, 128, 2 * 128 * BLOCK_K * ELEM),
+            RowGemm("down_fwd", i, h, 256, 256 * BLOCK_K * ELEM),
             RowGemm("down_dgrad", h, i, 128, 128 * BLOCK_K * ELEM),
             RowGemm("gate_up_dgrad", 2 * i, h, 256, 256 * BLOCK_K * ELEM)]
 

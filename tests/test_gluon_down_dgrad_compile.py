@@ -532,9 +532,9 @@ def test_config_fits_and_matches_the_triton_tile():
 # fp16 operands run the same kernel on Hopper (configs.tma_kernel_configs takes float16). With Triton 3.6's ptxas
 # the router variants spill more in fp16 than in bf16 (a known gap of the fp16 path, not fixed: bf16 is the speed
 # path): router (no h_w: d_w_down not needed) 88/88 B (stack 56, 44 local instructions; 112/112 B while consumer 0
-# had 232 registers), router-h_w none (20/20 B at 232); Triton 3.9's: router-h_w none (16 local instructions), router 8/6 B (stack 8,
-# 32 local). Their bounds (spill bytes, stack bytes, local instructions) are the larger of the two, so that more
-# fails; the variants without the router spill nothing, as in bf16.
+# had 232 registers), router-h_w none (20/20 B at 232); Triton 3.9's: router-h_w none (16 local instructions),
+# router 8/6 B (stack 8, 32 local). Their bounds (spill bytes, stack bytes, local instructions) are the larger of
+# the two, so that more fails; the variants without the router spill nothing, as in bf16.
 FP16_SPILL_BOUNDS = {"router-h_w": (20, 16, 16), "router": (112, 72, 56)}
 
 

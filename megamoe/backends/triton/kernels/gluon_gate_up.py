@@ -10,8 +10,8 @@ The computation (grouped_gemm.gate_up_fwd with the TMA tile config):
 for the rows of the schedule blocks in the device range `blocks` (e = block_expert[r // 128]); x_rows [R, H]
 by TMA, or with GATHER the token rows x [T, H] gathered in the loads: row r reads x[row_src[r] // top_k], zeros
 where row_src[r] is -1 (padding). Tiles of 128 rows x BLOCK_N gate columns (and the BLOCK_N matching up
-columns), in the order of _common.expert_tile_coords (groups inside one expert), over a persistent grid; tiles past the range exit, so the
-block count never leaves the device.
+columns), in the order of _common.expert_tile_coords (groups inside one expert), over a persistent grid; tiles
+past the range exit, so the block count never leaves the device.
 
 Structure of a CTA (gl.warp_specialize, 12 warps):
   * producer (worker partition): walks the CTA's tiles and K steps in order; per step it waits for a free
