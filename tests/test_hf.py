@@ -408,6 +408,28 @@ def test_per_expert_mlps_are_refused_for_their_layout_only():
     assert not hf.is_patched(model)
 
 
+def test_refusal_names_the_decorated_class_a_subclass_dispatches_through():
+    """A subclass of the decorated experts class whose forward wraps the dispatched one (transformers 5.25's
+    ErgoExperts around ErgoExpertProjections): the refusal names both, the decorated one being what the model
+    family's code and transformers' experts flags speak of; the decorated class itself is named alone."""
+    model = _model("qwen3_moe")
+    experts = model.model.layers[0].mlp.experts
+
+    class WrappedExperts(type(experts)):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return super().forward(hidden_states, top_k_index, top_k_weights)
+
+    for module, expected in ((experts, "Qwen3MoeExperts (model_type='qwen3_moe')"),
+                             (copy.deepcopy(experts), "WrappedExperts (subclass of Qwen3MoeExperts, "
+                                                      "model_type='qwen3_moe')")):
+        if module is not experts:
+            module.__class__ = WrappedExperts
+        module.is_transposed = True
+        with pytest.raises(hf.UnsupportedExpertsError, match="is_transposed=True") as error:
+            hf.check_experts(module)
+        assert f"megamoe cannot run {expected}: " in str(error.value), str(error.value)
+
+
 def test_unsupported_activation_leaves_model_untouched():
     config = _config("mixtral")
     config.hidden_act = "gelu"

@@ -112,6 +112,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import warnings
 
 import torch
@@ -355,9 +356,39 @@ def unsupported_reason(experts: nn.Module, *, allow_dtensor: bool = False) -> st
     return "; ".join(unsupported_reasons(experts, allow_dtensor=allow_dtensor)) or None
 
 
+@functools.cache
+def _decorated_forward_code():
+    """The code object of the forward that @use_experts_implementation installs (probed on a dummy class)."""
+    from transformers.integrations.moe import use_experts_implementation
+
+    class _Probe(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return hidden_states
+
+    return use_experts_implementation(_Probe).forward.__code__
+
+
+def is_experts_class(cls) -> bool:
+    """Whether cls is a class whose own forward is the one @use_experts_implementation installs."""
+    forward = inspect.isclass(cls) and cls.__dict__.get("forward")
+    return bool(forward) and getattr(forward, "__code__", None) is _decorated_forward_code()
+
+
 def _describe(experts: nn.Module) -> str:
+    """The module's class; the decorated class it subclasses, where that is another (e.g. a subclass whose
+    forward wraps the dispatched one in a per-route norm); the model_type."""
+    cls = type(experts)
+    try:
+        dispatched = next((base for base in cls.__mro__ if is_experts_class(base)), cls)
+    except ImportError:  # no transformers: nothing was decorated
+        dispatched = cls
+    notes = [f"subclass of {dispatched.__name__}"] if dispatched is not cls else []
     model_type = getattr(getattr(experts, "config", None), "model_type", None)
-    return type(experts).__name__ + (f" (model_type={model_type!r})" if model_type else "")
+    notes += [f"model_type={model_type!r}"] if model_type else []
+    return cls.__name__ + (f" ({', '.join(notes)})" if notes else "")
 
 
 def check_experts(experts: nn.Module, name: str | None = None, *, allow_dtensor: bool = False) -> None:

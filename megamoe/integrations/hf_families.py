@@ -10,8 +10,8 @@ Tooling for tests/test_hf_families.py and benchmarks/hf_families_table.py (CPU, 
 Discovery is transformers' own rule for "this model can set its experts implementation"
 (PreTrainedModel._can_set_experts_implementation: the modeling file's source contains
 "@use_experts_implementation"), applied to every `transformers/models/<name>/modeling_<name>.py`; the
-experts classes are the classes of that file whose forward is the decorator's dispatching wrapper (the same
-code object the decorator gives a probe class here), so nothing is matched by name.
+experts classes are the classes of that file whose forward is the decorator's dispatching wrapper
+(`hf.is_experts_class`: the same code object the decorator gives a probe class), so nothing is matched by name.
 
 Tiny models: each family's own config class with sizes shrunk by `TINY` (hidden 32, 2 layers, 8 experts of
 intermediate size 16, top-2, vocab 96: applied to the fields the config has) and the few family-specific
@@ -23,13 +23,14 @@ model (loss = a fixed random projection of its last hidden state).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 import inspect
 import os
 
 import torch
 from torch import nn
+
+from megamoe.integrations import hf
 
 # Sizes applied to every field of these names a family's config has.
 TINY: dict[str, object] = {
@@ -105,12 +106,19 @@ FAMILY_OVERRIDES: dict[str, dict[str, object]] = {
                  "mlp_layer_types": ["dense", "sparse"]},
     "kimi_linear": {"num_experts_per_token": 2, "num_expert_group": 1, "linear_head_dim": 8, "linear_num_heads": 4,
                     "mlp_layer_types": ["dense", "sparse"]},
+    # Its NVFP4 key/value rounding needs a head_dim that is a multiple of 16; its indexer at most the query heads
+    # of one key head; its first two layers are dense by default.
+    "kolibri1_1": {"head_dim": 16, "num_key_value_heads": 2, "index_num_heads": 2, "mlp_only_layers": [0]},
     "lfm2_moe": {"num_dense_layers": 1, "layer_types": ["conv", "full_attention"]},
+    # LongCat-Flash's own size fields; two zero-computation (identity) experts beside the routed ones.
+    "longcat_flash": {"num_layers": 2, "ffn_hidden_size": 64, "expert_ffn_hidden_size": 16, "moe_topk": 2,
+                      "zero_expert_num": 2},
     "mimo_v2_flash": {"num_key_value_heads": 2},
     "mistral4": {"qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "qk_head_dim": 8},
     "muse_spark": {"moe_hidden_size": 16, "layer_rope_theta": None},
     # The talker's text config lacks the field its shared expert reads (its parent config sets it).
     "qwen3_omni_moe": {"shared_expert_intermediate_size": 16},
+    "step3p7": {"share_expert_dim": 16, "mlp_layer_types": ["dense", "sparse"]},
     "zaya": {"num_experts_per_tok": 1, "router_hidden_size": 16},
 }
 
@@ -140,27 +148,6 @@ class FamilyResult:
     reasons: list[str] = dataclasses.field(default_factory=list)  # hf.unsupported_reasons, when refused
 
 
-@functools.lru_cache(maxsize=None)
-def _decorated_forward_code():
-    """The code object of the forward that @use_experts_implementation installs (probed on a dummy class)."""
-    from transformers.integrations.moe import use_experts_implementation
-
-    class _Probe(nn.Module):
-        def __init__(self, config):
-            super().__init__()
-
-        def forward(self, hidden_states, top_k_index, top_k_weights):
-            return hidden_states
-
-    return use_experts_implementation(_Probe).forward.__code__
-
-
-def is_experts_class(cls) -> bool:
-    """Whether cls is a class whose own forward is the one @use_experts_implementation installs."""
-    forward = inspect.isclass(cls) and cls.__dict__.get("forward")
-    return bool(forward) and getattr(forward, "__code__", None) is _decorated_forward_code()
-
-
 def discover() -> list[Family]:
     """Every modeling file of the installed transformers that dispatches experts through the interface
     (one that does not import here, e.g. for a missing optional dependency, is listed with its error)."""
@@ -182,7 +169,7 @@ def discover() -> list[Family]:
             families.append(Family(name, module_name, (), f"{type(error).__name__}: {error}"))
             continue
         experts = tuple(
-            cls.__name__ for cls in vars(module).values() if is_experts_class(cls) and cls.__module__ == module_name
+            cls.__name__ for cls in vars(module).values() if hf.is_experts_class(cls) and cls.__module__ == module_name
         )
         if experts:
             families.append(Family(name, module_name, experts))
@@ -330,8 +317,6 @@ def check_experts_class(family: Family, experts_class: str, *, tokens: tuple[int
     "supported" if the loss and every parameter gradient agree within rtol (relative to each tensor's largest
     magnitude, plus 1e-8), "refused" if megamoe raised UnsupportedExpertsError (detail: its message,
     reasons: hf.unsupported_reasons), "mismatch" or "error" otherwise."""
-    from megamoe.integrations import hf
-
     result = FamilyResult(family.model_type, "error", experts_class=experts_class)
     try:
         model, experts = tiny_model(family, experts_class, seed=seed)
